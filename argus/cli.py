@@ -1,0 +1,181 @@
+"""The ``argus`` command line: the local stack, the demo, SQL, and the service entry points.
+
+This module is the user-facing output layer, so it writes to stdout; library code logs instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from argus.errors import ArgusError
+from argus.settings import Settings
+
+__all__ = ["main"]
+
+
+def _out(text: str = "") -> None:
+    sys.stdout.write(text + "\n")
+    sys.stdout.flush()
+
+
+def _progress(msg: str) -> None:
+    sys.stderr.write(f"  · {msg}\n")
+    sys.stderr.flush()
+
+
+def _table(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    cells = [[str(c) for c in columns]] + [["NULL" if v is None else str(v) for v in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(columns))]
+    lines = [" | ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in cells]
+    lines.insert(1, "-+-".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _cmd_up(settings: Settings, args: argparse.Namespace) -> int:
+    from argus.stack import Stack
+
+    status = Stack(settings).up(progress=_progress)
+    _out(json.dumps(status, indent=2) if args.json else "argus stack is up")
+    return 0
+
+
+def _cmd_down(settings: Settings, args: argparse.Namespace) -> int:
+    from argus.stack import Stack
+
+    Stack(settings).down(keep_kafka=args.keep_kafka)
+    _out("argus stack is down")
+    return 0
+
+
+def _cmd_status(settings: Settings, args: argparse.Namespace) -> int:
+    from argus.stack import Stack
+
+    status = Stack(settings).status()
+    if args.json:
+        _out(json.dumps(status, indent=2))
+    else:
+        for name in ("kafka", "worker", "sink"):
+            s = status[name]
+            state = "healthy" if s.get("healthy") else ("running" if s.get("running") else "stopped")
+            _out(f"{name:7s} {state:8s} pid={s.get('pid')}  log={s.get('log')}")
+    return 0 if all(status[n].get("healthy") for n in ("kafka", "worker", "sink")) else 3
+
+
+def _cmd_sql(settings: Settings, args: argparse.Namespace) -> int:
+    from sinks.query_server import run_query
+
+    res = run_query(settings, args.query)
+    if args.json:
+        _out(json.dumps(res.as_dicts(), default=str))
+    elif res.columns:
+        _out(_table(res.columns, res.rows))
+    return 0
+
+
+def _cmd_topics(settings: Settings, args: argparse.Namespace) -> int:
+    from argus.topics import ensure_topics
+
+    created = ensure_topics(settings)
+    _out(f"created {len(created)} topic(s): {', '.join(created) or '-'}")
+    return 0
+
+
+def _cmd_worker(settings: Settings, args: argparse.Namespace) -> int:
+    from streams.worker import run_worker
+
+    run_worker(settings)
+    return 0
+
+
+def _cmd_sink(settings: Settings, args: argparse.Namespace) -> int:
+    from sinks.writer import serve
+
+    serve(settings)
+    return 0
+
+
+def _cmd_simulate(settings: Settings, args: argparse.Namespace) -> int:
+    from argus.demo import simulate_job
+
+    stats = simulate_job(settings, job_id=args.job, dp=args.dp, tp=args.tp, pp=args.pp, steps=args.steps,
+                         fault=args.fault, seed=args.seed, progress=_progress)
+    _out(json.dumps(stats, indent=2))
+    return 0
+
+
+def _cmd_demo(settings: Settings, args: argparse.Namespace) -> int:
+    from argus.demo import run_demo
+
+    report = run_demo(settings, fault=args.fault, steps=args.steps, progress=_progress, timeout_s=args.timeout)
+    _out(json.dumps(report, indent=2) if args.json else report["text"])
+    return 0 if report["complete"] else 1
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="argus", description="Always-on tracing and fail-slow diagnosis "
+                                "for GPU training jobs.")
+    p.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING or ERROR (env ARGUS_LOG_LEVEL)")
+    sub = p.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("up", help="start Kafka, the stream worker and the sink in the background")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(fn=_cmd_up)
+    s = sub.add_parser("down", help="stop the local stack")
+    s.add_argument("--keep-kafka", action="store_true", help="leave the Kafka broker running")
+    s.set_defaults(fn=_cmd_down)
+    s = sub.add_parser("status", help="show the local stack (exit 3 unless all healthy)")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(fn=_cmd_status)
+    s = sub.add_parser("sql", help="run SQL against the configured ClickHouse (embedded or server)")
+    s.add_argument("query")
+    s.add_argument("--json", action="store_true", help="print a JSON array of row objects")
+    s.set_defaults(fn=_cmd_sql)
+    s = sub.add_parser("topics", help="create the argus topics (idempotent)")
+    s.set_defaults(fn=_cmd_topics)
+    s = sub.add_parser("worker", help="run the Faust stream worker in the foreground")
+    s.set_defaults(fn=_cmd_worker)
+    s = sub.add_parser("sink", help="run the ClickHouse sink (and its SQL endpoint) in the foreground")
+    s.set_defaults(fn=_cmd_sink)
+    faults = ["none", "case1", "case2", "case3", "case4", "case5"]
+    s = sub.add_parser("simulate", help="publish a simulated training job to Kafka")
+    s.add_argument("--job", required=True)
+    s.add_argument("--dp", type=int, default=8)
+    s.add_argument("--tp", type=int, default=2)
+    s.add_argument("--pp", type=int, default=2)
+    s.add_argument("--steps", type=int, default=40)
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--fault", choices=faults, default="none")
+    s.set_defaults(fn=_cmd_simulate)
+    s = sub.add_parser("demo", help="start the stack, simulate a 32-rank job with a fault, report")
+    s.add_argument("--fault", choices=faults[1:], default="case1")
+    s.add_argument("--steps", type=int, default=40)
+    s.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for processing")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(fn=_cmd_demo)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        settings = Settings.load(log_level=args.log_level)
+    except ArgusError as exc:
+        sys.stderr.write(f"argus: configuration error: {exc}\n")
+        return 2
+    logging.basicConfig(level=settings.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    try:
+        return int(args.fn(settings, args))
+    except ArgusError as exc:
+        sys.stderr.write(f"argus: {exc}\n")
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

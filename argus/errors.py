@@ -1,0 +1,50 @@
+"""The exception hierarchy: one root, one subclass per pipeline stage.
+
+Third-party errors are wrapped at the boundary with ``raise ... from`` so callers can catch
+:class:`ArgusError` (or a stage's subclass) without importing Kafka or ClickHouse modules.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ArgusError",
+    "ConfigError",
+    "DetectorError",
+    "KafkaLocalError",
+    "ProducerError",
+    "SchemaError",
+    "SinkError",
+    "StreamError",
+]
+
+
+class ArgusError(Exception):
+    """Root of every error argus raises on purpose."""
+
+
+class ConfigError(ArgusError):
+    """A setting is missing or invalid (raised at start-up, never mid-run)."""
+
+
+class SchemaError(ArgusError):
+    """A record does not match its Avro schema, or a payload cannot be decoded."""
+
+
+class ProducerError(ArgusError):
+    """The rank-side publisher could not be created or configured."""
+
+
+class StreamError(ArgusError):
+    """A stream-processing agent failed outside of a single bad record."""
+
+
+class SinkError(ArgusError):
+    """ClickHouse (embedded chDB or a server) refused a connection, query or insert."""
+
+
+class DetectorError(ArgusError):
+    """A detector was given inputs it cannot work with (shape, units, empty groups)."""
+
+
+class KafkaLocalError(ArgusError):
+    """The project-managed local Apache Kafka could not be fetched, formatted or started."""

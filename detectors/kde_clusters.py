@@ -1,0 +1,358 @@
+"""KDE valley clustering of kernel durations: the online compression of one window.
+
+A (kernel, stream) group of a window is summarised as a handful of clusters instead of thousands of
+raw durations. The clusters are the modes of a Gaussian kernel density estimate of ``ln(duration)``;
+the cut points are the density's valleys. One kernel name often runs at several shapes (a GEMM at
+three sequence lengths), and each shape is a mode, so a per-mode ``(count, p50, p99)`` keeps the
+shape mix and each shape's tail apart, which a single p50/p99 pair would blur together.
+
+All durations are integer nanoseconds. Durations ``<= 0`` are clamped to 1 ns before anything else
+(real traces contain 0-duration kernels from coarse timers and, rarely, negative ones from clock
+corrections; the logarithm needs a positive value), so every reported statistic is ``>= 1``.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+from scipy.signal import find_peaks, peak_prominences
+
+from argus.errors import DetectorError
+
+__all__ = [
+    "MIN_BANDWIDTH",
+    "ClusterSet",
+    "ClusterSummary",
+    "KdeParams",
+    "binned_kde",
+    "cluster_by_group",
+    "cluster_durations",
+]
+
+I64 = npt.NDArray[np.int64]
+F64 = npt.NDArray[np.float64]
+
+#: Floor of the KDE bandwidth in natural-log units (0.1 %): nearly-equal durations would otherwise
+#: give a zero bandwidth and a division by zero.
+MIN_BANDWIDTH = 1e-3
+# Kernel support in bandwidths; exp(-12.5) ~ 4e-6 of the peak is far below what moves a valley.
+_KERNEL_SUPPORT = 5.0
+# Grid margin beyond the data, in bandwidths (the density is ~0 past it).
+_GRID_MARGIN = 3.0
+# Durations are exact in float64 below 2**53 ns (104 days); 2**62 keeps sums away from int64 overflow.
+_MAX_DURATION = float(2**62)
+_SQRT_2PI = math.sqrt(2.0 * math.pi)
+_FIELDS = ("count", "p50_ns", "p99_ns", "min_ns", "max_ns", "sum_ns")
+_POINTS_PER_BANDWIDTH = 10.0
+# Integral of the squared standard Gaussian kernel; sets the KDE's pointwise variance.
+_KERNEL_ROUGHNESS = 1.0 / (2.0 * math.sqrt(math.pi))
+
+
+@dataclass(frozen=True)
+class KdeParams:
+    """Knobs of :func:`cluster_durations`.
+
+    ``grid_points``: most points of the binned-KDE grid; fewer are used when ten per bandwidth cover
+    the data (default 512). ``min_samples``: minimum samples in every cluster; groups with fewer than
+    ``2 * min_samples`` samples are one cluster (default 5). ``min_log_gap``: minimum distance in
+    ``ln(ns)`` between neighbouring boundaries and between a boundary and the smallest/largest sample
+    (default 0.15, i.e. ~16 %). ``max_clusters``: at most this many clusters; the most significant
+    valleys win (default 8). ``min_valley_z``: minimum significance of a valley, its dip below the
+    lower neighbouring peak in units of the KDE's standard error (default 2.5). Without it the
+    bumps of sparse tails split unimodal samples: at 2.5 no split occurred in 20 000 unimodal
+    log-normal and gamma samples of 10 to 10^4 points, while a 20-sample mode next to a
+    10^4-sample one still splits off.
+
+    Raises :class:`DetectorError` for out-of-range values.
+    """
+
+    grid_points: int = 512
+    min_samples: int = 5
+    min_log_gap: float = 0.15
+    max_clusters: int = 8
+    min_valley_z: float = 2.5
+
+    def __post_init__(self) -> None:
+        if self.grid_points < 16:
+            raise DetectorError(f"grid_points must be >= 16, got {self.grid_points}")
+        if self.min_samples < 1:
+            raise DetectorError(f"min_samples must be >= 1, got {self.min_samples}")
+        if not (math.isfinite(self.min_log_gap) and self.min_log_gap >= 0.0):
+            raise DetectorError(f"min_log_gap must be finite and >= 0, got {self.min_log_gap}")
+        if self.max_clusters < 1:
+            raise DetectorError(f"max_clusters must be >= 1, got {self.max_clusters}")
+        if not (math.isfinite(self.min_valley_z) and self.min_valley_z >= 0.0):
+            raise DetectorError(f"min_valley_z must be finite and >= 0, got {self.min_valley_z}")
+
+
+@dataclass(frozen=True)
+class ClusterSummary:
+    """One cluster: sample count and duration statistics in nanoseconds (percentiles interpolated)."""
+
+    count: int
+    p50_ns: int
+    p99_ns: int
+    min_ns: int
+    max_ns: int
+    sum_ns: int
+
+
+@dataclass(frozen=True, eq=False)
+class ClusterSet:
+    """The clusters of one group, columnar: equal-length read-only int64 arrays, sorted by ``p50_ns``.
+
+    Clusters are disjoint duration ranges, so sorting by p50 also sorts by ``min_ns``/``max_ns``.
+    ``len()`` is the number of clusters; :meth:`rows` yields :class:`ClusterSummary` objects.
+    """
+
+    count: I64
+    p50_ns: I64
+    p99_ns: I64
+    min_ns: I64
+    max_ns: I64
+    sum_ns: I64
+
+    def __post_init__(self) -> None:
+        n = None
+        for name in _FIELDS:
+            col = getattr(self, name)
+            # Read-only int64 arrays (views of one shared table) are kept as they are: copying six
+            # columns per group dominated cluster_by_group for windows with thousands of groups.
+            if not (isinstance(col, np.ndarray) and col.dtype == np.int64 and not col.flags.writeable):
+                col = np.array(col, dtype=np.int64)
+                col.flags.writeable = False
+                object.__setattr__(self, name, col)
+            if col.ndim != 1 or (n is not None and col.size != n):
+                raise DetectorError(f"ClusterSet.{name} must be 1-D with one entry per cluster")
+            n = col.size
+
+    def __len__(self) -> int:
+        return int(self.count.size)
+
+    def rows(self) -> Iterator[ClusterSummary]:
+        """Yield one :class:`ClusterSummary` per cluster, in ascending p50 order."""
+        cols = (self.count, self.p50_ns, self.p99_ns, self.min_ns, self.max_ns, self.sum_ns)
+        for c, p50, p99, lo, hi, s in zip(*(col.tolist() for col in cols), strict=True):
+            yield ClusterSummary(c, p50, p99, lo, hi, s)
+
+    @property
+    def total_count(self) -> int:
+        """Samples over all clusters (the group's sample count)."""
+        return int(self.count.sum())
+
+
+def binned_kde(log_values: npt.ArrayLike, bandwidth: float, grid_points: int = 512) -> tuple[F64, F64]:
+    """Gaussian KDE of ``log_values`` on an evenly spaced grid, by linear binning and convolution.
+
+    The grid spans ``[min - 3h, max + 3h]`` with ``grid_points`` points (``h`` = ``bandwidth``, in the
+    units of ``log_values``). Cost is O(n + grid_points * support), about 0.1 ms for 10k samples,
+    against tens of ms for evaluating ``scipy.stats.gaussian_kde`` on the same grid; the result matches
+    it to ~1e-4 of the peak density. Returns ``(grid, density)`` with the density integrating to 1.
+
+    Raises :class:`DetectorError` for empty or non-finite values, a non-positive bandwidth or fewer
+    than 3 grid points.
+    """
+    y = np.asarray(log_values, dtype=np.float64)
+    if y.ndim != 1 or y.size == 0:
+        raise DetectorError("binned_kde needs a non-empty 1-D array")
+    if not np.all(np.isfinite(y)):
+        raise DetectorError("binned_kde got NaN or infinite values")
+    if not (math.isfinite(bandwidth) and bandwidth > 0.0):
+        raise DetectorError(f"bandwidth must be finite and > 0, got {bandwidth}")
+    if grid_points < 3:
+        raise DetectorError(f"grid_points must be >= 3, got {grid_points}")
+    return _binned_kde(y, float(np.min(y)), float(np.max(y)), bandwidth, grid_points)
+
+
+def cluster_durations(durations_ns: npt.ArrayLike, params: KdeParams | None = None) -> ClusterSet:
+    """Cluster one group's kernel durations (ns) at the valleys of the KDE of ``ln(duration)``.
+
+    The bandwidth is Scott's rule, ``std(ln d) * n ** (-1/5)``, floored at :data:`MIN_BANDWIDTH`. A
+    valley becomes a boundary only if it is significant (``params.min_valley_z``), every cluster
+    keeps ``params.min_samples`` samples and the boundary is ``params.min_log_gap`` away from its
+    neighbours and from the smallest/largest sample; valleys are taken most significant first.
+    Fewer than ``2 * min_samples`` samples, or all-equal durations, give one cluster. Percentiles use
+    linear interpolation (numpy's default), rounded to whole ns. The result does not depend on the
+    input order. ``params`` defaults to ``KdeParams()``.
+
+    Raises :class:`DetectorError` for an empty or non-1-D input, non-numeric or non-finite values.
+    """
+    p = params if params is not None else KdeParams()
+    xs = np.sort(_as_durations(durations_ns))
+    cuts = _cuts_sorted(xs, p)
+    edges = np.concatenate(([0], cuts, [xs.size])).astype(np.int64)
+    return _summarize(xs, edges)
+
+
+def cluster_by_group(
+    group_ids: npt.ArrayLike, durations_ns: npt.ArrayLike, params: KdeParams | None = None
+) -> list[tuple[int, ClusterSet]]:
+    """Cluster every group of a window at once; ``group_ids[i]`` is the integer group of sample ``i``.
+
+    Equivalent to calling :func:`cluster_durations` on each group, but sorts once (by group, then
+    duration), runs the KDE only for groups large enough to split, and computes the statistics of all
+    clusters of all groups in one vectorized pass. Returns ``(group_id, ClusterSet)`` pairs in
+    ascending group order. ``params`` defaults to ``KdeParams()``.
+
+    Raises :class:`DetectorError` as :func:`cluster_durations` does, and for non-integer group ids or
+    a length mismatch.
+    """
+    p = params if params is not None else KdeParams()
+    g = np.asarray(group_ids)
+    if g.ndim != 1 or g.dtype.kind not in "iu":
+        raise DetectorError("group_ids must be a 1-D integer array")
+    x = _as_durations(durations_ns)
+    if g.size != x.size:
+        raise DetectorError(f"group_ids has {g.size} entries but durations_ns has {x.size}")
+    order = np.lexsort((x, g))
+    gs, xs = g[order], x[order]
+    n = xs.size
+    starts = np.flatnonzero(np.concatenate(([True], gs[1:] != gs[:-1])))
+    ends = np.append(starts[1:], n)
+    # Only groups that can split need a KDE; every group's start is an edge anyway.
+    splittable = np.flatnonzero((ends - starts >= 2 * p.min_samples) & (xs[starts] != xs[ends - 1]))
+    inner = [
+        s + _cuts_sorted(xs[s:e], p)
+        for s, e in zip(starts[splittable].tolist(), ends[splittable].tolist(), strict=True)
+    ]
+    edges = np.sort(np.concatenate([starts, *inner, [n]]).astype(np.int64))
+    first_cluster = np.searchsorted(edges, np.append(starts, n))
+    t = _summarize(xs, edges)
+    cols = (t.count, t.p50_ns, t.p99_ns, t.min_ns, t.max_ns, t.sum_ns)
+    bounds = first_cluster.tolist()
+    return [
+        (gid, _view(cols, lo, hi))
+        for gid, lo, hi in zip(gs[starts].tolist(), bounds[:-1], bounds[1:], strict=True)
+    ]
+
+
+def _view(cols: tuple[I64, ...], lo: int, hi: int) -> ClusterSet:
+    # Rows lo:hi of a validated read-only table; bypassing __post_init__ halves cluster_by_group's
+    # time for windows with thousands of tiny groups.
+    cs = object.__new__(ClusterSet)
+    cs.__dict__.update(zip(_FIELDS, (col[lo:hi] for col in cols), strict=True))
+    return cs
+
+
+def _as_durations(durations_ns: npt.ArrayLike) -> I64:
+    arr = np.asarray(durations_ns)
+    if arr.ndim != 1:
+        raise DetectorError(f"durations_ns must be 1-D, got shape {arr.shape}")
+    if arr.size == 0:
+        raise DetectorError("durations_ns is empty")
+    if arr.dtype.kind in "iu":
+        if arr.dtype.kind == "u" and arr.dtype.itemsize >= 8 and int(arr.max()) > _MAX_DURATION:
+            raise DetectorError("durations_ns has values beyond 2**62 ns")
+        x = arr.astype(np.int64)
+    elif arr.dtype.kind == "f":
+        if not np.all(np.isfinite(arr)):
+            raise DetectorError("durations_ns contains NaN or infinite values")
+        if float(np.max(np.abs(arr))) > _MAX_DURATION:
+            raise DetectorError("durations_ns has values beyond 2**62 ns")
+        x = np.rint(arr).astype(np.int64)
+    else:
+        raise DetectorError(f"durations_ns must be numeric nanoseconds, got dtype {arr.dtype}")
+    return np.maximum(x, 1)
+
+
+def _cuts_sorted(xs: I64, p: KdeParams) -> I64:
+    """Indices into sorted ``xs`` where a new cluster starts (empty for a single cluster)."""
+    n = xs.size
+    if n < 2 * p.min_samples or xs[0] == xs[-1] or p.max_clusters == 1:
+        return np.empty(0, dtype=np.int64)
+    y = np.log(xs.astype(np.float64))
+    h = max(float(np.std(y, ddof=1)) * n ** (-0.2), MIN_BANDWIDTH)
+    ymin, ymax = float(y[0]), float(y[-1])
+    # Ten grid points per bandwidth resolve the density well; small groups (wide h) need far fewer
+    # than grid_points, which keeps the per-group cost low when a window has thousands of groups.
+    span = (ymax - ymin) / h + 2.0 * _GRID_MARGIN
+    points = min(p.grid_points, max(16, math.ceil(span * _POINTS_PER_BANDWIDTH) + 1))
+    grid, dens = _binned_kde(y, ymin, ymax, h, points)
+    pos, z = _valleys(grid, dens, n, h)
+    below = np.searchsorted(y, pos, side="left")
+    ok = (z >= p.min_valley_z) & (pos - ymin >= p.min_log_gap) & (ymax - pos >= p.min_log_gap)
+    ok &= (below >= p.min_samples) & (n - below >= p.min_samples)
+    acc_pos: list[float] = []
+    acc_below: list[int] = []
+    # Most significant valleys first, so max_clusters and the gap rule keep the real ones.
+    for i in np.flatnonzero(ok)[np.argsort(-z[ok], kind="stable")].tolist():
+        v, c = float(pos[i]), int(below[i])
+        k = bisect.bisect_left(acc_pos, v)
+        left_pos, left_below = (acc_pos[k - 1], acc_below[k - 1]) if k > 0 else (-math.inf, 0)
+        right_pos, right_below = (acc_pos[k], acc_below[k]) if k < len(acc_pos) else (math.inf, n)
+        if v - left_pos < p.min_log_gap or right_pos - v < p.min_log_gap:
+            continue
+        if c - left_below < p.min_samples or right_below - c < p.min_samples:
+            continue
+        acc_pos.insert(k, v)
+        acc_below.insert(k, c)
+        if len(acc_pos) == p.max_clusters - 1:
+            break
+    return np.asarray(acc_below, dtype=np.int64)
+
+
+def _binned_kde(y: F64, ymin: float, ymax: float, h: float, grid_points: int) -> tuple[F64, F64]:
+    lo = ymin - _GRID_MARGIN * h
+    hi = ymax + _GRID_MARGIN * h
+    grid = np.linspace(lo, hi, grid_points)
+    dx = (hi - lo) / (grid_points - 1)
+    # Linear binning splits each sample between its two grid neighbours: error O(dx^2), not O(dx).
+    pos = (y - lo) / dx
+    left = np.clip(np.floor(pos).astype(np.intp), 0, grid_points - 2)
+    frac = pos - left
+    mass = np.bincount(left, weights=1.0 - frac, minlength=grid_points)
+    mass += np.bincount(left + 1, weights=frac, minlength=grid_points)
+    half = min(grid_points - 1, math.ceil(_KERNEL_SUPPORT * h / dx))
+    offsets = np.arange(-half, half + 1) * (dx / h)
+    kernel = np.exp(-0.5 * offsets * offsets)
+    # "full" then slice: "same" returns the longer input's length when the kernel outgrows the grid.
+    dens = np.convolve(mass, kernel, mode="full")[half : half + grid_points]
+    return grid, dens / (y.size * h * _SQRT_2PI)
+
+
+def _valleys(grid: F64, dens: F64, n: int, h: float) -> tuple[F64, F64]:
+    """Valley positions (``ln ns``) and the significance (z-score) of each valley's dip.
+
+    The dip is the topographic prominence of the valley: its depth below the lower of the two peaks
+    it separates. A KDE's pointwise variance is ``f * R(K) / (n h)`` with ``R(K) = 1 / (2 sqrt(pi))``
+    for a Gaussian kernel, so dividing the dip by the noise at valley and peak turns it into a z-score
+    that is small for the wiggles sparse tails always produce and large for real modes.
+    """
+    idx, _ = find_peaks(-dens)
+    if idx.size == 0:
+        return np.empty(0), np.empty(0)
+    dip = peak_prominences(-dens, idx)[0]
+    floor = dens[idx]
+    noise = np.sqrt((2.0 * floor + dip) * _KERNEL_ROUGHNESS / (n * h))
+    z = dip / np.maximum(noise, np.finfo(np.float64).tiny)
+    return grid[idx], z
+
+
+def _summarize(xs: I64, edges: I64) -> ClusterSet:
+    """Statistics of the clusters ``xs[edges[i]:edges[i+1]]`` of sorted ``xs`` (all non-empty)."""
+    starts = edges[:-1]
+    last = edges[1:] - 1
+    count = last - starts + 1
+    return ClusterSet(
+        count=count,
+        p50_ns=_sorted_quantile(xs, starts, count, 0.50),
+        p99_ns=_sorted_quantile(xs, starts, count, 0.99),
+        min_ns=xs[starts],
+        max_ns=xs[last],
+        sum_ns=np.add.reduceat(xs, starts),
+    )
+
+
+def _sorted_quantile(xs: I64, starts: I64, count: I64, q: float) -> I64:
+    # numpy's "linear" method: virtual index q * (n - 1) inside each sorted slice.
+    pos = starts + q * (count - 1)
+    lo = np.floor(pos).astype(np.int64)
+    hi = np.minimum(lo + 1, starts + count - 1)
+    frac = pos - lo
+    lo_v = xs[lo].astype(np.float64)
+    return np.rint(lo_v + frac * (xs[hi] - lo_v)).astype(np.int64)

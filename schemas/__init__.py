@@ -1,0 +1,39 @@
+"""Versioned Avro schemas of every argus record, their codec and the typed record classes.
+
+One record per ``<name>.v<N>.avsc`` file in this folder; every field documents its unit.
+"""
+
+from schemas.codec import MAGIC, AvroCodec, available_schemas, codec
+from schemas.records import (
+    DeadLetter,
+    Finding,
+    JobLifecycle,
+    JobTopology,
+    KernelBatch,
+    KernelSummary,
+    Level,
+    LifecycleEvent,
+    ParallelGroup,
+    PhaseBatch,
+    PhaseKind,
+    Step,
+)
+
+__all__ = [
+    "MAGIC",
+    "AvroCodec",
+    "DeadLetter",
+    "Finding",
+    "JobLifecycle",
+    "JobTopology",
+    "KernelBatch",
+    "KernelSummary",
+    "Level",
+    "LifecycleEvent",
+    "ParallelGroup",
+    "PhaseBatch",
+    "PhaseKind",
+    "Step",
+    "available_schemas",
+    "codec",
+]

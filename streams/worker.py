@@ -1,0 +1,21 @@
+"""Entry point of the stream worker process (``argus worker``; docker-compose runs the same command)."""
+
+from __future__ import annotations
+
+import logging
+
+from faust.worker import Worker
+
+from argus.settings import Settings
+from streams.app import create_app
+
+__all__ = ["run_worker"]
+
+log = logging.getLogger(__name__)
+
+
+def run_worker(settings: Settings) -> None:
+    """Run the Faust worker until SIGTERM/SIGINT. Topics must exist (``argus up`` or ``argus topics``)."""
+    app = create_app(settings)
+    log.info("argus worker: app %s on %s", settings.app_id, settings.bootstrap_servers)
+    Worker(app, loglevel=settings.log_level.lower(), quiet=True, redirect_stdouts=False).execute_from_commandline()
