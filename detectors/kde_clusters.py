@@ -349,10 +349,13 @@ def _summarize(xs: I64, edges: I64) -> ClusterSet:
 
 
 def _sorted_quantile(xs: I64, starts: I64, count: I64, q: float) -> I64:
-    # numpy's "linear" method: virtual index q * (n - 1) inside each sorted slice.
-    pos = starts + q * (count - 1)
-    lo = np.floor(pos).astype(np.int64)
+    # numpy's "linear" method: virtual index q * (n - 1) inside each sorted slice. The fraction is
+    # taken before adding the slice's offset so that a group gives bit-identical results alone and
+    # inside cluster_by_group's shared table.
+    local = q * (count - 1)
+    below = np.floor(local)
+    frac = local - below
+    lo = starts + below.astype(np.int64)
     hi = np.minimum(lo + 1, starts + count - 1)
-    frac = pos - lo
     lo_v = xs[lo].astype(np.float64)
     return np.rint(lo_v + frac * (xs[hi] - lo_v)).astype(np.int64)

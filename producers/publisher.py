@@ -156,7 +156,9 @@ class Publisher:
     def _send(self, topic: Topic, key: bytes, record: EncodableRecord) -> None:
         try:
             payload = record.encode()
-        except ArgusError as exc:
+            if not isinstance(payload, bytes):
+                raise TypeError(f"encode() returned {type(payload).__name__}, not bytes")
+        except (ArgusError, AttributeError, TypeError, ValueError) as exc:
             with self._lock:
                 self._encode_errors += 1
             log.error("record for topic %s key %r not encodable, dropped: %s", topic.value, key, exc)

@@ -8,6 +8,7 @@ so every call here holds one lock.
 
 from __future__ import annotations
 
+import copy
 import logging
 import re
 import threading
@@ -69,6 +70,15 @@ class ClickHouseStore:
                     f"`argus sql`, which uses the sink's endpoint on 127.0.0.1:{settings.query_port}") from exc
             raise SinkError(f"cannot connect to ClickHouse {settings.clickhouse_dsn}: {msg}") from exc
         self._is_chdb = path is not None
+
+    def with_database(self, database: str) -> ClickHouseStore:
+        """A view of this connection that uses another database (same client and lock).
+
+        One process can open only one chDB directory; this is how one process serves several databases.
+        """
+        view = copy.copy(self)
+        view.database = database
+        return view
 
     @property
     def embedded(self) -> bool:

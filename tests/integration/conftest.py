@@ -1,0 +1,145 @@
+"""Integration fixtures: one real Kafka broker and one chDB per test session; per-test topics, groups,
+databases and a real Faust worker process.
+
+The broker is the project's own local Apache Kafka (started here, on its own port, from the jar cache);
+chDB allows one directory per process, so the session shares one store and each test gets a database.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from argus.local_kafka import LocalKafka
+from argus.settings import Settings
+from argus.topics import ensure_topics
+from sinks.clickhouse import ClickHouseStore
+from sinks.writer import SinkWriter
+
+TEST_BOOTSTRAP = os.environ.get("ARGUS_TEST_BOOTSTRAP", "127.0.0.1:39092")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="session")
+def kafka(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    home = tmp_path_factory.mktemp("kafka-home")
+    broker = LocalKafka(Settings.load(env={}, home=home, bootstrap_servers=TEST_BOOTSTRAP))
+    bootstrap = broker.start(timeout_s=120)
+    yield bootstrap
+    broker.stop()
+
+
+@pytest.fixture(scope="session")
+def chdb_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClickHouseStore]:
+    path = tmp_path_factory.mktemp("chdb")
+    store = ClickHouseStore(Settings.load(env={}, clickhouse_dsn=f"chdb://{path}"))
+    yield store
+    store.close()
+
+
+@pytest.fixture
+def settings(kafka: str, tmp_path: Path) -> Settings:
+    """Settings of one test: its own topic prefix, consumer groups, database and ports."""
+    tag = uuid.uuid4().hex[:8]
+    s = Settings.load(
+        env={}, bootstrap_servers=kafka, topic_prefix=f"t{tag}.", app_id=f"argus-test-{tag}",
+        sink_group=f"sink-{tag}", clickhouse_database=f"test_{tag}", partitions=4, session_timeout_s=6,
+        worker_web_port=_free_port(), query_port=_free_port(), home=tmp_path, window_ns=1_000_000_000,
+        allowed_lateness_ns=500_000_000, publisher_batch_events=2048,
+    )
+    ensure_topics(s)
+    return s
+
+
+class WorkerProcess:
+    """The real stream worker (``argus worker``) as a child process."""
+
+    def __init__(self, settings: Settings, log_path: Path) -> None:
+        self.settings = settings
+        self.log_path = log_path
+        env = {**os.environ, **settings.to_env()}
+        self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen([sys.executable, "-m", "argus.cli", "worker"], stdout=self._log,
+                                     stderr=subprocess.STDOUT, env=env)
+
+    def stats(self) -> dict[str, Any] | None:
+        from argus.stack import _get_json
+
+        return _get_json(f"http://127.0.0.1:{self.settings.worker_web_port}/stats")
+
+    def wait_healthy(self, timeout_s: float = 60) -> None:
+        deadline = time.monotonic() + timeout_s
+        while self.stats() is None:
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError(f"worker did not start:\n{self.log_path.read_text()[-3000:]}")
+            time.sleep(0.2)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self._log.close()
+
+
+@pytest.fixture
+def worker(settings: Settings, tmp_path: Path) -> Iterator[WorkerProcess]:
+    w = WorkerProcess(settings, tmp_path / "worker.log")
+    try:
+        w.wait_healthy()
+        yield w
+    finally:
+        w.stop()
+
+
+class SinkThread:
+    """The real sink loop on the session's chDB, in a thread, writing into the test's database."""
+
+    def __init__(self, settings: Settings, store: ClickHouseStore) -> None:
+        self.store = store.with_database(settings.clickhouse_database)
+        self.store.ensure_schema()
+        self.writer = SinkWriter(settings, self.store)
+        self.stop_event = threading.Event()
+        self.thread = threading.Thread(target=self.writer.run, args=(self.stop_event,), daemon=True)
+        self.thread.start()
+
+    def scalar(self, sql: str) -> Any:
+        return self.store.query(sql.replace("{db}", self.store.database)).rows[0][0]
+
+    def wait_for(self, sql: str, expected: Any, timeout_s: float = 90) -> Any:
+        deadline = time.monotonic() + timeout_s
+        value = None
+        while time.monotonic() < deadline:
+            value = self.scalar(sql)
+            if value == expected:
+                return value
+            time.sleep(0.3)
+        raise AssertionError(f"{sql!r} = {value!r}, expected {expected!r} within {timeout_s} s")
+
+    def stop(self) -> None:
+        self.stop_event.set()
+        self.thread.join(30)
+
+
+@pytest.fixture
+def sink(settings: Settings, chdb_store: ClickHouseStore) -> Iterator[SinkThread]:
+    s = SinkThread(settings, chdb_store)
+    yield s
+    s.stop()

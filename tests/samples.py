@@ -1,0 +1,51 @@
+"""Sample records of every schema, shared by unit and integration tests."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from schemas.records import (
+    DeadLetter,
+    Finding,
+    JobLifecycle,
+    JobTopology,
+    KernelBatch,
+    KernelSummary,
+    Level,
+    LifecycleEvent,
+    ParallelGroup,
+    PhaseBatch,
+    PhaseKind,
+    Record,
+    Step,
+)
+
+T0 = 1_767_225_600_000_000_000
+
+
+def kernel_batch(n: int = 5, rank: int = 3, seq: int = 0, job: str = "job-a") -> KernelBatch:
+    return KernelBatch(
+        job_id=job, rank=rank, seq=seq, names=("gemm_kernel", "ncclDevKernel_AllReduce_Sum_bf16_RING_LL"),
+        name_idx=np.arange(n) % 2, stream=np.where(np.arange(n) % 2, 13, 7),
+        start_ns=T0 + np.arange(n, dtype=np.int64) * 1000, duration_ns=np.arange(1, n + 1) * 100,
+        step=np.arange(n) // 2, host="node-0",
+    )
+
+
+def samples() -> dict[str, Record]:
+    return {
+        "kernel_batch": kernel_batch(),
+        "step": Step("job-a", 1, 7, T0, 150_000_000, 140_000_000),
+        "phase_batch": PhaseBatch("job-a", 1, 7, (PhaseKind.FORWARD, PhaseKind.ALL_REDUCE), ("forward", "dp-allreduce"),
+                                  (ParallelGroup.NONE, ParallelGroup.DP), (7, 13), (T0, T0 + 5), (4, 9)),
+        "kernel_summary": KernelSummary("job-a", "gemm_kernel", 7, (0, 1), (T0, T0), (T0 + 10, T0 + 10), (5, 3),
+                                        (2, 1), (3, 2, 3), (10, 40, 11), (12, 44, 13), (9, 38, 10), (13, 45, 14),
+                                        (30, 80, 33)),
+        "job_topology": JobTopology("job-a", 2, 2, 1, 1, (0, 1), ("h0", "h0"), (0, 0), (0, 1), (0, 1), (0, 0),
+                                    (0, 0)),
+        "job_lifecycle": JobLifecycle("job-a", LifecycleEvent.END, T0, 2, "simulator", 123),
+        "finding": Finding("f1", "job-a", Level.L2, "phase_straggler", (5,), (15,), 7.5, '{"cv": 0.4}', T0,
+                           phase="mlp"),
+        "dead_letter": DeadLetter("argus.kernels", 2, 40, b"\x00\x01", "not an argus Avro message", "compress",
+                                  T0, key=b"job-a/3"),
+    }
