@@ -121,8 +121,7 @@ class ClusterSet:
         n = None
         for name in _FIELDS:
             col = getattr(self, name)
-            # Read-only int64 arrays (views of one shared table) are kept as they are: copying six
-            # columns per group dominated cluster_by_group for windows with thousands of groups.
+            # A read-only int64 column cannot change under us, so it is kept without a copy.
             if not (isinstance(col, np.ndarray) and col.dtype == np.int64 and not col.flags.writeable):
                 col = np.array(col, dtype=np.int64)
                 col.flags.writeable = False
@@ -150,9 +149,9 @@ def binned_kde(log_values: npt.ArrayLike, bandwidth: float, grid_points: int = 5
     """Gaussian KDE of ``log_values`` on an evenly spaced grid, by linear binning and convolution.
 
     The grid spans ``[min - 3h, max + 3h]`` with ``grid_points`` points (``h`` = ``bandwidth``, in the
-    units of ``log_values``). Cost is O(n + grid_points * support), about 0.1 ms for 10k samples,
-    against tens of ms for evaluating ``scipy.stats.gaussian_kde`` on the same grid; the result matches
-    it to ~1e-4 of the peak density. Returns ``(grid, density)`` with the density integrating to 1.
+    units of ``log_values``). Cost is O(n + grid_points * support): ~0.15 ms for 10k samples, against
+    ~80 ms for evaluating ``scipy.stats.gaussian_kde`` on the same grid, which it matches to ~1e-4 of
+    the peak density. Returns ``(grid, density)`` with the density integrating to 1.
 
     Raises :class:`DetectorError` for empty or non-finite values, a non-positive bandwidth or fewer
     than 3 grid points.

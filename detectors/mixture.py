@@ -214,7 +214,7 @@ def w1_matrix(mixtures: Mixtures, grid: npt.ArrayLike | None = None) -> F64:
     """Pairwise 1-Wasserstein distances (ns) of ``R`` mixtures, an ``(R, R)`` symmetric array.
 
     All CDFs are evaluated once on one shared grid (default :func:`geometric_grid` of all of them),
-    then every pair is integrated: O(R^2 * G) time, so ~1 s for 1k ranks and 100x that for 10k; use
+    then every pair is integrated: O(R^2 * G) time, ~4 s for 1k ranks and 100x that for 10k; use
     :func:`w1_to_reference` for whole-job scans. Memory stays ~32 MiB by working in row blocks.
     """
     batch = _as_batch(mixtures)

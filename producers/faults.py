@@ -3,17 +3,17 @@
 A :class:`FaultSpec` is generic: every factor multiplies the matching kernels of the listed ranks from
 ``onset_step`` on, whatever the :class:`Fault` label says. The class methods give the paper's defaults:
 
-==========================================  ===================================================================
-fault                                       effect (default)
-==========================================  ===================================================================
-``COMPUTE_STRAGGLER`` (case 1)              rank 5's self_attention / mlp compute kernels x25 / x20 from step 15
-``LINK_DEGRADATION`` (case 2)               ranks 4-7 (a whole DP group) AllReduce / AllGather / ReduceScatter
-                                            transfers x8 / x12 / x20 from step 0 (steady degraded regime)
-``PP_LAST_STAGE_SLOW`` (case 3)             every backward compute kernel of the last pipeline stage x1.9
-``HOST_JIT_STALL`` (case 4)                 an 80 ms host stall on every rank before steps 12 and 27
-``COMPUTE_STRAGGLER_SHORT_COLLECTIVES``     rank 5's mlp compute x3 from step 0: its ReduceScatter looks
-(case 5)                                    *shorter* than its peers' (it arrives last, all end together)
-==========================================  ===================================================================
+=============================  ===============================================================
+fault                          effect (default)
+=============================  ===============================================================
+``COMPUTE_STRAGGLER`` (1)      rank 5's self_attention / mlp compute kernels x25 / x20 from step 15
+``LINK_DEGRADATION`` (2)       ranks 4-7 (a whole DP group): AllReduce / AllGather / ReduceScatter
+                               transfers x8 / x12 / x20 from step 0 (steady degraded regime)
+``PP_LAST_STAGE_SLOW`` (3)     every backward compute kernel of the last pipeline stage x1.9
+``HOST_JIT_STALL`` (4)         an 80 ms host stall on every rank before steps 12 and 27
+``COMPUTE_STRAGGLER_SHORT_     rank 5's mlp compute x3 from step 0: its ReduceScatter looks *shorter*
+COLLECTIVES`` (5)              than its peers' (it arrives last, and all members end together)
+=============================  ===============================================================
 
 A link factor slows the whole collective of every group that holds a listed rank (a ring is as fast as its
 slowest link), so link faults must name whole DP or TP groups; :meth:`FaultSpec.link_degradation` checks it.
@@ -124,7 +124,8 @@ class FaultSpec:
         wanted = set(spec.ranks)
         for kind in (ParallelGroup.DP, ParallelGroup.TP):
             groups = [set(m) for m in groups_of(topology, kind).values() if len(m) > 1]
-            if groups and all(g <= wanted or not g & wanted for g in groups) and any(g <= wanted for g in groups):
+            whole = all(g <= wanted or not g & wanted for g in groups)
+            if groups and whole and any(g <= wanted for g in groups):
                 return spec
         raise ValueError(f"link degradation ranks {spec.ranks} are not whole DP or TP groups of "
                          f"dp={topology.dp_size} tp={topology.tp_size} pp={topology.pp_size}")

@@ -32,9 +32,24 @@ import numpy.typing as npt
 from schemas.records import ParallelGroup, PhaseKind
 
 __all__ = [
-    "COMPUTE_STREAM", "DP_STREAM", "PP_STREAM", "TP_STREAM", "Block", "Cat", "GradSync", "Op", "Phases",
-    "StageProgram", "build_programs", "K_ALL_GATHER", "K_ALL_REDUCE", "K_GEMM", "K_REDUCE_SCATTER",
-    "K_SEND_RECV", "one_f_one_b",
+    "COMPUTE_STREAM",
+    "DP_STREAM",
+    "K_ALL_GATHER",
+    "K_ALL_REDUCE",
+    "K_GEMM",
+    "K_REDUCE_SCATTER",
+    "K_SEND_RECV",
+    "PP_STREAM",
+    "TP_STREAM",
+    "Block",
+    "Cat",
+    "GradSync",
+    "Op",
+    "Phases",
+    "StageProgram",
+    "build_programs",
+    "one_f_one_b",
+    "p2p_tag",
 ]
 
 COMPUTE_STREAM = 7
@@ -45,26 +60,30 @@ PP_STREAM = 21
 K_GEMM = "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1_execute_segment_k_off_kernel__5x_cublas"  # noqa: E501
 K_FLASH_FWD = ("void flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128, 64, 4, false, false, "
                "cutlass::bfloat16_t>, false, false, false, false, true, true, false>(Flash_fwd_params)")
-K_FLASH_BWD = ("void flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<Flash_bwd_kernel_traits<128, 64, 128, "
-               "8, 2, 4, 2, false, false, cutlass::bfloat16_t>, false, false, false, false, true, true, false>"
-               "(Flash_bwd_params)")
+K_FLASH_BWD = ("void flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<Flash_bwd_kernel_traits<128, 64, "
+               "128, 8, 2, 4, 2, false, false, cutlass::bfloat16_t>, false, false, false, false, true, true, "
+               "false>(Flash_bwd_params)")
 K_LN_FWD = "void at::native::(anonymous namespace)::vectorized_layer_norm_kernel<c10::BFloat16, float>"
-K_LN_BWD = "void at::native::(anonymous namespace)::layer_norm_grad_input_kernel_vectorized<c10::BFloat16, float>"
+K_LN_BWD = ("void at::native::(anonymous namespace)::layer_norm_grad_input_kernel_vectorized<c10::BFloat16, "
+            "float>")
 K_ADD = ("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<c10::BFloat16>, "
          "std::array<char*, 3ul> >")
 K_GELU = ("void at::native::vectorized_elementwise_kernel<4, at::native::GeluCUDAKernelImpl<c10::BFloat16>, "
           "std::array<char*, 2ul> >")
 K_GELU_BWD = ("void at::native::vectorized_elementwise_kernel<4, at::native::GeluBackwardCUDAKernelImpl"
               "<c10::BFloat16>, std::array<char*, 3ul> >")
-K_EMBED = "void at::native::(anonymous namespace)::indexSelectLargeIndex<c10::BFloat16, long, unsigned int, 2, 2, -2, true>"
-K_EMBED_BWD = "void at::native::(anonymous namespace)::embedding_backward_feature_kernel<c10::BFloat16, float, long>"
+K_EMBED = ("void at::native::(anonymous namespace)::indexSelectLargeIndex<c10::BFloat16, long, unsigned int, "
+           "2, 2, -2, true>")
+K_EMBED_BWD = ("void at::native::(anonymous namespace)::embedding_backward_feature_kernel<c10::BFloat16, "
+               "float, long>")
 K_SOFTMAX = ("void at::native::(anonymous namespace)::cunn_SoftMaxForward<4, float, float, float, "
              "at::native::(anonymous namespace)::LogSoftMaxForwardEpilogue>")
 K_SOFTMAX_BWD = ("void at::native::(anonymous namespace)::cunn_SoftMaxBackward<4, float, float, float, "
                  "at::native::(anonymous namespace)::LogSoftMaxBackwardEpilogue>")
-K_OPT_NORM = "void multi_tensor_apply_kernel<TensorListMetadata<1>, L2NormFunctor<float, float>, float*, float*, bool, int>"
-K_OPT_ADAM = ("void multi_tensor_apply_kernel<TensorListMetadata<4>, AdamFunctor<float>, float, float, float, "
-              "float, float, float, adamMode_t, float>")
+K_OPT_NORM = ("void multi_tensor_apply_kernel<TensorListMetadata<1>, L2NormFunctor<float, float>, float*, "
+              "float*, bool, int>")
+K_OPT_ADAM = ("void multi_tensor_apply_kernel<TensorListMetadata<4>, AdamFunctor<float>, float, float, "
+              "float, float, float, float, adamMode_t, float>")
 K_ALL_REDUCE = "ncclDevKernel_AllReduce_Sum_bf16_RING_LL"
 K_REDUCE_SCATTER = "ncclDevKernel_ReduceScatter_Sum_bf16_RING_LL"
 K_ALL_GATHER = "ncclDevKernel_AllGather_RING_LL"
@@ -75,7 +94,7 @@ _US = {
     "gemm_out": 200.0, "gemm_qkv": 600.0, "gemm_mlp": 1600.0, "flash_fwd": 600.0, "flash_bwd": 1500.0,
     "ln_fwd": 60.0, "ln_bwd": 90.0, "add": 45.0, "gelu": 80.0, "gelu_bwd": 120.0, "embed": 40.0,
     "embed_bwd": 150.0, "softmax": 300.0, "softmax_bwd": 300.0, "opt_norm": 200.0, "opt_adam": 700.0,
-    "tp_ar": 300.0, "dp_ar": 1500.0, "dp_rs": 800.0, "dp_ag": 800.0, "dp_ar_small": 150.0, "p2p": 250.0,
+    "tp_ar": 300.0, "dp_ar": 4000.0, "dp_rs": 2000.0, "dp_ag": 2000.0, "dp_ar_small": 150.0, "p2p": 250.0,
 }
 _ADAM_CHUNKS = 4
 
@@ -244,8 +263,8 @@ def _layer(b: _Builder, backward: bool, tp: int) -> None:
     if backward:
         attention = [(K_GEMM, "gemm_out"), (K_GEMM, "gemm_out"), (K_FLASH_BWD, "flash_bwd"),
                      (K_GEMM, "gemm_qkv"), None, (K_GEMM, "gemm_qkv"), (K_LN_BWD, "ln_bwd")]
-        mlp = [(K_GEMM, "gemm_mlp"), (K_GEMM, "gemm_mlp"), (K_GELU_BWD, "gelu_bwd"), (K_GEMM, "gemm_mlp"), None,
-               (K_GEMM, "gemm_mlp"), (K_LN_BWD, "ln_bwd")]
+        mlp = [(K_GEMM, "gemm_mlp"), (K_GEMM, "gemm_mlp"), (K_GELU_BWD, "gelu_bwd"), (K_GEMM, "gemm_mlp"),
+               None, (K_GEMM, "gemm_mlp"), (K_LN_BWD, "ln_bwd")]
     parts = [("mlp", Cat.MLP, mlp), ("self_attention", Cat.ATTENTION, attention)]
     for name, cat, kernels in parts if backward else parts[::-1]:
         b.begin(kind, name)
@@ -288,7 +307,8 @@ def _stage(names: dict[str, int], stage: int, *, dp: int, tp: int, pp: int, laye
             b.compute(K_EMBED_BWD, "embed_bwd", Cat.OTHER)
         b.end()
         if not last_out:
-            b.comm(Op.SEND, K_SEND_RECV, PP_STREAM, "p2p", Cat.SEND_RECV, p2p_tag(m, backward, stage, pp), p2p)
+            tag = p2p_tag(m, backward, stage, pp)
+            b.comm(Op.SEND, K_SEND_RECV, PP_STREAM, "p2p", Cat.SEND_RECV, tag, p2p)
         blocks.append(Block(backward, m, b.take_ops()))
     b._backward = False
     distributed = grad_sync is GradSync.DISTRIBUTED and dp > 1
