@@ -166,7 +166,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ArgusError as exc:
         sys.stderr.write(f"argus: configuration error: {exc}\n")
         return 2
-    logging.basicConfig(level=settings.log_level.upper(),
+    # Services log at the configured level; interactive commands only show warnings unless asked.
+    service = args.command in ("worker", "sink")
+    level = settings.log_level.upper() if service or args.log_level else "WARNING"
+    logging.basicConfig(level=level,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     try:
         return int(args.fn(settings, args))

@@ -101,6 +101,10 @@ def ensure_topics(settings: Settings, timeout_s: float = 30.0) -> list[str]:
         for t in Topic
         if t.full(settings) not in existing
     ]
+    # Faust's leader-election topic: created here because the worker does not declare topics itself.
+    leader = f"{settings.app_id}-__assignor-__leader"
+    if leader not in existing:
+        wanted.append(NewTopic(leader, num_partitions=1, replication_factor=settings.replication_factor))
     created: list[str] = []
     if not wanted:
         return created

@@ -43,6 +43,8 @@ class PublisherStats:
     failed: int
     bytes_sent: int
     queued: int
+    #: Delivered value bytes (Avro, before Kafka compression) per full topic name.
+    bytes_by_topic: dict[str, int]
 
 
 class Publisher:
@@ -52,13 +54,15 @@ class Publisher:
         settings: bootstrap servers, topic prefix, queue bound and compression come from here.
         extra_config: librdkafka settings that override the defaults.
         sender: start the background sender thread (disable only in tests of the queue itself).
+        lossless: when the queue is full, ``publish`` waits for room instead of dropping. For offline
+            sources (the simulator, trace imports, replays) only; a training process keeps the default.
 
     Raises:
         ProducerError: the Kafka producer could not be created (bad configuration).
     """
 
     def __init__(self, settings: Settings, extra_config: dict[str, Any] | None = None,
-                 sender: bool = True) -> None:
+                 sender: bool = True, lossless: bool = False) -> None:
         self._settings = settings
         config: dict[str, Any] = {
             "bootstrap.servers": settings.bootstrap_servers,
@@ -83,6 +87,8 @@ class Publisher:
         self._delivered = self._failed = self._bytes = 0
         self._topics = {t: t.full(settings) for t in Topic}
         self._closed = False
+        self._lossless = lossless
+        self._bytes_by_topic: dict[str, int] = {}
         self._thread: threading.Thread | None = None
         if sender:
             self._thread = threading.Thread(target=self._run, name="argus-publisher", daemon=True)
@@ -96,7 +102,10 @@ class Publisher:
         try:
             if self._closed:
                 raise queue.Full
-            self._queue.put_nowait((topic, key, record))
+            if self._lossless:
+                self._queue.put((topic, key, record))
+            else:
+                self._queue.put_nowait((topic, key, record))
         except queue.Full:
             with self._lock:
                 self._dropped += 1
@@ -130,7 +139,7 @@ class Publisher:
             return PublisherStats(
                 accepted=self._accepted, dropped=self._dropped, encode_errors=self._encode_errors,
                 delivered=self._delivered, failed=self._failed, bytes_sent=self._bytes,
-                queued=self._queue.qsize(),
+                queued=self._queue.qsize(), bytes_by_topic=dict(self._bytes_by_topic),
             )
 
     def __enter__(self) -> Publisher:
@@ -180,8 +189,11 @@ class Publisher:
     def _on_delivery(self, err: KafkaError | None, msg: Message) -> None:
         with self._lock:
             if err is None:
+                size = len(msg.value() or b"")
                 self._delivered += 1
-                self._bytes += len(msg.value() or b"")
+                self._bytes += size
+                topic = msg.topic() or ""
+                self._bytes_by_topic[topic] = self._bytes_by_topic.get(topic, 0) + size
             else:
                 self._failed += 1
         if err is not None:

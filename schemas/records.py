@@ -206,8 +206,23 @@ class KernelBatch(Record):
                               f"{int(self.name_idx.max())} outside the {len(self.names)}-name dictionary")
         if n and int(self.duration_ns.min()) < 0:
             raise SchemaError(f"kernel batch {self.job_id}/{self.rank} seq {self.seq}: negative duration_ns")
-        if self.rank < 0 or not self.job_id:
+        if not self.job_id or self.rank < -1 or (self.rank == -1 and not self.is_job_end):
             raise SchemaError(f"kernel batch: invalid job_id {self.job_id!r} or rank {self.rank}")
+
+    @property
+    def is_job_end(self) -> bool:
+        """A job-end marker: rank -1, no events, end_of_stream (see the schema's ``end_of_stream`` doc)."""
+        return self.rank == -1 and self.end_of_stream and len(self) == 0
+
+    @classmethod
+    def job_end_marker(cls, job_id: str) -> KernelBatch:
+        return cls.empty(job_id, rank=-1, seq=0, end_of_stream=True)
+
+    @classmethod
+    def empty(cls, job_id: str, rank: int, seq: int, end_of_stream: bool = False, host: str = "") -> KernelBatch:
+        """A batch without events (e.g. a rank's final ``end_of_stream`` batch)."""
+        cols: dict[str, Any] = {name: np.empty(0, dtype=dtype) for name, dtype in cls.COLUMNS.items()}
+        return cls(job_id=job_id, rank=rank, seq=seq, names=(), host=host, end_of_stream=end_of_stream, **cols)
 
 
 @dataclass(frozen=True)

@@ -62,7 +62,7 @@ class ClickHouseStore:
                     dsn=settings.clickhouse_dsn, username=settings.clickhouse_user,
                     password=settings.clickhouse_password.reveal(),
                 )
-        except Exception as exc:  # noqa: BLE001 - clickhouse-connect and chDB raise many types
+        except Exception as exc:
             msg = str(exc)
             if "Cannot lock file" in msg or "EmbeddedServer" in msg:
                 raise SinkError(
@@ -100,14 +100,14 @@ class ClickHouseStore:
         try:
             with self._lock:
                 self._client.insert_arrow(f"`{self.database}`.`{table_name}`", data)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             raise SinkError(f"insert of {data.num_rows} rows into {table_name} failed: {exc}") from exc
 
     def command(self, sql: str) -> None:
         try:
             with self._lock:
                 self._client.command(sql)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             raise SinkError(f"ClickHouse command failed: {exc}\n  SQL: {sql[:300]}") from exc
 
     def query(self, sql: str) -> QueryResult:
@@ -118,7 +118,7 @@ class ClickHouseStore:
                     self._client.command(sql)
                     return QueryResult((), [])
                 res = self._client.query(sql)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             raise SinkError(f"query failed: {exc}") from exc
         return QueryResult(tuple(res.column_names), [tuple(_plain(v) for v in row) for row in res.result_rows])
 
@@ -126,7 +126,7 @@ class ClickHouseStore:
         with self._lock:
             try:
                 self._client.close()
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:
                 log.debug("closing ClickHouse client: %s", exc)
 
 

@@ -48,13 +48,13 @@ class QueryServer:
                 self.end_headers()
                 self.wfile.write(data)
 
-            def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+            def do_GET(self) -> None:
                 if self.path == "/health":
                     self._reply(HTTPStatus.OK, {"ok": True, **server_self.health})
                 else:
                     self._reply(HTTPStatus.NOT_FOUND, {"error": "GET /health or POST /query"})
 
-            def do_POST(self) -> None:  # noqa: N802
+            def do_POST(self) -> None:
                 if self.path != "/query":
                     self._reply(HTTPStatus.NOT_FOUND, {"error": "POST /query"})
                     return

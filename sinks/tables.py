@@ -102,9 +102,10 @@ def _dead_letter_rows(r: DeadLetter) -> Iterable[tuple[Any, ...]]:
     if r.topic.endswith(Topic.KERNELS.value):
         try:
             events = len(KernelBatch.decode(r.payload))
-        except Exception:  # noqa: BLE001 - a malformed payload is exactly what dead letters hold
+        except Exception:
             events = 0
-    yield (r.topic, r.partition, r.offset, r.stage, r.key, r.payload, r.reason, r.time_ns, events)
+    job_id = (r.key or b"").split(b"/", 1)[0].decode("utf-8", "replace")
+    yield (r.topic, r.partition, r.offset, r.stage, job_id, r.key, r.payload, r.reason, r.time_ns, events)
 
 
 _LC = "LowCardinality(String)"
@@ -144,7 +145,7 @@ TABLES: dict[str, Table] = {t.name: t for t in (
                        ("evidence_json", "String", _STR), ("time_ns", "Int64", _I64)),
           ("job_id", "finding_id"), _finding_rows),
     Table("dead_letters", (("topic", _LC, _STR), ("partition", "Int32", _I32), ("offset", "Int64", _I64),
-                           ("stage", _LC, _STR), ("key", "Nullable(String)", pa.binary()),
+                           ("stage", _LC, _STR), ("job_id", _LC, _STR), ("key", "Nullable(String)", pa.binary()),
                            ("payload", "String", pa.binary()), ("reason", "String", _STR),
                            ("time_ns", "Int64", _I64), ("kernel_events", "Int64", _I64)),
           ("topic", "partition", "offset", "stage"), _dead_letter_rows),

@@ -21,7 +21,7 @@ from faust.types import EventT
 
 from argus.errors import SchemaError
 from argus.settings import Settings
-from argus.topics import Topic, kernel_key
+from argus.topics import Topic, job_key, kernel_key
 from detectors.kde_clusters import KdeParams
 from schemas.records import DeadLetter, JobLifecycle, KernelBatch, LifecycleEvent
 from streams.compression import summarize_windows
@@ -85,6 +85,8 @@ def create_app(settings: Settings) -> faust.App:
     stats = CompressionStats()
     pending: dict[int, EventT] = {}
     tokens = itertools.count()
+    # Which partition each (job, rank) arrives on, so a job-end marker closes only that partition's ranks.
+    partition_of: dict[tuple[str, int], int] = {}
 
     async def dead_letter(event: EventT, reason: str, payload: bytes | None = None) -> None:
         msg = event.message
@@ -134,8 +136,19 @@ def create_app(settings: Settings) -> faust.App:
                 await dead_letter(event, str(exc))
                 ack([token])
                 continue
+            if batch.is_job_end:
+                part = event.message.partition
+                ranks = {r for (j, r), p in partition_of.items() if j == batch.job_id and p == part}
+                for r in ranks:
+                    del partition_of[(batch.job_id, r)]
+                ack([token, *await emit(buffer.flush_job(batch.job_id, ranks))])
+                continue
             stats.batches += 1
             stats.events_in += len(batch)
+            if batch.end_of_stream:
+                partition_of.pop((batch.job_id, batch.rank), None)
+            else:
+                partition_of[(batch.job_id, batch.rank)] = event.message.partition
             update = buffer.add(batch, token)
             if update.late is not None:
                 stats.late_events += len(update.late)
@@ -155,7 +168,14 @@ def create_app(settings: Settings) -> faust.App:
                             "it): %s", exc)
                 continue
             if rec.event is LifecycleEvent.END:
-                ack(await emit(buffer.flush_job(rec.job_id)))
+                # The END can overtake kernel batches still queued in other partitions, so it is not
+                # applied here: a marker appended to every kernel partition closes the job's windows
+                # there once everything produced before the END has been read.
+                marker = KernelBatch.job_end_marker(rec.job_id).encode()
+                futs = [await kernels.send(key=job_key(rec.job_id), value=marker, partition=p, force=True)
+                        for p in range(settings.partitions)]
+                for fut in futs:
+                    await fut
             yield None
 
     @app.on_partitions_revoked.connect  # type: ignore[arg-type]
@@ -163,6 +183,7 @@ def create_app(settings: Settings) -> faust.App:
         # Un-acked messages are re-delivered from the committed offsets after the rebalance.
         buffer.clear()
         pending.clear()
+        partition_of.clear()
 
     @app.page("/health")
     async def health(web: Any, request: Any) -> Any:

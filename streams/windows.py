@@ -134,10 +134,10 @@ class WindowBuffer:
         free = [] if self._refs.get(token, 0) else [token]
         return WindowUpdate(closed=closed, late=late, free_tokens=free)
 
-    def flush_job(self, job_id: str) -> list[ClosedWindow]:
-        """Close every open window of ``job_id`` (the job ended)."""
+    def flush_job(self, job_id: str, ranks: set[int] | None = None) -> list[ClosedWindow]:
+        """Close every open window of ``job_id`` (of ``ranks`` only, if given): the job ended."""
         closed: list[ClosedWindow] = []
-        for key in [k for k in self._ranks if k[0] == job_id]:
+        for key in [k for k in self._ranks if k[0] == job_id and (ranks is None or k[1] in ranks)]:
             closed.extend(self._close(key, self._ranks.pop(key), limit_ns=None))
         return closed
 

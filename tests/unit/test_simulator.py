@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import re
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
@@ -309,9 +310,11 @@ def test_run_order_and_counts() -> None:
     body = pub.calls[2:-1]
     eos = [c for c in body if c[0] is Topic.KERNELS and c[2].end_of_stream]
     assert len(eos) == 4 and body[-4:] == eos
+    letters = "".join({Topic.STEPS: "S", Topic.PHASES: "P", Topic.KERNELS: "K"}[c[0]] for c in body)
+    assert re.fullmatch(r"(S{4}P{4}K*){3}K{4}", letters), letters
     step_of = [c[2].step for c in body if c[0] is not Topic.KERNELS]
     assert step_of == sorted(step_of)
-    for topic, key, record in body:
+    for _topic, key, record in body:
         assert key == rank_key("pub", record.rank)
     assert stats.steps == 3 * 4 and stats.phase_batches == 3 * 4
     assert stats.kernel_batches == topics.count(Topic.KERNELS)
