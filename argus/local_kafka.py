@@ -214,12 +214,13 @@ class LocalKafka:
         return True
 
     def status(self) -> dict[str, Any]:
-        """``running``, ``pid``, ``healthy``, ``bootstrap``, ``log`` (broker log) and ``home``."""
+        """``running`` (a broker of this home), ``pid``, ``healthy`` (a broker answers on the configured port,
+        whoever started it), ``bootstrap``, ``log`` (broker log) and ``home``."""
         pid = self.pid()
         return {
             "running": pid is not None,
             "pid": pid,
-            "healthy": self.is_healthy() if pid is not None else False,
+            "healthy": self.is_healthy(),
             "bootstrap": self.bootstrap,
             "log": str(self.log_path),
             "home": str(self.dir),
