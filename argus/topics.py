@@ -4,8 +4,8 @@
 logical topic      key                             record                  why that key
 =================  ==============================  ======================  ===============================
 ``kernels``        ``<job>/<rank>``                KernelBatch             one rank ordered in one partition
-``steps``          ``<job>/<rank>``                Step                    same
-``phases``         ``<job>/<rank>``                PhaseBatch              same
+``steps``          ``<job>``                       Step                    all ranks of a job meet (L1/L2)
+``phases``         ``<job>``                       PhaseBatch              same
 ``summaries``      ``<job>/<kernel>/<stream>``     KernelSummary           all ranks of a kernel meet (L3)
 ``topology``       ``<job>``                       JobTopology             compacted per job
 ``lifecycle``      ``<job>``                       JobLifecycle            start/end of a job

@@ -261,8 +261,10 @@ class JobSimulator:
 
     def end(self) -> JobLifecycle:
         """The END lifecycle record: at the end of the last step, with the kernel events generated."""
+        records = self.spec.world_size * self.spec.steps  # one Step and one PhaseBatch per rank and step
         return JobLifecycle(self.spec.job_id, LifecycleEvent.END, self._clock, self.spec.world_size,
-                            source="simulator", kernel_events=self._generated)
+                            source="simulator", kernel_events=self._generated, steps=records,
+                            phase_batches=records)
 
     def steps(self) -> Iterator[StepRecords]:
         """Per step: the Step and PhaseBatch records of every rank and the KernelBatches that filled up."""
@@ -288,9 +290,9 @@ class JobSimulator:
         yield SimRecord(Topic.LIFECYCLE, job_key(jid), self.start())
         for i, (steps, phases, batches) in enumerate(self.steps()):
             for st in steps:
-                yield SimRecord(Topic.STEPS, rank_key(jid, st.rank), st)
+                yield SimRecord(Topic.STEPS, job_key(jid), st)
             for ph in phases:
-                yield SimRecord(Topic.PHASES, rank_key(jid, ph.rank), ph)
+                yield SimRecord(Topic.PHASES, job_key(jid), ph)
             for kb in batches:
                 yield SimRecord(Topic.KERNELS, rank_key(jid, kb.rank), kb)
             if progress is not None:

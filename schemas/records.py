@@ -75,6 +75,8 @@ class ParallelGroup(enum.Enum):
 class LifecycleEvent(enum.Enum):
     START = "START"
     END = "END"
+    #: A detector part has published its final diagnosis of the job (schema v2).
+    DIAGNOSED = "DIAGNOSED"
 
 
 class Level(enum.Enum):
@@ -342,6 +344,9 @@ class JobLifecycle(Record):
     world_size: int
     source: str = "live"
     kernel_events: int | None = None
+    steps: int | None = None
+    phase_batches: int | None = None
+    part: str = ""
 
     @classmethod
     def _enum_fields(cls) -> dict[str, type[enum.Enum]]:

@@ -89,7 +89,8 @@ def _topology_rows(r: JobTopology) -> Iterable[tuple[Any, ...]]:
 
 
 def _job_rows(r: JobLifecycle) -> Iterable[tuple[Any, ...]]:
-    yield (r.job_id, r.event.value, r.time_ns, r.world_size, r.source, r.kernel_events)
+    yield (r.job_id, r.event.value, r.part, r.time_ns, r.world_size, r.source, r.kernel_events, r.steps,
+           r.phase_batches)
 
 
 def _finding_rows(r: Finding) -> Iterable[tuple[Any, ...]]:
@@ -135,9 +136,10 @@ TABLES: dict[str, Table] = {t.name: t for t in (
                        ("dp_size", "Int32", _I32), ("tp_size", "Int32", _I32), ("pp_size", "Int32", _I32),
                        ("ep_size", "Int32", _I32)),
           ("job_id", "rank"), _topology_rows),
-    Table("jobs", (("job_id", _LC, _STR), ("event", _LC, _STR), ("time_ns", "Int64", _I64),
-                   ("world_size", "Int32", _I32), ("source", _LC, _STR), ("kernel_events", "Nullable(Int64)", _I64)),
-          ("job_id", "event"), _job_rows),
+    Table("jobs", (("job_id", _LC, _STR), ("event", _LC, _STR), ("part", _LC, _STR), ("time_ns", "Int64", _I64),
+                   ("world_size", "Int32", _I32), ("source", _LC, _STR), ("kernel_events", "Nullable(Int64)", _I64),
+                   ("steps", "Nullable(Int64)", _I64), ("phase_batches", "Nullable(Int64)", _I64)),
+          ("job_id", "event", "part"), _job_rows),
     Table("findings", (("job_id", _LC, _STR), ("finding_id", "String", _STR), ("level", _LC, _STR),
                        ("kind", _LC, _STR), ("ranks", "Array(Int32)", pa.list_(_I32)),
                        ("phase", "Nullable(String)", _STR), ("kernel", "Nullable(String)", _STR),
