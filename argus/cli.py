@@ -6,10 +6,12 @@ This module is the user-facing output layer, so it writes to stdout; library cod
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from argus.errors import ArgusError
@@ -116,6 +118,35 @@ def _cmd_demo(settings: Settings, args: argparse.Namespace) -> int:
     return 0 if report["complete"] else 1
 
 
+def _cmd_findings(settings: Settings, args: argparse.Namespace) -> int:
+    from sinks.findings_query import fetch_findings, wait_diagnosed
+
+    complete = True
+    if args.wait:
+        complete = wait_diagnosed(settings, args.job, args.wait)
+        if not complete:
+            sys.stderr.write(f"argus: job {args.job} not fully diagnosed after {args.wait:.0f} s; "
+                             "showing the findings so far\n")
+    findings = fetch_findings(settings, args.job)
+    if args.json:
+        _out(json.dumps(findings))
+    elif not findings:
+        _out(f"no findings for job {args.job}")
+    else:
+        rows = [(f["level"], f["kind"], ",".join(map(str, f["ranks"])) or "-", f["phase"] or f["kernel"] or "-",
+                 ",".join(map(str, f["steps"])) or "-", f"{f['score']:.2f}") for f in findings]
+        _out(_table(("level", "kind", "ranks", "phase/kernel", "steps", "score"), rows))
+    return 0 if complete else 4
+
+
+def _cmd_import_kineto(settings: Settings, args: argparse.Namespace) -> int:
+    from producers.kineto import import_kineto
+
+    report = import_kineto(settings, args.directory, args.job, topology=args.topology, progress=_progress)
+    _out(json.dumps(dataclasses.asdict(report), default=str, indent=2))
+    return 0
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="argus", description="Always-on tracing and fail-slow diagnosis "
                                 "for GPU training jobs.")
@@ -150,6 +181,17 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--fault", choices=faults, default="none")
     s.set_defaults(fn=_cmd_simulate)
+    s = sub.add_parser("findings", help="the diagnosis of a job (JSON contract with --json)")
+    s.add_argument("--job", required=True)
+    s.add_argument("--wait", type=float, default=0.0, metavar="SECONDS",
+                   help="block until the job's end has been diagnosed through to ClickHouse (exit 4 on timeout)")
+    s.add_argument("--json", action="store_true", help="print a JSON array of findings")
+    s.set_defaults(fn=_cmd_findings)
+    s = sub.add_parser("import-kineto", help="publish torch.profiler/Kineto traces (one file per rank) as a job")
+    s.add_argument("directory", type=Path)
+    s.add_argument("--job", required=True)
+    s.add_argument("--topology", default=None, help="dp=N,tp=N,pp=N when the traces carry no pg_config")
+    s.set_defaults(fn=_cmd_import_kineto)
     s = sub.add_parser("demo", help="start the stack, simulate a 32-rank job with a fault, report")
     s.add_argument("--fault", choices=faults[1:], default="case1")
     s.add_argument("--steps", type=int, default=40)

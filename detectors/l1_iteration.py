@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import enum
 import math
+import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -191,13 +192,10 @@ def _side_medians(x: F64, half: int, min_context: int) -> tuple[F64, F64]:
     padded = np.concatenate([pad, x, pad])
     views = sliding_window_view(padded, half)
     before, after = views[:n], views[half + 1:half + 1 + n]
-    with np.errstate(all="ignore"):
-        import warnings
-
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", RuntimeWarning)
-            mb = np.nanmedian(before, axis=1)
-            ma = np.nanmedian(after, axis=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN rows (no context) give NaN, as wanted
+        mb = np.nanmedian(before, axis=1)
+        ma = np.nanmedian(after, axis=1)
     mb[np.sum(~np.isnan(before), axis=1) < min_context] = np.nan
     ma[np.sum(~np.isnan(after), axis=1) < min_context] = np.nan
     return mb, ma

@@ -1,0 +1,415 @@
+"""L2 diagnosis: which rank is the straggler, in which phase, comparing ranks only within their groups.
+
+Input is a :class:`PhaseTable`: per (rank, step, phase) the summed duration of that phase in the step
+and its number of occurrences. Per rank and phase the analysed value is the mean per-step sum over the
+analysed steps (those from ``onset_step`` on, if given). Ranks are compared only with the ranks that run
+the same work:
+
+* compute and host phases (every non-collective kind: FORWARD, BACKWARD, OPTIMIZER, DATA_LOADER,
+  OTHER) within the rank's **DP group** (same TP index and pipeline stage, identical work);
+* collectives within the group of the collective's own kind (the PhaseBatch ``group`` column; NONE
+  falls back to DP). Where members of one group run different numbers of a phase per step (pipeline
+  send/receive: the first and last stage run half as many), per-occurrence means are compared instead.
+
+Each rank is compared with the **median of its peers** (leave-one-out, so a group of two still has a
+baseline). A compute phase flags a rank when it is at least ``min_elevation`` (1.5x) its peers' median
+and, in groups of 3 or more, its robust z-score ``(value - peers' median) / max(1.4826 MAD,
+mad_floor * peers' median)`` is at least ``min_z``; the group's coefficient of variation is reported as
+evidence (it is diluted as ``1/sqrt(n)`` in large groups, so it is no gate).
+
+Collectives end together for every member, so each member's duration includes **waiting for the last
+one to arrive**: a compute straggler's own collective is *short* and its peers' are long. Hence a member
+whose collective is ``collective_ratio`` (3x) shorter than its peers' median arrived late and is named a
+:attr:`L2Kind.COMPUTE_STRAGGLER` (evidence ``collective_short``), and the long collectives of its peers
+are never reported. Healthy jobs differ by up to ~1.75x in collective time between ranks (fast ranks
+wait for slow ones), well under the 3x gate. A rank that only arrives late while sharing a group with a
+compute straggler is a victim (it waited for it, e.g. in a blocking TP collective) and is not named.
+A collective that is 3x *longer* on some members while no member of the group is short is a
+:attr:`L2Kind.PHASE_STRAGGLER` (e.g. a slow pipeline link), as is an elevated non-compute host phase.
+
+Pipeline parallelism hides a slow stage: ``finish_grad_sync`` aligns the forward-backward totals of
+all stages, and a DP group never spans stages. So per phase of a kind in ``stage_kinds`` (BACKWARD)
+the per-occurrence mean of each stage (median over its ranks, compute stragglers left out) is compared
+with the median of the other stages: a ratio of ``stage_ratio`` (1.5x) or more is a
+:attr:`L2Kind.PP_STAGE_SLOW` naming all ranks of that stage.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from argus.errors import DetectorError
+from schemas.records import JobTopology, Level, ParallelGroup, PhaseBatch, PhaseKind
+
+__all__ = ["L2Kind", "L2Params", "L2Result", "PhaseTable", "detect_l2", "loo_median"]
+
+F64 = npt.NDArray[np.float64]
+I64 = npt.NDArray[np.int64]
+_MS = 1e6
+_MAD_SCALE = 1.4826
+_GROUP_COLUMN = {ParallelGroup.DP: "dp_group", ParallelGroup.TP: "tp_group", ParallelGroup.PP: "pp_group",
+                 ParallelGroup.EP: "ep_group", ParallelGroup.NONE: "dp_group"}
+
+
+class L2Kind(enum.Enum):
+    """What L2 found."""
+
+    COMPUTE_STRAGGLER = "compute_straggler"
+    PHASE_STRAGGLER = "phase_straggler"
+    PP_STAGE_SLOW = "pp_stage_slow"
+
+
+@dataclass(frozen=True)
+class L2Params:
+    """Thresholds of :func:`detect_l2` (defaults in brackets).
+
+    ``min_elevation``: a phase's value over its peers' median that flags a rank [1.5].
+    ``min_z``: least robust z-score, applied in groups of 3+ [3.5]. ``mad_floor``: floor of the z-score's
+    scale as a fraction of the peers' median, so near-identical peers do not make any wobble infinite
+    [0.02]. ``collective_ratio``: peers' median over a member's collective time (short: late arrival),
+    or a member's over its peers' (long) [3.0]. ``stage_ratio``: a pipeline stage's per-occurrence mean
+    over the other stages' median [1.5]. ``stage_kinds``: phase kinds of the cross-stage check
+    [(BACKWARD,)]. ``min_steps``: fewest analysed steps for any result [3].
+
+    Raises :class:`DetectorError` for out-of-range values.
+    """
+
+    min_elevation: float = 1.5
+    min_z: float = 3.5
+    mad_floor: float = 0.02
+    collective_ratio: float = 3.0
+    stage_ratio: float = 1.5
+    stage_kinds: tuple[PhaseKind, ...] = (PhaseKind.BACKWARD,)
+    min_steps: int = 3
+
+    def __post_init__(self) -> None:
+        for name in ("min_elevation", "collective_ratio", "stage_ratio"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 1.0):
+                raise DetectorError(f"{name} must be finite and > 1, got {value}")
+        if not (math.isfinite(self.min_z) and self.min_z >= 0.0 and 0.0 < self.mad_floor < 1.0):
+            raise DetectorError("min_z must be finite and >= 0, mad_floor in (0, 1)")
+        if self.min_steps < 1:
+            raise DetectorError(f"min_steps must be >= 1, got {self.min_steps}")
+
+
+@dataclass(frozen=True)
+class L2Result:
+    """One L2 finding: ``ranks`` (one straggler, or a slow stage's ranks), the ``phase`` name, a unitless
+    ``score`` (elevation over peers, shortness ratio, or stage ratio) and ``evidence`` (units in keys)."""
+
+    kind: L2Kind
+    ranks: tuple[int, ...]
+    phase: str
+    score: float
+    evidence: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def level(self) -> Level:
+        return Level.L2
+
+    @property
+    def steps(self) -> tuple[int, ...]:
+        return ()
+
+
+@dataclass(frozen=True, eq=False)
+class PhaseTable:
+    """Columnar phase durations: one row per (rank, step, phase), unique.
+
+    ``phase[i]`` indexes the phase dictionary ``names`` / ``kinds`` / ``groups`` (one entry per distinct
+    (name, kind, group)); ``duration_ns[i]`` is the summed duration of that phase in the step, ``count[i]``
+    its occurrences. Build it with :meth:`from_batches`. Raises :class:`DetectorError` for mismatched
+    columns or phase indices outside the dictionary.
+    """
+
+    rank: I64
+    step: I64
+    phase: I64
+    duration_ns: I64
+    count: I64
+    names: tuple[str, ...]
+    kinds: tuple[PhaseKind, ...]
+    groups: tuple[ParallelGroup, ...]
+
+    def __post_init__(self) -> None:
+        cols = ("rank", "step", "phase", "duration_ns", "count")
+        arrays = [np.asarray(getattr(self, c), dtype=np.int64) for c in cols]
+        if any(a.ndim != 1 or a.size != arrays[0].size for a in arrays):
+            raise DetectorError("PhaseTable columns must be equally long 1-D integer arrays")
+        if not len(self.names) == len(self.kinds) == len(self.groups):
+            raise DetectorError("PhaseTable names, kinds and groups must be equally long")
+        if arrays[0].size and (int(arrays[2].min()) < 0 or int(arrays[2].max()) >= len(self.names)):
+            raise DetectorError("PhaseTable.phase indexes outside the phase dictionary")
+        for name, a in zip(cols, arrays, strict=True):
+            a.flags.writeable = False
+            object.__setattr__(self, name, a)
+
+    def __len__(self) -> int:
+        return int(self.rank.size)
+
+    @classmethod
+    def from_batches(cls, batches: Iterable[PhaseBatch]) -> PhaseTable:
+        """Aggregate PhaseBatches (any ranks, steps and order) per (rank, step, phase).
+
+        A (rank, step) delivered twice (at-least-once delivery) counts once: the last batch wins.
+        """
+        latest: dict[tuple[int, int], PhaseBatch] = {}
+        for b in batches:
+            latest[(b.rank, b.step)] = b
+        keys: dict[tuple[str, PhaseKind, ParallelGroup], int] = {}
+        layouts: dict[tuple[Any, ...], I64] = {}
+        ranks, steps, pids, durs = [], [], [], []
+        for (rank, step), b in latest.items():
+            layout = (b.names, b.kinds, b.groups)
+            pid = layouts.get(layout)
+            if pid is None:
+                if not len(b.names) == len(b.kinds) == len(b.groups) == len(b.duration_ns):
+                    raise DetectorError(f"phase batch {b.job_id}/{rank}/{step}: columns differ in length")
+                pid = np.array([keys.setdefault(k, len(keys)) for k in zip(*layout, strict=True)], dtype=np.int64)
+                layouts[layout] = pid
+            ranks.append(np.full(pid.size, rank, dtype=np.int64))
+            steps.append(np.full(pid.size, step, dtype=np.int64))
+            pids.append(pid)
+            durs.append(np.asarray(b.duration_ns, dtype=np.int64))
+        names = tuple(k[0] for k in keys)
+        kinds = tuple(k[1] for k in keys)
+        groups = tuple(k[2] for k in keys)
+        if not pids:
+            empty = np.empty(0, dtype=np.int64)
+            return cls(empty, empty, empty, empty, empty, names, kinds, groups)
+        r, s, p, d = (np.concatenate(x) for x in (ranks, steps, pids, durs))
+        table = np.stack([r, s, p])
+        uniq, inv = np.unique(table, axis=1, return_inverse=True)
+        inv = inv.ravel()
+        return cls(uniq[0], uniq[1], uniq[2], np.bincount(inv, weights=d).astype(np.int64),
+                   np.bincount(inv).astype(np.int64), names, kinds, groups)
+
+
+def loo_median(values: npt.ArrayLike) -> F64:
+    """Leave-one-out medians: ``out[i]`` is the median of ``values`` without entry ``i`` (NaN if n < 2).
+
+    O(n log n) via one sort. Raises :class:`DetectorError` for a non-1-D input.
+    """
+    v = np.asarray(values, dtype=np.float64)
+    if v.ndim != 1:
+        raise DetectorError("loo_median needs a 1-D array")
+    n = v.size
+    if n < 2:
+        return np.full(n, np.nan)
+    order = np.argsort(v, kind="stable")
+    s = v[order]
+    pos = np.empty(n, dtype=np.int64)
+    pos[order] = np.arange(n)
+
+    def remaining(j: int) -> F64:  # j-th smallest value once the entry at sorted position pos is removed
+        out: F64 = np.where(j < pos, s[min(j, n - 1)], s[min(j + 1, n - 1)])
+        return out
+
+    m = n - 1
+    if m % 2:
+        return remaining((m - 1) // 2)
+    return 0.5 * (remaining(m // 2 - 1) + remaining(m // 2))
+
+
+@dataclass
+class _Flag:
+    rank: int
+    phase: str
+    kind: PhaseKind
+    ratio: float
+    z: float | None
+    value_ns: float
+    peers_ns: float
+    cv: float
+    group: str
+
+
+def detect_l2(phases: PhaseTable, topology: JobTopology, params: L2Params | None = None,
+              onset_step: int | None = None) -> list[L2Result]:
+    """Stragglers by phase within parallel groups, and slow pipeline stages (see the module docstring).
+
+    ``phases``: the job's phase table; only steps ``>= onset_step`` are analysed when it is given (use
+    L1's regression onset). ``params`` defaults to ``L2Params()``. Returns compute stragglers (one per
+    rank, its most elevated phase first in evidence), phase stragglers, then slow stages. Raises
+    :class:`DetectorError` for ranks missing from ``topology``.
+    """
+    p = params if params is not None else L2Params()
+    keep = np.ones(len(phases), dtype=bool) if onset_step is None else phases.step >= onset_step
+    if np.unique(phases.step[keep]).size < p.min_steps:
+        return []
+    rank, step, pid = phases.rank[keep], phases.step[keep], phases.phase[keep]
+    pos_of = {r: i for i, r in enumerate(topology.rank)}
+    missing = set(np.unique(rank).tolist()) - pos_of.keys()
+    if missing:
+        raise DetectorError(f"ranks {sorted(missing)[:5]} are not in topology {topology.job_id}")
+    world, n_phases = len(topology.rank), len(phases.names)
+    rpos = np.fromiter((pos_of[r] for r in rank.tolist()), dtype=np.int64, count=rank.size)
+    cell = rpos * n_phases + pid
+    size = world * n_phases
+    n_steps = np.bincount(cell, minlength=size).reshape(world, n_phases)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        per_step = (np.bincount(cell, weights=phases.duration_ns[keep], minlength=size).reshape(world, n_phases)
+                    / n_steps)
+        occ = np.bincount(cell, weights=phases.count[keep], minlength=size).reshape(world, n_phases) / n_steps
+    compute_flags: list[_Flag] = []
+    long_flags: list[_Flag] = []
+    short_flags: list[_Flag] = []
+    for k in range(n_phases):
+        kind, gkind = phases.kinds[k], phases.groups[k]
+        collective = kind.is_collective
+        column = np.asarray(getattr(topology, _GROUP_COLUMN[gkind if collective else ParallelGroup.DP]))
+        has = n_steps[:, k] > 0
+        for g in np.unique(column[has]).tolist():
+            members = np.flatnonzero(has & (column == g))
+            if members.size < 2:
+                continue
+            value = per_step[members, k]
+            rate = occ[members, k]
+            if float(rate.max() - rate.min()) > 0.01 * float(rate.max()):
+                value = value / rate
+            label = f"{(gkind if collective else ParallelGroup.DP).value}{g}"
+            flags = _compare(value, p, collective)
+            for i, side in flags:
+                f = _Flag(int(topology.rank[members[i]]), phases.names[k], kind, side[0], side[1],
+                          float(value[i]), side[2], side[3], label)
+                if not collective:
+                    (compute_flags if kind in _COMPUTE else long_flags).append(f)
+                elif f.ratio < 1.0:
+                    short_flags.append(f)
+                else:
+                    long_flags.append(f)
+    results, stragglers = _stragglers(compute_flags, short_flags, long_flags, topology)
+    results += _slow_stages(per_step, occ, n_steps, phases, topology, stragglers, p)
+    return results
+
+
+_COMPUTE = frozenset({PhaseKind.FORWARD, PhaseKind.BACKWARD, PhaseKind.OPTIMIZER})
+
+
+def _compare(value: F64, p: L2Params, collective: bool) -> list[tuple[int, tuple[float, float | None, float, float]]]:
+    """Flagged members of one group: (index, (ratio to peers, z or None, peers' median ns, group CV))."""
+    peers = loo_median(value)
+    n = value.size
+    med = float(np.median(value))
+    mad = float(np.median(np.abs(value - med))) * _MAD_SCALE
+    scale = np.maximum(mad, p.mad_floor * peers)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        z = (value - peers) / scale
+        ratio = value / peers
+    mean = float(value.mean())
+    cv = float(value.std() / mean) if mean > 0 else 0.0
+    use_z = n >= 3
+    gate = p.collective_ratio if collective else p.min_elevation
+    high = (ratio >= gate) & ((z >= p.min_z) if use_z else True)
+    low = (ratio <= 1.0 / p.collective_ratio) & ((z <= -p.min_z) if use_z else True) if collective else ratio < 0
+    if collective and low.any():
+        high[:] = False  # peers of a late arrival waited for it: their long collectives are no finding
+    out = []
+    for i in np.flatnonzero(high | low).tolist():
+        zi = float(z[i]) if use_z and math.isfinite(float(z[i])) else None
+        out.append((i, (float(ratio[i]), zi, float(peers[i]), cv)))
+    return out
+
+
+def _key(f: _Flag) -> str:
+    return f"{f.phase}:{f.kind.value}"
+
+
+def _stragglers(compute: list[_Flag], short: list[_Flag], long: list[_Flag],
+                topology: JobTopology) -> tuple[list[L2Result], set[int]]:
+    by_rank: dict[int, list[_Flag]] = {}
+    for f in compute:
+        by_rank.setdefault(f.rank, []).append(f)
+    slow = set(by_rank)
+    shorts: dict[int, list[_Flag]] = {}
+    for f in short:
+        shorts.setdefault(f.rank, []).append(f)
+    pos_of = {r: i for i, r in enumerate(topology.rank)}
+    columns = [np.asarray(getattr(topology, c)) for c in ("dp_group", "tp_group", "pp_group", "ep_group")]
+
+    def victim(r: int) -> bool:  # shares a group with a compute straggler: it waited for that rank
+        i = pos_of[r]
+        return any(col[pos_of[s]] == col[i] for s in slow for col in columns)
+
+    late = {r for r in shorts if r in slow or not victim(r)}
+    results: list[L2Result] = []
+    for r in sorted(slow | late):
+        flags = sorted(by_rank.get(r, []), key=lambda f: -f.ratio)
+        short_fs = sorted(shorts.get(r, []), key=lambda f: f.ratio)
+        top = flags[0] if flags else short_fs[0]
+        evidence: dict[str, Any] = {
+            "phase_kind": top.kind.value,
+            "rank_ms": top.value_ns / _MS,
+            "peers_median_ms": top.peers_ns / _MS,
+            "elevation_ratio": top.ratio,
+            "robust_z": top.z,
+            "group_cv": top.cv,
+            "group": top.group,
+            "elevated_phases_ratio": {_key(f): f.ratio for f in flags},
+            "collective_short": bool(short_fs),
+            "short_collectives_peers_over_rank_ratio": {_key(f): 1.0 / f.ratio for f in short_fs},
+            "late_arrival_only": not flags,
+        }
+        score = top.ratio if flags else 1.0 / top.ratio
+        results.append(L2Result(L2Kind.COMPUTE_STRAGGLER, (r,), top.phase, score, evidence))
+    by_rank_long: dict[int, list[_Flag]] = {}
+    for f in long:
+        if f.rank not in slow:
+            by_rank_long.setdefault(f.rank, []).append(f)
+    for r, fs in sorted(by_rank_long.items()):
+        fs.sort(key=lambda f: -f.ratio)
+        top = fs[0]
+        results.append(L2Result(L2Kind.PHASE_STRAGGLER, (r,), top.phase, top.ratio, {
+            "phase_kind": top.kind.value, "rank_ms": top.value_ns / _MS, "peers_median_ms": top.peers_ns / _MS,
+            "elevation_ratio": top.ratio, "robust_z": top.z, "group_cv": top.cv, "group": top.group,
+            "elevated_phases_ratio": {_key(f): f.ratio for f in fs},
+        }))
+    return results, slow | late
+
+
+def _slow_stages(per_step: F64, occ: F64, n_steps: I64, phases: PhaseTable, topology: JobTopology,
+                 stragglers: set[int], p: L2Params) -> list[L2Result]:
+    stage = np.asarray(topology.pp_stage)
+    stages = np.unique(stage)
+    if stages.size < 2:
+        return []
+    excluded = np.isin(np.asarray(topology.rank), sorted(stragglers))
+    found: dict[int, dict[str, tuple[float, dict[str, float]]]] = {}
+    for k, kind in enumerate(phases.kinds):
+        if kind not in p.stage_kinds:
+            continue
+        with np.errstate(invalid="ignore", divide="ignore"):
+            per_occ = per_step[:, k] / occ[:, k]
+        has = n_steps[:, k] > 0
+        values = {}
+        for s in stages.tolist():
+            members = has & (stage == s)
+            use = members & ~excluded if np.any(members & ~excluded) else members
+            if use.any():
+                values[s] = float(np.median(per_occ[use]))
+        if len(values) < 2:
+            continue
+        for s, v in values.items():
+            others = float(np.median([u for t, u in values.items() if t != s]))
+            if others > 0 and v / others >= p.stage_ratio:
+                found.setdefault(s, {})[f"{phases.names[k]}:{kind.value}"] = (
+                    v / others, {str(t): u / _MS for t, u in sorted(values.items())})
+    results = []
+    for s, per_phase in sorted(found.items()):
+        top = max(per_phase, key=lambda key: per_phase[key][0])
+        ratio, stage_ms = per_phase[top]
+        ranks = tuple(int(r) for r in np.asarray(topology.rank)[stage == s])
+        results.append(L2Result(L2Kind.PP_STAGE_SLOW, ranks, top.split(":")[0], ratio, {
+            "stage": int(s), "phase_kind": top.split(":")[1], "stage_over_other_stages_ratio": ratio,
+            "stage_per_occurrence_ms": stage_ms,
+            "phases_ratio": {key: v[0] for key, v in sorted(per_phase.items())},
+        }))
+    return results
