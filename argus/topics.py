@@ -10,6 +10,7 @@ logical topic      key                             record                  why t
 ``topology``       ``<job>``                       JobTopology             compacted per job
 ``lifecycle``      ``<job>``                       JobLifecycle            start/end of a job
 ``findings``       ``<job>``                       Finding                 the diagnosis output
+``stacks``         ``<job>/<rank>``                CpuStack                py-spy dumps for findings
 ``deadletter``     the rejected message's key      DeadLetter              nothing is lost silently
 =================  ==============================  ======================  ===============================
 
@@ -28,6 +29,7 @@ from confluent_kafka.admin import AdminClient, NewTopic
 from argus.errors import ArgusError
 from argus.settings import Settings
 from schemas.records import (
+    CpuStack,
     DeadLetter,
     Finding,
     JobLifecycle,
@@ -53,6 +55,7 @@ class Topic(enum.Enum):
     LIFECYCLE = "lifecycle"
     FINDINGS = "findings"
     DEAD_LETTER = "deadletter"
+    STACKS = "stacks"
 
     def full(self, settings: Settings) -> str:
         """The topic's name on the broker."""
@@ -68,6 +71,7 @@ RECORD_OF: dict[Topic, type[Record]] = {
     Topic.LIFECYCLE: JobLifecycle,
     Topic.FINDINGS: Finding,
     Topic.DEAD_LETTER: DeadLetter,
+    Topic.STACKS: CpuStack,
 }
 
 

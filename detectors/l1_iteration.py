@@ -13,10 +13,11 @@ detectors run on that series:
   (Vostrikov 1981; Truong, Oudre & Vayatis 2020, "Selective review of offline change point detection
   methods", section 5.2.2) after a running median of ``smooth`` steps, which erases spikes shorter than
   ``smooth // 2 + 1`` steps but keeps step edges exactly where they are. A segment is split at the index
-  that most reduces the sum of squared deviations from the segment means, if both parts hold at least
-  ``min_segment`` steps, the reduction beats a BIC-like penalty ``penalty * sigma**2 * ln(n)`` (``sigma``:
-  robust noise level of the log series from the median absolute first difference) and the medians of
-  the two parts differ by at least ``min_shift`` (1.3x). Only slowdowns are reported; a recovery still
+  that most reduces the sum of squared deviations from the segment means if the reduction beats a
+  BIC-like penalty ``penalty * sigma**2 * ln(n)`` (``sigma``: robust noise level of the log series from
+  the median absolute first difference) and the medians of the two parts differ by at least
+  ``min_shift`` (1.3x). If that index is fewer than ``min_segment`` steps from an end, the change cannot
+  be judged yet and the search goes on in the rest of the segment. Only slowdowns are reported; a recovery still
   splits the series so that later regressions are measured against the right baseline.
 
 A flat series of healthy noise gives no result: a 2x spike or a 1.3x shift of a 5-step median is far
@@ -250,13 +251,12 @@ def _noise_sigma(y: F64) -> float:
     return max(1.4826 * mad / math.sqrt(2.0), 1e-3)
 
 
-def _best_split(y: F64, min_segment: int) -> tuple[int, float]:
+def _best_split(y: F64) -> tuple[int, float]:
     """Split index (start of the right part) maximising the drop of the sum of squares, and the drop."""
     n = y.size
     c = np.concatenate(([0.0], np.cumsum(y - y.mean())))
-    k = np.arange(min_segment, n - min_segment + 1)
-    left = c[k]
-    gain = left**2 * n / (k * (n - k))  # = k (n-k)/n (mean_l - mean_r)^2 for centred data
+    k = np.arange(1, n)
+    gain = c[k] ** 2 * n / (k * (n - k))  # = k (n-k)/n (mean_l - mean_r)^2 for centred data
     best = int(np.argmax(gain))
     return int(k[best]), float(gain[best])
 
@@ -271,7 +271,13 @@ def _change_points(y: F64, p: L1Params) -> list[int]:
         a, b = stack.pop()
         if b - a < 2 * p.min_segment:
             continue
-        k, gain = _best_split(y[a:b], p.min_segment)
+        k, gain = _best_split(y[a:b])
+        if k < p.min_segment:  # the strongest change is too close to an end to judge yet: look past it
+            stack.append((a + k, b))
+            continue
+        if k > b - a - p.min_segment:
+            stack.append((a, a + k))
+            continue
         shift = float(np.median(y[a + k:b]) - np.median(y[a:a + k]))
         if gain < pen or abs(shift) < log_shift:
             continue

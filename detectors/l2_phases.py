@@ -18,14 +18,18 @@ mad_floor * peers' median)`` is at least ``min_z``; the group's coefficient of v
 evidence (it is diluted as ``1/sqrt(n)`` in large groups, so it is no gate).
 
 Collectives end together for every member, so each member's duration includes **waiting for the last
-one to arrive**: a compute straggler's own collective is *short* and its peers' are long. Hence a member
-whose collective is ``collective_ratio`` (3x) shorter than its peers' median arrived late and is named a
-:attr:`L2Kind.COMPUTE_STRAGGLER` (evidence ``collective_short``), and the long collectives of its peers
-are never reported. Healthy jobs differ by up to ~1.75x in collective time between ranks (fast ranks
-wait for slow ones), well under the 3x gate. A rank that only arrives late while sharing a group with a
-compute straggler is a victim (it waited for it, e.g. in a blocking TP collective) and is not named.
-A collective that is 3x *longer* on some members while no member of the group is short is a
-:attr:`L2Kind.PHASE_STRAGGLER` (e.g. a slow pipeline link), as is an elevated non-compute host phase.
+one to arrive**: a compute straggler's own collective is *short* and its peers' are long. A member whose
+collective is 2x shorter than its peers' median arrived late: the long collectives of its group are never
+reported, and a compute straggler's evidence lists it (``collective_short``). The shortness ratio
+amplifies small delays when the transfer itself is short (healthy jobs reach ~2.4x on ReduceScatter at
+1 % rank spread), so a late arrival *without* an elevated compute phase is named a
+:attr:`L2Kind.COMPUTE_STRAGGLER` only if it is also ``collective_ratio`` (3x) short and its lateness
+(peers' median minus its own time, per step) is at least ``min_late_fraction`` of its longest phase per
+step. A rank that shares a group with a compute straggler is a victim (it waited for it, e.g. in a
+blocking TP collective) and is not named for arriving late. A *long* collective is never a finding here:
+within a group it means the member arrived early, and a degraded link slows all members of the group
+alike, which only a comparison across groups shows (L3). An elevated host phase (a kind other than
+compute or collective, e.g. DATA_LOADER) is a :attr:`L2Kind.PHASE_STRAGGLER`.
 
 Pipeline parallelism hides a slow stage: ``finish_grad_sync`` aligns the forward-backward totals of
 all stages, and a DP group never spans stages. So per phase of a kind in ``stage_kinds`` (BACKWARD)
@@ -56,6 +60,10 @@ _MS = 1e6
 _MAD_SCALE = 1.4826
 _GROUP_COLUMN = {ParallelGroup.DP: "dp_group", ParallelGroup.TP: "tp_group", ParallelGroup.PP: "pp_group",
                  ParallelGroup.EP: "ep_group", ParallelGroup.NONE: "dp_group"}
+_COMPUTE = frozenset({PhaseKind.FORWARD, PhaseKind.BACKWARD, PhaseKind.OPTIMIZER})
+# A member this many times shorter than its peers' median arrived late: its group's long collectives are
+# explained (the same 2x rule as L3's link check).
+_LATE_EXPLAINS = 2.0
 
 
 class L2Kind(enum.Enum):
@@ -73,8 +81,11 @@ class L2Params:
     ``min_elevation``: a phase's value over its peers' median that flags a rank [1.5].
     ``min_z``: least robust z-score, applied in groups of 3+ [3.5]. ``mad_floor``: floor of the z-score's
     scale as a fraction of the peers' median, so near-identical peers do not make any wobble infinite
-    [0.02]. ``collective_ratio``: peers' median over a member's collective time (short: late arrival),
-    or a member's over its peers' (long) [3.0]. ``stage_ratio``: a pipeline stage's per-occurrence mean
+    [0.02]. ``collective_ratio``: peers' median over a member's collective time that names a late
+    arrival [3.0]. ``min_late_fraction``: least lateness per step, as a
+    fraction of the rank's longest phase per step (a step-level timer such as forward-backward, where
+    there is one), of a late arrival named without an elevated compute phase; 0.5 matches the 1.5x of
+    ``min_elevation`` [0.5]. ``stage_ratio``: a pipeline stage's per-occurrence mean
     over the other stages' median [1.5]. ``stage_kinds``: phase kinds of the cross-stage check
     [(BACKWARD,)]. ``min_steps``: fewest analysed steps for any result [3].
 
@@ -85,6 +96,7 @@ class L2Params:
     min_z: float = 3.5
     mad_floor: float = 0.02
     collective_ratio: float = 3.0
+    min_late_fraction: float = 0.5
     stage_ratio: float = 1.5
     stage_kinds: tuple[PhaseKind, ...] = (PhaseKind.BACKWARD,)
     min_steps: int = 3
@@ -96,6 +108,8 @@ class L2Params:
                 raise DetectorError(f"{name} must be finite and > 1, got {value}")
         if not (math.isfinite(self.min_z) and self.min_z >= 0.0 and 0.0 < self.mad_floor < 1.0):
             raise DetectorError("min_z must be finite and >= 0, mad_floor in (0, 1)")
+        if not (math.isfinite(self.min_late_fraction) and self.min_late_fraction >= 0.0):
+            raise DetectorError(f"min_late_fraction must be finite and >= 0, got {self.min_late_fraction}")
         if self.min_steps < 1:
             raise DetectorError(f"min_steps must be >= 1, got {self.min_steps}")
 
@@ -110,14 +124,12 @@ class L2Result:
     phase: str
     score: float
     evidence: dict[str, Any] = field(default_factory=dict)
+    #: Always empty: L2 findings are about ranks, not steps.
+    steps: tuple[int, ...] = ()
 
     @property
     def level(self) -> Level:
         return Level.L2
-
-    @property
-    def steps(self) -> tuple[int, ...]:
-        return ()
 
 
 @dataclass(frozen=True, eq=False)
@@ -186,9 +198,8 @@ class PhaseTable:
             empty = np.empty(0, dtype=np.int64)
             return cls(empty, empty, empty, empty, empty, names, kinds, groups)
         r, s, p, d = (np.concatenate(x) for x in (ranks, steps, pids, durs))
-        table = np.stack([r, s, p])
-        uniq, inv = np.unique(table, axis=1, return_inverse=True)
-        inv = inv.ravel()
+        uniq, inv2 = np.unique(np.stack([r, s, p]), axis=1, return_inverse=True)
+        inv = inv2.ravel()
         return cls(uniq[0], uniq[1], uniq[2], np.bincount(inv, weights=d).astype(np.int64),
                    np.bincount(inv).astype(np.int64), names, kinds, groups)
 
@@ -230,6 +241,7 @@ class _Flag:
     peers_ns: float
     cv: float
     group: str
+    late_fraction: float = 0.0
 
 
 def detect_l2(phases: PhaseTable, topology: JobTopology, params: L2Params | None = None,
@@ -245,7 +257,7 @@ def detect_l2(phases: PhaseTable, topology: JobTopology, params: L2Params | None
     keep = np.ones(len(phases), dtype=bool) if onset_step is None else phases.step >= onset_step
     if np.unique(phases.step[keep]).size < p.min_steps:
         return []
-    rank, step, pid = phases.rank[keep], phases.step[keep], phases.phase[keep]
+    rank, pid = phases.rank[keep], phases.phase[keep]
     pos_of = {r: i for i, r in enumerate(topology.rank)}
     missing = set(np.unique(rank).tolist()) - pos_of.keys()
     if missing:
@@ -259,8 +271,9 @@ def detect_l2(phases: PhaseTable, topology: JobTopology, params: L2Params | None
         per_step = (np.bincount(cell, weights=phases.duration_ns[keep], minlength=size).reshape(world, n_phases)
                     / n_steps)
         occ = np.bincount(cell, weights=phases.count[keep], minlength=size).reshape(world, n_phases) / n_steps
+    longest = np.where(n_steps > 0, per_step, 0.0).max(axis=1)
     compute_flags: list[_Flag] = []
-    long_flags: list[_Flag] = []
+    host_flags: list[_Flag] = []
     short_flags: list[_Flag] = []
     for k in range(n_phases):
         kind, gkind = phases.kinds[k], phases.groups[k]
@@ -271,107 +284,83 @@ def detect_l2(phases: PhaseTable, topology: JobTopology, params: L2Params | None
             members = np.flatnonzero(has & (column == g))
             if members.size < 2:
                 continue
-            value = per_step[members, k]
-            rate = occ[members, k]
-            if float(rate.max() - rate.min()) > 0.01 * float(rate.max()):
-                value = value / rate
+            value, rate = per_step[members, k], occ[members, k]
+            per_occurrence = float(rate.max() - rate.min()) > 0.01 * float(rate.max())
+            value = value / rate if per_occurrence else value
+            ratio, z, peers, cv, hit = _compare(value, p, collective)
+            late = (peers - value) * (rate if per_occurrence else 1.0) / np.maximum(longest[members], 1.0)
+            target = short_flags if collective else compute_flags if kind in _COMPUTE else host_flags
             label = f"{(gkind if collective else ParallelGroup.DP).value}{g}"
-            flags = _compare(value, p, collective)
-            for i, side in flags:
-                f = _Flag(int(topology.rank[members[i]]), phases.names[k], kind, side[0], side[1],
-                          float(value[i]), side[2], side[3], label)
-                if not collective:
-                    (compute_flags if kind in _COMPUTE else long_flags).append(f)
-                elif f.ratio < 1.0:
-                    short_flags.append(f)
-                else:
-                    long_flags.append(f)
-    results, stragglers = _stragglers(compute_flags, short_flags, long_flags, topology)
+            for i in np.flatnonzero(hit).tolist():
+                zi = float(z[i]) if members.size >= 3 and math.isfinite(float(z[i])) else None
+                target.append(_Flag(int(topology.rank[members[i]]), phases.names[k], kind, float(ratio[i]), zi,
+                                    float(value[i]), float(peers[i]), cv, label, float(late[i])))
+    results, stragglers = _stragglers(compute_flags, short_flags, host_flags, topology, p)
     results += _slow_stages(per_step, occ, n_steps, phases, topology, stragglers, p)
     return results
 
 
-_COMPUTE = frozenset({PhaseKind.FORWARD, PhaseKind.BACKWARD, PhaseKind.OPTIMIZER})
-
-
-def _compare(value: F64, p: L2Params, collective: bool) -> list[tuple[int, tuple[float, float | None, float, float]]]:
-    """Flagged members of one group: (index, (ratio to peers, z or None, peers' median ns, group CV))."""
+def _compare(value: F64, p: L2Params, collective: bool) -> tuple[F64, F64, F64, float, npt.NDArray[np.bool_]]:
+    """One group's members: ratio to and z against the peers' median, that median, the group's CV, hits."""
     peers = loo_median(value)
-    n = value.size
     med = float(np.median(value))
-    mad = float(np.median(np.abs(value - med))) * _MAD_SCALE
-    scale = np.maximum(mad, p.mad_floor * peers)
+    scale = np.maximum(float(np.median(np.abs(value - med))) * _MAD_SCALE, p.mad_floor * peers)
     with np.errstate(invalid="ignore", divide="ignore"):
         z = (value - peers) / scale
         ratio = value / peers
     mean = float(value.mean())
     cv = float(value.std() / mean) if mean > 0 else 0.0
-    use_z = n >= 3
-    gate = p.collective_ratio if collective else p.min_elevation
-    high = (ratio >= gate) & ((z >= p.min_z) if use_z else True)
-    low = (ratio <= 1.0 / p.collective_ratio) & ((z <= -p.min_z) if use_z else True) if collective else ratio < 0
-    if collective and low.any():
-        high[:] = False  # peers of a late arrival waited for it: their long collectives are no finding
-    out = []
-    for i in np.flatnonzero(high | low).tolist():
-        zi = float(z[i]) if use_z and math.isfinite(float(z[i])) else None
-        out.append((i, (float(ratio[i]), zi, float(peers[i]), cv)))
+    use_z = value.size >= 3
+    if collective:  # only short members (late arrivals); long ones waited or arrived early
+        hit = (ratio <= 1.0 / _LATE_EXPLAINS) & ((z <= -p.min_z) if use_z else True)
+    else:
+        hit = (ratio >= p.min_elevation) & ((z >= p.min_z) if use_z else True)
+    return ratio, z, peers, cv, hit
+
+
+def _by_rank(flags: list[_Flag]) -> dict[int, list[_Flag]]:
+    out: dict[int, list[_Flag]] = {}
+    for f in sorted(flags, key=lambda f: -abs(math.log(f.ratio))):  # strongest first
+        out.setdefault(f.rank, []).append(f)
     return out
 
 
-def _key(f: _Flag) -> str:
-    return f"{f.phase}:{f.kind.value}"
+def _evidence(top: _Flag, flags: list[_Flag]) -> dict[str, Any]:
+    return {
+        "phase_kind": top.kind.value, "rank_ms": top.value_ns / _MS, "peers_median_ms": top.peers_ns / _MS,
+        "elevation_ratio": top.ratio, "robust_z": top.z, "group_cv": top.cv, "group": top.group,
+        "elevated_phases_ratio": {f"{f.phase}:{f.kind.value}": f.ratio for f in flags},
+    }
 
 
-def _stragglers(compute: list[_Flag], short: list[_Flag], long: list[_Flag],
-                topology: JobTopology) -> tuple[list[L2Result], set[int]]:
-    by_rank: dict[int, list[_Flag]] = {}
-    for f in compute:
-        by_rank.setdefault(f.rank, []).append(f)
+def _stragglers(compute: list[_Flag], short: list[_Flag], host: list[_Flag], topology: JobTopology,
+                p: L2Params) -> tuple[list[L2Result], set[int]]:
+    by_rank, shorts = _by_rank(compute), _by_rank(short)
     slow = set(by_rank)
-    shorts: dict[int, list[_Flag]] = {}
-    for f in short:
-        shorts.setdefault(f.rank, []).append(f)
     pos_of = {r: i for i, r in enumerate(topology.rank)}
     columns = [np.asarray(getattr(topology, c)) for c in ("dp_group", "tp_group", "pp_group", "ep_group")]
 
     def victim(r: int) -> bool:  # shares a group with a compute straggler: it waited for that rank
-        i = pos_of[r]
-        return any(col[pos_of[s]] == col[i] for s in slow for col in columns)
+        return any(col[pos_of[s]] == col[pos_of[r]] for s in slow for col in columns)
 
-    late = {r for r in shorts if r in slow or not victim(r)}
+    def named_late(fs: list[_Flag]) -> bool:
+        return any(1.0 / f.ratio >= p.collective_ratio and f.late_fraction >= p.min_late_fraction for f in fs)
+
+    late = {r for r, fs in shorts.items() if r in slow or (not victim(r) and named_late(fs))}
     results: list[L2Result] = []
     for r in sorted(slow | late):
-        flags = sorted(by_rank.get(r, []), key=lambda f: -f.ratio)
-        short_fs = sorted(shorts.get(r, []), key=lambda f: f.ratio)
+        flags, short_fs = by_rank.get(r, []), shorts.get(r, [])
         top = flags[0] if flags else short_fs[0]
-        evidence: dict[str, Any] = {
-            "phase_kind": top.kind.value,
-            "rank_ms": top.value_ns / _MS,
-            "peers_median_ms": top.peers_ns / _MS,
-            "elevation_ratio": top.ratio,
-            "robust_z": top.z,
-            "group_cv": top.cv,
-            "group": top.group,
-            "elevated_phases_ratio": {_key(f): f.ratio for f in flags},
+        evidence = _evidence(top, flags) | {
             "collective_short": bool(short_fs),
-            "short_collectives_peers_over_rank_ratio": {_key(f): 1.0 / f.ratio for f in short_fs},
+            "short_collectives_peers_over_rank_ratio": {f"{f.phase}:{f.kind.value}": 1.0 / f.ratio for f in short_fs},
             "late_arrival_only": not flags,
+            "lateness_over_longest_phase_ratio": max((f.late_fraction for f in short_fs), default=0.0),
         }
         score = top.ratio if flags else 1.0 / top.ratio
         results.append(L2Result(L2Kind.COMPUTE_STRAGGLER, (r,), top.phase, score, evidence))
-    by_rank_long: dict[int, list[_Flag]] = {}
-    for f in long:
-        if f.rank not in slow:
-            by_rank_long.setdefault(f.rank, []).append(f)
-    for r, fs in sorted(by_rank_long.items()):
-        fs.sort(key=lambda f: -f.ratio)
-        top = fs[0]
-        results.append(L2Result(L2Kind.PHASE_STRAGGLER, (r,), top.phase, top.ratio, {
-            "phase_kind": top.kind.value, "rank_ms": top.value_ns / _MS, "peers_median_ms": top.peers_ns / _MS,
-            "elevation_ratio": top.ratio, "robust_z": top.z, "group_cv": top.cv, "group": top.group,
-            "elevated_phases_ratio": {_key(f): f.ratio for f in fs},
-        }))
+    for r, fs in sorted(_by_rank(host).items()):
+        results.append(L2Result(L2Kind.PHASE_STRAGGLER, (r,), fs[0].phase, fs[0].ratio, _evidence(fs[0], fs)))
     return results, slow | late
 
 
@@ -382,7 +371,7 @@ def _slow_stages(per_step: F64, occ: F64, n_steps: I64, phases: PhaseTable, topo
     if stages.size < 2:
         return []
     excluded = np.isin(np.asarray(topology.rank), sorted(stragglers))
-    found: dict[int, dict[str, tuple[float, dict[str, float]]]] = {}
+    found: dict[int, dict[tuple[str, str], tuple[float, dict[str, float]]]] = {}
     for k, kind in enumerate(phases.kinds):
         if kind not in p.stage_kinds:
             continue
@@ -400,16 +389,16 @@ def _slow_stages(per_step: F64, occ: F64, n_steps: I64, phases: PhaseTable, topo
         for s, v in values.items():
             others = float(np.median([u for t, u in values.items() if t != s]))
             if others > 0 and v / others >= p.stage_ratio:
-                found.setdefault(s, {})[f"{phases.names[k]}:{kind.value}"] = (
+                found.setdefault(s, {})[(phases.names[k], kind.value)] = (
                     v / others, {str(t): u / _MS for t, u in sorted(values.items())})
     results = []
     for s, per_phase in sorted(found.items()):
         top = max(per_phase, key=lambda key: per_phase[key][0])
         ratio, stage_ms = per_phase[top]
         ranks = tuple(int(r) for r in np.asarray(topology.rank)[stage == s])
-        results.append(L2Result(L2Kind.PP_STAGE_SLOW, ranks, top.split(":")[0], ratio, {
-            "stage": int(s), "phase_kind": top.split(":")[1], "stage_over_other_stages_ratio": ratio,
+        results.append(L2Result(L2Kind.PP_STAGE_SLOW, ranks, top[0], ratio, {
+            "stage": int(s), "phase_kind": top[1], "stage_over_other_stages_ratio": ratio,
             "stage_per_occurrence_ms": stage_ms,
-            "phases_ratio": {key: v[0] for key, v in sorted(per_phase.items())},
+            "phases_ratio": {f"{name}:{kind}": v[0] for (name, kind), v in sorted(per_phase.items())},
         }))
     return results

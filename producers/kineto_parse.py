@@ -1,34 +1,33 @@
 """Streaming parse of one torch.profiler / Kineto Chrome-trace file (``.json`` or ``.json.gz``) of one rank.
 
 Memory stays bounded whatever the file size: the file is never loaded whole. One pass with ``ijson`` (its C
-backend ``yajl2_c`` when installed) walks ``traceEvents`` event by event:
+backend ``yajl2_c``) walks ``traceEvents`` event by event:
 
-* GPU activities (``cat`` ``kernel``, ``gpu_memcpy``, ``gpu_memset``, case-insensitive) go, as fixed-size
-  binary rows (name id, stream, start, duration), to a spill file on disk, so only the distinct kernel names
-  stay in memory;
-* ``ProfilerStep#N`` annotations (CPU ``user_annotation`` and GPU ``gpu_user_annotation``) become steps, other
-  annotations phases: these are few per step and kept in memory;
-* everything else (CPU ops, runtime calls, flows) is skipped.
+* GPU activities (``cat`` ``kernel``, ``gpu_memcpy``, ``gpu_memset``, case-insensitive) go as fixed-size binary
+  rows (name id, stream, start, duration) to a spill file on disk; only the distinct names stay in memory;
+* ``ProfilerStep#N`` annotations (CPU ``user_annotation``, GPU ``gpu_user_annotation``) become steps, other
+  annotations phases: few per step, kept in memory;
+* everything else (CPU ops, runtime calls, flows) is passed over.
 
 The small top-level keys (``distributedInfo``, ``baseTimeNanoseconds``, ``deviceProperties``, ``host_name``)
-are read by a cheap scan of the file's head, which stops where ``traceEvents`` begins. When
-``distributedInfo`` is not there (it was written after the events) it is collected during the same pass by a
-second, C-level prefix filter over the same bytes.
+come from a scan of the file's head that stops where ``traceEvents`` begins, and, for those written after the
+events (Kineto writes ``baseTimeNanoseconds`` there), from the file's last 1 MiB kept while streaming. Only
+when ``distributedInfo`` is in neither does one more C-level scan of the whole file look for it.
 
-Times: Kineto writes ``ts``/``dur`` in microseconds, possibly with sub-µs decimals. Numbers are parsed
-exactly (``Decimal``, not float: a float loses the ns digits of an epoch in µs) and rounded to integer ns;
-``ts`` is relative to ``baseTimeNanoseconds`` when the trace carries it. Events with missing or invalid
-fields are skipped and counted by reason, never fatal.
+Times: ``ts``/``dur`` are microseconds, possibly with sub-µs decimals. Numbers are parsed exactly (``Decimal``;
+a float loses the ns digits of an epoch in µs) and rounded to integer ns; absolute time is
+``baseTimeNanoseconds`` (when present) + ts. Events with missing or invalid fields are skipped and counted by
+reason, never fatal.
 
-Steps of kernels: a kernel belongs to the step whose GPU ``ProfilerStep#N`` span contains its start, or,
-without GPU step annotations, to the step whose CPU span *extended to the next step's start* contains it
-(kernels run after the CPU launched them; the last step is open-ended); else step -1.
+Steps: a GPU event belongs to the step whose GPU ``ProfilerStep#N`` span contains its start, or, without GPU
+step annotations, to the step whose CPU span *extended to the next step's start* contains it (kernels run
+after the host launched them; the last step is open-ended); host events use the extended CPU spans; else -1.
 """
 
 from __future__ import annotations
 
-import contextlib
 import gzip
+import json
 import math
 import re
 import shutil
@@ -40,17 +39,17 @@ from dataclasses import dataclass, field
 from decimal import ROUND_HALF_EVEN, Decimal, InvalidOperation
 from pathlib import Path
 from types import ModuleType
-from typing import IO, Any
+from typing import IO, Any, cast
 
 import ijson
 import numpy as np
 import numpy.typing as npt
 
 from argus.errors import ProducerError
-from schemas.records import KernelBatch, ParallelGroup, PhaseBatch, PhaseKind, Record, Step
+from schemas.records import PhaseKind
 
-__all__ = ["GPU_CATEGORIES", "RankTrace", "StepSpan", "classify_phase", "parse_rank", "rank_from_name",
-           "read_trace", "to_ns"]
+__all__ = ["GPU_CATEGORIES", "Phase", "RankTrace", "StepSpan", "classify_phase", "parse_rank", "rank_from_name",
+           "to_ns"]
 
 #: Event categories imported as kernel events (compared lower-case).
 GPU_CATEGORIES = frozenset({"kernel", "gpu_memcpy", "gpu_memset"})
@@ -58,14 +57,16 @@ _ANNOTATIONS = {"user_annotation": False, "gpu_user_annotation": True}  # catego
 _STEP_RE = re.compile(r"ProfilerStep#(\d+)")
 _RANK_RE = re.compile(r"(?:rank|worker)[-_]?(\d+)", re.IGNORECASE)
 _SPILL = np.dtype([("name", "<u4"), ("stream", "<u4"), ("start", "<i8"), ("dur", "<i8")])
-_SPILL_ROWS = 65_536
+_SPILL_ROWS = 16_384
 _CHUNK = 256 * 1024
-#: Top-level keys also looked for after ``traceEvents`` (each costs one more C-level scan of the file).
-_LATE_KEYS = ("distributedInfo", "baseTimeNanoseconds")
+_TAIL = 1024 * 1024
 _MAX_NS = 2**62
 _OPEN_END = np.iinfo(np.int64).max
-_U32 = 2**32
-
+# The events array ends after its last event object (or is empty): the leftmost such "]" whose remainder is
+# one JSON object reaching the end of the file. A "]" inside an event leaves unbalanced closers behind it.
+_TAIL_CANDIDATE = re.compile(r"[}\[]\s*\]\s*[,}]")
+_WS = re.compile(r"\s*")
+_READ_ERRORS = (ijson.JSONError, OSError, EOFError, zlib.error, UnicodeDecodeError)
 # Ordered: collectives first (so 'alltoall_bwd' is ALL_TO_ALL), then compute, then data loading.
 _PHASE_RULES: tuple[tuple[tuple[str, ...], PhaseKind], ...] = (
     (("reduce_scatter", "reducescatter"), PhaseKind.REDUCE_SCATTER),
@@ -89,10 +90,11 @@ def _backend() -> ModuleType:
 
 
 _IJSON = _backend()
+Intervals = tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int32]]
 
 
 def classify_phase(name: str) -> PhaseKind:
-    """The phase kind of an annotation name (case-insensitive substring rules; see module docstring)."""
+    """The phase kind of an annotation name (case-insensitive substring rules, collectives first)."""
     low = name.lower()
     for needles, kind in _PHASE_RULES:
         if any(n in low for n in needles):
@@ -109,11 +111,9 @@ def to_ns(value: Any) -> int | None:
         if not math.isfinite(value):
             return None
         value = Decimal(repr(value))  # the shortest repr is the number as written: exact ns digits
-    elif t is not Decimal:
+    elif t is not Decimal or not value.is_finite():
         return None
     try:
-        if not value.is_finite():
-            return None
         return int((value * 1000).to_integral_value(rounding=ROUND_HALF_EVEN))
     except (InvalidOperation, OverflowError):
         return None
@@ -127,7 +127,7 @@ def rank_from_name(path: Path) -> int | None:
 
 @dataclass(frozen=True)
 class StepSpan:
-    """One ``ProfilerStep#N`` of a rank; times in ns on the trace's clock (before any alignment)."""
+    """One ``ProfilerStep#N`` of a rank; absolute ns on the rank's clock."""
 
     step: int
     start_ns: int
@@ -135,7 +135,7 @@ class StepSpan:
     #: GPU-timeline span (union over streams) when the trace has GPU step annotations.
     gpu_start_ns: int | None = None
     gpu_end_ns: int | None = None
-    #: First kernel start to last kernel end of the kernels assigned to the step.
+    #: First kernel start and last kernel end of the kernels assigned to the step.
     kernel_start_ns: int | None = None
     kernel_end_ns: int | None = None
 
@@ -152,9 +152,9 @@ class Phase:
 
 @dataclass
 class RankTrace:
-    """What :func:`parse_rank` read from one file; kernels wait in a spill file until :meth:`kernel_batches`.
+    """What :func:`parse_rank` read from one file (absolute ns times); kernels wait in a spill file.
 
-    Close it (or use it as a context manager) to delete the spill file.
+    :meth:`rows` reads them back; close it (or use it as a context manager) to delete the spill file.
     """
 
     path: Path
@@ -172,84 +172,22 @@ class RankTrace:
     skipped: Counter[str]
     first_kernel_ns: int | None = None
     last_kernel_end_ns: int | None = None
-    #: Largest distance a kernel start lies behind an earlier kernel start in file order (out-of-order).
+    #: Largest lag of a kernel start behind an earlier kernel start, in file order.
     max_lag_ns: int = 0
-    _spill: Path | None = None
-    _owned_dir: Path | None = field(default=None, repr=False)
+    spill: Path | None = field(default=None, repr=False)
+    owned_dir: Path | None = field(default=None, repr=False)
 
-    # -- records ---------------------------------------------------------------------------------------
-
-    def step_records(self, job_id: str, shift_ns: int = 0) -> list[Step]:
-        out = []
-        for s in self.steps:
-            gpu = None if s.kernel_start_ns is None or s.kernel_end_ns is None else s.kernel_end_ns - s.kernel_start_ns
-            out.append(Step(job_id, self.rank, s.step, s.start_ns + shift_ns, s.dur_ns, gpu))
-        return out
-
-    def phase_batches(self, job_id: str, shift_ns: int = 0) -> list[PhaseBatch]:
-        """One :class:`PhaseBatch` per step (step -1: phases outside every step), ascending."""
-        starts = np.array([p.start_ns for p in self.phases], dtype=np.int64)
-        on_gpu = np.array([p.on_gpu for p in self.phases], dtype=bool)
-        steps = np.where(on_gpu, _assign(self._intervals(gpu=True), starts), _assign(self._intervals(gpu=False), starts))
-        by_step: dict[int, list[Phase]] = {}
-        for p, step in zip(self.phases, steps.tolist(), strict=True):
-            by_step.setdefault(step, []).append(p)
-        return [
-            PhaseBatch(job_id, self.rank, step, tuple(p.kind for p in ps), tuple(p.name for p in ps),
-                       tuple(ParallelGroup.NONE for _ in ps), tuple(p.stream for p in ps),
-                       tuple(p.start_ns + shift_ns for p in ps), tuple(p.dur_ns for p in ps))
-            for step, ps in sorted(by_step.items())
-        ]
-
-    def kernel_batches(self, job_id: str, batch_events: int, shift_ns: int = 0, seq0: int = 0,
-                       host: str = "") -> Iterator[KernelBatch]:
-        """The rank's kernels in file order, ``batch_events`` per batch; the last has ``end_of_stream``."""
-        if batch_events < 1:
-            raise ValueError(f"batch_events must be >= 1, got {batch_events}")
-        iv = self._intervals(gpu=True)
-        seq = seq0
-        pending: KernelBatch | None = None
-        for rows in self._rows(batch_events):
-            uniq, inv = np.unique(rows["name"], return_inverse=True)
-            batch = KernelBatch(
-                job_id=job_id, rank=self.rank, seq=seq, names=tuple(self.names[int(i)] for i in uniq),
-                name_idx=inv.astype(np.uint32), stream=rows["stream"], start_ns=rows["start"] + shift_ns,
-                duration_ns=rows["dur"], step=_assign(iv, rows["start"]), host=host)
-            seq += 1
-            if pending is not None:
-                yield pending
-            pending = batch
-        if pending is None:
-            yield KernelBatch.empty(job_id, self.rank, seq, end_of_stream=True, host=host)
-        else:
-            yield _with_eos(pending)
-
-    def records(self, job_id: str, batch_events: int = 4096, shift_ns: int = 0, host: str = "") -> Iterator[Record]:
-        """Steps, then phase batches, then kernel batches (the last one ``end_of_stream``) of this rank."""
-        yield from self.step_records(job_id, shift_ns)
-        yield from self.phase_batches(job_id, shift_ns)
-        yield from self.kernel_batches(job_id, batch_events, shift_ns, host=host)
-
-    # -- helpers ---------------------------------------------------------------------------------------
-
-    def _rows(self, n: int) -> Iterator[npt.NDArray[Any]]:
-        if self._spill is None or not self.kernel_events:
+    def rows(self, n: int) -> Iterator[npt.NDArray[Any]]:
+        """The kernels in file order, ``n`` per array (fields name, stream, start, dur; absolute ns)."""
+        if self.spill is None or not self.kernel_events:
             return
-        with self._spill.open("rb") as fh:
-            while True:
-                rows = np.fromfile(fh, dtype=_SPILL, count=n)
-                if not rows.shape[0]:
-                    return
-                if self.base_ns:
-                    rows["start"] += self.base_ns
+        with self.spill.open("rb") as fh:
+            while (rows := np.fromfile(fh, dtype=_SPILL, count=n)).shape[0]:
+                rows["start"] += self.base_ns
                 yield rows
 
-    def _intervals(self, gpu: bool) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int32]]:
-        """Sorted step spans ``(starts, ends, steps)`` used to assign events to steps.
-
-        ``gpu``: for GPU-timeline events (kernels, GPU annotations): a step's GPU span where annotated.
-        Otherwise, and for host events, the CPU span extended to the next step's start (the last is open).
-        """
+    def intervals(self, gpu: bool) -> Intervals:
+        """Sorted step spans ``(starts, ends, steps)`` for :func:`assign_steps` (see the module docstring)."""
         spans: list[tuple[int, int, int]] = []
         steps = sorted(self.steps, key=lambda s: s.start_ns)
         for i, s in enumerate(steps):
@@ -259,16 +197,15 @@ class RankTrace:
                 end = steps[i + 1].start_ns if i + 1 < len(steps) else _OPEN_END
                 spans.append((s.start_ns, max(end, s.start_ns + s.dur_ns), s.step))
         spans.sort()
-        return (np.array([a for a, _, _ in spans], dtype=np.int64), np.array([b for _, b, _ in spans], dtype=np.int64),
-                np.array([c for _, _, c in spans], dtype=np.int32))
+        cols = list(zip(*spans, strict=True)) or [(), (), ()]
+        return np.array(cols[0], np.int64), np.array(cols[1], np.int64), np.array(cols[2], np.int32)
 
     def close(self) -> None:
-        if self._owned_dir is not None:
-            shutil.rmtree(self._owned_dir, ignore_errors=True)
-            self._owned_dir = None
-        elif self._spill is not None:
-            self._spill.unlink(missing_ok=True)
-        self._spill = None
+        if self.owned_dir is not None:
+            shutil.rmtree(self.owned_dir, ignore_errors=True)
+        elif self.spill is not None:
+            self.spill.unlink(missing_ok=True)
+        self.spill = self.owned_dir = None
 
     def __enter__(self) -> RankTrace:
         return self
@@ -277,86 +214,113 @@ class RankTrace:
         self.close()
 
 
-def _assign(iv: tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int32]],
-            t: npt.NDArray[np.int64]) -> npt.NDArray[np.int32]:
+def assign_steps(iv: Intervals, t: npt.NDArray[np.int64]) -> npt.NDArray[np.int32]:
+    """Per time in ``t``: the step of the span containing it, else -1."""
     starts, ends, steps = iv
     if not starts.shape[0]:
         return np.full(t.shape[0], -1, dtype=np.int32)
     idx = np.searchsorted(starts, t, side="right") - 1
     safe = np.clip(idx, 0, None)
-    ok = (idx >= 0) & (t < ends[safe])
-    return np.where(ok, steps[safe], -1).astype(np.int32)
+    return np.where((idx >= 0) & (t < ends[safe]), steps[safe], -1).astype(np.int32)
 
 
-def _with_eos(b: KernelBatch) -> KernelBatch:
-    return KernelBatch(job_id=b.job_id, rank=b.rank, seq=b.seq, names=b.names, name_idx=b.name_idx, stream=b.stream,
-                       start_ns=b.start_ns, duration_ns=b.duration_ns, step=b.step, host=b.host, end_of_stream=True)
-
-
-# -- file reading ---------------------------------------------------------------------------------------
+# -- reading -------------------------------------------------------------------------------------------
 
 
 def _open(path: Path) -> IO[bytes]:
-    fh = path.open("rb")
-    magic = fh.read(2)
-    fh.seek(0)
-    if magic == b"\x1f\x8b":
-        return gzip.GzipFile(fileobj=fh, mode="rb")  # type: ignore[return-value]
-    return fh
+    with path.open("rb") as fh:
+        gz = fh.read(2) == b"\x1f\x8b"
+    return cast(IO[bytes], gzip.open(path, "rb")) if gz else path.open("rb")
 
 
 def _fail(path: Path, reason: str, exc: BaseException | None = None) -> ProducerError:
     return ProducerError(f"{path.name}: not a Kineto trace: {reason}" + (f" ({exc})" if exc else ""))
 
 
-_READ_ERRORS = (ijson.JSONError, OSError, EOFError, zlib.error, UnicodeDecodeError)
-
-
 def _head(path: Path) -> tuple[dict[str, Any], str]:
     """Top-level keys before ``traceEvents`` and the prefix of the events (``traceEvents.item`` or ``item``)."""
-    meta: dict[str, Any] = {}
-    key: str | None = None
-    builder: Any = None
-    depth = 0
+    state: dict[str, str] = {}
+
+    def until_events(events: Iterator[tuple[str, str, Any]]) -> Iterator[tuple[str, str, Any]]:
+        for prefix, event, value in events:
+            if prefix == "" and event == "start_array":  # a bare array of events ("JSON Array Format")
+                state["events"] = "item"
+                return
+            if prefix == "traceEvents":  # the first event of its value
+                state["events"] = "traceEvents.item" if event == "start_array" else ""
+                return
+            if prefix == "" and event not in ("start_map", "map_key", "end_map"):
+                raise _fail(path, "the top level is not a JSON object")
+            yield prefix, event, value
+
     try:
         with _open(path) as fh:
-            for prefix, event, value in _IJSON.parse(fh, buf_size=64 * 1024):
-                if builder is not None:
-                    builder.event(event, value)
-                    depth += 1 if event in ("start_map", "start_array") else -1 if event in ("end_map", "end_array") else 0
-                    if depth == 0:
-                        meta[key or ""], builder = builder.value, None
-                    continue
-                if prefix == "":
-                    if event == "start_array":
-                        return meta, "item"  # a bare JSON array of events (Chrome "JSON Array Format")
-                    if event == "map_key":
-                        key = value
-                    elif event == "end_map":
-                        break
-                    elif event != "start_map":
-                        raise _fail(path, "the top level is not a JSON object")
-                    continue
-                if key == "traceEvents":
-                    if event != "start_array":
-                        raise _fail(path, "traceEvents is not an array")
-                    return meta, "traceEvents.item"
-                if event in ("start_map", "start_array"):
-                    builder, depth = ijson.ObjectBuilder(), 1
-                    builder.event(event, value)
-                else:
-                    meta[key or ""] = value
+            meta = dict(_IJSON.kvitems(until_events(_IJSON.parse(fh)), ""))
     except _READ_ERRORS as exc:
         raise _fail(path, "invalid JSON or compression", exc) from exc
-    raise _fail(path, "no traceEvents array")
+    if "events" not in state:
+        raise _fail(path, "no traceEvents array")
+    if not state["events"]:
+        raise _fail(path, "traceEvents is not an array")
+    return meta, state["events"]
+
+
+class _TailReader:
+    """File wrapper keeping the last :data:`_TAIL` bytes read and counting all."""
+
+    def __init__(self, fh: IO[bytes]) -> None:
+        self.fh, self.tail, self.total = fh, bytearray(), 0
+
+    def read(self, n: int = -1) -> bytes:
+        data = self.fh.read(n)
+        self.total += len(data)
+        self.tail += data
+        if len(self.tail) > 2 * _TAIL:
+            del self.tail[:-_TAIL]
+        return data
+
+
+def _tail_keys(data: bytes) -> dict[str, Any]:
+    """The top-level members written after the ``traceEvents`` array, from the file's last bytes."""
+    text, decoder = data.decode("utf-8", errors="replace"), json.JSONDecoder()
+    # When the whole file is in the tail, members before the array also end in "}]": start at its key.
+    for m in _TAIL_CANDIDATE.finditer(text, max(0, text.rfind('"traceEvents"'))):
+        found = _members(text, m.end() - 1, decoder)
+        if found is not None and "traceEvents" not in found:
+            return found
+    return {}
+
+
+def _members(text: str, pos: int, decoder: json.JSONDecoder) -> dict[str, Any] | None:
+    """``, "k": v, ... }`` from ``pos`` to the end of ``text`` as a dict; None if it is not exactly that.
+    Parsed in place, member by member, so a wrong candidate fails after one member."""
+    out: dict[str, Any] = {}
+    while True:
+        pos = _skip(text, pos)
+        if text.startswith("}", pos):
+            return out if _skip(text, pos + 1) == len(text) else None
+        if not text.startswith(",", pos):
+            return None
+        try:
+            key, pos = decoder.raw_decode(text, _skip(text, pos + 1))
+            pos = _skip(text, pos)
+            if not isinstance(key, str) or not text.startswith(":", pos):
+                return None
+            out[key], pos = decoder.raw_decode(text, _skip(text, pos + 1))
+        except ValueError:
+            return None
+
+
+def _skip(text: str, pos: int) -> int:
+    return _WS.match(text, pos).end()  # type: ignore[union-attr]  # "\s*" always matches
 
 
 class _Collector:
-    """Per-event state of the single pass over ``traceEvents``."""
+    """Per-event state of the pass over ``traceEvents``; times on the trace's clock (ts * 1000)."""
 
     def __init__(self, spill: IO[bytes]) -> None:
         self.spill = spill
-        self.cats: dict[Any, tuple[str, bool]] = {}
+        self.cats: dict[str, tuple[str, bool]] = {}
         self.names: list[str] = []
         self.name_ids: dict[str, int] = {}
         self.streams: Counter[int] = Counter()
@@ -364,47 +328,11 @@ class _Collector:
         self.cpu_steps: dict[int, tuple[int, int]] = {}
         self.gpu_steps: dict[int, tuple[int, int]] = {}
         self.phases: list[Phase] = []
-        self.buf: tuple[list[int], list[int], list[int], list[int]] = ([], [], [], [])
-        self.n = 0
+        self.buf: list[tuple[int, int, int, int]] = []
+        self.n = self.max_lag = 0
         self.first: int | None = None
         self.last_end: int | None = None
         self.watermark: int | None = None
-        self.max_lag = 0
-
-    def _kind(self, cat: Any) -> tuple[str, bool]:
-        hit = self.cats.get(cat)
-        if hit is None:
-            low = cat.lower()
-            hit = ("gpu", True) if low in GPU_CATEGORIES else ("ann", _ANNOTATIONS[low]) if low in _ANNOTATIONS else ("", False)
-            if len(self.cats) < 1024:
-                self.cats[cat] = hit
-        return hit
-
-    def _times(self, e: dict[str, Any]) -> tuple[int, int] | None:
-        ts, dur = e.get("ts"), e.get("dur")
-        if ts is None:
-            self.skipped["missing_ts"] += 1
-            return None
-        if dur is None:
-            self.skipped["missing_dur"] += 1
-            return None
-        t, d = to_ns(ts), to_ns(dur)
-        if t is None:
-            self.skipped["invalid_ts"] += 1
-            return None
-        if d is None:
-            self.skipped["invalid_dur"] += 1
-            return None
-        if not -_MAX_NS < t < _MAX_NS:
-            self.skipped["invalid_ts"] += 1
-            return None
-        if d < 0:
-            self.skipped["negative_dur"] += 1
-            return None
-        if d >= _MAX_NS:
-            self.skipped["invalid_dur"] += 1
-            return None
-        return t, d
 
     def event(self, e: Any) -> None:
         if type(e) is not dict:
@@ -413,51 +341,62 @@ class _Collector:
         cat = e.get("cat")
         if type(cat) is not str:
             return
-        kind, on_gpu = self._kind(cat)
+        hit = self.cats.get(cat)
+        if hit is None:
+            low = cat.lower()
+            hit = (("gpu", True) if low in GPU_CATEGORIES else ("ann", _ANNOTATIONS[low]) if low in _ANNOTATIONS
+                   else ("", False))
+            if len(self.cats) < 1024:
+                self.cats[cat] = hit
+        kind, on_gpu = hit
         if not kind or e.get("ph", "X") != "X":
             return
         name = e.get("name")
         name = name.strip() if isinstance(name, str) else ""
-        if not name:
-            self.skipped["missing_name"] += 1
-            return
-        times = self._times(e)
-        if times is None:
-            return
+        reason, start, dur = self._check(name, e.get("ts"), e.get("dur"))
         args = e.get("args")
         stream = args.get("stream") if type(args) is dict else None
-        if type(stream) is not int or not 0 <= stream < _U32:
-            tid = e.get("tid")
-            stream = tid if type(tid) is int and 0 <= tid < _U32 else None
-        if kind == "gpu":
-            if stream is None:
-                self.skipped["missing_stream"] += 1
-                return
-            self._kernel(name, stream, *times)
+        if type(stream) is not int or not 0 <= stream < 2**32:
+            tid = e.get("tid")  # Kineto's GPU rows: tid = stream
+            stream = tid if type(tid) is int and 0 <= tid < 2**32 else None
+        if not reason and kind == "gpu" and stream is None:
+            reason = "missing_stream"
+        if reason:
+            self.skipped[reason] += 1
+        elif kind == "gpu":
+            self._kernel(name, stream or 0, start, dur)
         else:
-            self._annotation(name, on_gpu, -1 if stream is None or not on_gpu else stream, *times)
+            self._annotation(name, on_gpu, stream if on_gpu and stream is not None else -1, start, dur)
+
+    @staticmethod
+    def _check(name: str, ts: Any, dur: Any) -> tuple[str, int, int]:
+        """('' or the reason to skip, start ns, duration ns)."""
+        if not name:
+            return "missing_name", 0, 0
+        if ts is None or dur is None:
+            return "missing_ts" if ts is None else "missing_dur", 0, 0
+        t, d = to_ns(ts), to_ns(dur)
+        if t is None or not -_MAX_NS < t < _MAX_NS:
+            return "invalid_ts", 0, 0
+        if d is None or d >= _MAX_NS:
+            return "invalid_dur", 0, 0
+        return ("negative_dur" if d < 0 else ""), t, d
 
     def _kernel(self, name: str, stream: int, start: int, dur: int) -> None:
         idx = self.name_ids.get(name)
         if idx is None:
             idx = self.name_ids[name] = len(self.names)
             self.names.append(name)
-        names, streams, starts, durs = self.buf
-        names.append(idx)
-        streams.append(stream)
-        starts.append(start)
-        durs.append(dur)
+        self.buf.append((idx, stream, start, dur))
         self.streams[stream] += 1
         self.n += 1
         if self.watermark is None or start > self.watermark:
             self.watermark = start
-        elif self.watermark - start > self.max_lag:
-            self.max_lag = self.watermark - start
-        if self.first is None or start < self.first:
-            self.first = start
-        if self.last_end is None or start + dur > self.last_end:
-            self.last_end = start + dur
-        if len(names) >= _SPILL_ROWS:
+        else:
+            self.max_lag = max(self.max_lag, self.watermark - start)
+        self.first = start if self.first is None else min(self.first, start)
+        self.last_end = start + dur if self.last_end is None else max(self.last_end, start + dur)
+        if len(self.buf) >= _SPILL_ROWS:
             self.flush()
 
     def _annotation(self, name: str, on_gpu: bool, stream: int, start: int, dur: int) -> None:
@@ -468,33 +407,29 @@ class _Collector:
         step = int(m.group(1))
         if step >= 2**31:
             self.skipped["invalid_step"] += 1
-            return
-        if on_gpu:
-            old = self.gpu_steps.get(step)
-            self.gpu_steps[step] = (start, start + dur) if old is None else (min(old[0], start),
-                                                                            max(old[1], start + dur))
+        elif on_gpu:
+            old = self.gpu_steps.get(step, (start, start + dur))
+            self.gpu_steps[step] = (min(old[0], start), max(old[1], start + dur))
         elif step in self.cpu_steps:
             self.skipped["duplicate_step"] += 1
         else:
             self.cpu_steps[step] = (start, dur)
 
     def flush(self) -> None:
-        names, streams, starts, durs = self.buf
-        if not names:
-            return
-        rows = np.empty(len(names), dtype=_SPILL)
-        rows["name"], rows["stream"], rows["start"], rows["dur"] = names, streams, starts, durs
-        rows.tofile(self.spill)
-        for col in self.buf:
-            col.clear()
+        if self.buf:
+            cols = np.array(self.buf, dtype=np.int64)
+            rows = np.empty(cols.shape[0], dtype=_SPILL)
+            for i, f in enumerate(_SPILL.names or ()):
+                rows[f] = cols[:, i]
+            rows.tofile(self.spill)
+            self.buf.clear()
 
-    def steps(self) -> list[StepSpan]:
+    def step_spans(self, base: int) -> list[StepSpan]:
         out = []
-        for step in sorted(set(self.cpu_steps) | set(self.gpu_steps)):
+        for step in set(self.cpu_steps) | set(self.gpu_steps):
             g = self.gpu_steps.get(step)
-            c = self.cpu_steps.get(step)
-            start, dur = c if c is not None else (g[0], g[1] - g[0]) if g is not None else (0, 0)
-            out.append(StepSpan(step, start, dur, g[0] if g else None, g[1] if g else None))
+            start, dur = self.cpu_steps.get(step) or (g[0], g[1] - g[0])  # type: ignore[index]
+            out.append(StepSpan(step, start + base, dur, g and g[0] + base, g and g[1] + base))
         return sorted(out, key=lambda s: s.start_ns)
 
 
@@ -506,57 +441,43 @@ def parse_rank(path: Path, spill_dir: Path | None = None) -> RankTrace:
         spill_dir: where to put the kernel spill file; default: a private temporary directory.
 
     Raises:
-        ProducerError: the file is not a trace (bad JSON or gzip, no ``traceEvents``), or no rank is known
-            (neither ``distributedInfo.rank`` nor a number in the file name).
+        ProducerError: the file is not a trace (bad JSON or gzip, no ``traceEvents`` array), or its rank is
+            unknown (neither ``distributedInfo.rank`` nor a number in the file name).
     """
     path = Path(path)
-    meta, events_prefix = _head(path)
+    meta, prefix = _head(path)
     owned = Path(tempfile.mkdtemp(prefix="argus-kineto-")) if spill_dir is None else None
     with tempfile.NamedTemporaryFile("wb", dir=owned or spill_dir, suffix=".kernels", delete=False) as sp:
         spill = Path(sp.name)
-    ok = False
-    try:
-        with spill.open("wb") as sp:
-            col = _Collector(sp)
-            late = _scan(path, events_prefix, col, late_meta="distributedInfo" not in meta)
-            col.flush()
-        for key, value in late.items():
-            meta.setdefault(key, value)
-        trace = _build(path, meta, col, spill, owned)
-        _finish_steps(trace)
-        ok = True
-        return trace
-    finally:
-        if not ok:
-            if owned is not None:
-                shutil.rmtree(owned, ignore_errors=True)
-            else:
-                spill.unlink(missing_ok=True)
-
-
-def _scan(path: Path, prefix: str, col: _Collector, late_meta: bool) -> dict[str, Any]:
-    events = ijson.sendable_list()
-    coros = [_IJSON.items_coro(events, prefix)]
-    late: dict[str, list[Any]] = {}
-    if late_meta and prefix != "item":
-        for key in _LATE_KEYS:
-            late[key] = ijson.sendable_list()
-            coros.append(_IJSON.items_coro(late[key], key))
-    try:
-        with _open(path) as fh:
-            while chunk := fh.read(_CHUNK):
-                for c in coros:
-                    c.send(chunk)
-                for e in events:
+        col = _Collector(sp)
+        try:
+            with _open(path) as fh:
+                reader = _TailReader(fh)
+                for e in _IJSON.items(reader, prefix, buf_size=_CHUNK):
                     col.event(e)
-                events.clear()
-            for c in coros:
-                c.close()
-        for e in events:
-            col.event(e)
-    except _READ_ERRORS as exc:
-        raise _fail(path, "invalid JSON or compression", exc) from exc
-    return {k: v[0] for k, v in late.items() if v}
+            col.flush()
+        except _READ_ERRORS as exc:
+            _discard(spill, owned)
+            raise _fail(path, "invalid JSON or compression", exc) from exc
+    if prefix != "item":
+        for key, value in _tail_keys(bytes(reader.tail[-_TAIL:])).items():
+            meta.setdefault(key, value)
+        if "distributedInfo" not in meta and reader.total > _TAIL:
+            with _open(path) as fh:  # written before the last bytes: one more (C-level) scan
+                meta["distributedInfo"] = next(iter(_IJSON.items(fh, "distributedInfo")), None)
+    try:
+        trace = _build(path, meta, col, spill, owned)
+    except ProducerError:
+        _discard(spill, owned)
+        raise
+    _kernel_spans(trace)
+    return trace
+
+
+def _discard(spill: Path, owned: Path | None) -> None:
+    spill.unlink(missing_ok=True)
+    if owned is not None:
+        shutil.rmtree(owned, ignore_errors=True)
 
 
 def _build(path: Path, meta: dict[str, Any], col: _Collector, spill: Path, owned: Path | None) -> RankTrace:
@@ -568,51 +489,34 @@ def _build(path: Path, meta: dict[str, Any], col: _Collector, spill: Path, owned
         if rank is None:
             raise ProducerError(f"{path.name}: no rank: neither distributedInfo.rank nor a rank number in the file "
                                 f"name (e.g. rank-1, rank1, worker3)")
-    ws = info.get("world_size")
-    pg = info.get("pg_config")
-    pg_list = list(pg.values()) if isinstance(pg, dict) else pg if isinstance(pg, list) else []
-    dev = meta.get("deviceProperties")
+    ws, pg, dev = info.get("world_size"), info.get("pg_config"), meta.get("deviceProperties")
+    pgs = list(pg.values()) if isinstance(pg, dict) else pg if isinstance(pg, list) else []
     device = dev[0].get("name") if isinstance(dev, list) and dev and isinstance(dev[0], dict) else None
-    host = meta.get("host_name")
-    base = meta.get("baseTimeNanoseconds")
+    host, base = meta.get("host_name"), meta.get("baseTimeNanoseconds")
     base = base if type(base) is int and 0 <= base < _MAX_NS else 0
-    # Everything was read on the trace's clock (ts * 1000); public times are absolute: + baseTimeNanoseconds.
-    steps = [StepSpan(s.step, s.start_ns + base, s.dur_ns, None if s.gpu_start_ns is None else s.gpu_start_ns + base,
-                      None if s.gpu_end_ns is None else s.gpu_end_ns + base) for s in col.steps()]
-    phases = [Phase(p.kind, p.name, p.stream, p.start_ns + base, p.dur_ns, p.on_gpu) for p in col.phases]
     return RankTrace(
-        path=path, rank=rank, world_size=ws if type(ws) is int and ws > 0 else None,
-        base_ns=base, pg_config=[g for g in pg_list if isinstance(g, dict)],
-        device=device if isinstance(device, str) else None, host=host if isinstance(host, str) else None,
-        steps=steps, phases=phases, kernel_events=col.n, names=col.names, streams=dict(col.streams),
-        skipped=col.skipped, first_kernel_ns=None if col.first is None else col.first + base,
+        path=path, rank=rank, world_size=ws if type(ws) is int and ws > 0 else None, base_ns=base,
+        pg_config=[g for g in pgs if isinstance(g, dict)], device=device if isinstance(device, str) else None,
+        host=host if isinstance(host, str) else None, steps=col.step_spans(base),
+        phases=[Phase(p.kind, p.name, p.stream, p.start_ns + base, p.dur_ns, p.on_gpu) for p in col.phases],
+        kernel_events=col.n, names=col.names, streams=dict(col.streams), skipped=col.skipped,
+        first_kernel_ns=None if col.first is None else col.first + base,
         last_kernel_end_ns=None if col.last_end is None else col.last_end + base, max_lag_ns=col.max_lag,
-        _spill=spill, _owned_dir=owned)
+        spill=spill, owned_dir=owned)
 
 
-def _finish_steps(trace: RankTrace) -> None:
+def _kernel_spans(trace: RankTrace) -> None:
     """Per step: first kernel start and last kernel end of its kernels (one binary pass over the spill)."""
     if not trace.steps:
         return
-    iv = trace._intervals(gpu=True)
+    iv = trace.intervals(gpu=True)
     lo: dict[int, int] = {}
     hi: dict[int, int] = {}
-    for rows in trace._rows(_SPILL_ROWS):
-        step = _assign(iv, rows["start"])
-        ends = rows["start"] + rows["dur"]
-        for s in np.unique(step):
-            if s < 0:
-                continue
-            sel = step == s
-            a, b = int(rows["start"][sel].min()), int(ends[sel].max())
-            lo[int(s)] = min(lo.get(int(s), a), a)
-            hi[int(s)] = max(hi.get(int(s), b), b)
+    for rows in trace.rows(_SPILL_ROWS):
+        steps, ends = assign_steps(iv, rows["start"]), rows["start"] + rows["dur"]
+        for s in np.unique(steps[steps >= 0]).tolist():
+            sel = steps == s
+            lo[s] = min(lo.get(s, _OPEN_END), int(rows["start"][sel].min()))
+            hi[s] = max(hi.get(s, -_OPEN_END), int(ends[sel].max()))
     trace.steps = [StepSpan(s.step, s.start_ns, s.dur_ns, s.gpu_start_ns, s.gpu_end_ns, lo.get(s.step),
                             hi.get(s.step)) for s in trace.steps]
-
-
-def read_trace(path: Path, job_id: str = "kineto", batch_events: int = 4096, shift_ns: int = 0) -> Iterator[Record]:
-    """Parse one rank's file and yield its records (steps, phase batches, kernel batches; see
-    :meth:`RankTrace.records`). Pure: no Kafka. Raises :class:`ProducerError` like :func:`parse_rank`."""
-    with contextlib.closing(parse_rank(path)) as trace:
-        yield from trace.records(job_id, batch_events, shift_ns, host=trace.host or "")

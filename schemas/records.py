@@ -20,6 +20,7 @@ from argus.errors import SchemaError
 from schemas.codec import codec
 
 __all__ = [
+    "CpuStack",
     "DeadLetter",
     "Finding",
     "JobLifecycle",
@@ -395,3 +396,31 @@ class DeadLetter(Record):
     stage: str
     time_ns: int
     key: bytes | None = field(default=None)
+
+
+@dataclass(frozen=True)
+class CpuStack(Record):
+    """py-spy stacks of one rank's process, captured for a finding; see ``schemas/cpu_stack.v1.avsc``."""
+
+    SCHEMA: ClassVar[str] = "cpu_stack"
+
+    job_id: str
+    rank: int
+    host: str
+    pid: int
+    time_ns: int
+    finding_id: str
+    stacks_json: str
+
+    def check(self) -> None:
+        if not self.job_id or self.rank < 0 or self.pid <= 0:
+            raise SchemaError(f"cpu stack {self.job_id!r}/{self.rank}: invalid job_id, rank or pid {self.pid}")
+
+    @property
+    def stacks(self) -> list[dict[str, Any]]:
+        """The decoded py-spy threads (empty if ``stacks_json`` is not a JSON array)."""
+        try:
+            out = json.loads(self.stacks_json)
+        except ValueError:
+            return []
+        return list(out) if isinstance(out, list) else []

@@ -9,11 +9,16 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from typing import Any
 
 from argus.errors import ArgusError
 from argus.settings import Settings
+from sinks.clickhouse import QueryResult
 from sinks.query_server import run_query
+
+#: Runs one SQL statement; defaults to :func:`sinks.query_server.run_query` on the settings.
+Query = Callable[[str], QueryResult]
 
 __all__ = ["diagnosis_complete", "fetch_findings", "wait_diagnosed"]
 
@@ -22,10 +27,14 @@ def _quote(value: str) -> str:
     return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
-def fetch_findings(settings: Settings, job_id: str) -> list[dict[str, Any]]:
+def _runner(settings: Settings, query: Query | None) -> Query:
+    return query if query is not None else (lambda sql: run_query(settings, sql))
+
+
+def fetch_findings(settings: Settings, job_id: str, query: Query | None = None) -> list[dict[str, Any]]:
     """The job's findings, deduplicated, ordered by level, kind, first step and ranks."""
     db = settings.clickhouse_database
-    res = run_query(settings, f"""
+    res = _runner(settings, query)(f"""
         SELECT job_id, level, kind, ranks, phase, kernel, stream, steps, score, evidence_json, time_ns
         FROM `{db}`.findings FINAL WHERE job_id = {_quote(job_id)}
         ORDER BY level, kind, steps, ranks, phase, kernel""")
@@ -38,22 +47,22 @@ def fetch_findings(settings: Settings, job_id: str) -> list[dict[str, Any]]:
     return out
 
 
-def diagnosis_complete(settings: Settings, job_id: str) -> bool:
+def diagnosis_complete(settings: Settings, job_id: str, query: Query | None = None) -> bool:
     """True once the job's END was processed by every detector part and their output is in ClickHouse:
     the L1/L2 part and one L3 part per partition of the summaries topic."""
     db = settings.clickhouse_database
-    row = run_query(settings, f"""
+    row = _runner(settings, query)(f"""
         SELECT countIf(part = 'l1l2'), countIf(startsWith(part, 'l3/'))
         FROM `{db}`.jobs FINAL WHERE job_id = {_quote(job_id)} AND event = 'DIAGNOSED'""").rows[0]
     return int(row[0]) >= 1 and int(row[1]) >= settings.partitions
 
 
-def wait_diagnosed(settings: Settings, job_id: str, timeout_s: float) -> bool:
+def wait_diagnosed(settings: Settings, job_id: str, timeout_s: float, query: Query | None = None) -> bool:
     """Block until :func:`diagnosis_complete` or ``timeout_s`` passes; returns whether it completed."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            if diagnosis_complete(settings, job_id):
+            if diagnosis_complete(settings, job_id, query):
                 return True
         except ArgusError:
             pass  # the sink may be starting; keep waiting until the deadline

@@ -17,6 +17,7 @@ import pyarrow as pa
 
 from argus.topics import Topic
 from schemas.records import (
+    CpuStack,
     DeadLetter,
     Finding,
     JobLifecycle,
@@ -109,6 +110,10 @@ def _dead_letter_rows(r: DeadLetter) -> Iterable[tuple[Any, ...]]:
     yield (r.topic, r.partition, r.offset, r.stage, job_id, r.key, r.payload, r.reason, r.time_ns, events)
 
 
+def _cpu_stack_rows(r: CpuStack) -> Iterable[tuple[Any, ...]]:
+    yield (r.job_id, r.rank, r.finding_id, r.time_ns, r.host, r.pid, r.stacks_json)
+
+
 _LC = "LowCardinality(String)"
 _A64 = "Array(Int64)"
 _AL = pa.list_(_I64)
@@ -151,6 +156,11 @@ TABLES: dict[str, Table] = {t.name: t for t in (
                            ("payload", "String", pa.binary()), ("reason", "String", _STR),
                            ("time_ns", "Int64", _I64), ("kernel_events", "Int64", _I64)),
           ("topic", "partition", "offset", "stage"), _dead_letter_rows),
+    Table("cpu_stacks", (("job_id", _LC, _STR), ("rank", "Int32", _I32), ("finding_id", "String", _STR),
+                         ("time_ns", "Int64", _I64), ("host", _LC, _STR), ("pid", "Int32", _I32),
+                         ("stacks_json", "String", _STR)),
+          ("job_id", "rank", "finding_id", "time_ns"), _cpu_stack_rows,
+          aliases=("`time` DateTime64(9) ALIAS fromUnixTimestamp64Nano(time_ns)",)),
 )}
 
 TABLE_OF_TOPIC: dict[Topic, Table] = {
@@ -161,5 +171,6 @@ TABLE_OF_TOPIC: dict[Topic, Table] = {
     Topic.LIFECYCLE: TABLES["jobs"],
     Topic.FINDINGS: TABLES["findings"],
     Topic.DEAD_LETTER: TABLES["dead_letters"],
+    Topic.STACKS: TABLES["cpu_stacks"],
 }
 

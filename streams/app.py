@@ -9,6 +9,7 @@ before their message is acked. Run it with ``argus worker``.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -25,6 +26,7 @@ from argus.topics import Topic, job_key, kernel_key
 from detectors.kde_clusters import KdeParams
 from schemas.records import DeadLetter, JobLifecycle, KernelBatch, LifecycleEvent
 from streams.compression import summarize_windows
+from streams.diagnosis_agents import install_diagnosis, summary_end_marker
 from streams.windows import ClosedWindow, WindowBuffer
 
 __all__ = ["CompressionStats", "create_app"]
@@ -141,7 +143,14 @@ def create_app(settings: Settings) -> faust.App:
                 ranks = {r for (j, r), p in partition_of.items() if j == batch.job_id and p == part}
                 for r in ranks:
                     del partition_of[(batch.job_id, r)]
-                ack([token, *await emit(buffer.flush_job(batch.job_id, ranks))])
+                free = await emit(buffer.flush_job(batch.job_id, ranks))
+                # Tell every summaries partition that this kernel partition has finished the job (for L3).
+                marker = summary_end_marker(batch.job_id, part).encode()
+                futs = [await summaries.send(key=job_key(batch.job_id), value=marker, partition=q, force=True)
+                        for q in range(settings.partitions)]
+                for fut in futs:
+                    await fut
+                ack([token, *free])
                 continue
             stats.batches += 1
             stats.events_in += len(batch)
@@ -185,13 +194,16 @@ def create_app(settings: Settings) -> faust.App:
         pending.clear()
         partition_of.clear()
 
+    diagnosis = install_diagnosis(app, settings)
+
     @app.page("/health")
     async def health(web: Any, request: Any) -> Any:
         return web.json({"ok": True, "app": settings.app_id})
 
     @app.page("/stats")
     async def stats_page(web: Any, request: Any) -> Any:
-        return web.json({**stats.as_dict(), "open_windows": buffer.open_windows, "pending_messages": len(pending)})
+        return web.json({**stats.as_dict(), "open_windows": buffer.open_windows, "pending_messages": len(pending),
+                         "diagnosis": dataclasses.asdict(diagnosis)})
 
     app.argus_stats = stats  # type: ignore[attr-defined]
     return app

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from schemas.records import (
+    CpuStack,
     DeadLetter,
     Finding,
     JobLifecycle,
@@ -48,4 +49,7 @@ def samples() -> dict[str, Record]:
                            phase="mlp"),
         "dead_letter": DeadLetter("argus.kernels", 2, 40, b"\x00\x01", "not an argus Avro message", "compress",
                                   T0, key=b"job-a/3"),
+        "cpu_stack": CpuStack("job-a", 5, "node0000", 4242, T0, "f1",
+                              '[{"thread_id": 1, "thread_name": "MainThread", "owns_gil": true, "active": true, '
+                              '"frames": [{"name": "train_step", "filename": "train.py", "line": 12}]}]'),
     }

@@ -1,0 +1,95 @@
+"""Detector results as :class:`~schemas.records.Finding` records, with deterministic ids.
+
+Kinds are the lower-case values of the detectors' enums: ``iteration_spike`` and ``step_regression``
+(L1), ``compute_straggler``, ``phase_straggler`` and ``pp_stage_slow`` (L2), ``kernel_degraded``,
+``link_degraded`` and ``compute_straggler`` (L3, a late arrival seen in a collective kernel).
+
+``finding_id`` is the SHA-1 (hex) of the canonical JSON array ``[job_id, level, kind, ranks, phase,
+kernel, stream, steps]``: the same diagnosis re-derived after a replay or a re-delivery gets the same id,
+so the sink can deduplicate; the score, evidence and time do not enter it. ``evidence_json`` is the
+result's evidence as compact JSON with sorted keys; numpy scalars become numbers, tuples lists, enums
+their values, and NaN or infinite floats ``null``.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import json
+import math
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import numpy as np
+
+from argus.errors import DetectorError
+from detectors.l1_iteration import L1Result
+from detectors.l2_phases import L2Result
+from detectors.l3_kernels import L3Result
+from schemas.records import Finding
+
+__all__ = ["DetectorResult", "finding_id", "to_finding", "to_findings"]
+
+#: Any detector's result.
+DetectorResult = L1Result | L2Result | L3Result
+
+
+def finding_id(job_id: str, level: str, kind: str, ranks: Iterable[int], phase: str | None, kernel: str | None,
+               stream: int | None, steps: Iterable[int]) -> str:
+    """SHA-1 hex digest of the canonical JSON of the finding's identity (see the module docstring)."""
+    key = [job_id, level, kind, sorted(int(r) for r in ranks), phase, kernel, stream, [int(s) for s in steps]]
+    return hashlib.sha1(json.dumps(key, separators=(",", ":")).encode("utf-8")).hexdigest()
+
+
+def to_finding(job_id: str, result: DetectorResult, time_ns: int) -> Finding:
+    """The :class:`Finding` of one detector result.
+
+    ``time_ns``: the event time the finding refers to (the last analysed step's start, or the newest
+    window end), integer ns since the Unix epoch. Raises :class:`DetectorError` for an empty ``job_id``,
+    a negative ``time_ns``, a non-finite score or evidence that cannot be written as JSON.
+    """
+    if not job_id:
+        raise DetectorError("job_id must not be empty")
+    if time_ns < 0:
+        raise DetectorError(f"time_ns must be >= 0, got {time_ns}")
+    score = float(result.score)
+    if not math.isfinite(score):
+        raise DetectorError(f"{result.kind.value}: score must be finite, got {score}")
+    ranks: tuple[int, ...] = () if isinstance(result, L1Result) else tuple(sorted(int(r) for r in result.ranks))
+    phase = result.phase if isinstance(result, L2Result) else None
+    kernel = result.kernel if isinstance(result, L3Result) else None
+    stream = int(result.stream) if isinstance(result, L3Result) else None
+    steps = tuple(int(s) for s in result.steps)
+    level, kind = result.level, result.kind.value
+    try:
+        evidence = json.dumps(_jsonable(result.evidence), sort_keys=True, allow_nan=False, separators=(",", ":"))
+    except (TypeError, ValueError) as exc:
+        raise DetectorError(f"{kind}: evidence is not JSON-serializable: {exc}") from exc
+    return Finding(
+        finding_id=finding_id(job_id, level.value, kind, ranks, phase, kernel, stream, steps),
+        job_id=job_id, level=level, kind=kind, ranks=ranks, steps=steps, score=score, evidence_json=evidence,
+        time_ns=int(time_ns), phase=phase, kernel=kernel, stream=stream,
+    )
+
+
+def to_findings(job_id: str, results: Iterable[DetectorResult], time_ns: int) -> list[Finding]:
+    """:func:`to_finding` of each result, in order."""
+    return [to_finding(job_id, r, time_ns) for r in results]
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {str(k.value if isinstance(k, enum.Enum) else k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set, frozenset, np.ndarray)):
+        items = sorted(value) if isinstance(value, (set, frozenset)) else list(value)
+        return [_jsonable(v) for v in items]
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    if isinstance(value, (int, np.integer)):
+        return int(value)
+    if isinstance(value, (float, np.floating)):
+        f = float(value)
+        return f if math.isfinite(f) else None
+    return value

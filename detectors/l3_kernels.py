@@ -1,0 +1,412 @@
+"""L3 diagnosis: which ranks run one (kernel, stream) slower than the rest, from the compressed windows.
+
+Input: every :class:`~schemas.records.KernelSummary` of one (job, kernel, stream), each holding cluster
+rows of some ranks and windows. All windows of a rank are merged into one log-normal mixture (weights =
+cluster counts; see :mod:`detectors.mixture`). Per comparison set of ranks:
+
+1. **W1 to a robust reference.** Every rank's mixture CDF is evaluated on one shared geometric grid of
+   ``G`` points, the reference is the pointwise median of the ``R`` CDFs, and each rank's 1-Wasserstein
+   distance to it is integrated: O(R * K * G) time and O(R * G) memory for ``K`` components per rank,
+   against O(R^2 * G) for the paper's all-pairs matrix (:func:`~detectors.mixture.w1_matrix`) -- what
+   makes 10k ranks feasible. A rank's **score** is ``W1 / mean of the reference``: a rank whose
+   durations all grew by a factor ``f`` scores about ``f - 1``. The signed integral gives the direction
+   (slower or faster than the reference). W1 sees both a shifted median and a fattened tail.
+2. **Outliers by IQR fences** on the scores (``Q3 + iqr_k * IQR``, 4+ ranks), gated by a relative
+   elevation: only ranks slower than the reference with a score of at least ``min_score`` (compute) or
+   ``collective_min_score`` (collectives) are flagged, so the small jitter of healthy ranks never is.
+3. **Group-symmetric faults.** When a whole group or half of the ranks is slow the median reference sits
+   between the two and IQR fences fail, so each rank's primary p50 (the p50 of its mode with the most
+   events, see :func:`primary_p50`) is also compared with the healthy majority, the median of the lower
+   half of those p50s: ``p50_ratio`` (3x; ``collective_p50_ratio``, 4x, for collectives) or more is slow.
+
+Compute kernels are compared within a pipeline stage (``compute_scope=STAGE``, with a topology: stages
+run different layers and the first/last also embedding/loss kernels; a slow *stage* is L2's cross-stage
+check). Collective kernels (name containing a ``collective_markers`` entry, by default ``nccl``: both
+``ncclKernel_*`` and ``ncclDevKernel_*``) are compared across the job, and interpreted with the topology,
+because a collective ends together for all members of its group and so includes waiting for the last:
+
+* every member of a group long (no member 2x shorter than the others): the group's link is degraded,
+  :attr:`L3Kind.LINK_DEGRADED` with ``ranks`` = the group; evidence ``w1_inter_over_intra_ratio`` (W1
+  between the group's and the healthy ranks' median CDFs over the mean W1 of ranks to their side's);
+* one member 2x shorter than the median of its group peers arrived late: its peers' long collectives
+  are explained and never flagged; if it is ``short_ratio`` (5x) shorter it is named a compute straggler
+  (:attr:`L3Kind.COMPUTE_STRAGGLER_BY_COLLECTIVE`). The ratio amplifies small delays when the transfer
+  is short (1.7x in healthy jobs at 1 % rank spread, 3.2x at 3 %), hence the higher naming gate. The
+  collective's group kind is not in the kernel name, so candidates of every kind are tried, largest
+  groups first, each explaining its peers (a greedy cover). L2 names the same rank from its compute
+  phases with the group known, and is the authoritative attribution;
+* slow ranks left unexplained are :attr:`L3Kind.KERNEL_DEGRADED` (``collective: true`` in evidence).
+
+Healthy jobs' collectives differ by up to ~1.75x between ranks (fast ranks wait), under every gate.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from argus.errors import DetectorError
+from detectors.l2_phases import loo_median
+from detectors.mixture import MixtureBatch, geometric_grid, mixture_cdf
+from schemas.records import JobTopology, KernelSummary, Level
+
+__all__ = ["L3Kind", "L3Params", "L3Result", "RankScores", "Scope", "detect_l3", "is_collective", "primary_p50",
+           "score_ranks"]
+
+F64 = npt.NDArray[np.float64]
+I64 = npt.NDArray[np.int64]
+#: Smallest W1 (as a fraction of the reference mean) the inter/intra ratio divides by.
+_W1_RESOLUTION = 1e-4
+#: A member this many times shorter than its group peers arrived late (explains their long collectives).
+_LATE_EXPLAINS = 2.0
+_GROUP_KINDS = (("DP", "dp_group"), ("TP", "tp_group"), ("EP", "ep_group"), ("PP", "pp_group"))
+
+
+class L3Kind(enum.Enum):
+    """What L3 found."""
+
+    KERNEL_DEGRADED = "kernel_degraded"
+    LINK_DEGRADED = "link_degraded"
+    COMPUTE_STRAGGLER_BY_COLLECTIVE = "compute_straggler"
+
+
+class Scope(enum.Enum):
+    """Which ranks compute kernels are compared among."""
+
+    JOB = "JOB"
+    STAGE = "STAGE"
+
+
+@dataclass(frozen=True)
+class L3Params:
+    """Thresholds of :func:`detect_l3` (defaults in brackets).
+
+    ``iqr_k``: IQR fence multiplier [1.5]. ``min_score``: least W1 / reference mean of a flagged compute
+    kernel [0.25]. ``collective_min_score``: the same for collectives, above healthy waiting spread [3.0].
+    ``p50_ratio``: primary p50 over the lower-half median that flags a rank [3.0].
+    ``collective_p50_ratio``: the same for collectives, above healthy waiting spread [4.0].
+    ``short_ratio``: group peers' median p50 over a member's that names it a late arrival [5.0].
+    ``min_events``: ranks with fewer events of the kernel are left out [10]. ``min_ranks``: fewest ranks
+    to compare [2]. ``grid_points``: points of the shared CDF grid [512]. ``mode_log_gap``: gap in
+    ``ln(ns)`` between component p50s that separates modes in :func:`primary_p50` [0.3]. ``compute_scope``: compare
+    compute kernels per pipeline stage or across the job [STAGE]. ``collective_markers``: lower-case
+    substrings marking a collective kernel [("nccl",)].
+
+    Raises :class:`DetectorError` for out-of-range values.
+    """
+
+    iqr_k: float = 1.5
+    min_score: float = 0.25
+    collective_min_score: float = 3.0
+    p50_ratio: float = 3.0
+    collective_p50_ratio: float = 4.0
+    short_ratio: float = 5.0
+    min_events: int = 10
+    min_ranks: int = 2
+    grid_points: int = 512
+    mode_log_gap: float = 0.3
+    compute_scope: Scope = Scope.STAGE
+    collective_markers: tuple[str, ...] = ("nccl",)
+
+    def __post_init__(self) -> None:
+        for name in ("iqr_k", "min_score", "collective_min_score"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0.0):
+                raise DetectorError(f"{name} must be finite and >= 0, got {value}")
+        for name in ("p50_ratio", "collective_p50_ratio", "short_ratio"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 1.0):
+                raise DetectorError(f"{name} must be finite and > 1, got {value}")
+        if self.min_events < 1 or self.min_ranks < 2 or self.grid_points < 16:
+            raise DetectorError("need min_events >= 1, min_ranks >= 2 and grid_points >= 16")
+        if not (math.isfinite(self.mode_log_gap) and self.mode_log_gap > 0.0) or not self.collective_markers:
+            raise DetectorError("mode_log_gap must be finite and > 0, collective_markers non-empty")
+
+
+@dataclass(frozen=True)
+class L3Result:
+    """One L3 finding about ``kernel`` on ``stream``: the ``ranks`` implicated, a unitless ``score``
+    (W1 score, p50 ratio or shortness ratio; see ``evidence``) and ``evidence`` (units in the keys)."""
+
+    kind: L3Kind
+    ranks: tuple[int, ...]
+    kernel: str
+    stream: int
+    score: float
+    evidence: dict[str, Any] = field(default_factory=dict)
+    #: Always empty: L3 findings are about ranks, not steps.
+    steps: tuple[int, ...] = ()
+
+    @property
+    def level(self) -> Level:
+        return Level.L3
+
+
+@dataclass(frozen=True, eq=False)
+class RankScores:
+    """Per-rank results of :func:`score_ranks` (arrays in the order of the input mixtures).
+
+    ``w1_ns``: W1 to the median CDF; ``shift_ns``: signed mean difference to it (> 0: slower);
+    ``score``: ``w1_ns / reference_mean_ns``; ``primary_p50_ns``: see :func:`primary_p50`.
+    ``grid``, ``cdf`` and ``weights`` (trapezoid) are kept for further distances.
+    """
+
+    w1_ns: F64
+    shift_ns: F64
+    score: F64
+    primary_p50_ns: F64
+    reference_mean_ns: float
+    grid: F64
+    cdf: F64
+    weights: F64
+
+
+def is_collective(kernel: str, markers: Sequence[str] = ("nccl",)) -> bool:
+    """Whether ``kernel`` is a collective (its lower-cased name contains one of ``markers``)."""
+    return any(m in kernel.lower() for m in markers)
+
+
+def score_ranks(mixtures: MixtureBatch, grid_points: int = 512, mode_log_gap: float = 0.3) -> RankScores:
+    """W1 of each of ``R`` mixtures to their pointwise-median CDF, in O(R * K * G) (module docstring)."""
+    grid = geometric_grid(mixtures, points=grid_points)
+    cdf = mixture_cdf(mixtures.counts, mixtures.p50_ns, mixtures.p99_ns, grid)
+    ref = np.median(np.ascontiguousarray(cdf.T), axis=1)
+    step = np.diff(grid)
+    w = np.zeros(grid.size)
+    w[:-1] += 0.5 * step
+    w[1:] += 0.5 * step
+    w1 = np.abs(cdf - ref) @ w
+    shift = (ref - cdf) @ w
+    ref_mean = float(grid[0] + (1.0 - ref) @ w)
+    return RankScores(w1, shift, w1 / ref_mean, primary_p50(mixtures, mode_log_gap), ref_mean, grid, cdf, w)
+
+
+def primary_p50(mixtures: MixtureBatch, mode_log_gap: float = 0.3) -> F64:
+    """Per mixture, the p50 (ns) of its primary mode: the mode with the most events.
+
+    A rank's components come from several windows, so one duration mode appears once per window. The
+    components are sorted by p50 and cut into modes wherever neighbouring p50s are more than
+    ``mode_log_gap`` apart in ``ln(ns)`` (0.3: ~35 %); the mode with the largest summed count wins and
+    its p50 is the count-weighted median of its components' p50s.
+    """
+    counts, logp = mixtures.counts, np.log(mixtures.p50_ns)
+    logp = np.where(counts > 0, logp, np.inf)  # padding sorts last, in runs of zero count
+    order = np.argsort(logp, axis=1, kind="stable")
+    sp, sc = np.take_along_axis(logp, order, axis=1), np.take_along_axis(counts, order, axis=1)
+    rows, k = sc.shape
+    with np.errstate(invalid="ignore"):
+        cut = np.diff(sp, axis=1) > mode_log_gap
+    run = np.concatenate([np.zeros((rows, 1), dtype=np.int64), np.cumsum(cut, axis=1)], axis=1)
+    flat = (np.arange(rows)[:, None] * k + run).ravel()
+    run_count = np.bincount(flat, weights=sc.ravel(), minlength=rows * k).reshape(rows, k)
+    best = np.argmax(run_count, axis=1)
+    in_best = np.where(run == best[:, None], sc, 0.0)
+    cum = np.cumsum(in_best, axis=1)
+    pick = np.argmax(cum >= 0.5 * cum[:, -1:], axis=1)
+    out: F64 = np.exp(np.take_along_axis(sp, pick[:, None], axis=1)[:, 0])
+    return out
+
+
+def detect_l3(summaries: Sequence[KernelSummary], topology: JobTopology | None = None,
+              params: L3Params | None = None) -> list[L3Result]:
+    """Slow ranks of one (job, kernel, stream) from its summaries (see the module docstring).
+
+    ``summaries``: all KernelSummary records of one (job, kernel, stream), any windows; a rank's rows
+    are merged. ``topology``: the job's groups; without it compute kernels are compared across the job
+    and collectives cannot be attributed to links or late arrivals (slow ranks become KERNEL_DEGRADED,
+    late arrivals are judged against all ranks). ``params`` defaults to ``L3Params()``.
+
+    Raises :class:`DetectorError` for summaries of different (job, kernel, stream), inconsistent rows, or
+    ranks missing from ``topology``.
+    """
+    p = params if params is not None else L3Params()
+    if not summaries:
+        return []
+    first = summaries[0]
+    if any((s.job_id, s.kernel, s.stream) != (first.job_id, first.kernel, first.stream) for s in summaries):
+        raise DetectorError("detect_l3 needs the summaries of exactly one (job, kernel, stream)")
+    ranks, batch = _merge(summaries, p.min_events)
+    if batch is None or ranks.size < p.min_ranks:
+        return []
+    if topology is not None:
+        known = set(topology.rank)
+        if not known.issuperset(ranks.tolist()):
+            raise DetectorError(f"ranks {sorted(set(ranks.tolist()) - known)[:5]} are not in topology")
+    collective = is_collective(first.kernel, p.collective_markers)
+    base = {"window_end_ns": max(max(s.window_end_ns, default=0) for s in summaries), "n_ranks": int(ranks.size),
+            "collective": collective}
+    return (_collective if collective else _compute)(first, ranks, batch, topology, p, base)
+
+
+def _merge(summaries: Sequence[KernelSummary], min_events: int) -> tuple[I64, MixtureBatch | None]:
+    """The ranks with at least ``min_events`` events and their merged mixtures (None if there are none)."""
+    owners, counts, p50, p99 = [], [], [], []
+    for s in summaries:
+        n = np.asarray(s.n_clusters, dtype=np.int64)
+        if n.size != len(s.rank) or int(n.sum()) != len(s.cluster_count):
+            raise DetectorError(f"kernel summary {s.job_id}/{s.kernel}: cluster columns do not match n_clusters")
+        owners.append(np.repeat(np.asarray(s.rank, dtype=np.int64), n))
+        counts.append(np.asarray(s.cluster_count, dtype=np.float64))
+        p50.append(np.asarray(s.cluster_p50_ns, dtype=np.float64))
+        p99.append(np.asarray(s.cluster_p99_ns, dtype=np.float64))
+    owner, c, m, q = (np.concatenate(x) for x in (owners, counts, p50, p99))
+    keep = c > 0
+    owner, c, m, q = owner[keep], c[keep], np.maximum(m[keep], 1.0), q[keep]
+    ranks, idx = np.unique(owner, return_inverse=True)
+    events = np.bincount(idx, weights=c, minlength=ranks.size)
+    ok = events >= min_events
+    if not ok.any():
+        return np.empty(0, dtype=np.int64), None
+    sel = ok[idx]
+    remap = np.cumsum(ok) - 1
+    batch = MixtureBatch.from_long(remap[idx[sel]], c[sel], m[sel], np.maximum(q[sel], m[sel]),
+                                   n_owners=int(ok.sum()))
+    return ranks[ok].astype(np.int64), batch
+
+
+def _slow_ranks(sc: RankScores, min_score: float, gate: float, p: L3Params) -> tuple[npt.NDArray[np.bool_], F64,
+                                                                                     float]:
+    """Slow mask (IQR-with-gate or p50 path), each rank's p50 over the healthy majority, that baseline."""
+    n = sc.score.size
+    slow = np.zeros(n, dtype=bool)
+    if n >= 4:
+        q1, q3 = np.percentile(sc.score, [25.0, 75.0])
+        slow |= (sc.score > q3 + p.iqr_k * (q3 - q1)) & (sc.score >= min_score) & (sc.shift_ns > 0.0)
+    lower = np.sort(sc.primary_p50_ns)[: (n + 1) // 2]
+    healthy = float(np.median(lower))
+    p50_ratio = sc.primary_p50_ns / healthy
+    slow |= p50_ratio >= gate
+    return slow, p50_ratio, healthy
+
+
+def _subset(batch: MixtureBatch, rows: I64) -> MixtureBatch:
+    return MixtureBatch(batch.counts[rows], batch.p50_ns[rows], batch.p99_ns[rows])
+
+
+def _compute(s: KernelSummary, ranks: I64, batch: MixtureBatch, topology: JobTopology | None, p: L3Params,
+             base: dict[str, Any]) -> list[L3Result]:
+    if topology is not None and p.compute_scope is Scope.STAGE:
+        stage_of = dict(zip(topology.rank, topology.pp_stage, strict=True))
+        part = np.array([stage_of[r] for r in ranks.tolist()], dtype=np.int64)
+    else:
+        part = np.zeros(ranks.size, dtype=np.int64)
+    flagged: dict[int, dict[str, Any]] = {}
+    for g in np.unique(part).tolist():
+        rows = np.flatnonzero(part == g)
+        if rows.size < p.min_ranks:
+            continue
+        sc = score_ranks(_subset(batch, rows), p.grid_points, p.mode_log_gap)
+        slow, p50_ratio, healthy = _slow_ranks(sc, p.min_score, p.p50_ratio, p)
+        for i in np.flatnonzero(slow).tolist():
+            flagged[int(ranks[rows[i]])] = {
+                "score": float(sc.score[i]), "w1_ns": float(sc.w1_ns[i]), "mean_shift_ns": float(sc.shift_ns[i]),
+                "p50_ratio": float(p50_ratio[i]), "primary_p50_ns": float(sc.primary_p50_ns[i]),
+                "healthy_p50_ns": healthy, "reference_mean_ns": sc.reference_mean_ns, "partition": int(g),
+            }
+    if not flagged:
+        return []
+    top = max(flagged, key=lambda r: flagged[r]["score"])
+    evidence = base | {f"top_{k}": v for k, v in flagged[top].items() if k != "score"} | {
+        "scope": p.compute_scope.value if topology is not None else Scope.JOB.value, "top_rank": top,
+        "rank_score": {str(r): v["score"] for r, v in sorted(flagged.items())},
+        "rank_p50_ratio": {str(r): v["p50_ratio"] for r, v in sorted(flagged.items())},
+    }
+    return [L3Result(L3Kind.KERNEL_DEGRADED, tuple(sorted(flagged)), s.kernel, s.stream,
+                     flagged[top]["score"], evidence)]
+
+
+def _groups(topology: JobTopology | None, ranks: I64, p2p: bool) -> list[tuple[str, int, I64]]:
+    """(kind, index, rows) of every group with 2+ present members, largest first; the job without topology.
+
+    Pipeline groups only for point-to-point kernels: Megatron's pipeline communicates by send/receive."""
+    if topology is None:
+        return [("JOB", 0, np.arange(ranks.size))]
+    pos = {r: i for i, r in enumerate(topology.rank)}
+    at = np.array([pos[r] for r in ranks.tolist()], dtype=np.int64)
+    out = []
+    for kind, col in _GROUP_KINDS if p2p else _GROUP_KINDS[:-1]:
+        column = np.asarray(getattr(topology, col))[at]
+        for g in np.unique(column).tolist():
+            rows = np.flatnonzero(column == g)
+            if rows.size >= 2:
+                out.append((kind, int(g), rows))
+    out.sort(key=lambda t: -t[2].size)
+    return out
+
+
+def _collective(s: KernelSummary, ranks: I64, batch: MixtureBatch, topology: JobTopology | None, p: L3Params,
+                base: dict[str, Any]) -> list[L3Result]:
+    sc = score_ranks(batch, p.grid_points, p.mode_log_gap)
+    slow, p50_ratio, healthy = _slow_ranks(sc, p.collective_min_score, p.collective_p50_ratio, p)
+    p50 = sc.primary_p50_ns
+    groups = _groups(topology, ranks, any(m in s.kernel.lower() for m in ("send", "recv")))
+    explained = np.zeros(ranks.size, dtype=bool)
+    results: list[L3Result] = []
+    links: list[tuple[str, int, I64]] = []
+    if topology is not None:
+        for kind, g, rows in groups:  # long on every member, none 2x shorter (a late arrival): the link
+            sl = slow[rows]
+            if (2 * int(sl.sum()) > rows.size and np.any(sl & ~explained[rows])
+                    and float(p50[rows].min()) >= 0.5 * float(np.median(p50[rows][sl]))):
+                links.append((kind, g, rows))
+                explained[rows] = True
+    normal = ~slow & ~explained
+    for kind, g, rows in links:
+        results.append(L3Result(L3Kind.LINK_DEGRADED, tuple(int(r) for r in ranks[rows]), s.kernel, s.stream,
+                                float(np.median(p50_ratio[rows])), {
+            **base, "group": f"{kind}{g}", "group_kind": kind, "group_index": g, "whole_group": True,
+            "group_p50_ns": float(np.median(p50[rows])), "healthy_p50_ns": healthy,
+            "p50_ratio": float(np.median(p50_ratio[rows])), "group_score": float(np.median(sc.score[rows])),
+            "w1_inter_over_intra_ratio": _inter_intra(sc, rows, np.flatnonzero(normal)),
+        }))
+    candidates = []
+    for kind, g, rows in groups:  # a member much shorter than its group peers arrived late
+        if int(np.sum(_LATE_EXPLAINS * p50[rows] <= np.median(p50[rows]))) > max(1, rows.size // 4):
+            continue  # only the last arrival is short: many short members are no late arrival
+        peers = loo_median(p50[rows])
+        ratio = peers / p50[rows]
+        for i in np.flatnonzero(ratio >= _LATE_EXPLAINS).tolist():
+            candidates.append((-rows.size, -float(ratio[i]), kind, g, int(rows[i]), rows, float(peers[i])))
+    candidates.sort(key=lambda c: (c[0], c[1], c[4]))
+    for _, neg_ratio, kind, g, row, rows, peers_p50 in candidates:
+        others = rows[rows != row]
+        if explained[row] or explained[others].all():
+            continue
+        explained[rows] = True
+        if -neg_ratio < p.short_ratio:
+            continue  # explains its peers' waiting, too weak to name
+        results.append(L3Result(L3Kind.COMPUTE_STRAGGLER_BY_COLLECTIVE, (int(ranks[row]),), s.kernel, s.stream,
+                                -neg_ratio, {
+            **base, "group": f"{kind}{g}", "group_kind": kind, "group_index": g, "collective_short": True,
+            "peers_over_rank_p50_ratio": -neg_ratio, "rank_p50_ns": float(p50[row]), "peers_p50_ns": peers_p50,
+            "waiting_peers": [int(r) for r in ranks[others]],
+        }))
+    rest = np.flatnonzero(slow & ~explained)
+    if rest.size:
+        top = int(rest[np.argmax(sc.score[rest])])
+        results.append(L3Result(L3Kind.KERNEL_DEGRADED, tuple(int(r) for r in ranks[rest]), s.kernel, s.stream,
+                                float(max(sc.score[top], p50_ratio[top])), {
+            **base, "whole_group": False, "healthy_p50_ns": healthy,
+            "rank_score": {str(int(ranks[i])): float(sc.score[i]) for i in rest.tolist()},
+            "rank_p50_ratio": {str(int(ranks[i])): float(p50_ratio[i]) for i in rest.tolist()},
+        }))
+    return results
+
+
+def _inter_intra(sc: RankScores, group: I64, normal: I64) -> float | None:
+    """W1 between the group's and the normal ranks' median CDFs over the mean W1 of ranks to their side's."""
+    if normal.size == 0:
+        return None
+    med_g = np.median(sc.cdf[group], axis=0)
+    med_n = np.median(sc.cdf[normal], axis=0)
+    inter = float(np.abs(med_g - med_n) @ sc.weights)
+    intra = float(np.concatenate([np.abs(sc.cdf[group] - med_g) @ sc.weights,
+                                  np.abs(sc.cdf[normal] - med_n) @ sc.weights]).mean())
+    # Identical ranks on each side give intra = 0; the floor is the grid's resolution of a W1 score.
+    return inter / max(intra, _W1_RESOLUTION * sc.reference_mean_ns)

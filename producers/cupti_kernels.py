@@ -1,0 +1,682 @@
+"""GPU kernel events of one rank through CUPTI's Activity API (``cupti-python``), as columnar KernelBatches.
+
+Three decoupled paths, as in the ARGUS paper (§4):
+
+* **control** (:meth:`CuptiKernels.start` / :meth:`~CuptiKernels.stop`, on the training thread, once):
+  decides whether this process traces at all (:func:`cupti_enabled_for`), sizes CUPTI's device buffer pool,
+  registers the buffer callbacks, enables ``CONCURRENT_KERNEL``, ``MEMCPY`` and ``MEMSET`` activities and a
+  periodic flush; at the end it flushes, disables and drains.
+* **enqueue** (the buffer-completed callback, on CUPTI's worker thread): appends the list of records to a
+  bounded in-memory inbox and returns. Nothing else: no parsing, no I/O. When the inbox holds
+  ``max_queued_records`` records, further buffers are dropped and counted.
+* **parse/export** (a daemon parser thread): turns records into columns (:func:`extract_columns`), assigns
+  steps, builds :class:`~schemas.records.KernelBatch` es of ``batch_events`` events with a per-batch name
+  dictionary (:func:`columns_to_batches`, kernel names normalized by :mod:`producers.kernel_names`) and hands
+  them to the non-blocking publisher. A partial batch leaves after ``max_latency_s`` at the latest.
+
+The training thread never waits on any of this: kernels cost it nothing beyond CUPTI's own in-driver
+recording. Buffers: ``cupti-python`` allocates each host buffer of ``buffer_bytes`` on CUPTI's request and
+frees it once the completed callback returns, after copying each record into its own Python object
+(``from_ptr`` without an owner copies), so records stay valid in the inbox. On the device side CUPTI's buffer
+pool is pre-allocated (``DEVICE_BUFFER_PRE_ALLOCATE_VALUE``) and capped (``DEVICE_BUFFER_POOL_LIMIT``).
+
+Timestamps: CUPTI's clock is mapped to the host's epoch clock by an offset measured at start
+(``time.time_ns() - cupti.get_timestamp()``). Steps: a kernel belongs to the last step whose host start
+(:class:`StepMarks`, fed by the tracer) is at or before the kernel's start; -1 before the first step. A kernel
+that runs after its step's host code has moved on to the next step is attributed to the next step: the GPU
+lag of an unsynchronized loop shifts attribution by at most that lag.
+
+Without a GPU, a CUDA driver or ``cupti-python``, :meth:`CuptiKernels.start` returns a
+:attr:`CuptiState.UNAVAILABLE` status with the reason and the job carries on; it never raises.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import enum
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+import numpy.typing as npt
+
+from argus.topics import Topic, rank_key
+from producers.kernel_names import memcpy_name, normalize
+from schemas.records import KernelBatch
+
+__all__ = [
+    "KIND_CONCURRENT_KERNEL",
+    "KIND_KERNEL",
+    "KIND_MEMCPY",
+    "KIND_MEMSET",
+    "ActivityColumns",
+    "CuptiKernels",
+    "CuptiState",
+    "CuptiStats",
+    "CuptiStatus",
+    "NameTable",
+    "StepMarks",
+    "build_kernel_batches",
+    "columns_to_batches",
+    "cupti_enabled_for",
+    "extract_columns",
+    "parse_rank_list",
+]
+
+log = logging.getLogger(__name__)
+
+#: ``cupti.ActivityKind`` values (stable in the CUPTI ABI), so the parser needs no ``cupti`` import.
+KIND_MEMCPY = 1
+KIND_MEMSET = 2
+KIND_KERNEL = 3
+KIND_CONCURRENT_KERNEL = 10
+_KERNEL_KINDS = (KIND_KERNEL, KIND_CONCURRENT_KERNEL)
+
+
+class PublisherLike(Protocol):
+    def publish(self, topic: Topic, key: bytes, record: Any) -> bool: ...
+
+
+class CuptiState(enum.Enum):
+    """Where kernel tracing stands in this process."""
+
+    IDLE = "IDLE"  #: not started yet
+    RUNNING = "RUNNING"  #: activities enabled, batches flowing
+    STOPPED = "STOPPED"  #: stopped cleanly after running
+    DISABLED = "DISABLED"  #: this process is not selected (rank list, compile worker, launcher, env)
+    UNAVAILABLE = "UNAVAILABLE"  #: no cupti-python, CUDA driver or GPU, or CUPTI is held by another tool
+    FAILED = "FAILED"  #: started, then an unexpected CUPTI error
+
+
+@dataclass(frozen=True)
+class CuptiStatus:
+    """The state of kernel tracing and why (``reason`` is empty while running)."""
+
+    state: CuptiState
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class CuptiStats:
+    """Counters of a :class:`CuptiKernels` (records = CUPTI activity records)."""
+
+    buffers: int
+    records: int
+    events: int
+    skipped_records: int
+    dropped_records: int
+    cupti_dropped_records: int
+    batches: int
+    publish_dropped: int
+    parse_errors: int
+
+
+# -- selective enablement --------------------------------------------------------------------------------
+
+
+def parse_rank_list(spec: str) -> frozenset[int] | None:
+    """``"all"``/``""`` -> None (every rank), ``"none"`` -> empty, ``"0,3,8-11"`` -> {0, 3, 8, 9, 10, 11}.
+
+    Raises:
+        ValueError: a part is neither an integer nor a ``lo-hi`` range.
+    """
+    text = spec.strip().lower()
+    if text in ("", "all", "*"):
+        return None
+    if text == "none":
+        return frozenset()
+    out: set[int] = set()
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        lo, sep, hi = part.partition("-")
+        if sep:
+            a, b = int(lo), int(hi)
+            if a < 0 or b < a:
+                raise ValueError(f"bad rank range {part!r}")
+            out.update(range(a, b + 1))
+        else:
+            if int(part) < 0:
+                raise ValueError(f"bad rank {part!r}")
+            out.add(int(part))
+    return frozenset(out)
+
+
+def _is_compile_worker(argv: Sequence[str]) -> bool:
+    if any("compile_worker" in a for a in argv):
+        return True
+    utils = sys.modules.get("torch._inductor.compile_worker.utils")
+    in_top = getattr(utils, "in_toplevel_process", None)
+    return callable(in_top) and not in_top()
+
+
+def cupti_enabled_for(rank: int, world_size: int, env: Mapping[str, str] | None = None,
+                      argv: Sequence[str] | None = None, distributed_initialized: bool | None = None,
+                      ) -> tuple[bool, str]:
+    """Whether this process should trace kernels, and why not.
+
+    Rules, first match wins: ``ARGUS_CUPTI=0`` disables; a TorchInductor compile worker (its command line,
+    or ``in_toplevel_process()`` false) is skipped; a multi-rank job's process that is neither in an
+    initialized process group nor started with ``RANK`` set (a launcher such as the torchrun agent) is
+    skipped; ``ARGUS_CUPTI_RANKS`` (``all`` default, ``none``, or ``0,3,8-11``) selects ranks.
+    """
+    env = os.environ if env is None else env
+    argv = sys.argv if argv is None else argv
+    if env.get("ARGUS_CUPTI", "1").strip().lower() in ("0", "false", "no", "off"):
+        return False, "ARGUS_CUPTI disables kernel tracing"
+    if _is_compile_worker(argv):
+        return False, "TorchInductor compile worker"
+    if world_size > 1:
+        if distributed_initialized is None:
+            dist = sys.modules.get("torch.distributed")
+            distributed_initialized = bool(dist is not None and dist.is_available() and dist.is_initialized())
+        if not distributed_initialized and "RANK" not in env:
+            return False, "not a torch.distributed worker (no process group, no RANK): launcher process?"
+    try:
+        ranks = parse_rank_list(env.get("ARGUS_CUPTI_RANKS", "all"))
+    except ValueError as exc:
+        return False, f"ARGUS_CUPTI_RANKS unreadable ({exc}): kernel tracing off"
+    if ranks is not None and rank not in ranks:
+        return False, f"rank {rank} not in ARGUS_CUPTI_RANKS"
+    return True, ""
+
+
+# -- step marks ------------------------------------------------------------------------------------------
+
+
+class StepMarks:
+    """Host start times of the latest steps (epoch ns), written by the tracer, read by the parser thread.
+
+    Bounded: only the newest ``capacity`` marks are kept (kernels older than all of them get step -1).
+    """
+
+    def __init__(self, capacity: int = 4096) -> None:
+        self._starts: collections.deque[int] = collections.deque(maxlen=capacity)
+        self._steps: collections.deque[int] = collections.deque(maxlen=capacity)
+        self._lock = threading.Lock()
+
+    def mark(self, step: int, start_ns: int) -> None:
+        with self._lock:
+            self._starts.append(start_ns)
+            self._steps.append(step)
+
+    def snapshot(self) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int32]]:
+        with self._lock:
+            return np.array(self._starts, dtype=np.int64), np.array(self._steps, dtype=np.int32)
+
+
+def _assign_steps(start_ns: npt.NDArray[np.int64], marks: tuple[npt.NDArray[np.int64], npt.NDArray[np.int32]]
+                  ) -> npt.NDArray[np.int32]:
+    starts, steps = marks
+    if starts.shape[0] == 0:
+        return np.full(start_ns.shape[0], -1, dtype=np.int32)
+    order = np.argsort(starts, kind="stable")
+    starts, steps = starts[order], steps[order]
+    pos = np.searchsorted(starts, start_ns, side="right") - 1
+    return np.where(pos >= 0, steps[np.maximum(pos, 0)], -1).astype(np.int32)
+
+
+# -- parsing (pure) --------------------------------------------------------------------------------------
+
+
+class NameTable:
+    """Normalized kernel names and their ids, shared by the columns of one parser (bounded)."""
+
+    def __init__(self, normalizer: Callable[[str], str] = normalize) -> None:
+        self.names: list[str] = []
+        self._ids: dict[str, int] = {}
+        self._raw: dict[str, int] = {}
+        self._normalize = normalizer
+
+    def id_of(self, raw: str) -> int:
+        """The id of a raw name (normalized once per distinct raw name)."""
+        idx = self._raw.get(raw)
+        if idx is None:
+            canon = self._normalize(raw)
+            idx = self._ids.get(canon)
+            if idx is None:
+                idx = self._ids[canon] = len(self.names)
+                self.names.append(canon)
+            self._raw[raw] = idx
+        return idx
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+
+@dataclass(frozen=True)
+class ActivityColumns:
+    """Kernel/copy/set events as columns; ``name_id`` indexes a :class:`NameTable`."""
+
+    name_id: npt.NDArray[np.uint32]
+    stream: npt.NDArray[np.uint32]
+    start_ns: npt.NDArray[np.int64]
+    duration_ns: npt.NDArray[np.int64]
+    skipped: int = 0
+
+    def __len__(self) -> int:
+        return int(self.name_id.shape[0])
+
+    @classmethod
+    def empty(cls) -> ActivityColumns:
+        return cls(np.empty(0, np.uint32), np.empty(0, np.uint32), np.empty(0, np.int64), np.empty(0, np.int64))
+
+    @classmethod
+    def concat(cls, parts: Sequence[ActivityColumns]) -> ActivityColumns:
+        if not parts:
+            return cls.empty()
+        if len(parts) == 1:
+            return parts[0]
+        cat = [np.concatenate([getattr(p, f) for p in parts]) for f in ("name_id", "stream", "start_ns", "duration_ns")]
+        return cls(cat[0], cat[1], cat[2], cat[3], skipped=sum(p.skipped for p in parts))
+
+    def slice(self, lo: int, hi: int | None = None) -> ActivityColumns:
+        return ActivityColumns(self.name_id[lo:hi], self.stream[lo:hi], self.start_ns[lo:hi],
+                               self.duration_ns[lo:hi])
+
+
+def extract_columns(records: Iterable[Any], names: NameTable, clock_offset_ns: int = 0) -> ActivityColumns:
+    """Columns of the kernel, memcpy and memset records among ``records`` (others are skipped and counted).
+
+    A record needs ``kind`` (a ``cupti.ActivityKind`` value), ``start``/``end`` (CUPTI ns), ``stream_id``, and
+    ``name`` (kernels) or ``copy_kind`` (memcpy). Records with a zero start or an end before the start are
+    skipped. ``clock_offset_ns`` maps CUPTI time to epoch ns.
+    """
+    ids: list[int] = []
+    streams: list[int] = []
+    starts: list[int] = []
+    ends: list[int] = []
+    skipped = 0
+    id_of = names.id_of
+    for r in records:
+        try:
+            kind = r.kind
+            if kind in _KERNEL_KINDS:
+                idx = id_of(r.name or "")
+            elif kind == KIND_MEMCPY:
+                idx = id_of(memcpy_name(r.copy_kind))
+            elif kind == KIND_MEMSET:
+                idx = id_of("memset")
+            else:
+                skipped += 1
+                continue
+            start, end = r.start, r.end
+            if not start or end < start:
+                skipped += 1
+                continue
+            ids.append(idx)
+            streams.append(r.stream_id)
+            starts.append(start)
+            ends.append(end)
+        except (AttributeError, TypeError, ValueError):
+            skipped += 1
+    start_arr = np.array(starts, dtype=np.int64)
+    dur = np.array(ends, dtype=np.int64) - start_arr
+    if clock_offset_ns:
+        start_arr += clock_offset_ns
+    return ActivityColumns(np.array(ids, dtype=np.uint32), np.array(streams, dtype=np.uint32), start_arr, dur,
+                           skipped)
+
+
+def columns_to_batches(cols: ActivityColumns, names: NameTable, *, job_id: str, rank: int, host: str = "",
+                       first_seq: int = 0, batch_events: int = 4096,
+                       marks: tuple[npt.NDArray[np.int64], npt.NDArray[np.int32]] | None = None,
+                       final: bool = True, dropped: int = 0) -> tuple[list[KernelBatch], ActivityColumns]:
+    """Cut ``cols`` (sorted by start) into KernelBatches of ``batch_events`` events with their own name
+    dictionaries; steps from ``marks`` (see :class:`StepMarks`).
+
+    With ``final`` every event is emitted (the last batch may be short); otherwise a short tail is returned
+    as the remainder for the next call. ``dropped`` is written on the first batch (events lost before it).
+    Returns (batches, remainder).
+    """
+    if batch_events < 1:
+        raise ValueError(f"batch_events must be >= 1, got {batch_events}")
+    n = len(cols)
+    order = np.argsort(cols.start_ns, kind="stable")
+    name_id, stream = cols.name_id[order], cols.stream[order]
+    start, dur = cols.start_ns[order], cols.duration_ns[order]
+    full = n if final else n - n % batch_events
+    steps = _assign_steps(start[:full], marks if marks is not None else (np.empty(0, np.int64),
+                                                                         np.empty(0, np.int32)))
+    table = np.array(names.names, dtype=object)
+    batches: list[KernelBatch] = []
+    for i, lo in enumerate(range(0, full, batch_events)):
+        hi = min(lo + batch_events, full)
+        used, local = np.unique(name_id[lo:hi], return_inverse=True)
+        batches.append(KernelBatch(
+            job_id=job_id, rank=rank, seq=first_seq + i, names=tuple(table[used].tolist()),
+            name_idx=local.astype(np.uint32), stream=stream[lo:hi], start_ns=start[lo:hi],
+            duration_ns=dur[lo:hi], step=steps[lo:hi], host=host, dropped=dropped if i == 0 else 0))
+    rest = ActivityColumns(name_id[full:], stream[full:], start[full:], dur[full:])
+    return batches, rest
+
+
+def build_kernel_batches(records: Iterable[Any], *, job_id: str, rank: int, host: str = "", first_seq: int = 0,
+                         batch_events: int = 4096, clock_offset_ns: int = 0,
+                         marks: tuple[npt.NDArray[np.int64], npt.NDArray[np.int32]] | None = None,
+                         ) -> list[KernelBatch]:
+    """Activity records -> KernelBatches in one call (a pure function of its arguments; see
+    :func:`extract_columns` and :func:`columns_to_batches`)."""
+    names = NameTable()
+    cols = extract_columns(records, names, clock_offset_ns)
+    batches, _ = columns_to_batches(cols, names, job_id=job_id, rank=rank, host=host, first_seq=first_seq,
+                                    batch_events=batch_events, marks=marks, final=True)
+    return batches
+
+
+# -- the CUPTI session -----------------------------------------------------------------------------------
+
+
+def _load_cupti() -> tuple[Any | None, str]:
+    try:
+        from cupti import cupti
+    except Exception as exc:  # ImportError, or a broken install raising anything at import
+        return None, f"cupti-python not importable: {exc}"
+    return cupti, ""
+
+
+class CuptiKernels:
+    """Kernel tracing of one rank: CUPTI activities -> KernelBatches on ``Topic.KERNELS`` (key job/rank).
+
+    Args:
+        job_id, rank, world_size: the job and this process's rank.
+        publisher: where batches go (non-blocking ``publish``).
+        marks: step start marks from the tracer (kernels get step -1 without).
+        batch_events: events per KernelBatch (``Settings.publisher_batch_events``).
+        host: host name written on the batches (default: this machine's).
+        buffer_bytes: size of each CUPTI host activity buffer.
+        max_queued_records: bound of the inbox between the CUPTI callback and the parser thread.
+        max_latency_s: a partial batch is published after this long at the latest.
+        flush_period_ms: CUPTI's periodic flush, so that records arrive while buffers are not full.
+        device_buffer_bytes, device_buffers_preallocated, device_buffer_pool_limit: CUPTI's device-side pool.
+        kinds: activity kinds to enable (``cupti.ActivityKind`` values); default kernels, memcpy, memset.
+        env: environment for :func:`cupti_enabled_for` (default ``os.environ``).
+
+    Not thread-safe for control: call :meth:`start` and :meth:`stop` from one thread.
+    """
+
+    def __init__(self, job_id: str, rank: int, world_size: int, publisher: PublisherLike,
+                 marks: StepMarks | None = None, *, batch_events: int = 4096, host: str | None = None,
+                 buffer_bytes: int = 8 << 20, max_queued_records: int = 1_000_000, max_latency_s: float = 1.0,
+                 flush_period_ms: int = 500, device_buffer_bytes: int = 8 << 20,
+                 device_buffers_preallocated: int = 4, device_buffer_pool_limit: int = 8,
+                 kinds: Sequence[int] = (KIND_CONCURRENT_KERNEL, KIND_MEMCPY, KIND_MEMSET),
+                 env: Mapping[str, str] | None = None) -> None:
+        self.job_id, self.rank, self.world_size = job_id, rank, world_size
+        self.host = host if host is not None else socket.gethostname()
+        self._publisher = publisher
+        self.marks = marks if marks is not None else StepMarks()
+        self._batch_events = batch_events
+        self._buffer_bytes = buffer_bytes
+        self._max_queued = max_queued_records
+        self._max_latency_s = max_latency_s
+        self._flush_period_ms = flush_period_ms
+        self._device = (device_buffer_bytes, device_buffers_preallocated, device_buffer_pool_limit)
+        self._kinds = tuple(kinds)
+        self._env = env
+        self._cupti: Any | None = None
+        self._enabled: list[int] = []
+        self._status = CuptiStatus(CuptiState.IDLE, "not started")
+        self._inbox: collections.deque[Sequence[Any]] = collections.deque()
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._names = NameTable()
+        self._clock_offset_ns = 0
+        self._seq = 0
+        self._events = 0
+        self._queued = self._buffers = self._records = self._skipped = 0
+        self._dropped = self._cupti_dropped = self._batches = self._publish_dropped = self._errors = 0
+        self._unreported_drops = 0
+        self._final_pending: list[ActivityColumns] = []
+        self._final_published = False
+        self._stream_ids: dict[int, int] = {}
+        self._pid = os.getpid()
+
+    # -- control -----------------------------------------------------------------------------------------
+
+    @property
+    def status(self) -> CuptiStatus:
+        return self._status
+
+    @property
+    def seq(self) -> int:
+        """The sequence number the next batch of this rank will carry."""
+        return self._seq
+
+    @property
+    def events(self) -> int:
+        """Kernel events published so far (accepted by the publisher)."""
+        return self._events
+
+    def start(self) -> CuptiStatus:
+        """Enable kernel tracing if this process is selected and CUPTI works; never raises."""
+        if self._status.state is not CuptiState.IDLE:
+            return self._status
+        ok, why = cupti_enabled_for(self.rank, self.world_size, self._env)
+        if not ok:
+            self._status = CuptiStatus(CuptiState.DISABLED, why)
+            log.info("rank %d: CUPTI kernel tracing disabled: %s", self.rank, why)
+            return self._status
+        cupti, why = _load_cupti()
+        if cupti is None:
+            self._status = CuptiStatus(CuptiState.UNAVAILABLE, why)
+            log.warning("rank %d: CUPTI kernel tracing unavailable: %s", self.rank, why)
+            return self._status
+        self._cupti = cupti
+        try:
+            self._configure_device_buffers(cupti)
+            cupti.activity_register_callbacks(self._buffer_requested, self._buffer_completed)
+            for kind in self._kinds:
+                cupti.activity_enable(kind)
+                self._enabled.append(kind)
+            self._clock_offset_ns = self._measure_clock_offset(cupti)
+            if self._flush_period_ms > 0:
+                cupti.activity_flush_period(self._flush_period_ms)
+        except Exception as exc:  # cupti.cuptiError / NotSupportedError: no driver, no GPU, or CUPTI in use
+            self._disable_quietly()
+            self._status = CuptiStatus(CuptiState.UNAVAILABLE, f"CUPTI activity API refused: {exc}"
+                                       f" ({type(exc).__name__})")
+            log.warning("rank %d: CUPTI kernel tracing unavailable: %s", self.rank, self._status.reason)
+            return self._status
+        self._thread = threading.Thread(target=self._run, name=f"argus-cupti-parser-{self.rank}", daemon=True)
+        self._thread.start()
+        self._status = CuptiStatus(CuptiState.RUNNING)
+        log.info("rank %d: CUPTI kernel tracing running (kinds %s)", self.rank, self._enabled)
+        return self._status
+
+    def stop(self, timeout_s: float = 10.0) -> CuptiStatus:
+        """Flush CUPTI, disable the activities, drain the parser and publish the final ``end_of_stream`` batch
+        (an empty one when nothing was traced). Idempotent; never raises."""
+        if self._status.state is CuptiState.STOPPED:
+            return self._status
+        running = self._status.state is CuptiState.RUNNING
+        if running and self._cupti is not None:
+            try:
+                self._cupti.activity_flush_all(1)
+            except Exception as exc:
+                log.warning("rank %d: CUPTI flush failed: %s", self.rank, exc)
+            self._disable_quietly()
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            if self._thread.is_alive():
+                log.warning("rank %d: CUPTI parser thread did not finish within %.1f s", self.rank, timeout_s)
+        self._publish_final()
+        if running:
+            self._status = CuptiStatus(CuptiState.STOPPED, "stopped")
+        return self._status
+
+    def stats(self) -> CuptiStats:
+        with self._lock:
+            return CuptiStats(buffers=self._buffers, records=self._records, events=self._events,
+                              skipped_records=self._skipped, dropped_records=self._dropped,
+                              cupti_dropped_records=self._cupti_dropped, batches=self._batches,
+                              publish_dropped=self._publish_dropped, parse_errors=self._errors)
+
+    def stream_id(self, cuda_stream: int) -> int | None:
+        """CUPTI's id of a ``cudaStream_t`` (``torch.cuda.Stream.cuda_stream``), as in kernel records, or
+        None when CUPTI is not running. Cached per stream."""
+        if self._status.state is not CuptiState.RUNNING or self._cupti is None:
+            return None
+        sid = self._stream_ids.get(cuda_stream)
+        if sid is None:
+            try:
+                sid = int(self._cupti.get_stream_id_ex(0, cuda_stream, 0))
+            except Exception:
+                return None
+            self._stream_ids[cuda_stream] = sid
+        return sid
+
+    def _configure_device_buffers(self, cupti: Any) -> None:
+        size, prealloc, limit = self._device
+        attrs = cupti.ActivityAttribute
+        for name, value in (("DEVICE_BUFFER_SIZE", size), ("DEVICE_BUFFER_PRE_ALLOCATE_VALUE", prealloc),
+                            ("DEVICE_BUFFER_POOL_LIMIT", limit)):
+            attr = getattr(attrs, "ATTR_" + name, None)
+            if attr is None:
+                continue
+            v = ctypes.c_size_t(value)
+            try:
+                cupti.activity_set_attribute(attr, ctypes.sizeof(v), ctypes.addressof(v))
+            except Exception as exc:  # older CUPTI, or no driver: the enable below reports the real problem
+                log.debug("CUPTI attribute %s not set: %s", name, exc)
+
+    @staticmethod
+    def _measure_clock_offset(cupti: Any) -> int:
+        best: tuple[int, int] | None = None
+        for _ in range(5):
+            t0 = time.time_ns()
+            c = int(cupti.get_timestamp())
+            t1 = time.time_ns()
+            if best is None or t1 - t0 < best[0]:
+                best = (t1 - t0, (t0 + t1) // 2 - c)
+        return best[1] if best else 0
+
+    def _disable_quietly(self) -> None:
+        if self._cupti is None:
+            return
+        for kind in reversed(self._enabled):
+            try:
+                self._cupti.activity_disable(kind)
+            except Exception as exc:
+                log.debug("CUPTI disable %s failed: %s", kind, exc)
+        self._enabled.clear()
+
+    # -- enqueue path (CUPTI's thread) -------------------------------------------------------------------
+
+    def _buffer_requested(self) -> tuple[int, int]:
+        return self._buffer_bytes, 0
+
+    def _buffer_completed(self, activities: Sequence[Any]) -> None:
+        n = len(activities)
+        with self._lock:
+            self._buffers += 1
+            if self._queued + n > self._max_queued or self._stop.is_set():
+                self._dropped += n
+                self._unreported_drops += n
+                return
+            self._queued += n
+        self._inbox.append(activities)
+        self._wake.set()
+
+    # -- parse/export path (parser thread) ---------------------------------------------------------------
+
+    def _run(self) -> None:
+        pending: list[ActivityColumns] = []
+        pending_n = 0
+        oldest = 0.0
+        while True:
+            try:
+                acts = self._inbox.popleft()
+            except IndexError:
+                if self._stop.is_set():
+                    break
+                if pending_n and time.monotonic() - oldest >= self._max_latency_s:
+                    self._emit(pending, final=True)
+                    pending, pending_n = [], 0
+                self._wake.wait(0.05)
+                self._wake.clear()
+                continue
+            with self._lock:
+                self._queued -= len(acts)
+                self._records += len(acts)
+            try:
+                cols = extract_columns(acts, self._names, self._clock_offset_ns)
+            except Exception:
+                with self._lock:
+                    self._errors += 1
+                log.exception("rank %d: CUPTI buffer of %d records not parsed", self.rank, len(acts))
+                continue
+            with self._lock:
+                self._skipped += cols.skipped
+            if not len(cols):
+                continue
+            if not pending_n:
+                oldest = time.monotonic()
+            pending.append(cols)
+            pending_n += len(cols)
+            if pending_n >= self._batch_events:
+                rest = self._emit(pending, final=False)
+                pending, pending_n = ([rest], len(rest)) if len(rest) else ([], 0)
+                oldest = time.monotonic()
+        self._final_pending = pending
+
+    def _emit(self, pending: list[ActivityColumns], *, final: bool, end_of_stream: bool = False) -> ActivityColumns:
+        cols = ActivityColumns.concat(pending)
+        with self._lock:
+            dropped, self._unreported_drops = self._unreported_drops, 0
+        try:
+            batches, rest = columns_to_batches(cols, self._names, job_id=self.job_id, rank=self.rank,
+                                               host=self.host, first_seq=self._seq,
+                                               batch_events=self._batch_events, marks=self.marks.snapshot(),
+                                               final=final, dropped=dropped)
+        except Exception:
+            with self._lock:
+                self._errors += 1
+            log.exception("rank %d: %d kernel events not batched", self.rank, len(cols))
+            return ActivityColumns.empty()
+        if end_of_stream:
+            if batches:
+                last = batches[-1]
+                batches[-1] = KernelBatch(job_id=last.job_id, rank=last.rank, seq=last.seq, names=last.names,
+                                          name_idx=last.name_idx, stream=last.stream, start_ns=last.start_ns,
+                                          duration_ns=last.duration_ns, step=last.step, host=last.host,
+                                          dropped=last.dropped, end_of_stream=True)
+            else:
+                batches = [KernelBatch.empty(self.job_id, self.rank, self._seq, end_of_stream=True, host=self.host)]
+        for b in batches:
+            self._seq += 1
+            ok = self._publisher.publish(Topic.KERNELS, rank_key(self.job_id, self.rank), b)
+            with self._lock:
+                self._batches += 1
+                if ok:
+                    self._events += len(b)
+                else:
+                    self._publish_dropped += 1
+        return rest
+
+    def _publish_final(self) -> None:
+        if self._pid != os.getpid() or self._final_published:  # a forked child must not end the parent's stream
+            return
+        self._final_published = True
+        pending = list(self._final_pending)
+        while self._inbox:  # the parser did not get to these (timeout): parse them here
+            acts = self._inbox.popleft()
+            try:
+                pending.append(extract_columns(acts, self._names, self._clock_offset_ns))
+            except Exception:
+                self._errors += 1
+        self._final_pending = []
+        self._emit(pending, final=True, end_of_stream=True)

@@ -1,0 +1,489 @@
+"""``argus import-kineto``: publish a directory of torch.profiler / Kineto traces (one file per rank) as a job.
+
+Each file is parsed in one streaming pass (:mod:`producers.kineto_parse`: bounded memory, kernels spilled to a
+temporary file), so every file is checked before anything is published: a bad file aborts the import with a
+:class:`~argus.errors.ProducerError` naming it, and nothing of the job reaches Kafka. Then::
+
+    JobTopology; JobLifecycle START (source 'kineto-import');
+    step by step, every rank's Step and PhaseBatch (keyed by job; one PhaseBatch per step and rank, empty if
+    the step has no phases, so the detectors see each step complete);
+    rank by rank, its KernelBatches (keyed by rank, the last one end_of_stream);
+    JobLifecycle END with the counts of kernel events, Steps and PhaseBatches published.
+
+Topology, in this order of preference: Megatron process groups in ``distributedInfo.pg_config`` (descriptions
+``TENSOR_MODEL_PARALLEL_GROUP``, ``DATA_PARALLEL_GROUP``, ``PIPELINE_MODEL_PARALLEL_GROUP``,
+``EXPERT_MODEL_PARALLEL_GROUP``, merged over all files); the ``topology`` argument ``dp=…,tp=…,pp=…`` (its
+product must be the world size); else one data-parallel group of all ranks. The world size is
+``distributedInfo.world_size``; when only some ranks' traces are there, the job is published with
+``max rank + 1`` ranks (the detectors wait for every rank of the published world), and the report says so.
+
+Clocks: event time is the trace's (``baseTimeNanoseconds`` + ts). The offset of each rank's first common
+``ProfilerStep`` start from the reference rank's (rank 0, else the lowest) is reported; with
+``align_clocks=True`` every rank is shifted so those starts coincide. That is only valid for synchronous jobs
+(every rank enters a step at nearly the same moment, e.g. data-parallel training), and it hides real skew in
+when ranks start a step. By default (``None``) ranks are aligned only when the skew exceeds
+:data:`ALIGN_THRESHOLD_NS` and every rank has step annotations.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+from argus.errors import ConfigError, ProducerError
+from argus.settings import Settings
+from argus.topics import Topic, job_key, rank_key
+from producers.kineto_parse import Phase, RankTrace, assign_steps, parse_rank
+from producers.topology import build_topology, groups_of
+from schemas.records import (
+    JobLifecycle,
+    JobTopology,
+    KernelBatch,
+    LifecycleEvent,
+    ParallelGroup,
+    PhaseBatch,
+    Record,
+    Step,
+)
+
+__all__ = ["ALIGN_THRESHOLD_NS", "ImportReport", "PublisherLike", "find_traces", "import_kineto", "kernel_batches",
+           "parse_topology", "rank_records", "read_trace", "step_records", "topology_from_pg_config"]
+
+log = logging.getLogger(__name__)
+
+#: Skew of first step starts beyond which ranks are aligned by default (10 ms).
+ALIGN_THRESHOLD_NS = 10_000_000
+_SUFFIXES = (".json", ".json.gz")
+_MEGATRON = {
+    "TENSOR_MODEL_PARALLEL_GROUP": ParallelGroup.TP,
+    "DATA_PARALLEL_GROUP": ParallelGroup.DP,
+    "PIPELINE_MODEL_PARALLEL_GROUP": ParallelGroup.PP,
+    "EXPERT_MODEL_PARALLEL_GROUP": ParallelGroup.EP,
+}
+_COLUMN = {ParallelGroup.DP: "dp_group", ParallelGroup.TP: "tp_group", ParallelGroup.PP: "pp_group",
+           ParallelGroup.EP: "ep_group"}
+
+
+class PublisherLike(Protocol):
+    def publish(self, topic: Topic, key: bytes, record: Any) -> bool: ...
+
+    def flush(self, timeout_s: float = ...) -> int: ...
+
+
+@dataclass(frozen=True)
+class ImportReport:
+    """What :func:`import_kineto` found and published."""
+
+    job_id: str
+    files: tuple[str, ...]
+    ranks: tuple[int, ...]
+    #: Ranks of the published job (``distributedInfo.world_size`` unless only some ranks' traces are there).
+    world_size: int
+    #: ``distributedInfo.world_size`` of the traces (None if absent).
+    trace_world_size: int | None
+    #: 'pg_config', 'flag' or 'default'.
+    topology_source: str
+    #: e.g. 'dp=8,tp=1,pp=1'.
+    topology: str
+    kernel_events: int
+    kernel_batches: int
+    steps: int
+    phases: int
+    phase_batches: int
+    #: Events skipped, by reason ('negative_dur', 'missing_ts', ...).
+    skipped_events: Mapping[str, int]
+    #: Per rank: its first common ProfilerStep start minus the reference rank's, ns (before alignment).
+    clock_offsets_ns: Mapping[int, int]
+    clock_aligned: bool
+    #: Per rank: kernel events per CUDA stream.
+    streams: Mapping[int, Mapping[int, int]]
+    #: Distinct NCCL kernel names (``ncclKernel_*`` and ``ncclDevKernel_*``), sorted.
+    nccl_kernels: tuple[str, ...]
+    #: Largest lag of a kernel start behind an earlier one in file order (what windows must tolerate).
+    max_out_of_order_ns: int
+    records_published: int
+    records_dropped: int
+    seconds: float
+    messages: tuple[str, ...]
+
+
+def step_records(trace: RankTrace, job_id: str, shift_ns: int = 0) -> list[tuple[Step | None, PhaseBatch]]:
+    """Per step of one rank, ascending: its Step and its PhaseBatch (empty when the step has no phases: the
+    detectors count a step complete once every rank sent both). Phases outside every step go to step -1,
+    which has no Step. ``shift_ns`` is added to every time (clock alignment)."""
+    starts = np.array([p.start_ns for p in trace.phases], dtype=np.int64)
+    steps = np.where(np.array([p.on_gpu for p in trace.phases], dtype=bool),
+                     assign_steps(trace.intervals(gpu=True), starts), assign_steps(trace.intervals(gpu=False), starts))
+    by_step: dict[int, list[Phase]] = {s.step: [] for s in trace.steps}
+    for p, step in zip(trace.phases, steps.tolist(), strict=True):
+        by_step.setdefault(step, []).append(p)
+    spans = {s.step: s for s in trace.steps}
+    out: list[tuple[Step | None, PhaseBatch]] = []
+    for step, ps in sorted(by_step.items()):
+        s = spans.get(step)
+        rec = None if s is None else Step(
+            job_id, trace.rank, step, s.start_ns + shift_ns, s.dur_ns,
+            None if s.kernel_start_ns is None or s.kernel_end_ns is None else s.kernel_end_ns - s.kernel_start_ns)
+        out.append((rec, PhaseBatch(job_id, trace.rank, step, tuple(p.kind for p in ps), tuple(p.name for p in ps),
+                                    tuple(ParallelGroup.NONE for _ in ps), tuple(p.stream for p in ps),
+                                    tuple(p.start_ns + shift_ns for p in ps), tuple(p.dur_ns for p in ps))))
+    return out
+
+
+def kernel_batches(trace: RankTrace, job_id: str, batch_events: int = 4096, shift_ns: int = 0,
+                   host: str = "") -> Iterator[KernelBatch]:
+    """One rank's kernels in file order, ``batch_events`` per batch (seq from 0); the last (possibly empty)
+    one has ``end_of_stream``."""
+    if batch_events < 1:
+        raise ValueError(f"batch_events must be >= 1, got {batch_events}")
+    iv, seq, pending = trace.intervals(gpu=True), 0, None
+    for rows in trace.rows(batch_events):
+        if pending is not None:
+            yield _kernel_batch(job_id, trace, seq - 1, pending, iv, shift_ns, host, eos=False)
+        pending, seq = rows, seq + 1
+    if pending is None:
+        yield KernelBatch.empty(job_id, trace.rank, 0, end_of_stream=True, host=host)
+    else:
+        yield _kernel_batch(job_id, trace, seq - 1, pending, iv, shift_ns, host, eos=True)
+
+
+def rank_records(trace: RankTrace, job_id: str, batch_events: int = 4096, shift_ns: int = 0,
+                 host: str = "") -> Iterator[Record]:
+    """One rank's records: per step its Step and PhaseBatch (:func:`step_records`), then its KernelBatches."""
+    for st, ph in step_records(trace, job_id, shift_ns):
+        if st is not None:
+            yield st
+        yield ph
+    yield from kernel_batches(trace, job_id, batch_events, shift_ns, host)
+
+
+def _kernel_batch(job_id: str, trace: RankTrace, seq: int, rows: Any, iv: Any, shift_ns: int, host: str,
+                  eos: bool) -> KernelBatch:
+    uniq, inv = np.unique(rows["name"], return_inverse=True)
+    return KernelBatch(job_id=job_id, rank=trace.rank, seq=seq, names=tuple(trace.names[i] for i in uniq.tolist()),
+                       name_idx=inv.astype(np.uint32), stream=rows["stream"], start_ns=rows["start"] + shift_ns,
+                       duration_ns=rows["dur"], step=assign_steps(iv, rows["start"]), host=host, end_of_stream=eos)
+
+
+def read_trace(path: Path, job_id: str = "kineto", batch_events: int = 4096) -> Iterator[Record]:
+    """Parse one rank's file and yield its records (see :func:`rank_records`); pure, no Kafka.
+
+    Raises :class:`ProducerError` like :func:`~producers.kineto_parse.parse_rank`."""
+    with parse_rank(Path(path)) as trace:
+        yield from rank_records(trace, job_id, batch_events, host=trace.host or "")
+
+
+def parse_topology(spec: str) -> dict[str, int]:
+    """``'dp=4,tp=2,pp=1'`` (any order; ``ep`` optional; missing degrees 1) to degrees. Raises ConfigError."""
+    out = {"dp": 1, "tp": 1, "pp": 1, "ep": 1}
+    seen: set[str] = set()
+    for part in spec.split(","):
+        key, sep, value = part.strip().partition("=")
+        key = key.strip().lower()
+        if not sep or key not in out or key in seen or not value.strip().isdigit() or int(value) < 1:
+            raise ConfigError(f"invalid topology {spec!r}: expected e.g. 'dp=4,tp=2,pp=1' with degrees >= 1")
+        seen.add(key)
+        out[key] = int(value)
+    if out["dp"] % out["ep"]:
+        raise ConfigError(f"invalid topology {spec!r}: ep={out['ep']} must divide dp={out['dp']}")
+    return out
+
+
+def find_traces(directory: Path) -> list[Path]:
+    """The ``.json`` / ``.json.gz`` files under ``directory`` (recursively, sorted), or the file itself."""
+    directory = Path(directory)
+    if directory.is_file():
+        return [directory]
+    if not directory.is_dir():
+        raise ProducerError(f"{directory}: no such directory")
+    files = sorted(p for p in directory.rglob("*") if p.is_file() and p.name.lower().endswith(_SUFFIXES))
+    if not files:
+        raise ProducerError(f"{directory}: no .json or .json.gz trace files")
+    return files
+
+
+def topology_from_pg_config(job_id: str, world_size: int, pg_configs: Iterable[Mapping[str, Any]],
+                            hosts_per_node: int = 8) -> JobTopology | None:
+    """A topology from Megatron process-group descriptions (all files' ``pg_config`` entries), else None.
+
+    Groups are matched by ``pg_desc``; the Megatron-order layout of :func:`build_topology` is used when it has
+    exactly these groups, otherwise the groups are taken as they are (indices by lowest member, pipeline
+    stage = position in the ``ranks`` list; ranks in no group of a kind get a group of their own).
+    """
+    found: dict[ParallelGroup, set[tuple[int, ...]]] = {}
+    for pg in pg_configs:
+        kind = _MEGATRON.get(str(pg.get("pg_desc", "")).strip().upper())
+        ranks = pg.get("ranks")
+        if kind is None or not isinstance(ranks, list) or not ranks:
+            continue
+        if not all(type(r) is int and 0 <= r < world_size for r in ranks):
+            continue
+        found.setdefault(kind, set()).add(tuple(ranks))
+    if not found:
+        return None
+    for kind, groups in found.items():
+        members = [r for g in groups for r in g]
+        if len(members) != len(set(members)):
+            raise ProducerError(f"pg_config: {kind.value} groups overlap: {sorted(groups)[:4]}")
+    size = {k: len(next(iter(g))) for k, g in found.items()}
+    tp, pp = size.get(ParallelGroup.TP, 1), size.get(ParallelGroup.PP, 1)
+    dp = size.get(ParallelGroup.DP, world_size // (tp * pp) if world_size % (tp * pp) == 0 else 0)
+    ep = size.get(ParallelGroup.EP, 1)
+    if dp and dp * tp * pp == world_size and dp % ep == 0:
+        topo = build_topology(job_id, dp, tp, pp, ep, hosts_per_node)
+        if all({frozenset(g) for g in groups} <= {frozenset(m) for m in groups_of(topo, kind).values()}
+               for kind, groups in found.items()):
+            return topo
+    return _custom_topology(job_id, world_size, found, hosts_per_node)
+
+
+def _custom_topology(job_id: str, world: int, found: dict[ParallelGroup, set[tuple[int, ...]]],
+                     hosts_per_node: int) -> JobTopology:
+    cols: dict[str, list[int]] = {}
+    stage = [0] * world
+    for kind, column in _COLUMN.items():
+        groups = sorted(found.get(kind, ()), key=min)
+        index = [-1] * world
+        for i, g in enumerate(groups):
+            for pos, r in enumerate(g):
+                index[r] = i
+                if kind is ParallelGroup.PP:
+                    stage[r] = pos
+        nxt = len(groups)
+        for r in range(world):
+            if index[r] < 0:
+                index[r], nxt = nxt, nxt + 1
+        cols[column] = index
+    size = {k: len(next(iter(g))) if g else 1 for k, g in found.items()}
+    return JobTopology(
+        job_id=job_id, world_size=world, dp_size=size.get(ParallelGroup.DP, 1), tp_size=size.get(ParallelGroup.TP, 1),
+        pp_size=size.get(ParallelGroup.PP, 1), ep_size=size.get(ParallelGroup.EP, 1), rank=tuple(range(world)),
+        host=tuple(f"node{r // hosts_per_node:04d}" for r in range(world)),
+        dp_group=tuple(cols["dp_group"]), tp_group=tuple(cols["tp_group"]), pp_group=tuple(cols["pp_group"]),
+        ep_group=tuple(cols["ep_group"]), pp_stage=tuple(stage))
+
+
+def _resolve_topology(job_id: str, world: int, traces: list[RankTrace], flag: str | None,
+                      messages: list[str]) -> tuple[JobTopology, str]:
+    topo = topology_from_pg_config(job_id, world, [g for t in traces for g in t.pg_config])
+    if topo is not None:
+        if flag:
+            messages.append(f"--topology {flag} ignored: the traces' pg_config gives the process groups")
+        return topo, "pg_config"
+    if flag:
+        deg = parse_topology(flag)
+        if deg["dp"] * deg["tp"] * deg["pp"] != world:
+            raise ConfigError(f"topology {flag}: dp*tp*pp = {deg['dp'] * deg['tp'] * deg['pp']}, but the world size "
+                              f"is {world} (distributedInfo.world_size or the ranks found)")
+        return build_topology(job_id, deg["dp"], deg["tp"], deg["pp"], deg["ep"]), "flag"
+    return build_topology(job_id, world), "default"
+
+
+def _clock_offsets(traces: list[RankTrace], messages: list[str]) -> tuple[dict[int, int], bool]:
+    """Per rank: reference time minus the reference rank's; and whether they come from step annotations."""
+    if all(t.steps for t in traces):
+        common = set.intersection(*({s.step for s in t.steps} for t in traces))
+        step = min(common) if common else None
+        starts = {t.rank: next(s.start_ns for s in t.steps if s.step == step) if step is not None
+                  else t.steps[0].start_ns for t in traces}
+        basis = f"ProfilerStep#{step} start" if step is not None else "first ProfilerStep start"
+        from_steps = True
+    else:
+        starts = {t.rank: t.first_kernel_ns for t in traces if t.first_kernel_ns is not None}
+        basis, from_steps = "first kernel start (no ProfilerStep annotations on every rank)", False
+    if not starts:
+        return {}, False
+    ref = min(starts)
+    offsets = {r: s - starts[ref] for r, s in sorted(starts.items())}
+    skew = max(offsets.values()) - min(offsets.values())
+    messages.append(f"clock offsets from the {basis}, relative to rank {ref}: skew {skew / 1e6:.3f} ms")
+    return offsets, from_steps
+
+
+def import_kineto(settings: Settings, directory: Path, job_id: str, topology: str | None = None,
+                  batch_events: int | None = None, progress: Callable[[str], None] | None = None,
+                  publisher: PublisherLike | None = None, align_clocks: bool | None = None) -> ImportReport:
+    """Import the Kineto traces under ``directory`` (one file per rank) as job ``job_id``.
+
+    Args:
+        settings: Kafka settings and defaults (``publisher_batch_events``).
+        directory: a directory searched recursively for ``.json`` / ``.json.gz`` files, or one file.
+        job_id: the job's identifier in argus.
+        topology: ``'dp=…,tp=…,pp=…'`` used when the traces carry no Megatron ``pg_config`` groups.
+        batch_events: kernel events per KernelBatch (default ``settings.publisher_batch_events``).
+        progress: called with one line of text per stage and per rank.
+        publisher: anything with ``publish(topic, key, record) -> bool`` and ``flush()``; default a lossless
+            :class:`~producers.publisher.Publisher`, closed at the end.
+        align_clocks: shift ranks so their first common step starts coincide (see the module docstring);
+            None: only when the skew exceeds :data:`ALIGN_THRESHOLD_NS`.
+
+    Raises:
+        ProducerError: a file is not a trace, two files claim one rank, a rank is outside the world size, or
+            records could not be published.
+        ConfigError: ``topology`` is malformed or does not multiply to the world size.
+    """
+    t0 = time.perf_counter()
+    if not job_id:
+        raise ProducerError("job id must not be empty")
+    say = progress or (lambda _msg: None)
+    batch = batch_events or settings.publisher_batch_events
+    if batch < 1:
+        raise ProducerError(f"batch_events must be >= 1, got {batch}")
+    files = find_traces(directory)
+    messages: list[str] = []
+    with tempfile.TemporaryDirectory(prefix="argus-kineto-") as spill, contextlib.ExitStack() as stack:
+        traces: list[RankTrace] = []
+        for i, path in enumerate(files):
+            trace = stack.enter_context(parse_rank(path, Path(spill)))
+            traces.append(trace)
+            say(f"[{i + 1}/{len(files)}] {path.name}: rank {trace.rank}, {trace.kernel_events:,} kernel events, "
+                f"{len(trace.steps)} steps, {len(trace.phases)} phases")
+        traces.sort(key=lambda t: t.rank)
+        world, traced = _check_ranks(traces, messages)
+        topo, source = _resolve_topology(job_id, world, traces, topology, messages)
+        hosts = list(topo.host)
+        for t in traces:
+            if t.host:
+                hosts[t.rank] = t.host
+        topo = dataclasses.replace(topo, host=tuple(hosts))
+        offsets, from_steps = _clock_offsets(traces, messages)
+        skew = max(offsets.values()) - min(offsets.values()) if offsets else 0
+        aligned = bool(offsets) and (align_clocks if align_clocks is not None
+                                     else from_steps and skew > ALIGN_THRESHOLD_NS)
+        if aligned:
+            messages.append(f"clocks aligned: each rank shifted by minus its offset (skew {skew / 1e6:.3f} ms; "
+                            f"valid only for synchronous jobs)")
+        shifts = {r: -o for r, o in offsets.items()} if aligned else {}
+        max_lag = max((t.max_lag_ns for t in traces), default=0)
+        if max_lag > settings.allowed_lateness_ns:
+            messages.append(f"kernels are up to {max_lag / 1e9:.3f} s out of order in file order, more than the "
+                            f"pipeline's allowed lateness ({settings.allowed_lateness_ns / 1e9:.3f} s): some "
+                            f"may be dead-lettered as late")
+        own = publisher is None
+        pub: Any = publisher
+        if own:
+            from producers.publisher import Publisher
+
+            pub = Publisher(settings, lossless=True)
+        failed = 0
+        try:
+            counts = _publish(pub, job_id, topo, traces, shifts, batch, say)
+        finally:
+            if own:
+                stats = pub.close()
+                failed = stats.failed + stats.encode_errors
+        if failed:
+            counts["dropped"] += failed
+            messages.append(f"{failed} records failed delivery to Kafka (see the log)")
+    skipped: Counter[str] = Counter()
+    for t in traces:
+        skipped.update(t.skipped)
+    if skipped:
+        messages.append("skipped events: " + ", ".join(f"{k} {v}" for k, v in sorted(skipped.items())))
+    if counts["dropped"]:
+        raise ProducerError(f"job {job_id}: {counts['dropped']} of {counts['records']} records not published "
+                            f"({counts['pending']} undelivered after flush); {'; '.join(messages[-1:])}")
+    nccl = sorted({n for t in traces for n in t.names if n.startswith("nccl")})
+    report = ImportReport(
+        job_id=job_id, files=tuple(str(t.path) for t in traces), ranks=tuple(t.rank for t in traces),
+        world_size=world, trace_world_size=traced, topology_source=source,
+        topology=f"dp={topo.dp_size},tp={topo.tp_size},pp={topo.pp_size}" + (f",ep={topo.ep_size}"
+                                                                             if topo.ep_size > 1 else ""),
+        kernel_events=counts["kernels"], kernel_batches=counts["batches"], steps=counts["steps"],
+        phases=sum(len(t.phases) for t in traces), phase_batches=counts["phase_batches"],
+        skipped_events=dict(sorted(skipped.items())), clock_offsets_ns=offsets, clock_aligned=aligned,
+        streams={t.rank: dict(sorted(t.streams.items())) for t in traces}, nccl_kernels=tuple(nccl),
+        max_out_of_order_ns=max_lag, records_published=counts["records"] - counts["dropped"],
+        records_dropped=counts["dropped"], seconds=time.perf_counter() - t0, messages=tuple(messages))
+    line = (f"job {job_id}: {len(traces)} ranks, {report.kernel_events:,} kernel events in {report.kernel_batches} "
+            f"batches, {report.steps} steps, {report.phase_batches} phase batches ({report.seconds:.2f} s)")
+    log.info(line)
+    say(line)
+    return report
+
+
+def _check_ranks(traces: list[RankTrace], messages: list[str]) -> tuple[int, int | None]:
+    """(world size to publish, ``distributedInfo.world_size``). A partial set of traces is published as a job
+    of ``max rank + 1`` ranks: the detectors wait for every rank of the published world."""
+    seen: dict[int, Path] = {}
+    for t in traces:
+        if t.rank in seen:
+            raise ProducerError(f"{t.path.name} and {seen[t.rank].name} are both rank {t.rank}: one directory "
+                                f"must hold one job's traces, one file per rank")
+        seen[t.rank] = t.path
+    sizes = {t.world_size for t in traces if t.world_size is not None}
+    if len(sizes) > 1:
+        messages.append(f"files disagree on distributedInfo.world_size {sorted(sizes)}: using the largest")
+    traced = max(sizes) if sizes else None
+    top = max(seen)
+    if traced is not None and top >= traced:
+        raise ProducerError(f"{seen[top].name}: rank {top} is outside world_size {traced}")
+    world = traced if traced is not None and len(seen) == traced else top + 1
+    if traced is not None and world != traced:
+        messages.append(f"traces of {len(seen)} of {traced} ranks (ranks {_ranges(sorted(seen))}): published as "
+                        f"a {world}-rank job")
+    if len(seen) < world:
+        messages.append(f"ranks {_ranges(sorted(set(range(world)) - set(seen)))} have no trace: no step is complete "
+                        f"on every rank, so L1/L2 cannot diagnose this job")
+    return world, traced
+
+
+def _ranges(ranks: list[int]) -> str:
+    out, start = [], None
+    for i, r in enumerate(ranks):
+        start = r if start is None else start
+        if i + 1 == len(ranks) or ranks[i + 1] != r + 1:
+            out.append(str(start) if start == r else f"{start}-{r}")
+            start = None
+    return ",".join(out)
+
+
+def _publish(pub: Any, job_id: str, topo: JobTopology, traces: list[RankTrace], shifts: dict[int, int],
+             batch: int, say: Callable[[str], None]) -> Counter[str]:
+    counts: Counter[str] = Counter()
+
+    def send(topic: Topic, key: bytes, record: Record) -> None:
+        counts["records"] += 1
+        if not pub.publish(topic, key, record):
+            counts["dropped"] += 1
+
+    starts = [s.start_ns + shifts.get(t.rank, 0) for t in traces for s in t.steps[:1]]
+    starts += [t.first_kernel_ns + shifts.get(t.rank, 0) for t in traces if t.first_kernel_ns is not None]
+    ends = [t.last_kernel_end_ns + shifts.get(t.rank, 0) for t in traces if t.last_kernel_end_ns is not None]
+    ends += [s.start_ns + s.dur_ns + shifts.get(t.rank, 0) for t in traces for s in t.steps[-1:]]
+    t_start = min(starts, default=0)
+    send(Topic.TOPOLOGY, job_key(job_id), topo)
+    send(Topic.LIFECYCLE, job_key(job_id),
+         JobLifecycle(job_id, LifecycleEvent.START, t_start, topo.world_size, source="kineto-import"))
+    # Steps and phases (small, in memory) as a live job would send them: step by step, all ranks.
+    per_step = sorted(((ph.step, ph.rank, st, ph) for t in traces
+                       for st, ph in step_records(t, job_id, shifts.get(t.rank, 0))), key=lambda x: x[:2])
+    for _, _, st, ph in per_step:
+        if st is not None:
+            send(Topic.STEPS, job_key(job_id), st)
+            counts["steps"] += 1
+        send(Topic.PHASES, job_key(job_id), ph)
+        counts["phase_batches"] += 1
+    for t in traces:
+        for kb in kernel_batches(t, job_id, batch, shifts.get(t.rank, 0), host=topo.host[t.rank]):
+            send(Topic.KERNELS, rank_key(job_id, t.rank), kb)
+            counts["kernels"] += len(kb)
+            counts["batches"] += 1
+        say(f"rank {t.rank}: {t.kernel_events:,} kernel events published")
+    send(Topic.LIFECYCLE, job_key(job_id),
+         JobLifecycle(job_id, LifecycleEvent.END, max(ends, default=t_start), topo.world_size,
+                      source="kineto-import", kernel_events=counts["kernels"], steps=counts["steps"],
+                      phase_batches=counts["phase_batches"]))
+    counts["pending"] = int(pub.flush())
+    counts["dropped"] += counts["pending"]
+    return counts

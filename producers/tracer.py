@@ -1,0 +1,532 @@
+"""The rank-side tracer a training script adopts in a few lines: steps, phases, collectives, kernels.
+
+Example (one process per rank; ``torchrun`` or ``torch.multiprocessing``)::
+
+    from producers.tracer import Tracer
+    from schemas.records import ParallelGroup, PhaseKind
+
+    with Tracer(settings, job_id="llama-7b-run3", rank=rank, world_size=world) as tracer:
+        tracer.instrument(model, modules=("self_attention", "mlp"))   # per-layer FORWARD phases
+        tracer.instrument_optimizer(optimizer)                        # OPTIMIZER phase
+        for batch in loader:
+            with tracer.step():
+                with tracer.phase("forward", PhaseKind.FORWARD):
+                    loss = model(batch).mean()
+                with tracer.phase("backward", PhaseKind.BACKWARD):
+                    loss.backward()
+                for p in model.parameters():
+                    tracer.all_reduce(p.grad, parallel_group=ParallelGroup.DP)   # "dp-allreduce"
+                optimizer.step()
+
+What it publishes (through the non-blocking :class:`~producers.publisher.Publisher`): per step one
+:class:`~schemas.records.Step` and one :class:`~schemas.records.PhaseBatch` (key ``<job>``); with CUPTI,
+:class:`~schemas.records.KernelBatch` es (key ``<job>/<rank>``, see :mod:`producers.cupti_kernels`), ending
+with an ``end_of_stream`` batch; the lifecycle rank (rank 0 by default) also publishes the
+:class:`~schemas.records.JobTopology` and ``START`` at :meth:`Tracer.start` and ``END`` with the job's record
+counts at :meth:`Tracer.close`. The tracer also registers this process in the host's
+:class:`~producers.rank_registry.RankRegistry`, so that py-spy stacks can be taken when a finding names it.
+
+Timing (see :mod:`producers.cuda_timing`): with CUDA the training thread only *records* timing events and
+queues them; a background thread resolves them with ``event.query()``, never ``synchronize``. Without CUDA the
+same API times with the host clock.
+
+**Communication phases must be timed on the stream the collective runs on.** ``all_reduce(t, async_op=True)``
+returns at once; events recorded on the compute stream around it measure the launch, not the transfer, and
+an AllReduce looks instant while the GPU is still busy in NCCL. The wrappers (:meth:`Tracer.all_reduce`,
+:meth:`~Tracer.reduce_scatter_tensor`, :meth:`~Tracer.all_gather_into_tensor`, :meth:`~Tracer.broadcast`,
+:meth:`~Tracer.all_to_all_single`) therefore run the collective from a per-group communication stream: that
+stream first waits for the compute stream (an ordering-only event), records the start event, launches the
+collective (NCCL's internal stream waits for it), makes itself wait for NCCL's completion (``work.wait()``:
+a device-side wait, the host does not block) and records the end event. The two events bracket exactly the
+collective's wait for its peers plus its transfer. A synchronous call then makes the compute stream wait for
+the communication stream; an async call returns a handle whose ``wait()`` does. For collectives you launch
+yourself use ``with tracer.collective(name, kind, group, stream=s)`` with ``s`` the stream the collective
+is ordered on, and call ``work.wait()`` inside the block while ``s`` is current.
+
+Nothing here raises into training: errors are caught, counted (:meth:`Tracer.stats`) and logged; memory is
+bounded (events, queued steps and phases per step are capped; beyond the caps data is dropped and counted).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from argus.settings import Settings
+from argus.topics import Topic, job_key
+from producers.cuda_timing import EventPool, PhaseRec, StepRec, StepResolver, epoch_ns
+from producers.cupti_kernels import CuptiKernels, CuptiState, CuptiStatus, StepMarks
+from producers.rank_registry import RankRegistry
+from producers.topology import build_topology
+from producers.tracer_collectives import CollectiveMixin
+from schemas.records import JobLifecycle, JobTopology, LifecycleEvent, ParallelGroup, PhaseKind
+
+try:  # torch is optional: without it the tracer still times steps and phases with the host clock
+    import torch as _torch
+except ImportError:  # pragma: no cover - torch is installed wherever training runs
+    _torch = None  # type: ignore[assignment]
+torch: Any = _torch
+
+__all__ = ["PublisherLike", "Tracer", "TracerStats"]
+
+log = logging.getLogger(__name__)
+
+_perf = time.perf_counter_ns
+
+
+class PublisherLike(Protocol):
+    """What the tracer publishes through (the argus :class:`~producers.publisher.Publisher`, or a fake)."""
+
+    def publish(self, topic: Topic, key: bytes, record: Any) -> bool: ...
+
+    def flush(self, timeout_s: float = 30.0) -> int: ...
+
+
+class _NullPublisher:
+    def publish(self, topic: Topic, key: bytes, record: Any) -> bool:
+        return False
+
+    def flush(self, timeout_s: float = 30.0) -> int:
+        return 0
+
+
+@dataclass(frozen=True)
+class TracerStats:
+    """Counters of a :class:`Tracer` (counts of records, steps and phases)."""
+
+    steps: int
+    steps_published: int
+    phase_batches_published: int
+    phases: int
+    steps_dropped: int
+    phases_dropped: int
+    publish_dropped: int
+    errors: int
+    kernel_events: int
+    cupti: CuptiStatus
+    cuda: bool
+
+
+class _PhaseScope:
+    """``with tracer.phase(...)``: opens a phase on entry, closes it on exit (never raises)."""
+
+    __slots__ = ("_group", "_kind", "_name", "_rec", "_stream", "_tracer")
+
+    def __init__(self, tracer: Tracer, name: str, kind: PhaseKind, group: ParallelGroup, stream: Any) -> None:
+        self._tracer, self._name, self._kind, self._group, self._stream = tracer, name, kind, group, stream
+        self._rec: PhaseRec | None = None
+
+    def __enter__(self) -> _PhaseScope:
+        self._rec = self._tracer._open(self._name, self._kind, self._group, self._stream)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._rec is not None:
+            self._tracer._close(self._rec)
+
+
+class _StepScope:
+    __slots__ = ("_step", "_tracer")
+
+    def __init__(self, tracer: Tracer, step: int | None) -> None:
+        self._tracer, self._step = tracer, step
+
+    def __enter__(self) -> int:
+        return self._tracer._begin_step(self._step)
+
+    def __exit__(self, *exc: object) -> None:
+        self._tracer._end_step()
+
+
+class Tracer(CollectiveMixin):
+    """Always-on tracing of one rank of a training job (see the module docstring for an example).
+
+    Args:
+        settings: Kafka and batching settings (``Settings.load()`` when None).
+        job_id: the training job's id (the same on every rank).
+        rank, world_size: this process's global rank and the number of ranks.
+        publisher: where records go; by default a :class:`~producers.publisher.Publisher` created from
+            ``settings`` (and closed by :meth:`close`).
+        dp, tp, pp, ep: parallel degrees for the published topology (default ``dp = world_size / (tp * pp)``).
+        topology: publish this topology instead of building one.
+        cuda: time with CUDA events (default: when ``torch.cuda.is_available()``).
+        kernels: trace GPU kernels with CUPTI (see :mod:`producers.cupti_kernels`; a no-op without a GPU).
+        lifecycle: publish topology, START and END (default: on rank 0).
+        registry: the host's rank registry (``False`` to not register).
+        max_pending_steps, max_phases_per_step, max_events: memory bounds (steps awaiting their GPU events,
+            phases kept per step, live CUDA events).
+        reduce_counts: at :meth:`close`, sum the record counts of all ranks with one ``all_reduce`` when
+            ``torch.distributed`` is initialized (every rank must then call :meth:`close`), so that END
+            carries the job's totals; otherwise a multi-rank END carries no counts.
+    """
+
+    def __init__(self, settings: Settings | None, job_id: str, rank: int, world_size: int,
+                 publisher: PublisherLike | None = None, *, dp: int | None = None, tp: int = 1, pp: int = 1,
+                 ep: int = 1, topology: JobTopology | None = None, cuda: bool | None = None, kernels: bool = True,
+                 lifecycle: bool | None = None, registry: RankRegistry | bool | None = None,
+                 max_pending_steps: int = 256, max_phases_per_step: int = 4096, max_events: int = 65_536,
+                 reduce_counts: bool = True, host: str | None = None) -> None:
+        if not job_id or rank < 0 or world_size < 1 or rank >= world_size:
+            raise ValueError(f"invalid job_id {job_id!r}, rank {rank} or world_size {world_size}")
+        self.job_id, self.rank, self.world_size = job_id, rank, world_size
+        self.host = host or socket.gethostname()
+        self._errors = 0
+        try:
+            self.settings = settings if settings is not None else Settings.load()
+        except Exception as exc:
+            self._error("settings", exc)
+            self.settings = Settings()
+        self._owns_publisher = publisher is None
+        if publisher is None:
+            try:
+                from producers.publisher import Publisher
+                publisher = Publisher(self.settings)
+            except Exception as exc:
+                self._error("publisher", exc)
+                publisher = _NullPublisher()
+        self._publisher: PublisherLike = publisher
+        self._dims = (dp, tp, pp, ep)
+        self._topology = topology
+        self._cuda = bool(torch is not None and torch.cuda.is_available()) if cuda is None else bool(cuda)
+        self._lifecycle = (rank == 0) if lifecycle is None else lifecycle
+        self._registry = (RankRegistry() if registry is None or registry is True
+                          else registry if isinstance(registry, RankRegistry) else None)
+        self._max_phases = max_phases_per_step
+        self._reduce_counts = reduce_counts
+        self._marks = StepMarks()
+        self._pool: EventPool | None = None
+        if self._cuda:
+            self._pool = EventPool(lambda: torch.cuda.Event(enable_timing=True), capacity=max_events)
+        self._resolver = StepResolver(job_id, rank, self._publisher, self._pool, max_pending=max_pending_steps)
+        self._kernels: CuptiKernels | None = None
+        if kernels:
+            self._kernels = CuptiKernels(job_id, rank, world_size, self._publisher, self._marks,
+                                         batch_events=self.settings.publisher_batch_events, host=self.host)
+        self._cur: StepRec | None = None
+        self._next_step = 0
+        self._steps = 0
+        self._outside = 0
+        self._stream_ids: dict[int, int] = {}
+        self._handles: list[Any] = []
+        self._comm_streams: dict[tuple[int, int], Any] = {}
+        self._started = self._closed = False
+
+    # -- lifecycle -------------------------------------------------------------------------------------------
+
+    def start(self) -> Tracer:
+        """Publish topology and START (lifecycle rank), register the rank, start CUPTI. Idempotent.
+
+        With ``torch.distributed`` initialized, the topology's host names are gathered from all ranks
+        (``all_gather_object``): call it on every rank.
+        """
+        if self._started:
+            return self
+        self._started = True
+        if self._pool is not None:
+            try:
+                self._pool.put([self._pool.get() for _ in range(min(256, self._pool.capacity))])
+            except Exception as exc:
+                self._error("event pool", exc)
+        try:
+            topology = self._topology or self._build_topology()
+            if self._lifecycle:
+                key = job_key(self.job_id)
+                self._publisher.publish(Topic.TOPOLOGY, key, topology)
+                self._publisher.publish(Topic.LIFECYCLE, key, JobLifecycle(
+                    self.job_id, LifecycleEvent.START, time.time_ns(), self.world_size, source="live"))
+        except Exception as exc:
+            self._error("topology/START", exc)
+        if self._registry is not None:
+            try:
+                self._registry.register(self.job_id, self.rank, host=self.host)
+            except Exception as exc:
+                self._error("rank registry", exc)
+        if self._kernels is not None:
+            self._kernels.start()
+        return self
+
+    def close(self, timeout_s: float = 30.0) -> TracerStats:
+        """End the open step, stop CUPTI, resolve queued steps, publish END (lifecycle rank) and flush.
+        Idempotent; never raises. See ``reduce_counts`` for the one collective it may run."""
+        if self._closed:
+            return self.stats()
+        self._closed = True
+        if self._cur is not None:
+            self._end_step()
+        for h in self._handles:
+            try:
+                h.remove()
+            except Exception as exc:
+                self._error("hook removal", exc)
+        self._handles.clear()
+        if self._kernels is not None:
+            self._kernels.stop()
+        self._resolver.close(timeout_s=min(timeout_s, 10.0))
+        counts = self._job_counts()
+        if self._lifecycle and self._started:
+            steps, phases, kernels = counts if counts is not None else (None, None, None)
+            self._publisher.publish(Topic.LIFECYCLE, job_key(self.job_id), JobLifecycle(
+                self.job_id, LifecycleEvent.END, time.time_ns(), self.world_size, source="live",
+                kernel_events=kernels, steps=steps, phase_batches=phases))
+        try:
+            left = self._publisher.flush(timeout_s)
+            if left:
+                log.warning("rank %d: %d records not delivered at close", self.rank, left)
+            if self._owns_publisher:
+                close = getattr(self._publisher, "close", None)
+                if callable(close):
+                    close(timeout_s=1.0)
+        except Exception as exc:
+            self._error("publisher flush", exc)
+        if self._registry is not None:
+            self._registry.unregister(self.job_id, self.rank)
+        stats = self.stats()
+        log.info("rank %d tracer closed: %s", self.rank, stats)
+        return stats
+
+    def __enter__(self) -> Tracer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def stats(self) -> TracerStats:
+        r = self._resolver
+        return TracerStats(
+            steps=self._steps, steps_published=r.steps_published, phase_batches_published=r.phase_batches_published,
+            phases=r.phases, steps_dropped=r.steps_dropped,
+            phases_dropped=r.phases_dropped + self._outside + (self._pool.exhausted if self._pool else 0),
+            publish_dropped=r.publish_dropped, errors=self._errors + r.errors,
+            kernel_events=self._kernels.events if self._kernels else 0,
+            cupti=self._kernels.status if self._kernels else CuptiStatus(CuptiState.DISABLED, "kernels=False"),
+            cuda=self._cuda)
+
+    @property
+    def cupti_status(self) -> CuptiStatus:
+        return self._kernels.status if self._kernels else CuptiStatus(CuptiState.DISABLED, "kernels=False")
+
+    # -- steps and phases (training thread) ----------------------------------------------------------------
+
+    def step(self, step: int | None = None) -> _StepScope:
+        """``with tracer.step():`` times one iteration (steps count from 0 unless ``step`` is given)."""
+        return _StepScope(self, step)
+
+    def phase(self, name: str, kind: PhaseKind = PhaseKind.OTHER, group: ParallelGroup = ParallelGroup.NONE,
+              stream: Any = None) -> _PhaseScope:
+        """``with tracer.phase("forward", PhaseKind.FORWARD):`` times a named phase of the current step.
+
+        With CUDA the phase's events go on ``stream`` (a ``torch.cuda.Stream``; default the current stream).
+        A phase outside a step is ignored and counted.
+        """
+        return _PhaseScope(self, name, kind, group, stream)
+
+    def collective(self, name: str, kind: PhaseKind, group: ParallelGroup = ParallelGroup.NONE,
+                   stream: Any = None) -> _PhaseScope:
+        """A communication phase timed on ``stream``, the stream the collective is ordered on (see the module
+        docstring: events on the compute stream make an async collective look instant)."""
+        return _PhaseScope(self, name, kind, group, stream)
+
+    def _begin_step(self, step: int | None) -> int:
+        n = self._next_step if step is None else step
+        try:
+            if not self._started:
+                self.start()
+            if self._cur is not None:
+                self._end_step()
+            self._next_step = n + 1
+            ev = None
+            if self._pool is not None:
+                ev = self._pool.get()
+                if ev is not None:
+                    ev.record()
+            t0 = _perf()
+            self._cur = StepRec(n, t0, ev)
+            self._marks.mark(n, epoch_ns(t0))
+            self._steps += 1
+        except Exception as exc:
+            self._error("step begin", exc)
+        return n
+
+    def _end_step(self) -> None:
+        rec, self._cur = self._cur, None
+        if rec is None:
+            return
+        try:
+            if rec.ev0 is not None and self._pool is not None:
+                ev = self._pool.get()
+                if ev is not None:
+                    ev.record()
+                    rec.ev1 = ev
+            rec.t1 = _perf()
+            self._resolver.submit(rec)
+        except Exception as exc:
+            self._error("step end", exc)
+
+    def _open(self, name: str, kind: PhaseKind, group: ParallelGroup, stream: Any, host: bool = False
+              ) -> PhaseRec | None:
+        cur = self._cur
+        if cur is None:
+            self._outside += 1
+            return None
+        try:
+            if len(cur.phases) >= self._max_phases:
+                cur.dropped_phases += 1
+                return None
+            if self._pool is not None and cur.ev0 is not None and not host:
+                ev = self._pool.get()
+                if ev is None:
+                    cur.dropped_phases += 1
+                    return None
+                s = stream if stream is not None else torch.cuda.current_stream()
+                ev.record(s)
+                rec = PhaseRec(name, kind, group, self._stream_id(s), _perf(), ev, s)
+            else:
+                rec = PhaseRec(name, kind, group, -1, _perf())
+            cur.phases.append(rec)
+            return rec
+        except Exception as exc:
+            self._error("phase begin", exc)
+            return None
+
+    def _close(self, rec: PhaseRec) -> None:
+        try:
+            if rec.ev0 is not None and self._pool is not None:
+                s, rec.on = rec.on, None
+                ev = self._pool.get()
+                if ev is not None:
+                    ev.record(s)
+                    rec.ev1 = ev
+            rec.t1 = _perf()
+        except Exception as exc:
+            rec.ev1 = None
+            self._error("phase end", exc)
+
+    def _stream_id(self, stream: Any) -> int:
+        ptr = int(stream.cuda_stream)
+        sid = self._stream_ids.get(ptr)
+        if sid is None:
+            cupti_id = self._kernels.stream_id(ptr) if self._kernels is not None else None
+            sid = cupti_id if cupti_id is not None else int(stream.stream_id)
+            self._stream_ids[ptr] = sid
+        return sid
+
+    # -- module and optimizer hooks ------------------------------------------------------------------------
+
+    def instrument(self, model: Any, modules: Iterable[str] = ("self_attention", "mlp"), *, backward: bool = False,
+                   match: Callable[[str, Any], bool] | None = None) -> list[Any]:
+        """Time submodules as phases named by their attribute name (``layers.3.mlp`` -> ``mlp``).
+
+        Submodules whose last name part is in ``modules`` (or for which ``match(qualified_name, module)``) get
+        forward pre/post hooks (FORWARD phases) and, with ``backward``, full backward pre/post hooks
+        (BACKWARD phases; these wrap the module's inputs/outputs in autograd functions, which in-place
+        operations on them can conflict with). Returns the hook handles (removed by :meth:`close`).
+        """
+        wanted = set(modules)
+        handles: list[Any] = []
+        try:
+            for qual, mod in model.named_modules():
+                leaf = qual.rsplit(".", 1)[-1]
+                if not qual or not (leaf in wanted or (match is not None and match(qual, mod))):
+                    continue
+                pre, post = self._hook_pair(leaf, PhaseKind.FORWARD)
+                handles += [mod.register_forward_pre_hook(pre), mod.register_forward_hook(post)]
+                if backward:
+                    bpre, bpost = self._hook_pair(leaf, PhaseKind.BACKWARD)
+                    handles += [mod.register_full_backward_pre_hook(bpre), mod.register_full_backward_hook(bpost)]
+        except Exception as exc:
+            self._error("instrument", exc)
+        self._handles += handles
+        return handles
+
+    def instrument_optimizer(self, optimizer: Any, name: str = "optimizer") -> list[Any]:
+        """Time ``optimizer.step()`` as an OPTIMIZER phase (step pre/post hooks). Returns the handles."""
+        pre, post = self._hook_pair(name, PhaseKind.OPTIMIZER)
+        try:
+            handles = [optimizer.register_step_pre_hook(pre), optimizer.register_step_post_hook(post)]
+        except Exception as exc:
+            self._error("instrument_optimizer", exc)
+            return []
+        self._handles += handles
+        return handles
+
+    def _hook_pair(self, name: str, kind: PhaseKind) -> tuple[Callable[..., None], Callable[..., None]]:
+        stack: list[PhaseRec | None] = []
+
+        def pre(*_: Any) -> None:
+            if len(stack) > 64:  # posts that never came (exceptions inside the module): forget them
+                stack.clear()
+            stack.append(self._open(name, kind, ParallelGroup.NONE, None))
+
+        def post(*_: Any) -> None:
+            rec = stack.pop() if stack else None
+            if rec is not None:
+                self._close(rec)
+
+        return pre, post
+
+    # -- helpers ---------------------------------------------------------------------------------------------
+
+    def _build_topology(self) -> JobTopology:
+        dp, tp, pp, ep = self._dims
+        if dp is None:
+            dp = max(1, self.world_size // (tp * pp))
+        topo = build_topology(self.job_id, dp, tp, pp, ep, hosts_per_node=max(1, self.world_size))
+        hosts = self._gather_hosts()
+        if hosts is None and self.world_size == 1:
+            hosts = [self.host]
+        if hosts is not None and len(hosts) == topo.world_size:
+            topo = JobTopology(topo.job_id, topo.world_size, topo.dp_size, topo.tp_size, topo.pp_size, topo.rank,
+                               tuple(hosts), topo.dp_group, topo.tp_group, topo.pp_group, topo.ep_group,
+                               topo.pp_stage, topo.ep_size)
+        return topo
+
+    def _dist(self) -> Any:
+        if torch is None:
+            return None
+        dist = torch.distributed
+        if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() != self.world_size:
+            return None
+        return dist
+
+    def _gather_hosts(self) -> list[str] | None:
+        dist = self._dist()
+        if dist is None:
+            return None
+        try:
+            out: list[Any] = [None] * self.world_size
+            dist.all_gather_object(out, self.host)
+            return [str(h) for h in out]
+        except Exception as exc:
+            self._error("host gather", exc)
+            return None
+
+    def _job_counts(self) -> tuple[int, int, int] | None:
+        r = self._resolver
+        local = [r.steps_published, r.phase_batches_published, self._kernels.events if self._kernels else 0]
+        if self.world_size == 1:
+            return local[0], local[1], local[2]
+        dist = self._dist() if self._reduce_counts else None
+        if dist is None:
+            return None
+        try:
+            device = "cpu"
+            if dist.get_backend() == "nccl":
+                device = f"cuda:{torch.cuda.current_device()}"
+            t = torch.tensor(local, dtype=torch.int64, device=device)
+            dist.all_reduce(t)
+            total = [int(v) for v in t.tolist()]
+            return total[0], total[1], total[2]
+        except Exception as exc:
+            self._error("count all_reduce", exc)
+            return None
+
+    def _error(self, where: str, exc: BaseException) -> None:
+        self._errors += 1
+        if self._errors <= 10 or self._errors % 1000 == 0:
+            log.warning("argus tracer (rank %s, pid %d): %s failed (%d errors so far): %s: %s",
+                        getattr(self, "rank", "?"), os.getpid(), where, self._errors, type(exc).__name__, exc)

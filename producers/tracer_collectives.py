@@ -1,0 +1,215 @@
+"""``torch.distributed`` collective wrappers of the :class:`~producers.tracer.Tracer` (a mixin).
+
+Each wrapper launches the collective with ``async_op=True`` and times it as a communication phase:
+
+* CUDA tensors, inside a step: from a per-(device, process group) communication stream, so that the phase's
+  events bracket the collective on the GPU (see the :mod:`producers.tracer` docstring for why events on the
+  compute stream would make it look instant). The communication stream first waits for the current stream
+  (ordering only: ``wait_stream`` uses an event without timing), records the start event, launches, waits
+  device-side for the collective (``work.wait()`` makes the current stream, i.e. the communication stream,
+  wait for NCCL's stream) and records the end event. ``async_op=False`` then orders the caller's stream after
+  the communication stream; ``async_op=True`` returns a :class:`CollectiveHandle` whose ``wait()`` does, and
+  the tensors are marked as used on the communication stream (``record_stream``) for the caching allocator.
+* CPU tensors (gloo) or no CUDA: host-clock timing from the launch to the completed ``wait()`` (for
+  ``async_op=True``: to the handle's ``wait()``).
+
+The collective itself runs exactly once whatever happens to the instrumentation; errors of the collective
+(the caller's) propagate, errors of the instrumentation are counted and logged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from producers.cuda_timing import EventPool, PhaseRec, StepRec
+from schemas.records import ParallelGroup, PhaseKind
+
+try:
+    import torch as _torch
+except ImportError:  # pragma: no cover
+    _torch = None  # type: ignore[assignment]
+torch: Any = _torch
+
+__all__ = ["CollectiveHandle", "CollectiveMixin", "default_name"]
+
+_SUFFIX = {
+    PhaseKind.ALL_REDUCE: "allreduce", PhaseKind.REDUCE_SCATTER: "reduce-scatter",
+    PhaseKind.ALL_GATHER: "all-gather", PhaseKind.BROADCAST: "broadcast", PhaseKind.ALL_TO_ALL: "all-to-all",
+    PhaseKind.SEND_RECV: "send-recv",
+}
+
+
+def default_name(kind: PhaseKind, group: ParallelGroup) -> str:
+    """``dp-allreduce``, ``tp-allreduce``, ``dp-reduce-scatter``, ``pp-send-recv``, ... (``allreduce`` for NONE)."""
+    suffix = _SUFFIX.get(kind, kind.value.lower())
+    return suffix if group is ParallelGroup.NONE else f"{group.value.lower()}-{suffix}"
+
+
+def _wait(work: Any) -> None:
+    if work is None:
+        return
+    if isinstance(work, (list, tuple)):
+        for w in work:
+            w.wait()
+    else:
+        work.wait()
+
+
+class CollectiveHandle:
+    """An async collective started by a tracer wrapper. ``wait()`` makes the caller's current CUDA stream wait
+    for it (CUDA) or blocks until it is done (host), then ends its phase (host timing)."""
+
+    def __init__(self, work: Any, comm_stream: Any = None, on_done: Callable[[], None] | None = None) -> None:
+        self.work = work
+        self._comm = comm_stream
+        self._on_done = on_done
+        self._done = False
+
+    def wait(self, timeout: Any = None) -> bool:
+        if self._done:
+            return True
+        if self._comm is not None:
+            torch.cuda.current_stream(self._comm.device).wait_stream(self._comm)
+        else:
+            _wait(self.work)
+        self._done = True
+        if self._on_done is not None:
+            self._on_done()
+        return True
+
+    def is_completed(self) -> bool:
+        if self._comm is not None:
+            return bool(self._comm.query())
+        works = self.work if isinstance(self.work, (list, tuple)) else [self.work]
+        return all(w is None or w.is_completed() for w in works)
+
+
+class CollectiveMixin:
+    """The collective wrappers; mixed into :class:`~producers.tracer.Tracer`, which provides the state."""
+
+    _pool: EventPool | None
+    _cur: StepRec | None
+    _closed: bool
+    _comm_streams: dict[tuple[int, int], Any]
+
+    def _open(self, name: str, kind: PhaseKind, group: ParallelGroup, stream: Any, host: bool = False
+              ) -> PhaseRec | None:
+        raise NotImplementedError
+
+    def _close(self, rec: PhaseRec) -> None:
+        raise NotImplementedError
+
+    def _error(self, where: str, exc: BaseException) -> None:
+        raise NotImplementedError
+
+    # -- wrappers ------------------------------------------------------------------------------------------
+
+    def all_reduce(self, tensor: Any, op: Any = None, group: Any = None, *,
+                   parallel_group: ParallelGroup = ParallelGroup.DP, name: str | None = None,
+                   async_op: bool = False) -> Any:
+        """``torch.distributed.all_reduce`` timed as an ALL_REDUCE phase (default name ``dp-allreduce``)."""
+        dist = torch.distributed
+        red = dist.ReduceOp.SUM if op is None else op
+        return self._collective(name, PhaseKind.ALL_REDUCE, parallel_group, (tensor,), group, async_op,
+                                lambda: dist.all_reduce(tensor, op=red, group=group, async_op=True))
+
+    def reduce_scatter_tensor(self, output: Any, input: Any, op: Any = None, group: Any = None, *,
+                              parallel_group: ParallelGroup = ParallelGroup.DP, name: str | None = None,
+                              async_op: bool = False) -> Any:
+        """``torch.distributed.reduce_scatter_tensor`` timed as a REDUCE_SCATTER phase."""
+        dist = torch.distributed
+        red = dist.ReduceOp.SUM if op is None else op
+        return self._collective(name, PhaseKind.REDUCE_SCATTER, parallel_group, (output, input), group, async_op,
+                                lambda: dist.reduce_scatter_tensor(output, input, op=red, group=group, async_op=True))
+
+    def all_gather_into_tensor(self, output: Any, input: Any, group: Any = None, *,
+                               parallel_group: ParallelGroup = ParallelGroup.DP, name: str | None = None,
+                               async_op: bool = False) -> Any:
+        """``torch.distributed.all_gather_into_tensor`` timed as an ALL_GATHER phase."""
+        dist = torch.distributed
+        return self._collective(name, PhaseKind.ALL_GATHER, parallel_group, (output, input), group, async_op,
+                                lambda: dist.all_gather_into_tensor(output, input, group=group, async_op=True))
+
+    def broadcast(self, tensor: Any, src: int, group: Any = None, *,
+                  parallel_group: ParallelGroup = ParallelGroup.NONE, name: str | None = None,
+                  async_op: bool = False) -> Any:
+        """``torch.distributed.broadcast`` timed as a BROADCAST phase."""
+        dist = torch.distributed
+        return self._collective(name, PhaseKind.BROADCAST, parallel_group, (tensor,), group, async_op,
+                                lambda: dist.broadcast(tensor, src, group=group, async_op=True))
+
+    def all_to_all_single(self, output: Any, input: Any, group: Any = None, *,
+                          parallel_group: ParallelGroup = ParallelGroup.EP, name: str | None = None,
+                          async_op: bool = False) -> Any:
+        """``torch.distributed.all_to_all_single`` timed as an ALL_TO_ALL phase."""
+        dist = torch.distributed
+        return self._collective(name, PhaseKind.ALL_TO_ALL, parallel_group, (output, input), group, async_op,
+                                lambda: dist.all_to_all_single(output, input, group=group, async_op=True))
+
+    def batch_isend_irecv(self, p2p_ops: Sequence[Any], *, parallel_group: ParallelGroup = ParallelGroup.PP,
+                          name: str | None = None, async_op: bool = False) -> Any:
+        """``torch.distributed.batch_isend_irecv`` timed as a SEND_RECV phase (default ``pp-send-recv``)."""
+        dist = torch.distributed
+        tensors = tuple(op.tensor for op in p2p_ops)
+        group = getattr(p2p_ops[0], "group", None) if p2p_ops else None
+        return self._collective(name, PhaseKind.SEND_RECV, parallel_group, tensors, group, async_op,
+                                lambda: dist.batch_isend_irecv(list(p2p_ops)))
+
+    # -- the timing ------------------------------------------------------------------------------------------
+
+    def _collective(self, name: str | None, kind: PhaseKind, pgroup: ParallelGroup, tensors: Sequence[Any],
+                    group: Any, async_op: bool, launch: Callable[[], Any]) -> Any:
+        label = name or default_name(kind, pgroup)
+        first: Any = tensors[0] if tensors else None
+        if self._closed:
+            return self._plain(launch, async_op)
+        if self._pool is not None and self._cur is not None and bool(getattr(first, "is_cuda", False)):
+            try:
+                cur = torch.cuda.current_stream(first.device)
+                comm = self._comm_stream(first.device, group)
+                comm.wait_stream(cur)
+            except Exception as exc:
+                self._error(f"collective {label} stream setup", exc)
+                return self._plain(launch, async_op)
+            with torch.cuda.stream(comm):
+                rec = self._open(label, kind, pgroup, comm)
+                work = launch()
+                _wait(work)  # device-side: the communication stream waits for the collective
+                if rec is not None:
+                    self._close(rec)
+            try:
+                if async_op:
+                    for t in tensors:
+                        t.record_stream(comm)
+                    return CollectiveHandle(work, comm_stream=comm)
+                cur.wait_stream(comm)
+            except Exception as exc:
+                self._error(f"collective {label} ordering", exc)
+                torch.cuda.current_stream(first.device).wait_stream(comm)
+                return CollectiveHandle(work, comm_stream=comm) if async_op else None
+            return None
+        rec = self._open(label, kind, pgroup, None, host=True)
+        work = launch()
+        if async_op:
+            return CollectiveHandle(work, on_done=(lambda: self._close(rec)) if rec is not None else None)
+        _wait(work)
+        if rec is not None:
+            self._close(rec)
+        return None
+
+    @staticmethod
+    def _plain(launch: Callable[[], Any], async_op: bool) -> Any:
+        work = launch()
+        if async_op:
+            return CollectiveHandle(work)
+        _wait(work)
+        return None
+
+    def _comm_stream(self, device: Any, group: Any) -> Any:
+        dev = torch.device(device)
+        key = (dev.index if dev.index is not None else torch.cuda.current_device(), 0 if group is None else id(group))
+        s = self._comm_streams.get(key)
+        if s is None:
+            s = self._comm_streams[key] = torch.cuda.Stream(device=dev)
+        return s

@@ -1,0 +1,186 @@
+"""Per-job diagnosis state of the stream agents: what to feed L1/L2/L3 and when (pure, no Kafka).
+
+:class:`JobDiagnosis` (L1 + L2) gathers a job's Step and PhaseBatch records, its topology and its END.
+A step is *complete* once every rank reported its Step and PhaseBatch; every ``detect_every`` complete
+steps the detectors run on what is complete (live), and once more when the END's record counts have all
+arrived (final). :class:`KernelDiagnosis` (L3) gathers the KernelSummary rows of one (job, kernel, stream)
+and judges each event-time window once a later window has begun (the compressors close windows on event
+time, so by then every live rank has emitted it) and all remaining windows at the job's end.
+
+Findings carry deterministic ids, so repeated runs over growing data emit each finding once; a regression
+whose onset estimate moves by less than ``L1Params.min_segment`` steps counts as the same finding.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from detectors.findings import to_finding
+from detectors.l1_iteration import IterationSeries, L1Kind, L1Params, L1Result, detect_l1
+from detectors.l2_phases import L2Params, L2Result, PhaseTable, detect_l2
+from detectors.l3_kernels import L3Params, detect_l3
+from schemas.records import Finding, JobLifecycle, JobTopology, KernelSummary, PhaseBatch, Step
+
+__all__ = ["DiagnosisParams", "JobDiagnosis", "KernelDiagnosis"]
+
+
+@dataclass(frozen=True)
+class DiagnosisParams:
+    """When and on how much data the detectors run."""
+
+    #: Run L1/L2 every this many newly complete steps (live detection latency, in steps).
+    detect_every: int = 5
+    #: Complete steps of phase records kept for L2 (older ones are dropped: bounded memory).
+    history_steps: int = 200
+    l1: L1Params = field(default_factory=L1Params)
+    l2: L2Params = field(default_factory=L2Params)
+    l3: L3Params = field(default_factory=L3Params)
+
+
+class JobDiagnosis:
+    """L1 and L2 state of one job."""
+
+    def __init__(self, job_id: str, params: DiagnosisParams | None = None) -> None:
+        self.job_id = job_id
+        self.params = params or DiagnosisParams()
+        self.topology: JobTopology | None = None
+        self.world_size: int | None = None
+        self.end: JobLifecycle | None = None
+        self.steps_seen = 0
+        self.phases_seen = 0
+        self._steps: dict[int, dict[int, Step]] = defaultdict(dict)
+        self._phases: dict[int, dict[int, PhaseBatch]] = defaultdict(dict)
+        self._complete: list[int] = []
+        self._done: set[int] = set()
+        # The job's iteration series, one entry per complete step: max over ranks (the job waits for all).
+        self._series: list[tuple[int, float, float]] = []
+        self._last_run = 0
+        self._emitted: set[str] = set()
+        self._onsets: list[int] = []
+        self.last_time_ns = 0
+
+    def add(self, record: Step | PhaseBatch | JobTopology | JobLifecycle) -> None:
+        """Take one record of the job (any order)."""
+        if isinstance(record, Step):
+            self.steps_seen += 1
+            self._steps[record.step][record.rank] = record
+            self.last_time_ns = max(self.last_time_ns, record.start_ns + record.wall_ns)
+            self._maybe_complete(record.step)
+        elif isinstance(record, PhaseBatch):
+            self.phases_seen += 1
+            self._phases[record.step][record.rank] = record
+            self._maybe_complete(record.step)
+        elif isinstance(record, JobTopology):
+            self.topology = record
+            self.world_size = record.world_size
+            for step in sorted(self._steps):
+                self._maybe_complete(step)
+        elif isinstance(record, JobLifecycle):
+            self.world_size = self.world_size or record.world_size
+            if record.event.value == "END":
+                self.end = record
+
+    @property
+    def complete_steps(self) -> int:
+        return len(self._complete)
+
+    def due(self) -> bool:
+        """Enough new complete steps since the last live run."""
+        return self.complete_steps - self._last_run >= self.params.detect_every
+
+    def finished(self) -> bool:
+        """The END arrived and so did every Step and PhaseBatch it announced (unknown counts: END alone)."""
+        if self.end is None:
+            return False
+        return ((self.end.steps is None or self.steps_seen >= self.end.steps)
+                and (self.end.phase_batches is None or self.phases_seen >= self.end.phase_batches))
+
+    def diagnose(self) -> list[Finding]:
+        """Run L1 and L2 on the complete steps; returns the findings not emitted before."""
+        self._last_run = self.complete_steps
+        results: list[L1Result | L2Result] = []
+        series = IterationSeries.from_arrays(*map(np.array, zip(*self._series, strict=True))) \
+            if self._series else IterationSeries.from_steps([])
+        l1 = detect_l1(series, params=self.params.l1) if len(series) else []
+        onset = None
+        for r in l1:
+            if r.kind is L1Kind.STEP_REGRESSION:
+                step = r.steps[0]
+                onset = step if onset is None else onset
+                if any(abs(step - o) < self.params.l1.min_segment for o in self._onsets):
+                    continue
+                self._onsets.append(step)
+            results.append(r)
+        if self.topology is not None and self._complete:
+            batches = [b for s in self._complete[-self.params.history_steps:] for b in self._phases[s].values()]
+            table = PhaseTable.from_batches(batches)
+            if len(table):
+                results.extend(detect_l2(table, self.topology, self.params.l2, onset_step=onset))
+        new = []
+        for res in results:
+            finding = to_finding(self.job_id, res, self.last_time_ns)
+            if finding.finding_id not in self._emitted:
+                self._emitted.add(finding.finding_id)
+                new.append(finding)
+        return new
+
+    def _maybe_complete(self, step: int) -> None:
+        n = self.world_size
+        if n is None or step in self._done:
+            return
+        if len(self._steps[step]) >= n and len(self._phases[step]) >= n:
+            self._done.add(step)
+            self._complete.append(step)
+            self._complete.sort()
+            ranks = self._steps.pop(step).values()
+            gpu = [r.gpu_ns for r in ranks if r.gpu_ns is not None]
+            self._series.append((step, float(max(r.wall_ns for r in ranks)), float(max(gpu)) if gpu else math.nan))
+            for old in self._complete[:-self.params.history_steps]:
+                self._phases.pop(old, None)
+
+
+class KernelDiagnosis:
+    """L3 state of one (job, kernel, stream): summary rows by window."""
+
+    def __init__(self, job_id: str, kernel: str, stream: int, params: DiagnosisParams | None = None) -> None:
+        self.job_id, self.kernel, self.stream = job_id, kernel, stream
+        self.params = params or DiagnosisParams()
+        self._windows: dict[int, list[KernelSummary]] = defaultdict(list)
+        self._judged: set[int] = set()
+        self._emitted: set[str] = set()
+
+    def add(self, summary: KernelSummary) -> None:
+        for i, ws in enumerate(summary.window_start_ns):
+            self._windows[ws].append(_row(summary, i))
+
+    def diagnose(self, topology: JobTopology | None, final: bool = False) -> list[Finding]:
+        """Judge every window that is complete (a later one exists, or ``final``) and not judged yet."""
+        starts = sorted(self._windows)
+        ready = [ws for ws in (starts if final else starts[:-1]) if ws not in self._judged]
+        new: list[Finding] = []
+        for ws in ready:
+            self._judged.add(ws)
+            rows = self._windows[ws]
+            for res in detect_l3(rows, topology, self.params.l3):
+                finding = to_finding(self.job_id, res, rows[0].window_end_ns[0])
+                if finding.finding_id not in self._emitted:
+                    self._emitted.add(finding.finding_id)
+                    new.append(finding)
+        return new
+
+
+def _row(s: KernelSummary, i: int) -> KernelSummary:
+    """Row ``i`` of a multi-row summary as a one-row summary."""
+    start = sum(s.n_clusters[:i])
+    sl = slice(start, start + s.n_clusters[i])
+    return KernelSummary(
+        job_id=s.job_id, kernel=s.kernel, stream=s.stream, rank=(s.rank[i],),
+        window_start_ns=(s.window_start_ns[i],), window_end_ns=(s.window_end_ns[i],), n_events=(s.n_events[i],),
+        n_clusters=(s.n_clusters[i],), cluster_count=s.cluster_count[sl], cluster_p50_ns=s.cluster_p50_ns[sl],
+        cluster_p99_ns=s.cluster_p99_ns[sl], cluster_min_ns=s.cluster_min_ns[sl],
+        cluster_max_ns=s.cluster_max_ns[sl], cluster_sum_ns=s.cluster_sum_ns[sl],
+    )

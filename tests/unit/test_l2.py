@@ -1,0 +1,200 @@
+"""L2: stragglers by phase within parallel groups, and slow pipeline stages (detectors.l2_phases)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from argus.errors import DetectorError
+from detectors import L2Kind, L2Params, PhaseTable, detect_l2, loo_median
+from producers.topology import build_topology
+from schemas.records import JobTopology, Level, ParallelGroup, PhaseBatch, PhaseKind
+
+PROPERTY = settings(max_examples=60, deadline=None)
+MS = 1_000_000
+F, B, OPT = PhaseKind.FORWARD, PhaseKind.BACKWARD, PhaseKind.OPTIMIZER
+NONE, DP, TP, PP = ParallelGroup.NONE, ParallelGroup.DP, ParallelGroup.TP, ParallelGroup.PP
+Phase = tuple[PhaseKind, str, ParallelGroup, int]
+
+
+def _batch(rank: int, step: int, phases: list[Phase]) -> PhaseBatch:
+    kinds, names, groups, durs = zip(*phases, strict=True) if phases else ((), (), (), ())
+    n = len(kinds)
+    return PhaseBatch("j", rank, step, tuple(kinds), tuple(names), tuple(groups), (7,) * n, (0,) * n,
+                      tuple(int(d) for d in durs))
+
+
+def _job(topo: JobTopology, steps: int, phases: Callable[[int, int], list[Phase]]) -> PhaseTable:
+    return PhaseTable.from_batches(_batch(r, s, phases(r, s)) for s in range(steps) for r in range(topo.world_size))
+
+
+def _dp_step(world: int, slow: dict[int, float], late_ms: dict[int, float] | None = None,
+             jitter: Callable[[int], float] = lambda r: 1.0) -> Callable[[int, int], list[Phase]]:
+    """Compute phases (slowed per rank) and a DP all-reduce in which everyone waits for the last arrival."""
+    late = late_ms or {}
+
+    def phases(rank: int, step: int) -> list[Phase]:
+        f = slow.get(rank, 1.0) * jitter(rank)
+        compute = [(F, "forward", NONE, 50 * MS * f), (F, "mlp", NONE, 30 * MS * f),
+                   (B, "backward", NONE, 100 * MS * f), (OPT, "optimizer", NONE, 10 * MS)]
+        arrive = {r: 160 * MS * slow.get(r, 1.0) * jitter(r) + late.get(r, 0.0) * MS for r in range(world)}
+        mine = 160 * MS * f + late.get(rank, 0.0) * MS
+        latest = max(arrive.values())
+        return [*compute, (PhaseKind.ALL_REDUCE, "dp-allreduce", DP, 4 * MS + latest - mine),
+                (PhaseKind.OTHER, "forward-backward", NONE, latest + 4 * MS)]  # aligned total, as Megatron's
+
+    return phases
+
+
+def _by_kind(results: list) -> dict[L2Kind, list]:
+    out: dict[L2Kind, list] = {}
+    for r in results:
+        out.setdefault(r.kind, []).append(r)
+    return out
+
+
+# -- helpers -----------------------------------------------------------------------------------------
+
+
+@PROPERTY
+@given(st.lists(st.floats(-1e6, 1e6), min_size=0, max_size=30))
+def test_loo_median_matches_brute_force(values: list[float]) -> None:
+    got = loo_median(values)
+    assert got.shape == (len(values),)
+    for i in range(len(values)):
+        rest = values[:i] + values[i + 1:]
+        if rest:
+            assert got[i] == pytest.approx(float(np.median(rest)))
+        else:
+            assert np.isnan(got[i])
+
+
+def test_phase_table_aggregates_and_deduplicates() -> None:
+    b1 = _batch(0, 0, [(F, "mlp", NONE, 5), (F, "mlp", NONE, 7), (B, "mlp", NONE, 11), (F, "fwd", NONE, 3)])
+    b2 = _batch(1, 0, [(F, "fwd", NONE, 4)])
+    stale = _batch(1, 1, [(F, "fwd", NONE, 999)])
+    fresh = _batch(1, 1, [(F, "fwd", NONE, 6)])
+    t = PhaseTable.from_batches([b1, b2, stale, fresh])
+    rows = {(int(r), int(s), t.names[p], t.kinds[p]): (int(d), int(c))
+            for r, s, p, d, c in zip(t.rank, t.step, t.phase, t.duration_ns, t.count, strict=True)}
+    assert rows == {(0, 0, "mlp", F): (12, 2), (0, 0, "mlp", B): (11, 1), (0, 0, "fwd", F): (3, 1),
+                    (1, 0, "fwd", F): (4, 1), (1, 1, "fwd", F): (6, 1)}
+    assert len(t) == 5 and not t.rank.flags.writeable
+    assert len(PhaseTable.from_batches([])) == 0
+    with pytest.raises(DetectorError):
+        PhaseTable(t.rank, t.step, t.phase + 10, t.duration_ns, t.count, t.names, t.kinds, t.groups)
+    with pytest.raises(DetectorError):
+        PhaseTable(t.rank, t.step[:2], t.phase, t.duration_ns, t.count, t.names, t.kinds, t.groups)
+
+
+# -- compute stragglers ------------------------------------------------------------------------------
+
+
+def test_compute_straggler_named_with_short_collective_and_peers_spared() -> None:
+    topo = build_topology("j", dp=8)
+    res = detect_l2(_job(topo, 10, _dp_step(8, {5: 3.0})), topo)
+    assert [(r.kind, r.ranks) for r in res] == [(L2Kind.COMPUTE_STRAGGLER, (5,))]
+    r = res[0]
+    assert r.level is Level.L2 and r.steps == ()
+    assert r.phase in {"forward", "mlp", "backward"} and r.score == pytest.approx(3.0, rel=0.01)
+    ev = r.evidence
+    assert ev["collective_short"] is True and ev["late_arrival_only"] is False
+    assert ev["short_collectives_peers_over_rank_ratio"]["dp-allreduce:ALL_REDUCE"] > 10
+    assert ev["group"] == "DP0" and ev["robust_z"] > 3.5 and ev["group_cv"] > 0
+
+
+def test_group_of_two_and_only_within_dp_groups() -> None:
+    topo = build_topology("j", dp=2, pp=2)  # DP groups {0, 1} and {2, 3}
+    work = {0: 1, 1: 3, 2: 4, 3: 4}
+    res = detect_l2(_job(topo, 5, lambda r, s: [(F, "fwd", NONE, 10 * MS * work[r])]), topo)
+    assert [(r.kind, r.ranks) for r in res] == [(L2Kind.COMPUTE_STRAGGLER, (1,))]
+    # stage 1 doing 4x the forward work of stage 0 is no straggler: they are never compared
+    assert detect_l2(_job(topo, 5, lambda r, s: [(F, "fwd", NONE, 10 * MS * (4 if r >= 2 else 1))]), topo) == []
+
+
+@PROPERTY
+@given(spread=st.floats(0.0, 0.4), seed=st.integers(0, 2**31), dp=st.sampled_from([2, 3, 4, 8, 16]))
+def test_benign_spread_never_flags(spread: float, seed: int, dp: int) -> None:
+    topo = build_topology("j", dp=dp)
+    factor = 1.0 + spread * np.random.default_rng(seed).uniform(0.0, 1.0, dp)  # max/min < 1.4
+    assert detect_l2(_job(topo, 5, _dp_step(dp, {}, jitter=lambda r: float(factor[r]))), topo) == []
+
+
+def test_late_arrival_without_slow_phase() -> None:
+    topo = build_topology("j", dp=8)
+    res = detect_l2(_job(topo, 5, _dp_step(8, {}, late_ms={2: 250.0})), topo)  # e.g. a slow data loader
+    assert [(r.kind, r.ranks, r.phase) for r in res] == [(L2Kind.COMPUTE_STRAGGLER, (2,), "dp-allreduce")]
+    assert res[0].evidence["late_arrival_only"] is True
+    assert res[0].evidence["lateness_over_longest_phase_ratio"] > 0.5
+    assert res[0].score > 50
+    # 12 ms late: 4x shorter all-reduce, but only 7 % of a step: no finding, and the peers are spared too
+    assert detect_l2(_job(topo, 5, _dp_step(8, {}, late_ms={2: 12.0})), topo) == []
+
+
+def test_tp_victim_of_a_straggler_is_not_named() -> None:
+    topo = build_topology("j", dp=4, tp=2)  # TP groups {0,1} {2,3} ...; DP groups {0,2,4,6} {1,3,5,7}
+
+    def phases(rank: int, step: int) -> list[Phase]:
+        slow = rank == 0
+        fwd = 100 * MS * (4 if slow else 1)
+        tp_wait = 300 * MS if rank == 1 else 0  # rank 1 waits for rank 0 in their blocking TP all-reduce
+        done = fwd + tp_wait + 2 * MS
+        latest = 400 * MS + 2 * MS
+        return [(F, "fwd", NONE, fwd), (PhaseKind.ALL_REDUCE, "tp-allreduce", TP, 2 * MS + tp_wait),
+                (PhaseKind.ALL_REDUCE, "dp-allreduce", DP, 4 * MS + latest - done)]
+
+    res = detect_l2(_job(topo, 5, phases), topo)
+    assert [(r.kind, r.ranks) for r in res] == [(L2Kind.COMPUTE_STRAGGLER, (0,))]
+
+
+def test_host_phase_straggler_and_onset() -> None:
+    topo = build_topology("j", dp=4)
+
+    def phases(rank: int, step: int) -> list[Phase]:
+        slow = rank == 3 and step >= 6
+        return [(PhaseKind.DATA_LOADER, "dataloader", NONE, 20 * MS * (5 if slow else 1)), (F, "fwd", NONE, 50 * MS)]
+
+    table = _job(topo, 12, phases)
+    full = detect_l2(table, topo)
+    post = detect_l2(table, topo, onset_step=6)
+    assert [(r.kind, r.ranks, r.phase) for r in post] == [(L2Kind.PHASE_STRAGGLER, (3,), "dataloader")]
+    assert post[0].score == pytest.approx(5.0) and full[0].score < post[0].score
+    assert detect_l2(table, topo, onset_step=10) == []  # 2 analysed steps < min_steps
+
+
+# -- pipeline stages ---------------------------------------------------------------------------------
+
+
+def test_slow_last_stage_found_despite_uneven_counts() -> None:
+    topo = build_topology("j", dp=2, pp=4)
+
+    def phases(rank: int, step: int) -> list[Phase]:
+        stage = topo.pp_stage[rank]
+        factor = 1.9 if stage == 3 else 1.0
+        straggler = 10.0 if rank == 0 else 1.0
+        sends = 4 if stage in (0, 3) else 8  # first/last stage run half the pipeline transfers
+        return ([(B, "backward", NONE, 20 * MS * factor * straggler)] * 8 + [(F, "forward", NONE, 10 * MS)] * 8
+                + [(PhaseKind.SEND_RECV, "pp-send-recv", PP, 1 * MS)] * sends)
+
+    res = _by_kind(detect_l2(_job(topo, 5, phases), topo))
+    assert [r.ranks for r in res[L2Kind.COMPUTE_STRAGGLER]] == [(0,)]
+    (stage,) = res[L2Kind.PP_STAGE_SLOW]
+    assert stage.ranks == (6, 7) and stage.phase == "backward"
+    assert stage.score == pytest.approx(1.9, rel=0.01)
+    assert stage.evidence["stage"] == 3
+    assert set(res) == {L2Kind.COMPUTE_STRAGGLER, L2Kind.PP_STAGE_SLOW}
+
+
+def test_bad_input_raises() -> None:
+    topo = build_topology("j", dp=2)
+    table = PhaseTable.from_batches([_batch(r, s, [(F, "f", NONE, 5)]) for r in range(3) for s in range(4)])
+    with pytest.raises(DetectorError):
+        detect_l2(table, topo)
+    for bad in ({"min_elevation": 1.0}, {"min_z": -1.0}, {"mad_floor": 0.0}, {"collective_ratio": float("inf")},
+                {"stage_ratio": 0.5}, {"min_steps": 0}, {"min_late_fraction": -0.1}):
+        with pytest.raises(DetectorError):
+            L2Params(**bad)  # type: ignore[arg-type]

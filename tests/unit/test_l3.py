@@ -1,0 +1,220 @@
+"""L3: degraded kernels and links from compressed windows (detectors.l3_kernels)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from argus.errors import DetectorError
+from detectors import (
+    L3Kind,
+    L3Params,
+    MixtureBatch,
+    Scope,
+    detect_l3,
+    geometric_grid,
+    is_collective,
+    primary_p50,
+    score_ranks,
+    w1_to_reference,
+)
+from producers.topology import build_topology
+from schemas.records import KernelSummary, Level
+
+PROPERTY = settings(max_examples=40, deadline=None)
+GEMM = "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n"
+AR = "ncclDevKernel_AllReduce_Sum_bf16_RING_LL"
+Comp = tuple[int, float, float]  # (count, p50_ns, p99_ns)
+
+
+def _summary(rows: Sequence[tuple[int, Sequence[Comp]]], kernel: str = GEMM, stream: int = 7) -> KernelSummary:
+    """One KernelSummary; each row is (rank, components of one window)."""
+    comps = [c for _, cs in rows for c in cs]
+    count = tuple(int(c[0]) for c in comps)
+    p50 = tuple(round(c[1]) for c in comps)
+    p99 = tuple(round(c[2]) for c in comps)
+    return KernelSummary(
+        job_id="j", kernel=kernel, stream=stream, rank=tuple(r for r, _ in rows),
+        window_start_ns=tuple(i * 10 for i in range(len(rows))),
+        window_end_ns=tuple(i * 10 + 10 for i in range(len(rows))),
+        n_events=tuple(sum(c[0] for c in cs) for _, cs in rows), n_clusters=tuple(len(cs) for _, cs in rows),
+        cluster_count=count, cluster_p50_ns=p50, cluster_p99_ns=p99, cluster_min_ns=p50, cluster_max_ns=p99,
+        cluster_sum_ns=tuple(c * m for c, m in zip(count, p50, strict=True)),
+    )
+
+
+def _ranks(n: int, factor: dict[int, float] | None = None, seed: int = 0, jitter: float = 0.01,
+           tail: dict[int, float] | None = None, count: int = 100) -> list[tuple[int, list[Comp]]]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for r in range(n):
+        p50 = 1e6 * (factor or {}).get(r, 1.0) * float(np.exp(jitter * rng.standard_normal()))
+        out.append((r, [(count, p50, p50 * (tail or {}).get(r, 1.1))]))
+    return out
+
+
+def _found(results: list) -> list[tuple[L3Kind, tuple[int, ...]]]:
+    return [(r.kind, r.ranks) for r in results]
+
+
+# -- compute kernels ---------------------------------------------------------------------------------
+
+
+def test_one_slow_rank_is_degraded_kernel() -> None:
+    res = detect_l3([_summary(_ranks(16, {7: 2.0}))])
+    assert _found(res) == [(L3Kind.KERNEL_DEGRADED, (7,))]
+    r = res[0]
+    assert r.level is Level.L3 and r.kernel == GEMM and r.stream == 7 and r.steps == ()
+    assert r.score == pytest.approx(1.0, rel=0.1)  # durations x2: W1 = one reference mean
+    assert r.evidence["top_p50_ratio"] == pytest.approx(2.0, rel=0.05)
+    assert r.evidence["n_ranks"] == 16 and r.evidence["collective"] is False
+
+
+@PROPERTY
+@given(n=st.integers(2, 64), seed=st.integers(0, 2**31), jitter=st.floats(0.0, 0.05),
+       tail=st.floats(1.01, 1.5))
+def test_jitter_never_flags(n: int, seed: int, jitter: float, tail: float) -> None:
+    tails = {r: tail ** float(np.random.default_rng(seed + r).uniform(0.5, 1.0)) for r in range(n)}
+    assert detect_l3([_summary(_ranks(n, seed=seed, jitter=jitter, tail=tails))]) == []
+
+
+def test_tail_growth_with_the_same_p50_is_caught() -> None:
+    res = detect_l3([_summary(_ranks(16, tail={3: 3.3}))])
+    assert _found(res) == [(L3Kind.KERNEL_DEGRADED, (3,))]
+    assert res[0].evidence["top_p50_ratio"] == pytest.approx(1.0, rel=0.05)
+    assert res[0].evidence["top_mean_shift_ns"] > 0
+
+
+def test_faster_rank_is_not_flagged() -> None:
+    assert detect_l3([_summary(_ranks(16, {2: 0.4}))]) == []
+
+
+def test_half_the_ranks_slow_needs_the_p50_path() -> None:
+    slow = {r: 4.0 for r in range(8, 16)}
+    assert _found(detect_l3([_summary(_ranks(16, slow))])) == [(L3Kind.KERNEL_DEGRADED, tuple(range(8, 16)))]
+    assert detect_l3([_summary(_ranks(16, slow))], params=L3Params(p50_ratio=1e9)) == []  # IQR alone fails
+
+
+def test_windows_and_summaries_merge_per_rank() -> None:
+    rows = _ranks(8, {1: 3.0})
+    split = [_summary(rows[:4]), _summary(rows[4:]), _summary([(1, [(50, 3e6, 3.3e6)])])]
+    assert _found(detect_l3(split)) == _found(detect_l3([_summary(rows)])) == [(L3Kind.KERNEL_DEGRADED, (1,))]
+
+
+def test_primary_mode_spans_windows() -> None:
+    # one healthy window of 65 events, then ten slow windows of ~10 events: the slow mode has more events
+    comps = [(65, 1e6, 1.1e6)] + [(10, 20e6 * (1 + 0.01 * i), 22e6) for i in range(10)]
+    trimodal = [(25, 2e5, 2.2e5), (25, 6e5, 6.6e5), (50, 1.6e6, 1.8e6)]
+    batch = MixtureBatch.from_long(np.array([0] * 11 + [1] * 3), *zip(*(comps + trimodal), strict=True))
+    got = primary_p50(batch)
+    assert 20e6 <= got[0] <= 20.1e6 * 1.1 and got[1] == pytest.approx(1.6e6)
+
+
+def test_min_events_and_min_ranks() -> None:
+    rows = _ranks(8, {1: 3.0})
+    rows[1] = (1, [(5, 3e6, 3.3e6)])
+    assert detect_l3([_summary(rows)]) == []  # the slow rank has too few events to judge
+    assert detect_l3([_summary(_ranks(1))]) == [] and detect_l3([]) == []
+
+
+def test_compute_kernels_compared_within_a_stage() -> None:
+    topo = build_topology("j", dp=4, pp=2)
+    rows = _ranks(8, {r: 2.5 for r in range(4, 8)})  # stage 1 runs a bigger shape of the same kernel
+    assert detect_l3([_summary(rows)], topo) == []
+    job = detect_l3([_summary(rows)], topo, L3Params(compute_scope=Scope.JOB, p50_ratio=2.0))
+    assert _found(job) == [(L3Kind.KERNEL_DEGRADED, (4, 5, 6, 7))]
+    assert _found(detect_l3([_summary(_ranks(8, {5: 2.5}))], topo)) == [(L3Kind.KERNEL_DEGRADED, (5,))]
+
+
+# -- collective kernels ------------------------------------------------------------------------------
+
+
+def test_whole_group_long_is_link_degradation() -> None:
+    topo = build_topology("j", dp=4, pp=2)  # DP groups {0..3}, {4..7}; PP groups {0,4}, {1,5}, ...
+    res = detect_l3([_summary(_ranks(8, {r: 10.0 for r in range(4, 8)}), kernel=AR, stream=13)], topo)
+    assert _found(res) == [(L3Kind.LINK_DEGRADED, (4, 5, 6, 7))]
+    ev = res[0].evidence
+    assert ev["group"] == "DP1" and ev["whole_group"] is True and ev["collective"] is True
+    assert ev["p50_ratio"] == pytest.approx(10.0, rel=0.05)
+    assert ev["w1_inter_over_intra_ratio"] > 50
+
+
+def test_short_member_is_late_and_its_peers_are_spared() -> None:
+    topo = build_topology("j", dp=8)
+    res = detect_l3([_summary(_ranks(8, {5: 1 / 20}), kernel=AR)], topo)
+    assert _found(res) == [(L3Kind.COMPUTE_STRAGGLER_BY_COLLECTIVE, (5,))]
+    ev = res[0].evidence
+    assert ev["collective_short"] is True and ev["peers_over_rank_p50_ratio"] == pytest.approx(20, rel=0.05)
+    assert ev["waiting_peers"] == [0, 1, 2, 3, 4, 6, 7]
+
+
+def test_late_member_in_one_stage_explains_its_long_peers_only() -> None:
+    topo = build_topology("j", dp=4, pp=2)
+    factor = {0: 10.0, 1: 10.0, 3: 10.0}  # rank 2 arrived late: the rest of its DP group waited
+    assert _found(detect_l3([_summary(_ranks(8, factor), kernel=AR)], topo)) == [
+        (L3Kind.COMPUTE_STRAGGLER_BY_COLLECTIVE, (2,))]
+    factor = {0: 3.0, 1: 3.0, 3: 3.0}  # 3x shorter: explains the waiting, too weak to name (short_ratio 5)
+    assert detect_l3([_summary(_ranks(8, factor), kernel=AR)], topo) == []
+
+
+def test_partial_group_slow_collective_is_no_link() -> None:
+    topo = build_topology("j", dp=4, pp=2)
+    res = detect_l3([_summary(_ranks(8, {1: 10.0, 5: 10.0}), kernel=AR)], topo)  # PP pair {1, 5}: not for AllReduce
+    assert _found(res) == [(L3Kind.KERNEL_DEGRADED, (1, 5))]
+    assert res[0].evidence["whole_group"] is False and res[0].evidence["collective"] is True
+    p2p = detect_l3([_summary(_ranks(8, {1: 10.0, 5: 10.0}), kernel="ncclDevKernel_SendRecv")], topo)
+    assert _found(p2p) == [(L3Kind.LINK_DEGRADED, (1, 5))] and p2p[0].evidence["group_kind"] == "PP"
+
+
+def test_collectives_without_topology() -> None:
+    res = detect_l3([_summary(_ranks(8, {r: 10.0 for r in range(4, 8)}), kernel="ncclKernel_AllGather")])
+    assert _found(res) == [(L3Kind.KERNEL_DEGRADED, (4, 5, 6, 7))]
+    late = detect_l3([_summary(_ranks(8, {5: 1 / 20}), kernel=AR)])
+    assert _found(late) == [(L3Kind.COMPUTE_STRAGGLER_BY_COLLECTIVE, (5,))] and late[0].evidence["group"] == "JOB0"
+
+
+@PROPERTY
+@given(seed=st.integers(0, 2**31), spread=st.floats(1.0, 1.75), dp=st.sampled_from([2, 4, 8, 16]),
+       pp=st.sampled_from([1, 2]))
+def test_waiting_spread_never_flags(seed: int, spread: float, dp: int, pp: int) -> None:
+    topo = build_topology("j", dp=dp, pp=pp)
+    rng = np.random.default_rng(seed)
+    factor = {r: float(spread ** rng.uniform(0, 1)) for r in range(dp * pp)}
+    assert detect_l3([_summary(_ranks(dp * pp, factor, seed=seed), kernel=AR)], topo) == []
+
+
+def test_is_collective() -> None:
+    assert is_collective("ncclKernel_AllReduce_RING_LL_Sum_float") and is_collective(AR)
+    assert not is_collective(GEMM) and is_collective("my_allreduce", markers=("allreduce",))
+
+
+# -- scores, errors ----------------------------------------------------------------------------------
+
+
+def test_score_ranks_matches_w1_to_reference() -> None:
+    rng = np.random.default_rng(3)
+    p50 = 1e6 * np.exp(0.3 * rng.standard_normal((20, 3)))
+    batch = MixtureBatch(rng.integers(1, 50, (20, 3)).astype(float), p50, p50 * 1.3)
+    sc = score_ranks(batch, grid_points=512)
+    np.testing.assert_allclose(sc.w1_ns, w1_to_reference(batch, grid=geometric_grid(batch, points=512)), rtol=1e-9)
+    assert np.all(sc.w1_ns >= np.abs(sc.shift_ns) - 1e-6)
+    np.testing.assert_allclose(sc.score, sc.w1_ns / sc.reference_mean_ns)
+
+
+def test_bad_input_raises() -> None:
+    with pytest.raises(DetectorError):
+        detect_l3([_summary(_ranks(4)), _summary(_ranks(4), kernel=AR)])
+    with pytest.raises(DetectorError):
+        detect_l3([_summary(_ranks(4))], build_topology("j", dp=2))
+    broken = _summary(_ranks(4))
+    with pytest.raises(DetectorError):
+        detect_l3([KernelSummary(**{**broken.__dict__, "n_clusters": (2, 1, 1, 1)})])
+    for bad in ({"iqr_k": -1.0}, {"min_score": float("nan")}, {"p50_ratio": 1.0}, {"short_ratio": 0.5},
+                {"min_events": 0}, {"min_ranks": 1}, {"grid_points": 8}, {"mode_log_gap": 0.0},
+                {"collective_markers": ()}):
+        with pytest.raises(DetectorError):
+            L3Params(**bad)  # type: ignore[arg-type]
