@@ -177,31 +177,31 @@ class PhaseTable:
         for b in batches:
             latest[(b.rank, b.step)] = b
         keys: dict[tuple[str, PhaseKind, ParallelGroup], int] = {}
-        layouts: dict[tuple[Any, ...], I64] = {}
-        ranks, steps, pids, durs = [], [], [], []
+        layouts: dict[tuple[Any, ...], tuple[I64, I64, I64]] = {}  # -> (phase ids, inverse, counts)
+        ranks, steps, pids, durs, counts = [], [], [], [], []
         for (rank, step), b in latest.items():
             layout = (b.names, b.kinds, b.groups)
-            pid = layouts.get(layout)
-            if pid is None:
+            cached = layouts.get(layout)
+            if cached is None:
                 if not len(b.names) == len(b.kinds) == len(b.groups) == len(b.duration_ns):
                     raise DetectorError(f"phase batch {b.job_id}/{rank}/{step}: columns differ in length")
-                pid = np.array([keys.setdefault(k, len(keys)) for k in zip(*layout, strict=True)], dtype=np.int64)
-                layouts[layout] = pid
-            ranks.append(np.full(pid.size, rank, dtype=np.int64))
-            steps.append(np.full(pid.size, step, dtype=np.int64))
-            pids.append(pid)
-            durs.append(np.asarray(b.duration_ns, dtype=np.int64))
+                ids = np.array([keys.setdefault(k, len(keys)) for k in zip(*layout, strict=True)], dtype=np.int64)
+                uniq, inv = np.unique(ids, return_inverse=True)
+                cached = layouts[layout] = (uniq, inv, np.bincount(inv).astype(np.int64))
+            uniq, inv, cnt = cached
+            ranks.append(np.full(uniq.size, rank, dtype=np.int64))
+            steps.append(np.full(uniq.size, step, dtype=np.int64))
+            pids.append(uniq)
+            durs.append(np.bincount(inv, weights=np.asarray(b.duration_ns, dtype=np.float64), minlength=uniq.size))
+            counts.append(cnt)
         names = tuple(k[0] for k in keys)
         kinds = tuple(k[1] for k in keys)
         groups = tuple(k[2] for k in keys)
         if not pids:
             empty = np.empty(0, dtype=np.int64)
             return cls(empty, empty, empty, empty, empty, names, kinds, groups)
-        r, s, p, d = (np.concatenate(x) for x in (ranks, steps, pids, durs))
-        uniq, inv2 = np.unique(np.stack([r, s, p]), axis=1, return_inverse=True)
-        inv = inv2.ravel()
-        return cls(uniq[0], uniq[1], uniq[2], np.bincount(inv, weights=d).astype(np.int64),
-                   np.bincount(inv).astype(np.int64), names, kinds, groups)
+        return cls(np.concatenate(ranks), np.concatenate(steps), np.concatenate(pids),
+                   np.rint(np.concatenate(durs)).astype(np.int64), np.concatenate(counts), names, kinds, groups)
 
 
 def loo_median(values: npt.ArrayLike) -> F64:

@@ -19,25 +19,23 @@ cluster counts; see :mod:`detectors.mixture`). Per comparison set of ranks:
    events, see :func:`primary_p50`) is also compared with the healthy majority, the median of the lower
    half of those p50s: ``p50_ratio`` (3x; ``collective_p50_ratio``, 4x, for collectives) or more is slow.
 
-Compute kernels are compared within a pipeline stage (``compute_scope=STAGE``, with a topology: stages
-run different layers and the first/last also embedding/loss kernels; a slow *stage* is L2's cross-stage
-check). Collective kernels (name containing a ``collective_markers`` entry, by default ``nccl``: both
-``ncclKernel_*`` and ``ncclDevKernel_*``) are compared across the job, and interpreted with the topology,
-because a collective ends together for all members of its group and so includes waiting for the last:
+Compute kernels are compared within a pipeline stage (``compute_scope=STAGE`` with a topology: stages
+run different layers, the first/last also embedding/loss; a slow *stage* is L2's cross-stage check).
+Collective kernels (name containing a ``collective_markers`` entry, by default ``nccl``: ``ncclKernel_*``
+and ``ncclDevKernel_*``) are compared across the job and read with the topology, because a collective
+ends together for all members of its group and so includes waiting for the last to arrive:
 
-* every member of a group long (no member 2x shorter than the others): the group's link is degraded,
+* every member of a group long (none 2x shorter): the group's link is degraded,
   :attr:`L3Kind.LINK_DEGRADED` with ``ranks`` = the group; evidence ``w1_inter_over_intra_ratio`` (W1
   between the group's and the healthy ranks' median CDFs over the mean W1 of ranks to their side's);
-* one member 2x shorter than the median of its group peers arrived late: its peers' long collectives
-  are explained and never flagged; if it is ``short_ratio`` (5x) shorter it is named a compute straggler
-  (:attr:`L3Kind.COMPUTE_STRAGGLER_BY_COLLECTIVE`). The ratio amplifies small delays when the transfer
-  is short (1.7x in healthy jobs at 1 % rank spread, 3.2x at 3 %), hence the higher naming gate. The
-  collective's group kind is not in the kernel name, so candidates of every kind are tried, largest
-  groups first, each explaining its peers (a greedy cover). L2 names the same rank from its compute
-  phases with the group known, and is the authoritative attribution;
+* a member 2x shorter than the median of its group peers arrived late: its peers' long collectives are
+  explained, never flagged; ``short_ratio`` (5x) shorter names it (:attr:`L3Kind.COMPUTE_STRAGGLER_BY_
+  COLLECTIVE`). The ratio amplifies small delays of short transfers (1.7x in healthy jobs at 1 % rank
+  spread, 3.2x at 3 %), hence the higher naming gate. The kernel name does not say the group kind, so
+  groups of every kind (pipeline groups only for send/receive kernels) are tried, largest first, each
+  explaining its peers (a greedy cover); only a call's last arrival is short, so a group with over a
+  quarter of short members has none. L2 knows the group and is the authoritative attribution;
 * slow ranks left unexplained are :attr:`L3Kind.KERNEL_DEGRADED` (``collective: true`` in evidence).
-
-Healthy jobs' collectives differ by up to ~1.75x between ranks (fast ranks wait), under every gate.
 """
 
 from __future__ import annotations
@@ -94,9 +92,9 @@ class L3Params:
     ``short_ratio``: group peers' median p50 over a member's that names it a late arrival [5.0].
     ``min_events``: ranks with fewer events of the kernel are left out [10]. ``min_ranks``: fewest ranks
     to compare [2]. ``grid_points``: points of the shared CDF grid [512]. ``mode_log_gap``: gap in
-    ``ln(ns)`` between component p50s that separates modes in :func:`primary_p50` [0.3]. ``compute_scope``: compare
-    compute kernels per pipeline stage or across the job [STAGE]. ``collective_markers``: lower-case
-    substrings marking a collective kernel [("nccl",)].
+    ``ln(ns)`` between component p50s that separates modes in :func:`primary_p50` [0.3].
+    ``compute_scope``: compare compute kernels per pipeline stage or across the job [STAGE].
+    ``collective_markers``: lower-case substrings marking a collective kernel [("nccl",)].
 
     Raises :class:`DetectorError` for out-of-range values.
     """
@@ -131,8 +129,9 @@ class L3Params:
 
 @dataclass(frozen=True)
 class L3Result:
-    """One L3 finding about ``kernel`` on ``stream``: the ``ranks`` implicated, a unitless ``score``
-    (W1 score, p50 ratio or shortness ratio; see ``evidence``) and ``evidence`` (units in the keys)."""
+    """One L3 finding about ``kernel`` on ``stream``: the ``ranks`` implicated, a unitless ``score`` and
+    ``evidence`` (units in the keys). Score: the top rank's W1 / reference mean (KERNEL_DEGRADED), the
+    group's median p50 over the healthy majority's (LINK_DEGRADED), peers' p50 over the rank's (late)."""
 
     kind: L3Kind
     ranks: tuple[int, ...]
@@ -234,10 +233,8 @@ def detect_l3(summaries: Sequence[KernelSummary], topology: JobTopology | None =
     ranks, batch = _merge(summaries, p.min_events)
     if batch is None or ranks.size < p.min_ranks:
         return []
-    if topology is not None:
-        known = set(topology.rank)
-        if not known.issuperset(ranks.tolist()):
-            raise DetectorError(f"ranks {sorted(set(ranks.tolist()) - known)[:5]} are not in topology")
+    if topology is not None and not set(topology.rank).issuperset(ranks.tolist()):
+        raise DetectorError(f"ranks {sorted(set(ranks.tolist()) - set(topology.rank))[:5]} are not in topology")
     collective = is_collective(first.kernel, p.collective_markers)
     base = {"window_end_ns": max(max(s.window_end_ns, default=0) for s in summaries), "n_ranks": int(ranks.size),
             "collective": collective}
@@ -246,16 +243,12 @@ def detect_l3(summaries: Sequence[KernelSummary], topology: JobTopology | None =
 
 def _merge(summaries: Sequence[KernelSummary], min_events: int) -> tuple[I64, MixtureBatch | None]:
     """The ranks with at least ``min_events`` events and their merged mixtures (None if there are none)."""
-    owners, counts, p50, p99 = [], [], [], []
     for s in summaries:
-        n = np.asarray(s.n_clusters, dtype=np.int64)
-        if n.size != len(s.rank) or int(n.sum()) != len(s.cluster_count):
+        if len(s.n_clusters) != len(s.rank) or sum(s.n_clusters) != len(s.cluster_count):
             raise DetectorError(f"kernel summary {s.job_id}/{s.kernel}: cluster columns do not match n_clusters")
-        owners.append(np.repeat(np.asarray(s.rank, dtype=np.int64), n))
-        counts.append(np.asarray(s.cluster_count, dtype=np.float64))
-        p50.append(np.asarray(s.cluster_p50_ns, dtype=np.float64))
-        p99.append(np.asarray(s.cluster_p99_ns, dtype=np.float64))
-    owner, c, m, q = (np.concatenate(x) for x in (owners, counts, p50, p99))
+    owner = np.concatenate([np.repeat(np.asarray(s.rank, dtype=np.int64), s.n_clusters) for s in summaries])
+    c, m, q = (np.concatenate([np.asarray(getattr(s, f), dtype=np.float64) for s in summaries])
+               for f in ("cluster_count", "cluster_p50_ns", "cluster_p99_ns"))
     keep = c > 0
     owner, c, m, q = owner[keep], c[keep], np.maximum(m[keep], 1.0), q[keep]
     ranks, idx = np.unique(owner, return_inverse=True)
@@ -285,10 +278,6 @@ def _slow_ranks(sc: RankScores, min_score: float, gate: float, p: L3Params) -> t
     return slow, p50_ratio, healthy
 
 
-def _subset(batch: MixtureBatch, rows: I64) -> MixtureBatch:
-    return MixtureBatch(batch.counts[rows], batch.p50_ns[rows], batch.p99_ns[rows])
-
-
 def _compute(s: KernelSummary, ranks: I64, batch: MixtureBatch, topology: JobTopology | None, p: L3Params,
              base: dict[str, Any]) -> list[L3Result]:
     if topology is not None and p.compute_scope is Scope.STAGE:
@@ -301,7 +290,8 @@ def _compute(s: KernelSummary, ranks: I64, batch: MixtureBatch, topology: JobTop
         rows = np.flatnonzero(part == g)
         if rows.size < p.min_ranks:
             continue
-        sc = score_ranks(_subset(batch, rows), p.grid_points, p.mode_log_gap)
+        sub = MixtureBatch(batch.counts[rows], batch.p50_ns[rows], batch.p99_ns[rows])
+        sc = score_ranks(sub, p.grid_points, p.mode_log_gap)
         slow, p50_ratio, healthy = _slow_ranks(sc, p.min_score, p.p50_ratio, p)
         for i in np.flatnonzero(slow).tolist():
             flagged[int(ranks[rows[i]])] = {
@@ -331,11 +321,10 @@ def _groups(topology: JobTopology | None, ranks: I64, p2p: bool) -> list[tuple[s
     at = np.array([pos[r] for r in ranks.tolist()], dtype=np.int64)
     out = []
     for kind, col in _GROUP_KINDS if p2p else _GROUP_KINDS[:-1]:
-        column = np.asarray(getattr(topology, col))[at]
-        for g in np.unique(column).tolist():
-            rows = np.flatnonzero(column == g)
-            if rows.size >= 2:
-                out.append((kind, int(g), rows))
+        uniq, inv, counts = np.unique(np.asarray(getattr(topology, col))[at], return_inverse=True,
+                                      return_counts=True)
+        members = np.split(np.argsort(inv, kind="stable"), np.cumsum(counts)[:-1])
+        out += [(kind, int(g), rows) for g, rows in zip(uniq.tolist(), members, strict=True) if rows.size >= 2]
     out.sort(key=lambda t: -t[2].size)
     return out
 
@@ -391,7 +380,7 @@ def _collective(s: KernelSummary, ranks: I64, batch: MixtureBatch, topology: Job
     if rest.size:
         top = int(rest[np.argmax(sc.score[rest])])
         results.append(L3Result(L3Kind.KERNEL_DEGRADED, tuple(int(r) for r in ranks[rest]), s.kernel, s.stream,
-                                float(max(sc.score[top], p50_ratio[top])), {
+                                float(sc.score[top]), {
             **base, "whole_group": False, "healthy_p50_ns": healthy,
             "rank_score": {str(int(ranks[i])): float(sc.score[i]) for i in rest.tolist()},
             "rank_p50_ratio": {str(int(ranks[i])): float(p50_ratio[i]) for i in rest.tolist()},

@@ -36,6 +36,7 @@ import collections
 import ctypes
 import enum
 import logging
+import operator
 import os
 import socket
 import sys
@@ -234,19 +235,20 @@ class NameTable:
     def __init__(self, normalizer: Callable[[str], str] = normalize) -> None:
         self.names: list[str] = []
         self._ids: dict[str, int] = {}
-        self._raw: dict[str, int] = {}
+        #: raw name -> id, for names seen before (read directly by the parser's fast path)
+        self.raw_ids: dict[str, int] = {}
         self._normalize = normalizer
 
     def id_of(self, raw: str) -> int:
         """The id of a raw name (normalized once per distinct raw name)."""
-        idx = self._raw.get(raw)
+        idx = self.raw_ids.get(raw)
         if idx is None:
             canon = self._normalize(raw)
             idx = self._ids.get(canon)
             if idx is None:
                 idx = self._ids[canon] = len(self.names)
                 self.names.append(canon)
-            self._raw[raw] = idx
+            self.raw_ids[raw] = idx
         return idx
 
     def __len__(self) -> int:
@@ -284,13 +286,60 @@ class ActivityColumns:
                                self.duration_ns[lo:hi])
 
 
+_KIND = operator.attrgetter("kind")
+_START = operator.attrgetter("start")
+_END = operator.attrgetter("end")
+_STREAM = operator.attrgetter("stream_id")
+_NAME = operator.attrgetter("name")
+_COPY_KIND = operator.attrgetter("copy_kind")
+
+
 def extract_columns(records: Iterable[Any], names: NameTable, clock_offset_ns: int = 0) -> ActivityColumns:
     """Columns of the kernel, memcpy and memset records among ``records`` (others are skipped and counted).
 
     A record needs ``kind`` (a ``cupti.ActivityKind`` value), ``start``/``end`` (CUPTI ns), ``stream_id``, and
     ``name`` (kernels) or ``copy_kind`` (memcpy). Records with a zero start or an end before the start are
     skipped. ``clock_offset_ns`` maps CUPTI time to epoch ns.
+
+    Fields are read column by column with C-level iteration (``map`` + ``attrgetter`` into ``np.fromiter``);
+    a buffer with a malformed record falls back to a record-by-record loop that skips (and counts) it.
     """
+    recs = records if isinstance(records, list) else list(records)
+    n = len(recs)
+    try:
+        kind = np.fromiter(map(_KIND, recs), dtype=np.int64, count=n)
+        start = np.fromiter(map(_START, recs), dtype=np.int64, count=n)
+        end = np.fromiter(map(_END, recs), dtype=np.int64, count=n)
+        stream = np.fromiter(map(_STREAM, recs), dtype=np.int64, count=n)
+    except (AttributeError, TypeError, ValueError, OverflowError):
+        return _extract_slowly(recs, names, clock_offset_ns)
+    ids = np.full(n, -1, dtype=np.int64)
+    kernels = np.flatnonzero((kind == KIND_CONCURRENT_KERNEL) | (kind == KIND_KERNEL))
+    try:
+        if kernels.shape[0]:
+            pick = [recs[i] for i in kernels.tolist()] if kernels.shape[0] < n else recs
+            raw = list(map(_NAME, pick))
+            known: list[int | None] = list(map(names.raw_ids.get, raw))
+            if None in known:
+                ids[kernels] = [g if g is not None else names.id_of(r or "") for g, r in zip(known, raw, strict=True)]
+            else:
+                ids[kernels] = known  # type: ignore[assignment]
+        for i in np.flatnonzero(kind == KIND_MEMCPY).tolist():
+            ids[i] = names.id_of(memcpy_name(_COPY_KIND(recs[i])))
+        sets = np.flatnonzero(kind == KIND_MEMSET)
+        if sets.shape[0]:
+            ids[sets] = names.id_of("memset")
+    except (AttributeError, TypeError, ValueError):
+        return _extract_slowly(recs, names, clock_offset_ns)
+    keep = (ids >= 0) & (start != 0) & (end >= start)
+    skipped = n - int(np.count_nonzero(keep))
+    if skipped:
+        ids, stream, start, end = ids[keep], stream[keep], start[keep], end[keep]
+    return ActivityColumns(ids.astype(np.uint32), stream.astype(np.uint32), start + clock_offset_ns, end - start,
+                           skipped)
+
+
+def _extract_slowly(records: list[Any], names: NameTable, clock_offset_ns: int) -> ActivityColumns:
     ids: list[int] = []
     streams: list[int] = []
     starts: list[int] = []
@@ -309,22 +358,20 @@ def extract_columns(records: Iterable[Any], names: NameTable, clock_offset_ns: i
             else:
                 skipped += 1
                 continue
-            start, end = r.start, r.end
-            if not start or end < start:
+            start, end, stream = int(r.start), int(r.end), int(r.stream_id)
+            if not start or end < start or not 0 <= stream < 1 << 32:
                 skipped += 1
                 continue
             ids.append(idx)
-            streams.append(r.stream_id)
+            streams.append(stream)
             starts.append(start)
             ends.append(end)
-        except (AttributeError, TypeError, ValueError):
+        except (AttributeError, TypeError, ValueError, OverflowError):
             skipped += 1
     start_arr = np.array(starts, dtype=np.int64)
     dur = np.array(ends, dtype=np.int64) - start_arr
-    if clock_offset_ns:
-        start_arr += clock_offset_ns
-    return ActivityColumns(np.array(ids, dtype=np.uint32), np.array(streams, dtype=np.uint32), start_arr, dur,
-                           skipped)
+    return ActivityColumns(np.array(ids, dtype=np.uint32), np.array(streams, dtype=np.uint32),
+                           start_arr + clock_offset_ns, dur, skipped)
 
 
 def columns_to_batches(cols: ActivityColumns, names: NameTable, *, job_id: str, rank: int, host: str = "",

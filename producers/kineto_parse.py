@@ -283,12 +283,14 @@ class _TailReader:
 def _tail_keys(data: bytes) -> dict[str, Any]:
     """The top-level members written after the ``traceEvents`` array, from the file's last bytes."""
     text, decoder = data.decode("utf-8", errors="replace"), json.JSONDecoder()
-    # When the whole file is in the tail, members before the array also end in "}]": start at its key.
-    for m in _TAIL_CANDIDATE.finditer(text, max(0, text.rfind('"traceEvents"'))):
+    # When the whole file is in the tail, members before the array also end in "}]": start at its key. The
+    # array's end is among the last candidates (few top-level arrays follow it); the leftmost valid one wins.
+    best: dict[str, Any] = {}
+    for m in reversed(list(_TAIL_CANDIDATE.finditer(text, max(0, text.rfind('"traceEvents"'))))[-64:]):
         found = _members(text, m.end() - 1, decoder)
         if found is not None and "traceEvents" not in found:
-            return found
-    return {}
+            best = found
+    return best
 
 
 def _members(text: str, pos: int, decoder: json.JSONDecoder) -> dict[str, Any] | None:
@@ -318,7 +320,7 @@ def _skip(text: str, pos: int) -> int:
 class _Collector:
     """Per-event state of the pass over ``traceEvents``; times on the trace's clock (ts * 1000)."""
 
-    def __init__(self, spill: IO[bytes]) -> None:
+    def __init__(self, spill: Path) -> None:
         self.spill = spill
         self.cats: dict[str, tuple[str, bool]] = {}
         self.names: list[str] = []
@@ -421,7 +423,8 @@ class _Collector:
             rows = np.empty(cols.shape[0], dtype=_SPILL)
             for i, f in enumerate(_SPILL.names or ()):
                 rows[f] = cols[:, i]
-            rows.tofile(self.spill)
+            with self.spill.open("ab") as fh:
+                rows.tofile(fh)
             self.buf.clear()
 
     def step_spans(self, base: int) -> list[StepSpan]:
@@ -449,7 +452,8 @@ def parse_rank(path: Path, spill_dir: Path | None = None) -> RankTrace:
     owned = Path(tempfile.mkdtemp(prefix="argus-kineto-")) if spill_dir is None else None
     with tempfile.NamedTemporaryFile("wb", dir=owned or spill_dir, suffix=".kernels", delete=False) as sp:
         spill = Path(sp.name)
-        col = _Collector(sp)
+    try:
+        col = _Collector(spill)
         try:
             with _open(path) as fh:
                 reader = _TailReader(fh)
@@ -457,27 +461,21 @@ def parse_rank(path: Path, spill_dir: Path | None = None) -> RankTrace:
                     col.event(e)
             col.flush()
         except _READ_ERRORS as exc:
-            _discard(spill, owned)
             raise _fail(path, "invalid JSON or compression", exc) from exc
-    if prefix != "item":
-        for key, value in _tail_keys(bytes(reader.tail[-_TAIL:])).items():
-            meta.setdefault(key, value)
-        if "distributedInfo" not in meta and reader.total > _TAIL:
-            with _open(path) as fh:  # written before the last bytes: one more (C-level) scan
-                meta["distributedInfo"] = next(iter(_IJSON.items(fh, "distributedInfo")), None)
-    try:
+        if prefix != "item":
+            for key, value in _tail_keys(bytes(reader.tail[-_TAIL:])).items():
+                meta.setdefault(key, value)
+            if "distributedInfo" not in meta and reader.total > _TAIL:
+                with _open(path) as fh:  # written before the last bytes: one more (C-level) scan
+                    meta["distributedInfo"] = next(iter(_IJSON.items(fh, "distributedInfo")), None)
         trace = _build(path, meta, col, spill, owned)
-    except ProducerError:
-        _discard(spill, owned)
+        _kernel_spans(trace)
+        return trace
+    except BaseException:
+        spill.unlink(missing_ok=True)
+        if owned is not None:
+            shutil.rmtree(owned, ignore_errors=True)
         raise
-    _kernel_spans(trace)
-    return trace
-
-
-def _discard(spill: Path, owned: Path | None) -> None:
-    spill.unlink(missing_ok=True)
-    if owned is not None:
-        shutil.rmtree(owned, ignore_errors=True)
 
 
 def _build(path: Path, meta: dict[str, Any], col: _Collector, spill: Path, owned: Path | None) -> RankTrace:

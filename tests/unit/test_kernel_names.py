@@ -107,7 +107,8 @@ def test_long_names_are_capped_and_distinct() -> None:
     assert normalize(na) == na
 
 
-_ALPHABET = st.sampled_from(list("abcXYZ_019 <>(),:*&#{}~") + [
+_ALPHABET = st.sampled_from([
+    *"abcXYZ_019 <>(),:*&#{}~",
     "nccl", "Kernel", "ncclDevKernel_", "ncclKernel_", "AllReduce", "Sum", "bf16", "RING", "LL", "void ",
     "lambda", "operator()", " const", "(anonymous namespace)::", "ul", "Memcpy ", "Memset", "_Z", "::", "nccl:",
 ])

@@ -143,6 +143,16 @@ def test_distributed_info_after_a_long_tail_is_still_found(tmp_path: Path) -> No
         assert (t.rank, t.world_size) == (5, 8)
 
 
+def test_members_after_trace_events_are_found_among_look_alike_brackets(tmp_path: Path) -> None:
+    ev = [{**kernel("k", 100, 1), "args": {"stream": 7, "Input Dims": [[], [3]], "objs": [{"a": []}]}}] * 3
+    doc = {"schemaVersion": 1, "traceEvents": ev, "deviceProperties": [{"id": 0, "name": "G"}],
+           "distributedInfo": {"rank": 1, "world_size": 2, "pg_config": [{"pg_desc": "default_pg", "ranks": [0, 1]}]},
+           "baseTimeNanoseconds": 5_000}
+    with parse_rank(write(tmp_path / "t.json", doc)) as t:
+        assert (t.rank, t.world_size, t.base_ns, t.device, t.kernel_events) == (1, 2, 5_000, "G", 3)
+        assert rows(t)["start"] == [105_000] * 3
+
+
 def test_base_time_after_trace_events_makes_times_absolute(tmp_path: Path) -> None:
     base = 1_711_964_646_000_000_000
     doc = trace_doc([annotation("ProfilerStep#4", 1000, 500), kernel("k", 1100, 10)], info_after=True,

@@ -1,0 +1,203 @@
+"""Benchmark: what the rank-side producers cost, per kernel record and per phase.
+
+* Kernel records (CUPTI path). The training thread pays nothing per kernel: CUPTI records kernels in the
+  driver and hands full buffers to its own worker thread, where the argus callback only appends the buffer
+  to a queue (measured: ``ns_per_kernel_record_callback``). The real work is the parser thread's: activity
+  records -> columns -> KernelBatches with per-batch name dictionaries and normalized names. That is
+  ``ns_per_kernel_record`` (budget 1,000 ns), measured on real ``cupti-python`` record objects when the
+  package imports (else attribute-compatible stand-ins), 50 distinct kernel names, batches of 4,096.
+  ``ns_per_kernel_record_encode`` adds the Avro encoding the publisher's sender thread does (reported only).
+* Phases: the median over many repetitions of ``with tracer.phase(...)`` inside a step, host-clock mode
+  (``ns_per_phase``, budget 5,000 ns) and, when CUDA is available, with CUDA timing events
+  (``ns_per_phase_cuda``, reported). ``ns_per_step`` is an empty ``with tracer.step()`` (host clock).
+
+Prints one JSON line; exits 1 if a budget is missed.
+Run: .venv/bin/python load_tests/producer_overhead.py [--records 200000] [--phases 200000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from argus.settings import Settings  # noqa: E402
+from argus.topics import Topic  # noqa: E402
+from producers.cupti_kernels import (  # noqa: E402
+    KIND_CONCURRENT_KERNEL,
+    KIND_MEMCPY,
+    CuptiKernels,
+    NameTable,
+    columns_to_batches,
+    extract_columns,
+)
+from schemas.records import PhaseKind  # noqa: E402
+
+BUDGET_NS_PER_KERNEL_RECORD = 1_000
+BUDGET_NS_PER_PHASE = 5_000
+
+NAMES = (
+    [f"void at::native::vectorized_elementwise_kernel<4, at::native::Functor{i}<float>, at::detail::Array<char*, 2> >"
+     f"(int, at::native::Functor{i}<float>, at::detail::Array<char*, 2>)" for i in range(20)]
+    + [f"sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize{64 * (1 + i % 4)}x128x64_warpgroupsize1x1x1_kernel{i}"
+       for i in range(20)]
+    + ["ncclDevKernel_AllReduce_Sum_bf16_RING_LL(ncclDevKernelArgsStorage<4096ul>)",
+       "ncclDevKernel_ReduceScatter_Sum_bf16_RING_LL(ncclDevKernelArgsStorage<4096ul>)",
+       "ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)"]
+    + [f"triton_poi_fused_add_mul_{i}" for i in range(7)]
+)
+
+
+class NullPublisher:
+    def publish(self, topic: Topic, key: bytes, record: Any) -> bool:
+        return True
+
+    def flush(self, timeout_s: float = 30.0) -> int:
+        return 0
+
+
+_SHARED_NAMES: dict[str, Any] = {}  # C strings the fake records point at (kept alive for the whole run)
+
+
+def _record_factories() -> tuple[Any, Any, Any, str]:
+    """Constructors of kernel and memcpy records, and a function that sets a kernel's name."""
+    try:
+        import ctypes
+
+        from cupti import cupti
+
+        offset = cupti.activity_kernel11_dtype.fields["name"][1]
+        # CUPTI's records of one kernel all point at one name string that CUPTI owns: mimic that.
+        shared = _SHARED_NAMES or _SHARED_NAMES.update(
+            {name: ctypes.create_string_buffer(name.encode()) for name in NAMES}) or _SHARED_NAMES
+
+        def set_name(r: Any, name: str) -> None:
+            ctypes.c_uint64.from_address(r.ptr + offset).value = ctypes.addressof(shared[name])
+
+        return cupti.ActivityKernel11, cupti.ActivityMemcpy6, set_name, "cupti-python ActivityKernel11/Memcpy6"
+    except Exception:
+        return SimpleNamespace, SimpleNamespace, lambda r, name: setattr(r, "name", name), "SimpleNamespace"
+
+
+def make_records(n: int, t: int = 1_000_000_000) -> tuple[list[Any], str]:
+    """``n`` kernel/memcpy activity records: real cupti-python objects when available."""
+    kernel, copy, set_name, kind = _record_factories()
+    out = []
+    for i in range(n):
+        if i % 25 == 24:
+            r = copy()
+            r.kind, r.copy_kind = KIND_MEMCPY, 1 + i % 2
+        else:
+            r = kernel()
+            r.kind = KIND_CONCURRENT_KERNEL
+            set_name(r, NAMES[(i * 7) % len(NAMES)])
+        r.start, r.end, r.stream_id, r.correlation_id = t, t + 1_000 + i % 97, 7 + i % 3, i
+        t += 1_500
+        out.append(r)
+    return out, kind
+
+
+BUFFER_RECORDS = 32_768  # records of one 8 MiB CUPTI buffer, roughly
+
+
+def bench_kernels(n: int, repeats: int = 3) -> dict[str, Any]:
+    """Parser cost per record, buffer by buffer: each buffer's records are created just before it is parsed,
+    as CUPTI's completed callback creates them just before the parser thread takes the buffer."""
+    per_record, per_encode = [], []
+    kind = ""
+    for _ in range(repeats):
+        names = NameTable()  # a fresh parser: its name cache starts empty, as after a restart
+        parse_ns = encode_ns = events = 0
+        for lo in range(0, n, BUFFER_RECORDS):
+            buffer, kind = make_records(min(BUFFER_RECORDS, n - lo), t=1_000_000_000 + lo * 1_500)
+            t0 = time.perf_counter_ns()
+            cols = extract_columns(buffer, names, clock_offset_ns=123)
+            batches, _ = columns_to_batches(cols, names, job_id="bench", rank=0, batch_events=4096, final=True)
+            t1 = time.perf_counter_ns()
+            for b in batches:
+                b.encode()
+            encode_ns += time.perf_counter_ns() - t1
+            parse_ns += t1 - t0
+            events += sum(len(b) for b in batches)
+        per_record.append(parse_ns / n)
+        per_encode.append(encode_ns / max(1, events))
+    buffers = [make_records(BUFFER_RECORDS)[0] for _ in range(4)]
+    kernels = CuptiKernels("bench", 0, 1, NullPublisher(), env={"ARGUS_CUPTI": "0"},
+                           max_queued_records=10 * BUFFER_RECORDS)
+    t0 = time.perf_counter_ns()
+    for buf in buffers:
+        kernels._buffer_completed(buf)
+    callback = (time.perf_counter_ns() - t0) / (4 * BUFFER_RECORDS)
+    return {"ns_per_kernel_record": round(statistics.median(per_record), 1),
+            "ns_per_kernel_record_encode": round(statistics.median(per_encode), 1),
+            "ns_per_kernel_record_callback": round(callback, 3), "kernel_record_type": kind,
+            "kernel_records": n}
+
+
+def bench_phases(n: int, cuda: bool) -> dict[str, float]:
+    from producers.tracer import Tracer
+
+    tracer = Tracer(Settings(), "bench", 0, 1, NullPublisher(), kernels=False, cuda=cuda, registry=False,
+                    lifecycle=False, max_pending_steps=1 << 20)
+    tracer.start()
+    per_batch = 100  # phases per step
+    samples = []
+    phase, kind = tracer.phase, PhaseKind.FORWARD
+    perf = time.perf_counter_ns
+    for _ in range(max(1, n // per_batch)):
+        with tracer.step():
+            t0 = perf()
+            for _ in range(per_batch):
+                with phase("forward", kind):
+                    pass
+            samples.append((perf() - t0) / per_batch)
+        if cuda and tracer._resolver.pending > 64:  # let the resolver keep up, as a real step's length would
+            while tracer._resolver.pending > 8:
+                time.sleep(0.001)
+    steps = []
+    for _ in range(2_000):
+        t0 = perf()
+        with tracer.step():
+            pass
+        steps.append(perf() - t0)
+    tracer.close(timeout_s=5)
+    return {"phase": statistics.median(samples), "step": statistics.median(steps)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--records", type=int, default=200_000)
+    ap.add_argument("--phases", type=int, default=200_000)
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    out: dict[str, Any] = bench_kernels(args.records)
+    host = bench_phases(args.phases, cuda=False)
+    out["ns_per_phase"] = round(host["phase"], 1)
+    out["ns_per_step"] = round(host["step"], 1)
+    out["ns_per_phase_cuda"] = None
+    try:
+        import torch
+        if torch.cuda.is_available():
+            out["ns_per_phase_cuda"] = round(bench_phases(args.phases // 4, cuda=True)["phase"], 1)
+    except ImportError:
+        pass
+    out["training_thread_ns_per_kernel_record"] = 0
+    out["budget_ns_per_kernel_record"] = BUDGET_NS_PER_KERNEL_RECORD
+    out["budget_ns_per_phase"] = BUDGET_NS_PER_PHASE
+    out["ok"] = (out["ns_per_kernel_record"] <= BUDGET_NS_PER_KERNEL_RECORD
+                 and out["ns_per_phase"] <= BUDGET_NS_PER_PHASE)
+    print(json.dumps(out))
+    return 0 if out["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
