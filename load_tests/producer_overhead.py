@@ -32,10 +32,10 @@ sys.path.insert(0, str(ROOT))
 
 from argus.settings import Settings  # noqa: E402
 from argus.topics import Topic  # noqa: E402
-from producers.cupti_kernels import (  # noqa: E402
+from producers.cupti_kernels import CuptiKernels  # noqa: E402
+from producers.cupti_parse import (  # noqa: E402
     KIND_CONCURRENT_KERNEL,
     KIND_MEMCPY,
-    CuptiKernels,
     NameTable,
     columns_to_batches,
     extract_columns,
@@ -106,10 +106,10 @@ def make_records(n: int, t: int = 1_000_000_000) -> tuple[list[Any], str]:
     return out, kind
 
 
-BUFFER_RECORDS = 32_768  # records of one 8 MiB CUPTI buffer, roughly
+BUFFER_RECORDS = 9_362  # records (224 bytes each) of one 2 MiB CUPTI buffer (CuptiKernels default)
 
 
-def bench_kernels(n: int, repeats: int = 3) -> dict[str, Any]:
+def bench_kernels(n: int, repeats: int = 5) -> dict[str, Any]:
     """Parser cost per record, buffer by buffer: each buffer's records are created just before it is parsed,
     as CUPTI's completed callback creates them just before the parser thread takes the buffer."""
     per_record, per_encode = [], []

@@ -220,15 +220,15 @@ def topology_from_pg_config(job_id: str, world_size: int, pg_configs: Iterable[M
     exactly these groups, otherwise the groups are taken as they are (indices by lowest member, pipeline
     stage = position in the ``ranks`` list; ranks in no group of a kind get a group of their own).
     """
-    found: dict[ParallelGroup, set[tuple[int, ...]]] = {}
+    by_members: dict[ParallelGroup, dict[frozenset[int], tuple[int, ...]]] = {}
     for pg in pg_configs:
         kind = _MEGATRON.get(str(pg.get("pg_desc", "")).strip().upper())
         ranks = pg.get("ranks")
         if kind is None or not isinstance(ranks, list) or not ranks:
             continue
-        if not all(type(r) is int and 0 <= r < world_size for r in ranks):
-            continue
-        found.setdefault(kind, set()).add(tuple(ranks))
+        if all(type(r) is int and 0 <= r < world_size for r in ranks):  # each rank's file repeats its groups
+            by_members.setdefault(kind, {}).setdefault(frozenset(ranks), tuple(ranks))
+    found = {k: set(v.values()) for k, v in by_members.items()}
     if not found:
         return None
     for kind, groups in found.items():

@@ -390,14 +390,6 @@ class _Collector:
             idx = self.name_ids[name] = len(self.names)
             self.names.append(name)
         self.buf.append((idx, stream, start, dur))
-        self.streams[stream] += 1
-        self.n += 1
-        if self.watermark is None or start > self.watermark:
-            self.watermark = start
-        else:
-            self.max_lag = max(self.max_lag, self.watermark - start)
-        self.first = start if self.first is None else min(self.first, start)
-        self.last_end = start + dur if self.last_end is None else max(self.last_end, start + dur)
         if len(self.buf) >= _SPILL_ROWS:
             self.flush()
 
@@ -418,14 +410,26 @@ class _Collector:
             self.cpu_steps[step] = (start, dur)
 
     def flush(self) -> None:
-        if self.buf:
-            cols = np.array(self.buf, dtype=np.int64)
-            rows = np.empty(cols.shape[0], dtype=_SPILL)
-            for i, f in enumerate(_SPILL.names or ()):
-                rows[f] = cols[:, i]
-            with self.spill.open("ab") as fh:
-                rows.tofile(fh)
-            self.buf.clear()
+        """Spill the buffered kernels; their statistics are taken here, vectorized."""
+        if not self.buf:
+            return
+        cols = np.array(self.buf, dtype=np.int64)
+        self.buf.clear()
+        rows = np.empty(cols.shape[0], dtype=_SPILL)
+        for i, f in enumerate(_SPILL.names or ()):
+            rows[f] = cols[:, i]
+        with self.spill.open("ab") as fh:
+            rows.tofile(fh)
+        start, end = cols[:, 2], cols[:, 2] + cols[:, 3]
+        prior = -_OPEN_END if self.watermark is None else self.watermark
+        seen = np.maximum.accumulate(np.concatenate(([prior], start)))[:-1]
+        self.max_lag = max(self.max_lag, int((seen - start).max()))
+        self.watermark = max(prior, int(start.max()))
+        self.first = min(int(start.min()), _OPEN_END if self.first is None else self.first)
+        self.last_end = max(int(end.max()), -_OPEN_END if self.last_end is None else self.last_end)
+        self.n += cols.shape[0]
+        for st, c in zip(*np.unique(cols[:, 1], return_counts=True), strict=True):
+            self.streams[int(st)] += int(c)
 
     def step_spans(self, base: int) -> list[StepSpan]:
         out = []

@@ -33,15 +33,11 @@ same API times with the host clock.
 **Communication phases must be timed on the stream the collective runs on.** ``all_reduce(t, async_op=True)``
 returns at once; events recorded on the compute stream around it measure the launch, not the transfer, and
 an AllReduce looks instant while the GPU is still busy in NCCL. The wrappers (:meth:`Tracer.all_reduce`,
-:meth:`~Tracer.reduce_scatter_tensor`, :meth:`~Tracer.all_gather_into_tensor`, :meth:`~Tracer.broadcast`,
-:meth:`~Tracer.all_to_all_single`) therefore run the collective from a per-group communication stream: that
-stream first waits for the compute stream (an ordering-only event), records the start event, launches the
-collective (NCCL's internal stream waits for it), makes itself wait for NCCL's completion (``work.wait()``:
-a device-side wait, the host does not block) and records the end event. The two events bracket exactly the
-collective's wait for its peers plus its transfer. A synchronous call then makes the compute stream wait for
-the communication stream; an async call returns a handle whose ``wait()`` does. For collectives you launch
-yourself use ``with tracer.collective(name, kind, group, stream=s)`` with ``s`` the stream the collective
-is ordered on, and call ``work.wait()`` inside the block while ``s`` is current.
+``reduce_scatter_tensor``, ``all_gather_into_tensor``, ``broadcast``, ``all_to_all_single``,
+``batch_isend_irecv``) therefore bracket the collective with events on a per-group communication stream that
+waits for it device-side (details in :mod:`producers.tracer_collectives`). For collectives you launch
+yourself use ``with tracer.collective(name, kind, group, stream=s)`` with ``s`` the stream the collective is
+ordered on, and call ``work.wait()`` inside the block while ``s`` is current.
 
 Nothing here raises into training: errors are caught, counted (:meth:`Tracer.stats`) and logged; memory is
 bounded (events, queued steps and phases per step are capped; beyond the caps data is dropped and counted).
@@ -53,7 +49,6 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -62,8 +57,8 @@ from argus.topics import Topic, job_key
 from producers.cuda_timing import EventPool, PhaseRec, StepRec, StepResolver, epoch_ns
 from producers.cupti_kernels import CuptiKernels, CuptiState, CuptiStatus, StepMarks
 from producers.rank_registry import RankRegistry
-from producers.topology import build_topology
 from producers.tracer_collectives import CollectiveMixin
+from producers.tracer_hooks import HookMixin
 from schemas.records import JobLifecycle, JobTopology, LifecycleEvent, ParallelGroup, PhaseKind
 
 try:  # torch is optional: without it the tracer still times steps and phases with the host clock
@@ -143,7 +138,7 @@ class _StepScope:
         self._tracer._end_step()
 
 
-class Tracer(CollectiveMixin):
+class Tracer(CollectiveMixin, HookMixin):
     """Always-on tracing of one rank of a training job (see the module docstring for an example).
 
     Args:
@@ -264,10 +259,12 @@ class Tracer(CollectiveMixin):
             except Exception as exc:
                 self._error("hook removal", exc)
         self._handles.clear()
-        if self._kernels is not None:
+        self._resolver.close(timeout_s=min(timeout_s, 10.0))  # the last Steps and PhaseBatches first,
+        if self._kernels is not None:  # then the rank's end_of_stream kernel batch, then END (as the simulator)
             self._kernels.stop()
-        self._resolver.close(timeout_s=min(timeout_s, 10.0))
-        counts = self._job_counts()
+        r = self._resolver
+        counts = self._sum_over_ranks([r.steps_published, r.phase_batches_published,
+                                       self._kernels.events if self._kernels else 0])
         if self._lifecycle and self._started:
             steps, phases, kernels = counts if counts is not None else (None, None, None)
             self._publisher.publish(Topic.LIFECYCLE, job_key(self.job_id), JobLifecycle(
@@ -415,115 +412,7 @@ class Tracer(CollectiveMixin):
             self._stream_ids[ptr] = sid
         return sid
 
-    # -- module and optimizer hooks ------------------------------------------------------------------------
-
-    def instrument(self, model: Any, modules: Iterable[str] = ("self_attention", "mlp"), *, backward: bool = False,
-                   match: Callable[[str, Any], bool] | None = None) -> list[Any]:
-        """Time submodules as phases named by their attribute name (``layers.3.mlp`` -> ``mlp``).
-
-        Submodules whose last name part is in ``modules`` (or for which ``match(qualified_name, module)``) get
-        forward pre/post hooks (FORWARD phases) and, with ``backward``, full backward pre/post hooks
-        (BACKWARD phases; these wrap the module's inputs/outputs in autograd functions, which in-place
-        operations on them can conflict with). Returns the hook handles (removed by :meth:`close`).
-        """
-        wanted = set(modules)
-        handles: list[Any] = []
-        try:
-            for qual, mod in model.named_modules():
-                leaf = qual.rsplit(".", 1)[-1]
-                if not qual or not (leaf in wanted or (match is not None and match(qual, mod))):
-                    continue
-                pre, post = self._hook_pair(leaf, PhaseKind.FORWARD)
-                handles += [mod.register_forward_pre_hook(pre), mod.register_forward_hook(post)]
-                if backward:
-                    bpre, bpost = self._hook_pair(leaf, PhaseKind.BACKWARD)
-                    handles += [mod.register_full_backward_pre_hook(bpre), mod.register_full_backward_hook(bpost)]
-        except Exception as exc:
-            self._error("instrument", exc)
-        self._handles += handles
-        return handles
-
-    def instrument_optimizer(self, optimizer: Any, name: str = "optimizer") -> list[Any]:
-        """Time ``optimizer.step()`` as an OPTIMIZER phase (step pre/post hooks). Returns the handles."""
-        pre, post = self._hook_pair(name, PhaseKind.OPTIMIZER)
-        try:
-            handles = [optimizer.register_step_pre_hook(pre), optimizer.register_step_post_hook(post)]
-        except Exception as exc:
-            self._error("instrument_optimizer", exc)
-            return []
-        self._handles += handles
-        return handles
-
-    def _hook_pair(self, name: str, kind: PhaseKind) -> tuple[Callable[..., None], Callable[..., None]]:
-        stack: list[PhaseRec | None] = []
-
-        def pre(*_: Any) -> None:
-            if len(stack) > 64:  # posts that never came (exceptions inside the module): forget them
-                stack.clear()
-            stack.append(self._open(name, kind, ParallelGroup.NONE, None))
-
-        def post(*_: Any) -> None:
-            rec = stack.pop() if stack else None
-            if rec is not None:
-                self._close(rec)
-
-        return pre, post
-
     # -- helpers ---------------------------------------------------------------------------------------------
-
-    def _build_topology(self) -> JobTopology:
-        dp, tp, pp, ep = self._dims
-        if dp is None:
-            dp = max(1, self.world_size // (tp * pp))
-        topo = build_topology(self.job_id, dp, tp, pp, ep, hosts_per_node=max(1, self.world_size))
-        hosts = self._gather_hosts()
-        if hosts is None and self.world_size == 1:
-            hosts = [self.host]
-        if hosts is not None and len(hosts) == topo.world_size:
-            topo = JobTopology(topo.job_id, topo.world_size, topo.dp_size, topo.tp_size, topo.pp_size, topo.rank,
-                               tuple(hosts), topo.dp_group, topo.tp_group, topo.pp_group, topo.ep_group,
-                               topo.pp_stage, topo.ep_size)
-        return topo
-
-    def _dist(self) -> Any:
-        if torch is None:
-            return None
-        dist = torch.distributed
-        if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() != self.world_size:
-            return None
-        return dist
-
-    def _gather_hosts(self) -> list[str] | None:
-        dist = self._dist()
-        if dist is None:
-            return None
-        try:
-            out: list[Any] = [None] * self.world_size
-            dist.all_gather_object(out, self.host)
-            return [str(h) for h in out]
-        except Exception as exc:
-            self._error("host gather", exc)
-            return None
-
-    def _job_counts(self) -> tuple[int, int, int] | None:
-        r = self._resolver
-        local = [r.steps_published, r.phase_batches_published, self._kernels.events if self._kernels else 0]
-        if self.world_size == 1:
-            return local[0], local[1], local[2]
-        dist = self._dist() if self._reduce_counts else None
-        if dist is None:
-            return None
-        try:
-            device = "cpu"
-            if dist.get_backend() == "nccl":
-                device = f"cuda:{torch.cuda.current_device()}"
-            t = torch.tensor(local, dtype=torch.int64, device=device)
-            dist.all_reduce(t)
-            total = [int(v) for v in t.tolist()]
-            return total[0], total[1], total[2]
-        except Exception as exc:
-            self._error("count all_reduce", exc)
-            return None
 
     def _error(self, where: str, exc: BaseException) -> None:
         self._errors += 1

@@ -15,6 +15,10 @@ Each wrapper launches the collective with ``async_op=True`` and times it as a co
 
 The collective itself runs exactly once whatever happens to the instrumentation; errors of the collective
 (the caller's) propagate, errors of the instrumentation are counted and logged.
+
+The mixin also holds the tracer's other ``torch.distributed`` uses, all outside the training loop: the
+topology's host names (``all_gather_object`` at start) and the job's record totals for END (one
+``all_reduce`` at close).
 """
 
 from __future__ import annotations
@@ -23,7 +27,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from producers.cuda_timing import EventPool, PhaseRec, StepRec
-from schemas.records import ParallelGroup, PhaseKind
+from producers.topology import build_topology
+from schemas.records import JobTopology, ParallelGroup, PhaseKind
 
 try:
     import torch as _torch
@@ -92,6 +97,11 @@ class CollectiveMixin:
     _cur: StepRec | None
     _closed: bool
     _comm_streams: dict[tuple[int, int], Any]
+    job_id: str
+    world_size: int
+    host: str
+    _reduce_counts: bool
+    _dims: tuple[int | None, int, int, int]
 
     def _open(self, name: str, kind: PhaseKind, group: ParallelGroup, stream: Any, host: bool = False
               ) -> PhaseRec | None:
@@ -213,3 +223,56 @@ class CollectiveMixin:
         if s is None:
             s = self._comm_streams[key] = torch.cuda.Stream(device=dev)
         return s
+
+    # -- torch.distributed helpers of the tracer --------------------------------------------------------------
+
+    def _dist(self) -> Any:
+        if torch is None:
+            return None
+        dist = torch.distributed
+        if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() != self.world_size:
+            return None
+        return dist
+
+    def _gather_hosts(self) -> list[str] | None:
+        dist = self._dist()
+        if dist is None:
+            return None
+        try:
+            out: list[Any] = [None] * self.world_size
+            dist.all_gather_object(out, self.host)
+            return [str(h) for h in out]
+        except Exception as exc:
+            self._error("host gather", exc)
+            return None
+
+    def _sum_over_ranks(self, local: list[int]) -> list[int] | None:
+        """``local`` summed over all ranks with one ``all_reduce`` (None without a matching process group,
+        when ``reduce_counts`` is off, or on failure)."""
+        if self.world_size == 1:
+            return list(local)
+        dist = self._dist() if self._reduce_counts else None
+        if dist is None:
+            return None
+        try:
+            device = f"cuda:{torch.cuda.current_device()}" if dist.get_backend() == "nccl" else "cpu"
+            t = torch.tensor(local, dtype=torch.int64, device=device)
+            dist.all_reduce(t)
+            return [int(v) for v in t.tolist()]
+        except Exception as exc:
+            self._error("count all_reduce", exc)
+            return None
+
+    def _build_topology(self) -> JobTopology:
+        dp, tp, pp, ep = self._dims
+        if dp is None:
+            dp = max(1, self.world_size // (tp * pp))
+        topo = build_topology(self.job_id, dp, tp, pp, ep, hosts_per_node=max(1, self.world_size))
+        hosts = self._gather_hosts()
+        if hosts is None and self.world_size == 1:
+            hosts = [self.host]
+        if hosts is not None and len(hosts) == topo.world_size:
+            topo = JobTopology(topo.job_id, topo.world_size, topo.dp_size, topo.tp_size, topo.pp_size, topo.rank,
+                               tuple(hosts), topo.dp_group, topo.tp_group, topo.pp_group, topo.ep_group,
+                               topo.pp_stage, topo.ep_size)
+        return topo

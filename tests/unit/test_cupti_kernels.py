@@ -13,12 +13,11 @@ import pytest
 
 import producers.cupti_kernels as ck
 from argus.topics import Topic, rank_key
-from producers.cupti_kernels import (
+from producers.cupti_kernels import CuptiKernels, CuptiState
+from producers.cupti_parse import (
     KIND_CONCURRENT_KERNEL,
     KIND_MEMCPY,
     KIND_MEMSET,
-    CuptiKernels,
-    CuptiState,
     NameTable,
     StepMarks,
     build_kernel_batches,
@@ -222,7 +221,7 @@ def test_callback_to_parser_thread_with_fake_cupti(monkeypatch: pytest.MonkeyPat
     kernels = CuptiKernels("job-f", 2, 4, pub, marks, batch_events=4, env={"RANK": "2"}, max_latency_s=30.0)
     assert kernels.start().state is CuptiState.RUNNING
     assert fake.enabled == [KIND_CONCURRENT_KERNEL, KIND_MEMCPY, KIND_MEMSET] and len(fake.attributes) == 3
-    assert fake.requested() == (8 << 20, 0)
+    assert fake.requested() == (2 << 20, 0)
     assert kernels.stream_id(3) == 43
     base = time.time_ns()
     marks.mark(0, base)

@@ -356,6 +356,9 @@ def test_pg_config_groups_outside_megatron_order_are_kept_as_they_are() -> None:
     assert groups_of(topo, ParallelGroup.DP) == {0: [0, 1], 1: [2, 3]}
     assert (topo.tp_size, topo.dp_size, topo.pp_size) == (2, 2, 1)
     assert topology_from_pg_config("j", 2, [{"pg_desc": "default_pg", "ranks": [0, 1]}]) is None
+    with pytest.raises(ProducerError, match="TP groups overlap"):
+        topology_from_pg_config("j", 3, [{"pg_desc": "TENSOR_MODEL_PARALLEL_GROUP", "ranks": [0, 1]},
+                                         {"pg_desc": "TENSOR_MODEL_PARALLEL_GROUP", "ranks": [1, 2]}])
 
 
 def test_topology_flag_default_and_validation(tmp_path: Path) -> None:

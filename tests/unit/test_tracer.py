@@ -340,3 +340,154 @@ def test_event_pool_is_bounded() -> None:
     assert a is not None and b is not None and pool.get() is None and pool.exhausted == 1
     pool.put([a])
     assert pool.get() is a
+
+
+# -- CUDA-mode bookkeeping with a fake torch.cuda (no GPU here) -------------------------------------------
+
+
+class FakeCuda:
+    """Just enough of ``torch.cuda`` for the tracer: streams, a current stream, events with a fake GPU clock."""
+
+    def __init__(self) -> None:
+        self.clock = 0.0
+        self.default = FakeStream(self, 0, 7)
+        self.current = self.default
+        self.log: list[tuple[str, Any, Any]] = []
+        cuda = self
+
+        class Event:
+            def __init__(self, enable_timing: bool = False) -> None:
+                self.enable_timing, self.stream, self.t = enable_timing, None, None
+
+            def record(self, stream: Any = None) -> None:
+                cuda.clock += 1.0
+                self.stream, self.t = stream or cuda.current, cuda.clock
+                cuda.log.append(("record", self, self.stream))
+
+            def query(self) -> bool:
+                return self.t is not None
+
+            def elapsed_time(self, other: Any) -> float:
+                return float(other.t - self.t)
+
+        self.Event = Event
+        self._ids = 100
+
+    def is_available(self) -> bool:
+        return True
+
+    def current_stream(self, device: Any = None) -> Any:
+        return self.current
+
+    def current_device(self) -> int:
+        return 0
+
+    def Stream(self, device: Any = None) -> Any:  # noqa: N802 - mirrors torch.cuda.Stream
+        self._ids += 1
+        return FakeStream(self, self._ids * 1000, self._ids)
+
+    def stream(self, s: Any) -> Any:
+        cuda = self
+
+        class Ctx:
+            def __enter__(self) -> None:
+                self.prev, cuda.current = cuda.current, s
+
+            def __exit__(self, *exc: object) -> None:
+                cuda.current = self.prev
+
+        return Ctx()
+
+
+class FakeStream:
+    def __init__(self, cuda: FakeCuda, ptr: int, sid: int) -> None:
+        self.cuda, self.cuda_stream, self.stream_id, self.device = cuda, ptr, sid, torch.device("cpu")
+
+    def wait_stream(self, other: Any) -> None:
+        self.cuda.log.append(("wait", self, other))
+
+    def query(self) -> bool:
+        return True
+
+
+class FakeTorch:
+    def __init__(self, cuda: FakeCuda) -> None:
+        self.cuda, self.device, self.distributed, self.tensor = cuda, torch.device, dist, torch.tensor
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> FakeCuda:
+    import producers.tracer as tracer_mod
+    import producers.tracer_collectives as coll_mod
+
+    cuda = FakeCuda()
+    monkeypatch.setattr(tracer_mod, "torch", FakeTorch(cuda))
+    monkeypatch.setattr(coll_mod, "torch", FakeTorch(cuda))
+    return cuda
+
+
+def test_cuda_phases_record_events_on_their_stream(tmp_path: Path, fake_cuda: FakeCuda) -> None:
+    pub = FakePublisher()
+    side = fake_cuda.Stream()
+    with make(pub, tmp_path, cuda=True) as tr:
+        assert tr.stats().cuda
+        with tr.step():
+            with tr.phase("forward", PhaseKind.FORWARD):
+                pass
+            with tr.collective("dp-allreduce", PhaseKind.ALL_REDUCE, ParallelGroup.DP, stream=side):
+                fake_cuda.clock += 10  # the collective's time on the side stream
+    (batch,), (step,) = pub.of(PhaseBatch), pub.of(Step)
+    assert batch.streams == (7, side.stream_id)
+    assert batch.duration_ns == (1_000_000, 11_000_000)  # fake clock: 1 "ms" per record
+    assert step.gpu_ns == 15_000_000  # step events at 1 and 16 on the fake clock
+    records = [(e.enable_timing, s) for kind, e, s in fake_cuda.log if kind == "record"]
+    assert records[1:3] == [(True, fake_cuda.default), (True, fake_cuda.default)]  # forward: current stream
+    assert records[3:5] == [(True, side), (True, side)]  # the collective: both events on its own stream
+
+
+class FakeWork:
+    def __init__(self, cuda: FakeCuda, took: float) -> None:
+        self.cuda, self.took, self.waited_on = cuda, took, None
+
+    def wait(self) -> None:
+        self.waited_on = self.cuda.current  # NCCL: the *current* stream waits for the collective
+        self.cuda.clock += self.took
+        self.cuda.log.append(("work.wait", self, self.cuda.current))
+
+
+class FakeCudaTensor:
+    is_cuda = True
+    device = torch.device("cpu")
+
+    def __init__(self) -> None:
+        self.used_on: list[Any] = []
+
+    def record_stream(self, s: Any) -> None:
+        self.used_on.append(s)
+
+
+def test_collective_wrapper_times_on_a_communication_stream(tmp_path: Path, fake_cuda: FakeCuda) -> None:
+    pub = FakePublisher()
+    t = FakeCudaTensor()
+    works: list[FakeWork] = []
+
+    def launch() -> FakeWork:
+        works.append(FakeWork(fake_cuda, 20))
+        return works[-1]
+
+    with make(pub, tmp_path, cuda=True) as tr, tr.step():
+        assert tr._collective(None, PhaseKind.ALL_REDUCE, ParallelGroup.DP, (t,), None, False, launch) is None
+        handle = tr._collective(None, PhaseKind.ALL_REDUCE, ParallelGroup.DP, (t,), None, True, launch)
+        assert isinstance(handle, CollectiveHandle)
+        handle.wait()
+    comm = works[0].waited_on
+    assert comm is not fake_cuda.default and works[1].waited_on is comm  # one stream per (device, group)
+    waits = [(a, b) for kind, a, b in fake_cuda.log if kind == "wait"]
+    assert waits[0] == (comm, fake_cuda.default)  # comm waits for the compute stream before the collective
+    assert waits[1] == (fake_cuda.default, comm)  # sync: compute waits for comm afterwards
+    assert waits[3] == (fake_cuda.default, comm)  # async: at handle.wait()
+    assert t.used_on == [comm]  # async: the tensor is marked as used on comm for the allocator
+    (batch,) = pub.of(PhaseBatch)
+    assert batch.names == ("dp-allreduce", "dp-allreduce")
+    assert batch.streams == (comm.stream_id, comm.stream_id)
+    assert all(d >= 20_000_000 for d in batch.duration_ns)  # the 20 "ms" of the collective are inside
