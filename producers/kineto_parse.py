@@ -421,7 +421,9 @@ class _Collector:
         with self.spill.open("ab") as fh:
             rows.tofile(fh)
         start, end = cols[:, 2], cols[:, 2] + cols[:, 3]
-        prior = -_OPEN_END if self.watermark is None else self.watermark
+        # No kernel before this chunk: the first start is its own reference (an open-ended sentinel would
+        # overflow int64 in the subtraction below).
+        prior = int(start[0]) if self.watermark is None else self.watermark
         seen = np.maximum.accumulate(np.concatenate(([prior], start)))[:-1]
         self.max_lag = max(self.max_lag, int((seen - start).max()))
         self.watermark = max(prior, int(start.max()))

@@ -510,6 +510,7 @@ def test_real_param_dlrm_8_ranks() -> None:
         "ncclKernel_AllReduce_RING_LL_Sum_float(ncclDevComm*, unsigned long, ncclWork*)",
         "ncclKernel_SendRecv_RING_SIMPLE_Sum_int8_t(ncclDevComm*, unsigned long, ncclWork*)"}
     assert max(abs(o) for o in report.clock_offsets_ns.values()) < 10_000_000
+    assert 0 <= report.max_out_of_order_ns < 1_000_000  # kernels are nearly in order in these files
 
 
 @needs_real
