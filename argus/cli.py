@@ -147,6 +147,19 @@ def _cmd_import_kineto(settings: Settings, args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_stacks(settings: Settings, args: argparse.Namespace) -> int:
+    import signal
+    import threading
+
+    from producers.cpu_stacks import StackCollector
+
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    StackCollector(settings).run(stop)
+    return 0
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="argus", description="Always-on tracing and fail-slow diagnosis "
                                 "for GPU training jobs.")
@@ -171,6 +184,8 @@ def _parser() -> argparse.ArgumentParser:
     s.set_defaults(fn=_cmd_worker)
     s = sub.add_parser("sink", help="run the ClickHouse sink (and its SQL endpoint) in the foreground")
     s.set_defaults(fn=_cmd_sink)
+    s = sub.add_parser("stacks", help="on a training host: capture py-spy stacks of ranks named by findings")
+    s.set_defaults(fn=_cmd_stacks)
     faults = ["none", "case1", "case2", "case3", "case4", "case5"]
     s = sub.add_parser("simulate", help="publish a simulated training job to Kafka")
     s.add_argument("--job", required=True)
@@ -209,7 +224,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stderr.write(f"argus: configuration error: {exc}\n")
         return 2
     # Services log at the configured level; interactive commands only show warnings unless asked.
-    service = args.command in ("worker", "sink")
+    service = args.command in ("worker", "sink", "stacks")
     level = settings.log_level.upper() if service or args.log_level else "WARNING"
     logging.basicConfig(level=level,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)

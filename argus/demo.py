@@ -14,6 +14,7 @@ from producers.faults import Fault, FaultSpec
 from producers.publisher import Publisher
 from producers.simulator import JobSimulator, JobSpec, SimStats
 from producers.topology import build_topology
+from sinks.findings_query import fetch_findings, wait_diagnosed
 from sinks.query_server import run_query
 
 __all__ = ["FAULTS", "build_spec", "run_demo", "simulate_job", "wait_processed"]
@@ -47,7 +48,9 @@ def build_spec(job_id: str, dp: int, tp: int, pp: int, steps: int, fault: str, s
         raise ArgusError(f"unknown fault {fault!r}; use none or case1..case5") from exc
     except ValueError as exc:
         raise ArgusError(f"fault {fault} does not fit a {dp}x{tp}x{pp} job: {exc}") from exc
-    return JobSpec(job_id, dp, tp=tp, pp=pp, steps=steps, seed=seed, fault=spec)
+    # A host stall of 80 ms is a spike only against short steps (the paper's case: 40 ms steps).
+    step_time_ns = 40_000_000 if fault == "case4" else 200_000_000
+    return JobSpec(job_id, dp, tp=tp, pp=pp, steps=steps, seed=seed, fault=spec, step_time_ns=step_time_ns)
 
 
 def _publish(settings: Settings, spec: JobSpec, progress: Progress) -> tuple[SimStats, dict[str, int]]:
@@ -115,9 +118,12 @@ def run_demo(settings: Settings, fault: str = "case1", steps: int = 40, progress
     stats, sizes = _publish(settings, spec, say)
     counts = wait_processed(settings, job_id, stats.kernel_events, stats.steps, timeout_s, say)
     summary_bytes = (stack.worker_stats() or {}).get("summary_bytes_out", 0) - before
+    say("waiting for the diagnosis (L1 iteration time, L2 phases per parallel group, L3 kernels)")
+    diagnosed = wait_diagnosed(settings, job_id, timeout_s)
+    findings = fetch_findings(settings, job_id)
     db = settings.clickhouse_database
     tables = {}
-    for table in ("steps", "phases", "kernel_summaries", "topology", "jobs"):
+    for table in ("steps", "phases", "kernel_summaries", "topology", "jobs", "findings"):
         tables[table] = int(run_query(settings, f"SELECT count() FROM `{db}`.{table} FINAL "
                                                 f"WHERE job_id = '{job_id}'").rows[0][0])
     kernel_bytes = sizes.get(Topic.KERNELS.full(settings), 0)
@@ -130,7 +136,8 @@ def run_demo(settings: Settings, fault: str = "case1", steps: int = 40, progress
         "summary_bytes": summary_bytes,
         "compression_ratio": round(kernel_bytes / summary_bytes, 1) if summary_bytes else None,
         "tables": tables, "seconds": round(elapsed, 1),
-        "complete": counts["summarized_events"] + counts["dead_lettered_events"] == stats.kernel_events,
+        "complete": counts["summarized_events"] + counts["dead_lettered_events"] == stats.kernel_events and diagnosed,
+        "findings": findings,
     }
     lines = [
         f"argus demo — job {job_id}: {spec.world_size} ranks (DP 8 x TP 2 x PP 2), {steps} steps, "
@@ -143,6 +150,11 @@ def run_demo(settings: Settings, fault: str = "case1", steps: int = 40, progress
         f"  compression       {kernel_bytes:,} B of kernel batches -> {summary_bytes:,} B of summaries "
         f"= {report['compression_ratio']}x",
         "  tables filled     " + ", ".join(f"{t} {n:,}" for t, n in tables.items()),
+        f"  diagnosis         {len(findings)} finding(s){'' if diagnosed else ' (incomplete: timed out)'}:",
+        *(f"    {f['level']} {f['kind']:<18} ranks={f['ranks'] or '-'} "
+          f"{f['phase'] or (f['kernel'] or '')[:48] or ''} steps={f['steps'] or '-'} score={f['score']:.1f}"
+          for f in findings[:12]),
+        *([f"    ... and {len(findings) - 12} more: argus findings --job {job_id}"] if len(findings) > 12 else []),
         f"  took              {elapsed:.1f} s",
         f"  try: argus sql \"SELECT rank, kernel, n_clusters, cluster_p50_ns FROM {db}.kernel_summaries FINAL "
         f"WHERE job_id = '{job_id}' AND kernel LIKE '%gemm%' ORDER BY rank LIMIT 8\"",

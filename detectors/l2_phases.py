@@ -1,7 +1,7 @@
 """L2 diagnosis: which rank is the straggler, in which phase, comparing ranks only within their groups.
 
 Input is a :class:`PhaseTable`: per (rank, step, phase) the summed duration of that phase in the step
-and its number of occurrences. Per rank and phase the analysed value is the mean per-step sum over the
+and its number of occurrences. Per rank and phase the analysed value is the median per-step sum over the
 analysed steps (those from ``onset_step`` on, if given). Ranks are compared only with the ranks that run
 the same work:
 
@@ -204,6 +204,20 @@ class PhaseTable:
                    np.rint(np.concatenate(durs)).astype(np.int64), np.concatenate(counts), names, kinds, groups)
 
 
+def _cell_median(cell: I64, values: F64, size: int) -> F64:
+    """Median of ``values`` per integer ``cell`` in ``[0, size)``; NaN for empty cells. Vectorized."""
+    order = np.lexsort((values, cell))
+    c, v = cell[order], values[order]
+    cells = np.arange(size)
+    lo, hi = np.searchsorted(c, cells, "left"), np.searchsorted(c, cells, "right")
+    n = hi - lo
+    if v.size == 0:
+        return np.full(size, np.nan)
+    a = v[np.clip(lo + (n - 1) // 2, 0, v.size - 1)]
+    b = v[np.clip(lo + n // 2, 0, v.size - 1)]
+    return np.where(n > 0, (a + b) / 2.0, np.nan)
+
+
 def loo_median(values: npt.ArrayLike) -> F64:
     """Leave-one-out medians: ``out[i]`` is the median of ``values`` without entry ``i`` (NaN if n < 2).
 
@@ -267,9 +281,10 @@ def detect_l2(phases: PhaseTable, topology: JobTopology, params: L2Params | None
     cell = rpos * n_phases + pid
     size = world * n_phases
     n_steps = np.bincount(cell, minlength=size).reshape(world, n_phases)
+    # Median over steps, not the mean: real jobs have warm-up steps and pauses (GC, checkpoint) that would
+    # otherwise make one rank's mean look elevated.
+    per_step = _cell_median(cell, phases.duration_ns[keep].astype(np.float64), size).reshape(world, n_phases)
     with np.errstate(invalid="ignore", divide="ignore"):
-        per_step = (np.bincount(cell, weights=phases.duration_ns[keep], minlength=size).reshape(world, n_phases)
-                    / n_steps)
         occ = np.bincount(cell, weights=phases.count[keep], minlength=size).reshape(world, n_phases) / n_steps
     longest = np.where(n_steps > 0, per_step, 0.0).max(axis=1)
     compute_flags: list[_Flag] = []
