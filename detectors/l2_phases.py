@@ -52,7 +52,7 @@ import numpy.typing as npt
 from argus.errors import DetectorError
 from schemas.records import JobTopology, Level, ParallelGroup, PhaseBatch, PhaseKind
 
-__all__ = ["L2Kind", "L2Params", "L2Result", "PhaseTable", "detect_l2", "loo_median"]
+__all__ = ["BLOCKING_GROUPS", "L2Kind", "L2Params", "L2Result", "PhaseTable", "detect_l2", "loo_median"]
 
 F64 = npt.NDArray[np.float64]
 I64 = npt.NDArray[np.int64]
@@ -61,6 +61,10 @@ _MAD_SCALE = 1.4826
 _GROUP_COLUMN = {ParallelGroup.DP: "dp_group", ParallelGroup.TP: "tp_group", ParallelGroup.PP: "pp_group",
                  ParallelGroup.EP: "ep_group", ParallelGroup.NONE: "dp_group"}
 _COMPUTE = frozenset({PhaseKind.FORWARD, PhaseKind.BACKWARD, PhaseKind.OPTIMIZER})
+#: Group kinds whose collectives block the compute stream where they sit inside a compute phase (Megatron's
+#: TP all-reduce between GEMMs, the MoE all-to-all, pipeline send/receive); DP gradient buckets overlap the
+#: backward instead. Their time inside a phase is waiting or transfer, not the phase's own work.
+BLOCKING_GROUPS = frozenset({ParallelGroup.TP, ParallelGroup.EP, ParallelGroup.PP})
 # A member this many times shorter than its peers' median arrived late: its group's long collectives are
 # explained (the same 2x rule as L3's link check).
 _LATE_EXPLAINS = 2.0
@@ -138,8 +142,10 @@ class PhaseTable:
 
     ``phase[i]`` indexes the phase dictionary ``names`` / ``kinds`` / ``groups`` (one entry per distinct
     (name, kind, group)); ``duration_ns[i]`` is the summed duration of that phase in the step, ``count[i]``
-    its occurrences. Build it with :meth:`from_batches`. Raises :class:`DetectorError` for mismatched
-    columns or phase indices outside the dictionary.
+    its occurrences, ``nested_ns[i]`` the time of *blocking* collectives (group kind in
+    :data:`BLOCKING_GROUPS`) overlapping it (0 for collectives; zeros when not given). Build it with
+    :meth:`from_batches`. Raises :class:`DetectorError` for mismatched columns or phase indices outside
+    the dictionary.
     """
 
     rank: I64
@@ -150,9 +156,12 @@ class PhaseTable:
     names: tuple[str, ...]
     kinds: tuple[PhaseKind, ...]
     groups: tuple[ParallelGroup, ...]
+    nested_ns: I64 | None = None
 
     def __post_init__(self) -> None:
-        cols = ("rank", "step", "phase", "duration_ns", "count")
+        cols = ("rank", "step", "phase", "duration_ns", "count", "nested_ns")
+        if self.nested_ns is None:
+            object.__setattr__(self, "nested_ns", np.zeros(np.asarray(self.rank).size, dtype=np.int64))
         arrays = [np.asarray(getattr(self, c), dtype=np.int64) for c in cols]
         if any(a.ndim != 1 or a.size != arrays[0].size for a in arrays):
             raise DetectorError("PhaseTable columns must be equally long 1-D integer arrays")
@@ -167,33 +176,48 @@ class PhaseTable:
     def __len__(self) -> int:
         return int(self.rank.size)
 
+    @property
+    def own_ns(self) -> I64:
+        """``duration_ns`` less the blocking collectives nested in it (the phase's own work)."""
+        nested = self.nested_ns if self.nested_ns is not None else 0
+        out: I64 = np.maximum(self.duration_ns - nested, 0)
+        return out
+
     @classmethod
-    def from_batches(cls, batches: Iterable[PhaseBatch]) -> PhaseTable:
+    def from_batches(cls, batches: Iterable[PhaseBatch],
+                     blocking: Iterable[ParallelGroup] = BLOCKING_GROUPS) -> PhaseTable:
         """Aggregate PhaseBatches (any ranks, steps and order) per (rank, step, phase).
 
         A (rank, step) delivered twice (at-least-once delivery) counts once: the last batch wins.
+        ``nested_ns`` of a non-collective phase sums the overlap of its ``[start, start + duration)`` with
+        every collective of a group kind in ``blocking`` of the same batch (capped at its duration).
         """
+        blocking = frozenset(blocking)
         latest: dict[tuple[int, int], PhaseBatch] = {}
         for b in batches:
             latest[(b.rank, b.step)] = b
         keys: dict[tuple[str, PhaseKind, ParallelGroup], int] = {}
-        layouts: dict[tuple[Any, ...], tuple[I64, I64, I64]] = {}  # -> (phase ids, inverse, counts)
-        ranks, steps, pids, durs, counts = [], [], [], [], []
+        layouts: dict[tuple[Any, ...], _Layout] = {}
+        ranks, steps, pids, durs, nests, counts = [], [], [], [], [], []
         for (rank, step), b in latest.items():
             layout = (b.names, b.kinds, b.groups)
             cached = layouts.get(layout)
             if cached is None:
-                if not len(b.names) == len(b.kinds) == len(b.groups) == len(b.duration_ns):
+                if not len(b.names) == len(b.kinds) == len(b.groups) == len(b.duration_ns) == len(b.start_ns):
                     raise DetectorError(f"phase batch {b.job_id}/{rank}/{step}: columns differ in length")
                 ids = np.array([keys.setdefault(k, len(keys)) for k in zip(*layout, strict=True)], dtype=np.int64)
                 uniq, inv = np.unique(ids, return_inverse=True)
-                cached = layouts[layout] = (uniq, inv, np.bincount(inv).astype(np.int64))
-            uniq, inv, cnt = cached
-            ranks.append(np.full(uniq.size, rank, dtype=np.int64))
-            steps.append(np.full(uniq.size, step, dtype=np.int64))
-            pids.append(uniq)
-            durs.append(np.bincount(inv, weights=np.asarray(b.duration_ns, dtype=np.float64), minlength=uniq.size))
-            counts.append(cnt)
+                coll = np.array([k.is_collective for k in b.kinds], dtype=bool)
+                block = np.flatnonzero(coll & np.array([g in blocking for g in b.groups], dtype=bool))
+                cached = layouts[layout] = _Layout(uniq, inv, np.bincount(inv).astype(np.int64),
+                                                   np.flatnonzero(~coll) if block.size else block, block)
+            dur = np.asarray(b.duration_ns, dtype=np.float64)
+            ranks.append(np.full(cached.ids.size, rank, dtype=np.int64))
+            steps.append(np.full(cached.ids.size, step, dtype=np.int64))
+            pids.append(cached.ids)
+            durs.append(np.bincount(cached.inverse, weights=dur, minlength=cached.ids.size))
+            nests.append(np.bincount(cached.inverse, weights=_nested(b, dur, cached), minlength=cached.ids.size))
+            counts.append(cached.counts)
         names = tuple(k[0] for k in keys)
         kinds = tuple(k[1] for k in keys)
         groups = tuple(k[2] for k in keys)
@@ -201,7 +225,33 @@ class PhaseTable:
             empty = np.empty(0, dtype=np.int64)
             return cls(empty, empty, empty, empty, empty, names, kinds, groups)
         return cls(np.concatenate(ranks), np.concatenate(steps), np.concatenate(pids),
-                   np.rint(np.concatenate(durs)).astype(np.int64), np.concatenate(counts), names, kinds, groups)
+                   np.rint(np.concatenate(durs)).astype(np.int64), np.concatenate(counts), names, kinds, groups,
+                   np.rint(np.concatenate(nests)).astype(np.int64))
+
+
+@dataclass(frozen=True, eq=False)
+class _Layout:
+    """What one (names, kinds, groups) layout of a PhaseBatch maps to: phase ids, inverse, counts, and
+    the positions of its non-collective phases and blocking collectives (both empty: nothing nests)."""
+
+    ids: I64
+    inverse: I64
+    counts: I64
+    outer: I64
+    block: I64
+
+
+def _nested(b: PhaseBatch, dur: F64, lay: _Layout) -> F64:
+    """Per phase of ``b``: its overlap with ``b``'s blocking collectives, capped at its duration."""
+    out = np.zeros(dur.size)
+    if lay.block.size == 0:
+        return out
+    start = np.asarray(b.start_ns, dtype=np.float64)
+    s_o, e_o = start[lay.outer], start[lay.outer] + dur[lay.outer]
+    s_c, e_c = start[lay.block], start[lay.block] + dur[lay.block]
+    overlap = np.minimum(e_o[:, None], e_c[None, :]) - np.maximum(s_o[:, None], s_c[None, :])
+    out[lay.outer] = np.minimum(np.clip(overlap, 0.0, None).sum(axis=1), dur[lay.outer])
+    return out
 
 
 def _cell_median(cell: I64, values: F64, size: int) -> F64:
@@ -283,7 +333,7 @@ def detect_l2(phases: PhaseTable, topology: JobTopology, params: L2Params | None
     n_steps = np.bincount(cell, minlength=size).reshape(world, n_phases)
     # Median over steps, not the mean: real jobs have warm-up steps and pauses (GC, checkpoint) that would
     # otherwise make one rank's mean look elevated.
-    per_step = _cell_median(cell, phases.duration_ns[keep].astype(np.float64), size).reshape(world, n_phases)
+    per_step = _cell_median(cell, phases.own_ns[keep].astype(np.float64), size).reshape(world, n_phases)
     with np.errstate(invalid="ignore", divide="ignore"):
         occ = np.bincount(cell, weights=phases.count[keep], minlength=size).reshape(world, n_phases) / n_steps
     longest = np.where(n_steps > 0, per_step, 0.0).max(axis=1)
@@ -355,13 +405,21 @@ def _stragglers(compute: list[_Flag], short: list[_Flag], host: list[_Flag], top
     pos_of = {r: i for i, r in enumerate(topology.rank)}
     columns = [np.asarray(getattr(topology, c)) for c in ("dp_group", "tp_group", "pp_group", "ep_group")]
 
-    def victim(r: int) -> bool:  # shares a group with a compute straggler: it waited for that rank
-        return any(col[pos_of[s]] == col[pos_of[r]] for s in slow for col in columns)
+    def shares(r: int, s: int) -> bool:
+        return any(col[pos_of[s]] == col[pos_of[r]] for col in columns)
+
+    # Victims: late arrivals sharing a group with a compute straggler (they waited for it, e.g. in a blocking
+    # TP collective), then late arrivals sharing one with a victim (e.g. its next pipeline stage), and so on.
+    victims: set[int] = set()
+    frontier = set(slow)
+    while frontier:
+        frontier = {r for r in shorts.keys() - slow - victims if any(shares(r, s) for s in frontier)}
+        victims |= frontier
 
     def named_late(fs: list[_Flag]) -> bool:
         return any(1.0 / f.ratio >= p.collective_ratio and f.late_fraction >= p.min_late_fraction for f in fs)
 
-    late = {r for r, fs in shorts.items() if r in slow or (not victim(r) and named_late(fs))}
+    late = {r for r, fs in shorts.items() if r in slow or (r not in victims and named_late(fs))}
     results: list[L2Result] = []
     for r in sorted(slow | late):
         flags, short_fs = by_rank.get(r, []), shorts.get(r, [])

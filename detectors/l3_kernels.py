@@ -337,23 +337,6 @@ def _collective(s: KernelSummary, ranks: I64, batch: MixtureBatch, topology: Job
     groups = _groups(topology, ranks, any(m in s.kernel.lower() for m in ("send", "recv")))
     explained = np.zeros(ranks.size, dtype=bool)
     results: list[L3Result] = []
-    links: list[tuple[str, int, I64]] = []
-    if topology is not None:
-        for kind, g, rows in groups:  # long on every member, none 2x shorter (a late arrival): the link
-            sl = slow[rows]
-            if (2 * int(sl.sum()) > rows.size and np.any(sl & ~explained[rows])
-                    and float(p50[rows].min()) >= 0.5 * float(np.median(p50[rows][sl]))):
-                links.append((kind, g, rows))
-                explained[rows] = True
-    normal = ~slow & ~explained
-    for kind, g, rows in links:
-        results.append(L3Result(L3Kind.LINK_DEGRADED, tuple(int(r) for r in ranks[rows]), s.kernel, s.stream,
-                                float(np.median(p50_ratio[rows])), {
-            **base, "group": f"{kind}{g}", "group_kind": kind, "group_index": g, "whole_group": True,
-            "group_p50_ns": float(np.median(p50[rows])), "healthy_p50_ns": healthy,
-            "p50_ratio": float(np.median(p50_ratio[rows])), "group_score": float(np.median(sc.score[rows])),
-            "w1_inter_over_intra_ratio": _inter_intra(sc, rows, np.flatnonzero(normal)),
-        }))
     candidates = []
     for kind, g, rows in groups:  # a member much shorter than its group peers arrived late
         if int(np.sum(_LATE_EXPLAINS * p50[rows] <= np.median(p50[rows]))) > max(1, rows.size // 4):
@@ -363,17 +346,34 @@ def _collective(s: KernelSummary, ranks: I64, batch: MixtureBatch, topology: Job
         for i in np.flatnonzero(ratio >= _LATE_EXPLAINS).tolist():
             candidates.append((-rows.size, -float(ratio[i]), kind, g, int(rows[i]), rows, float(peers[i])))
     candidates.sort(key=lambda c: (c[0], c[1], c[4]))
+    late = []
     for _, neg_ratio, kind, g, row, rows, peers_p50 in candidates:
         others = rows[rows != row]
         if explained[row] or explained[others].all():
             continue
         explained[rows] = True
-        if -neg_ratio < p.short_ratio:
-            continue  # explains its peers' waiting, too weak to name
+        late.append((-neg_ratio, kind, g, row, rows, peers_p50))
+    if topology is not None:
+        for kind, g, rows in groups:  # long on every member, none 2x shorter (a late arrival): the link
+            sl = slow[rows]
+            if (2 * int(sl.sum()) > rows.size and np.any(sl & ~explained[rows])
+                    and float(p50[rows].min()) >= 0.5 * float(np.median(p50[rows][sl]))):
+                results.append(_link(s, ranks, rows, kind, g, sc, p50_ratio, healthy, base,
+                                     np.flatnonzero(~slow & ~explained)))
+                explained[rows] = True
+    # Late arrivals that together make up a whole group of another kind (both ranks of a TP group) arrived
+    # late together: which of them held the others up shows only in that group's own collective.
+    together = np.zeros(ranks.size, dtype=bool)
+    together[[row for *_, row, _, _ in late]] = True
+    for ratio, kind, g, row, rows, peers_p50 in late:
+        if ratio < p.short_ratio or any(together[r].all() for _, _, r in groups
+                                        if row in r and not np.array_equal(r, rows)):
+            continue  # explains its peers' waiting, too weak to name or late with its whole group
+        others = rows[rows != row]
         results.append(L3Result(L3Kind.COMPUTE_STRAGGLER_BY_COLLECTIVE, (int(ranks[row]),), s.kernel, s.stream,
-                                -neg_ratio, {
+                                ratio, {
             **base, "group": f"{kind}{g}", "group_kind": kind, "group_index": g, "collective_short": True,
-            "peers_over_rank_p50_ratio": -neg_ratio, "rank_p50_ns": float(p50[row]), "peers_p50_ns": peers_p50,
+            "peers_over_rank_p50_ratio": ratio, "rank_p50_ns": float(p50[row]), "peers_p50_ns": peers_p50,
             "waiting_peers": [int(r) for r in ranks[others]],
         }))
     rest = np.flatnonzero(slow & ~explained)
@@ -386,6 +386,18 @@ def _collective(s: KernelSummary, ranks: I64, batch: MixtureBatch, topology: Job
             "rank_p50_ratio": {str(int(ranks[i])): float(p50_ratio[i]) for i in rest.tolist()},
         }))
     return results
+
+
+def _link(s: KernelSummary, ranks: I64, rows: I64, kind: str, g: int, sc: RankScores, p50_ratio: F64,
+          healthy: float, base: dict[str, Any], normal: I64) -> L3Result:
+    p50 = sc.primary_p50_ns
+    return L3Result(L3Kind.LINK_DEGRADED, tuple(int(r) for r in ranks[rows]), s.kernel, s.stream,
+                    float(np.median(p50_ratio[rows])), {
+        **base, "group": f"{kind}{g}", "group_kind": kind, "group_index": g, "whole_group": True,
+        "group_p50_ns": float(np.median(p50[rows])), "healthy_p50_ns": healthy,
+        "p50_ratio": float(np.median(p50_ratio[rows])), "group_score": float(np.median(sc.score[rows])),
+        "w1_inter_over_intra_ratio": _inter_intra(sc, rows, normal),
+    })
 
 
 def _inter_intra(sc: RankScores, group: I64, normal: I64) -> float | None:

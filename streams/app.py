@@ -73,6 +73,8 @@ def create_app(settings: Settings) -> faust.App:
         broker_heartbeat_interval=max(0.5, settings.session_timeout_s / 6),
         broker_commit_interval=0.5,
         consumer_auto_offset_reset="earliest",
+        # Held (un-acked) messages are re-delivered after a restart: shutdown must not wait for them.
+        stream_wait_empty=False,
         producer_compression_type=None if settings.compression == "none" else settings.compression,
         producer_max_request_size=8_000_000,
         consumer_max_fetch_size=8_000_000,

@@ -21,11 +21,13 @@ NONE, DP, TP, PP = ParallelGroup.NONE, ParallelGroup.DP, ParallelGroup.TP, Paral
 Phase = tuple[PhaseKind, str, ParallelGroup, int]
 
 
-def _batch(rank: int, step: int, phases: list[Phase]) -> PhaseBatch:
+def _batch(rank: int, step: int, phases: list[Phase], starts: tuple[int, ...] | None = None) -> PhaseBatch:
+    """One PhaseBatch; phases back to back unless ``starts`` is given."""
     kinds, names, groups, durs = zip(*phases, strict=True) if phases else ((), (), (), ())
     n = len(kinds)
-    return PhaseBatch("j", rank, step, tuple(kinds), tuple(names), tuple(groups), (7,) * n, (0,) * n,
-                      tuple(int(d) for d in durs))
+    ints = tuple(int(d) for d in durs)
+    begin = starts if starts is not None else tuple(int(x) for x in np.cumsum((0, *ints))[:n])
+    return PhaseBatch("j", rank, step, tuple(kinds), tuple(names), tuple(groups), (7,) * n, begin, ints)
 
 
 def _job(topo: JobTopology, steps: int, phases: Callable[[int, int], list[Phase]]) -> PhaseTable:
