@@ -28,7 +28,7 @@ from typing import Any
 from argus.errors import KafkaLocalError
 from argus.settings import Settings
 
-__all__ = ["LocalKafka", "fetch_jars", "pom_path"]
+__all__ = ["LocalKafka", "fetch_jars", "pid_alive", "pom_path"]
 
 logger = logging.getLogger(__name__)
 
@@ -105,7 +105,8 @@ def _random_cluster_id() -> str:
             return cid
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """True while process ``pid`` runs (an exited child of ours is reaped, a zombie counts as gone)."""
     try:  # reap it if it is our own exited child, so it does not linger as a zombie
         if os.waitpid(pid, os.WNOHANG)[0] == pid:
             return False
@@ -169,7 +170,7 @@ class LocalKafka:
     def _alive(self, pid: int) -> bool:
         if self._proc is not None and self._proc.pid == pid:
             return self._proc.poll() is None  # our child: poll() reaps it once it has exited
-        return _pid_alive(pid)
+        return pid_alive(pid)
 
     def _port_open(self, port: int, timeout_s: float = 0.5) -> bool:
         try:

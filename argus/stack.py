@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from argus.errors import ArgusError
-from argus.local_kafka import LocalKafka
+from argus.local_kafka import LocalKafka, pid_alive
 from argus.settings import Settings
 from argus.topics import ensure_topics
 from sinks.query_server import endpoint_healthy
@@ -114,7 +114,7 @@ class Stack:
             pid = int(self.pid_path(service).read_text().strip())
         except (OSError, ValueError):
             return None
-        return pid if _pid_alive(pid) else None
+        return pid if pid_alive(pid) else None
 
     def _alive(self, service: Service) -> bool:
         return self._pid(service) is not None
@@ -140,29 +140,15 @@ def _get_json(url: str) -> dict[str, Any] | None:
         return None
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a zombie child of ours counts as gone
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ", 1)[1][0] != "Z"
-    except OSError:
-        return True
-
-
 def _terminate(pid: int, timeout_s: float) -> None:
     try:
         os.kill(pid, signal.SIGTERM)
     except ProcessLookupError:
         return
     deadline = time.monotonic() + timeout_s
-    while _pid_alive(pid) and time.monotonic() < deadline:
+    while pid_alive(pid) and time.monotonic() < deadline:
         time.sleep(0.1)
-    if _pid_alive(pid):
+    if pid_alive(pid):
         log.warning("pid %d ignored SIGTERM for %.0f s; killing", pid, timeout_s)
         os.kill(pid, signal.SIGKILL)
 
