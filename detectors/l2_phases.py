@@ -2,8 +2,12 @@
 
 Input is a :class:`PhaseTable`: per (rank, step, phase) the summed duration of that phase in the step
 and its number of occurrences. Per rank and phase the analysed value is the median per-step sum over the
-analysed steps (those from ``onset_step`` on, if given). Ranks are compared only with the ranks that run
-the same work:
+analysed steps (those from ``onset_step`` on, if given). For a compute phase (FORWARD, BACKWARD,
+OPTIMIZER) that sum is its **own time**: the duration less the time of the rank's *blocking* collectives
+(TP, EP, PP; :data:`BLOCKING_GROUPS`) that overlap it (``PhaseTable.nested_ns``). A Megatron layer's
+self_attention and mlp hold a blocking TP all-reduce: a rank that waits there for its slow TP partner (a
+victim), or whose TP link is degraded, has a long phase but no slow compute. DP gradient buckets overlap
+the backward and are not subtracted. Ranks are compared only with the ranks that run the same work:
 
 * compute and host phases (every non-collective kind: FORWARD, BACKWARD, OPTIMIZER, DATA_LOADER,
   OTHER) within the rank's **DP group** (same TP index and pipeline stage, identical work);
@@ -25,8 +29,11 @@ amplifies small delays when the transfer itself is short (healthy jobs reach ~2.
 1 % rank spread), so a late arrival *without* an elevated compute phase is named a
 :attr:`L2Kind.COMPUTE_STRAGGLER` only if it is also ``collective_ratio`` (3x) short and its lateness
 (peers' median minus its own time, per step) is at least ``min_late_fraction`` of its longest phase per
-step. A rank that shares a group with a compute straggler is a victim (it waited for it, e.g. in a
-blocking TP collective) and is not named for arriving late. A *long* collective is never a finding here:
+step, and if under half of that lateness is time its blocking collectives took beyond its peers' (a rank
+late because it waited in a TP all-reduce, for a degraded link or a late TP partner, is no straggler). A
+rank that shares a TP, PP or EP group with a compute straggler is a victim (it waited for it, e.g. in a
+blocking TP collective) and is not named for arriving late, nor is a late arrival sharing one with a
+victim (e.g. the victim's next pipeline stage), and so on. A *long* collective is never a finding here:
 within a group it means the member arrived early, and a degraded link slows all members of the group
 alike, which only a comparison across groups shows (L3). An elevated host phase (a kind other than
 compute or collective, e.g. DATA_LOADER) is a :attr:`L2Kind.PHASE_STRAGGLER`.
@@ -50,6 +57,7 @@ import numpy as np
 import numpy.typing as npt
 
 from argus.errors import DetectorError
+from detectors.l2_groups import cell_median, loo_median, waiting_victims
 from schemas.records import JobTopology, Level, ParallelGroup, PhaseBatch, PhaseKind
 
 __all__ = ["BLOCKING_GROUPS", "L2Kind", "L2Params", "L2Result", "PhaseTable", "detect_l2", "loo_median"]
@@ -65,6 +73,9 @@ _COMPUTE = frozenset({PhaseKind.FORWARD, PhaseKind.BACKWARD, PhaseKind.OPTIMIZER
 #: TP all-reduce between GEMMs, the MoE all-to-all, pipeline send/receive); DP gradient buckets overlap the
 #: backward instead. Their time inside a phase is waiting or transfer, not the phase's own work.
 BLOCKING_GROUPS = frozenset({ParallelGroup.TP, ParallelGroup.EP, ParallelGroup.PP})
+# A late arrival that spent this fraction of its lateness in its own blocking collectives (more than its peers
+# did) waited there, for a degraded link or a late TP partner: it is no straggler.
+_WAITED_EXPLAINS = 0.5
 # A member this many times shorter than its peers' median arrived late: its group's long collectives are
 # explained (the same 2x rule as L3's link check).
 _LATE_EXPLAINS = 2.0
@@ -143,7 +154,7 @@ class PhaseTable:
     ``phase[i]`` indexes the phase dictionary ``names`` / ``kinds`` / ``groups`` (one entry per distinct
     (name, kind, group)); ``duration_ns[i]`` is the summed duration of that phase in the step, ``count[i]``
     its occurrences, ``nested_ns[i]`` the time of *blocking* collectives (group kind in
-    :data:`BLOCKING_GROUPS`) overlapping it (0 for collectives; zeros when not given). Build it with
+    :data:`BLOCKING_GROUPS`) overlapping it (compute phases only, else 0; zeros when not given). Build it with
     :meth:`from_batches`. Raises :class:`DetectorError` for mismatched columns or phase indices outside
     the dictionary.
     """
@@ -184,33 +195,25 @@ class PhaseTable:
         return out
 
     @classmethod
-    def from_batches(cls, batches: Iterable[PhaseBatch],
-                     blocking: Iterable[ParallelGroup] = BLOCKING_GROUPS) -> PhaseTable:
+    def from_batches(cls, batches: Iterable[PhaseBatch]) -> PhaseTable:
         """Aggregate PhaseBatches (any ranks, steps and order) per (rank, step, phase).
 
         A (rank, step) delivered twice (at-least-once delivery) counts once: the last batch wins.
-        ``nested_ns`` of a non-collective phase sums the overlap of its ``[start, start + duration)`` with
-        every collective of a group kind in ``blocking`` of the same batch (capped at its duration).
+        ``nested_ns`` of a compute phase sums the overlap of its ``[start, start + duration)`` with
+        every collective of a group kind in :data:`BLOCKING_GROUPS` of the same batch (capped at its duration).
         """
-        blocking = frozenset(blocking)
         latest: dict[tuple[int, int], PhaseBatch] = {}
         for b in batches:
             latest[(b.rank, b.step)] = b
         keys: dict[tuple[str, PhaseKind, ParallelGroup], int] = {}
-        layouts: dict[tuple[Any, ...], _Layout] = {}
+        layouts: dict[tuple[str, ...], list[_Layout]] = {}  # by names: tuples of enums hash slowly
         ranks, steps, pids, durs, nests, counts = [], [], [], [], [], []
         for (rank, step), b in latest.items():
-            layout = (b.names, b.kinds, b.groups)
-            cached = layouts.get(layout)
+            same = layouts.setdefault(b.names, [])
+            cached = next((c for c in same if c.kinds == b.kinds and c.groups == b.groups), None)
             if cached is None:
-                if not len(b.names) == len(b.kinds) == len(b.groups) == len(b.duration_ns) == len(b.start_ns):
-                    raise DetectorError(f"phase batch {b.job_id}/{rank}/{step}: columns differ in length")
-                ids = np.array([keys.setdefault(k, len(keys)) for k in zip(*layout, strict=True)], dtype=np.int64)
-                uniq, inv = np.unique(ids, return_inverse=True)
-                coll = np.array([k.is_collective for k in b.kinds], dtype=bool)
-                block = np.flatnonzero(coll & np.array([g in blocking for g in b.groups], dtype=bool))
-                cached = layouts[layout] = _Layout(uniq, inv, np.bincount(inv).astype(np.int64),
-                                                   np.flatnonzero(~coll) if block.size else block, block)
+                cached = _Layout.of(b, keys)
+                same.append(cached)
             dur = np.asarray(b.duration_ns, dtype=np.float64)
             ranks.append(np.full(cached.ids.size, rank, dtype=np.int64))
             steps.append(np.full(cached.ids.size, step, dtype=np.int64))
@@ -232,13 +235,29 @@ class PhaseTable:
 @dataclass(frozen=True, eq=False)
 class _Layout:
     """What one (names, kinds, groups) layout of a PhaseBatch maps to: phase ids, inverse, counts, and
-    the positions of its non-collective phases and blocking collectives (both empty: nothing nests)."""
+    the positions of its compute phases and blocking collectives (both empty: nothing nests)."""
 
+    kinds: tuple[PhaseKind, ...]
+    groups: tuple[ParallelGroup, ...]
     ids: I64
     inverse: I64
     counts: I64
     outer: I64
     block: I64
+
+    @classmethod
+    def of(cls, b: PhaseBatch, keys: dict[tuple[str, PhaseKind, ParallelGroup], int]) -> _Layout:
+        """``b``'s layout; new (name, kind, group) entries are added to ``keys``."""
+        if not len(b.names) == len(b.kinds) == len(b.groups) == len(b.duration_ns) == len(b.start_ns):
+            raise DetectorError(f"phase batch {b.job_id}/{b.rank}/{b.step}: columns differ in length")
+        triples = zip(b.names, b.kinds, b.groups, strict=True)
+        ids = np.array([keys.setdefault(k, len(keys)) for k in triples], dtype=np.int64)
+        uniq, inv = np.unique(ids, return_inverse=True)
+        outer = np.flatnonzero([k in _COMPUTE for k in b.kinds])
+        block = np.flatnonzero([k.is_collective and g in BLOCKING_GROUPS for k, g in zip(b.kinds, b.groups,
+                                                                                  strict=True)])
+        return cls(b.kinds, b.groups, uniq, inv, np.bincount(inv).astype(np.int64), outer if block.size else block,
+                   block)
 
 
 def _nested(b: PhaseBatch, dur: F64, lay: _Layout) -> F64:
@@ -246,52 +265,13 @@ def _nested(b: PhaseBatch, dur: F64, lay: _Layout) -> F64:
     out = np.zeros(dur.size)
     if lay.block.size == 0:
         return out
-    start = np.asarray(b.start_ns, dtype=np.float64)
+    start = np.asarray(b.start_ns, dtype=np.int64)
+    start = (start - start.min()).astype(np.float64)  # epoch nanoseconds exceed float64's integer precision
     s_o, e_o = start[lay.outer], start[lay.outer] + dur[lay.outer]
     s_c, e_c = start[lay.block], start[lay.block] + dur[lay.block]
     overlap = np.minimum(e_o[:, None], e_c[None, :]) - np.maximum(s_o[:, None], s_c[None, :])
     out[lay.outer] = np.minimum(np.clip(overlap, 0.0, None).sum(axis=1), dur[lay.outer])
     return out
-
-
-def _cell_median(cell: I64, values: F64, size: int) -> F64:
-    """Median of ``values`` per integer ``cell`` in ``[0, size)``; NaN for empty cells. Vectorized."""
-    order = np.lexsort((values, cell))
-    c, v = cell[order], values[order]
-    cells = np.arange(size)
-    lo, hi = np.searchsorted(c, cells, "left"), np.searchsorted(c, cells, "right")
-    n = hi - lo
-    if v.size == 0:
-        return np.full(size, np.nan)
-    a = v[np.clip(lo + (n - 1) // 2, 0, v.size - 1)]
-    b = v[np.clip(lo + n // 2, 0, v.size - 1)]
-    return np.where(n > 0, (a + b) / 2.0, np.nan)
-
-
-def loo_median(values: npt.ArrayLike) -> F64:
-    """Leave-one-out medians: ``out[i]`` is the median of ``values`` without entry ``i`` (NaN if n < 2).
-
-    O(n log n) via one sort. Raises :class:`DetectorError` for a non-1-D input.
-    """
-    v = np.asarray(values, dtype=np.float64)
-    if v.ndim != 1:
-        raise DetectorError("loo_median needs a 1-D array")
-    n = v.size
-    if n < 2:
-        return np.full(n, np.nan)
-    order = np.argsort(v, kind="stable")
-    s = v[order]
-    pos = np.empty(n, dtype=np.int64)
-    pos[order] = np.arange(n)
-
-    def remaining(j: int) -> F64:  # j-th smallest value once the entry at sorted position pos is removed
-        out: F64 = np.where(j < pos, s[min(j, n - 1)], s[min(j + 1, n - 1)])
-        return out
-
-    m = n - 1
-    if m % 2:
-        return remaining((m - 1) // 2)
-    return 0.5 * (remaining(m // 2 - 1) + remaining(m // 2))
 
 
 @dataclass
@@ -306,6 +286,7 @@ class _Flag:
     cv: float
     group: str
     late_fraction: float = 0.0
+    waited_fraction: float = 0.0
 
 
 def detect_l2(phases: PhaseTable, topology: JobTopology, params: L2Params | None = None,
@@ -333,10 +314,13 @@ def detect_l2(phases: PhaseTable, topology: JobTopology, params: L2Params | None
     n_steps = np.bincount(cell, minlength=size).reshape(world, n_phases)
     # Median over steps, not the mean: real jobs have warm-up steps and pauses (GC, checkpoint) that would
     # otherwise make one rank's mean look elevated.
-    per_step = _cell_median(cell, phases.own_ns[keep].astype(np.float64), size).reshape(world, n_phases)
+    per_step = cell_median(cell, phases.own_ns[keep].astype(np.float64), size).reshape(world, n_phases)
     with np.errstate(invalid="ignore", divide="ignore"):
         occ = np.bincount(cell, weights=phases.count[keep], minlength=size).reshape(world, n_phases) / n_steps
     longest = np.where(n_steps > 0, per_step, 0.0).max(axis=1)
+    blocking = np.array([k.is_collective and g in BLOCKING_GROUPS for k, g in zip(phases.kinds, phases.groups,
+                                                                                  strict=True)], dtype=bool)
+    in_blocking = np.where(n_steps > 0, per_step, 0.0)[:, blocking].sum(axis=1)  # per step
     compute_flags: list[_Flag] = []
     host_flags: list[_Flag] = []
     short_flags: list[_Flag] = []
@@ -353,13 +337,15 @@ def detect_l2(phases: PhaseTable, topology: JobTopology, params: L2Params | None
             per_occurrence = float(rate.max() - rate.min()) > 0.01 * float(rate.max())
             value = value / rate if per_occurrence else value
             ratio, z, peers, cv, hit = _compare(value, p, collective)
-            late = (peers - value) * (rate if per_occurrence else 1.0) / np.maximum(longest[members], 1.0)
+            late_ns = (peers - value) * (rate if per_occurrence else 1.0)
+            late = late_ns / np.maximum(longest[members], 1.0)
+            waited = (in_blocking[members] - loo_median(in_blocking[members])) / np.maximum(late_ns, 1.0)
             target = short_flags if collective else compute_flags if kind in _COMPUTE else host_flags
             label = f"{(gkind if collective else ParallelGroup.DP).value}{g}"
             for i in np.flatnonzero(hit).tolist():
                 zi = float(z[i]) if members.size >= 3 and math.isfinite(float(z[i])) else None
                 target.append(_Flag(int(topology.rank[members[i]]), phases.names[k], kind, float(ratio[i]), zi,
-                                    float(value[i]), float(peers[i]), cv, label, float(late[i])))
+                                    float(value[i]), float(peers[i]), cv, label, float(late[i]), float(waited[i])))
     results, stragglers = _stragglers(compute_flags, short_flags, host_flags, topology, p)
     results += _slow_stages(per_step, occ, n_steps, phases, topology, stragglers, p)
     return results
@@ -402,22 +388,11 @@ def _stragglers(compute: list[_Flag], short: list[_Flag], host: list[_Flag], top
                 p: L2Params) -> tuple[list[L2Result], set[int]]:
     by_rank, shorts = _by_rank(compute), _by_rank(short)
     slow = set(by_rank)
-    pos_of = {r: i for i, r in enumerate(topology.rank)}
-    columns = [np.asarray(getattr(topology, c)) for c in ("dp_group", "tp_group", "pp_group", "ep_group")]
-
-    def shares(r: int, s: int) -> bool:
-        return any(col[pos_of[s]] == col[pos_of[r]] for col in columns)
-
-    # Victims: late arrivals sharing a group with a compute straggler (they waited for it, e.g. in a blocking
-    # TP collective), then late arrivals sharing one with a victim (e.g. its next pipeline stage), and so on.
-    victims: set[int] = set()
-    frontier = set(slow)
-    while frontier:
-        frontier = {r for r in shorts.keys() - slow - victims if any(shares(r, s) for s in frontier)}
-        victims |= frontier
+    victims = waiting_victims(slow, set(shorts), topology)
 
     def named_late(fs: list[_Flag]) -> bool:
-        return any(1.0 / f.ratio >= p.collective_ratio and f.late_fraction >= p.min_late_fraction for f in fs)
+        return any(1.0 / f.ratio >= p.collective_ratio and f.late_fraction >= p.min_late_fraction
+                   and f.waited_fraction < _WAITED_EXPLAINS for f in fs)
 
     late = {r for r, fs in shorts.items() if r in slow or (r not in victims and named_late(fs))}
     results: list[L2Result] = []

@@ -31,11 +31,20 @@ ends together for all members of its group and so includes waiting for the last 
 * a member 2x shorter than the median of its group peers arrived late: its peers' long collectives are
   explained, never flagged; ``short_ratio`` (5x) shorter names it (:attr:`L3Kind.COMPUTE_STRAGGLER_BY_
   COLLECTIVE`). The ratio amplifies small delays of short transfers (1.7x in healthy jobs at 1 % rank
-  spread, 3.2x at 3 %), hence the higher naming gate. The kernel name does not say the group kind, so
-  groups of every kind (pipeline groups only for send/receive kernels) are tried, largest first, each
-  explaining its peers (a greedy cover); only a call's last arrival is short, so a group with over a
-  quarter of short members has none. L2 knows the group and is the authoritative attribution;
-* slow ranks left unexplained are :attr:`L3Kind.KERNEL_DEGRADED` (``collective: true`` in evidence).
+  spread, 3.2x at 3 %), hence the higher naming gate. Only a call's last arrival is short, so a group
+  with over a quarter of short members has none.
+
+The kernel name does not say the group kind, so groups of every kind (pipeline groups only for
+send/receive kernels) are tried, **largest first**, each explaining its members once (a greedy cover;
+at equal size links before late arrivals). So the DP all-reduce of a DP 8 x TP 2 job whose rank 5 is
+slow shows rank 4 and rank 5 late in their DP groups, and those groups explain the long collectives
+of every other TP pair (no links). Late arrivals that together make up a whole group of another kind
+(there: TP ranks 4 and 5) arrived late together, and which of them held up the others shows only in
+that group's own collective (the TP all-reduce: rank 5 short, rank 4 long): they explain their peers but
+are not named. Durations alone cannot always tell a late group from a degraded link of the group that
+waited for it (where the kernel's own groups are not the largest, e.g. DP 2 x TP 4); L2 knows the group
+and is the authoritative attribution. Slow ranks left unexplained are :attr:`L3Kind.KERNEL_DEGRADED`
+(``collective: true`` in evidence).
 """
 
 from __future__ import annotations
@@ -337,34 +346,24 @@ def _collective(s: KernelSummary, ranks: I64, batch: MixtureBatch, topology: Job
     groups = _groups(topology, ranks, any(m in s.kernel.lower() for m in ("send", "recv")))
     explained = np.zeros(ranks.size, dtype=bool)
     results: list[L3Result] = []
-    candidates = []
-    for kind, g, rows in groups:  # a member much shorter than its group peers arrived late
-        if int(np.sum(_LATE_EXPLAINS * p50[rows] <= np.median(p50[rows]))) > max(1, rows.size // 4):
-            continue  # only the last arrival is short: many short members are no late arrival
-        peers = loo_median(p50[rows])
-        ratio = peers / p50[rows]
-        for i in np.flatnonzero(ratio >= _LATE_EXPLAINS).tolist():
-            candidates.append((-rows.size, -float(ratio[i]), kind, g, int(rows[i]), rows, float(peers[i])))
-    candidates.sort(key=lambda c: (c[0], c[1], c[4]))
-    late = []
-    for _, neg_ratio, kind, g, row, rows, peers_p50 in candidates:
-        others = rows[rows != row]
-        if explained[row] or explained[others].all():
-            continue
-        explained[rows] = True
-        late.append((-neg_ratio, kind, g, row, rows, peers_p50))
-    if topology is not None:
-        for kind, g, rows in groups:  # long on every member, none 2x shorter (a late arrival): the link
+    late: list[tuple[float, str, int, int, I64, float]] = []
+    for size in sorted({rows.size for _, _, rows in groups}, reverse=True):  # larger groups explain first
+        same = [grp for grp in groups if grp[2].size == size]
+        for kind, g, rows in same if topology is not None else ():  # long on every member, none 2x shorter
             sl = slow[rows]
             if (2 * int(sl.sum()) > rows.size and np.any(sl & ~explained[rows])
                     and float(p50[rows].min()) >= 0.5 * float(np.median(p50[rows][sl]))):
                 results.append(_link(s, ranks, rows, kind, g, sc, p50_ratio, healthy, base,
                                      np.flatnonzero(~slow & ~explained)))
                 explained[rows] = True
+        for ratio, kind, g, row, rows, peers_p50 in _late_candidates(same, p50):
+            if not (explained[row] or explained[rows[rows != row]].all()):
+                explained[rows] = True
+                late.append((ratio, kind, g, row, rows, peers_p50))
     # Late arrivals that together make up a whole group of another kind (both ranks of a TP group) arrived
     # late together: which of them held the others up shows only in that group's own collective.
     together = np.zeros(ranks.size, dtype=bool)
-    together[[row for *_, row, _, _ in late]] = True
+    together[[entry[3] for entry in late]] = True
     for ratio, kind, g, row, rows, peers_p50 in late:
         if ratio < p.short_ratio or any(together[r].all() for _, _, r in groups
                                         if row in r and not np.array_equal(r, rows)):
@@ -386,6 +385,22 @@ def _collective(s: KernelSummary, ranks: I64, batch: MixtureBatch, topology: Job
             "rank_p50_ratio": {str(int(ranks[i])): float(p50_ratio[i]) for i in rest.tolist()},
         }))
     return results
+
+
+def _late_candidates(groups: list[tuple[str, int, I64]], p50: F64) -> list[tuple[float, str, int, int, I64, float]]:
+    """(ratio, kind, index, row, rows, peers' p50) of members 2x shorter than their group peers (late
+    arrivals), strongest first; a group with over a quarter of short members has none (only the last
+    arrival of a call is short)."""
+    out = []
+    for kind, g, rows in groups:
+        if int(np.sum(_LATE_EXPLAINS * p50[rows] <= np.median(p50[rows]))) > max(1, rows.size // 4):
+            continue
+        peers = loo_median(p50[rows])
+        ratio = peers / p50[rows]
+        out += [(float(ratio[i]), kind, g, int(rows[i]), rows, float(peers[i]))
+                for i in np.flatnonzero(ratio >= _LATE_EXPLAINS).tolist()]
+    out.sort(key=lambda c: (-c[0], c[3]))
+    return out
 
 
 def _link(s: KernelSummary, ranks: I64, rows: I64, kind: str, g: int, sc: RankScores, p50_ratio: F64,

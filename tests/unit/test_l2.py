@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from argus.errors import DetectorError
 from detectors import L2Kind, L2Params, PhaseTable, detect_l2, loo_median
+from detectors.l2_groups import waiting_victims
 from producers.topology import build_topology
 from schemas.records import JobTopology, Level, ParallelGroup, PhaseBatch, PhaseKind
 
@@ -50,6 +51,29 @@ def _dp_step(world: int, slow: dict[int, float], late_ms: dict[int, float] | Non
                 (PhaseKind.OTHER, "forward-backward", NONE, latest + 4 * MS)]  # aligned total, as Megatron's
 
     return phases
+
+
+def _tp_layer_job(topo: JobTopology, steps: int, compute: dict[int, float], tp_ms: dict[int, float]) -> PhaseTable:
+    """Megatron-like: a ``self_attention`` phase holding a blocking TP all-reduce (ending together for the
+    TP group), then a blocking DP all-reduce and the aligned forward-backward total. ``compute``: per-rank
+    compute factor; ``tp_ms``: TP transfer per TP group (2 ms unless given)."""
+    world, ms = topo.world_size, float(MS)
+    arrive = np.array([100 * ms * compute.get(r, 1.0) for r in range(world)])
+    tp_end = {g: max(arrive[r] for r in range(world) if topo.tp_group[r] == g) + tp_ms.get(g, 2.0) * ms
+              for g in set(topo.tp_group)}
+    layer_end = np.array([tp_end[topo.tp_group[r]] + 1 * ms for r in range(world)])
+    dp_end = {g: max(layer_end[r] for r in range(world) if topo.dp_group[r] == g) + 4 * ms for g in set(topo.dp_group)}
+    total = max(dp_end.values())
+    batches = []
+    for step in range(steps):
+        for r in range(world):
+            t, d = tp_end[topo.tp_group[r]], dp_end[topo.dp_group[r]]
+            phases = [(F, "self_attention", NONE, layer_end[r]),
+                      (PhaseKind.ALL_REDUCE, "tp-allreduce", TP, t - arrive[r]),
+                      (PhaseKind.ALL_REDUCE, "dp-allreduce", DP, d - layer_end[r]),
+                      (PhaseKind.OTHER, "forward-backward", NONE, total)]
+            batches.append(_batch(r, step, phases, starts=(0, int(arrive[r]), int(layer_end[r]), 0)))
+    return PhaseTable.from_batches(batches)
 
 
 def _by_kind(results: list) -> dict[L2Kind, list]:
@@ -151,6 +175,48 @@ def test_tp_victim_of_a_straggler_is_not_named() -> None:
 
     res = detect_l2(_job(topo, 5, phases), topo)
     assert [(r.kind, r.ranks) for r in res] == [(L2Kind.COMPUTE_STRAGGLER, (0,))]
+
+
+def test_phase_table_nests_blocking_collectives_in_compute_phases() -> None:
+    phases = [(F, "forward", NONE, 150), (F, "self_attention", NONE, 100), (PhaseKind.ALL_REDUCE, "tp-ar", TP, 30),
+              (PhaseKind.ALL_REDUCE, "dp-ar", DP, 40), (PhaseKind.DATA_LOADER, "data", NONE, 100),
+              (PhaseKind.SEND_RECV, "p2p", PP, 20)]
+    t = PhaseTable.from_batches([_batch(0, 0, phases, starts=(0, 0, 40, 50, 0, 140))])
+    nested = {t.names[p]: int(n) for p, n in zip(t.phase, t.nested_ns, strict=True)}
+    # TP and PP block the compute stream; DP buckets overlap it; host phases and collectives nest nothing
+    assert nested == {"forward": 30 + 10, "self_attention": 30, "tp-ar": 0, "dp-ar": 0, "data": 0, "p2p": 0}
+    own = {t.names[p]: int(o) for p, o in zip(t.phase, t.own_ns, strict=True)}
+    assert own["forward"] == 110 and own["self_attention"] == 70 and own["dp-ar"] == 40
+    # no start times (or one phase): nothing nests
+    assert not PhaseTable.from_batches([_batch(0, 0, phases[:1])]).nested_ns.any()
+
+
+def test_tp_partner_waiting_inside_its_compute_phase_is_a_victim() -> None:
+    topo = build_topology("j", dp=4, tp=2)  # TP groups {0,1} {2,3} ...; DP groups {0,2,4,6} {1,3,5,7}
+    table = _tp_layer_job(topo, 5, {0: 4.0}, {})
+    # rank 1's self_attention is as long as rank 0's: it waited in the nested TP all-reduce
+    sa = table.names.index("self_attention")
+    dur = {int(r): int(d) for r, p, d in zip(table.rank, table.phase, table.duration_ns, strict=True) if p == sa}
+    assert dur[1] == dur[0] > 3.5 * dur[3]
+    res = detect_l2(table, topo)
+    assert [(r.kind, r.ranks, r.phase) for r in res] == [(L2Kind.COMPUTE_STRAGGLER, (0,), "self_attention")]
+    assert res[0].score == pytest.approx(401 / 101, rel=0.01)  # own time: compute + 1 ms, TP wait excluded
+    assert res[0].evidence["short_collectives_peers_over_rank_ratio"]["tp-allreduce:ALL_REDUCE"] > 100
+
+
+def test_degraded_tp_link_inside_compute_phases_is_no_straggler() -> None:
+    topo = build_topology("j", dp=4, tp=2)
+    table = _tp_layer_job(topo, 5, {}, {1: 160.0})  # TP group {2, 3}: 80x slower transfer
+    # their layers are 2.6x their DP peers', and they arrive 158 ms late to the DP all-reduce, but all of
+    # it is time in their own TP all-reduce: network, which L3 attributes
+    assert detect_l2(table, topo) == []
+
+
+def test_victims_chain_through_late_arrivals() -> None:
+    topo = build_topology("j", dp=4, tp=2, pp=2)  # 5's TP partner 4; 4's next stage 12 (PP group of 4)
+    # 13: 5's next stage; 3 and 7 share only a DP group with 5 (and 1 with 3): no waiting links them
+    assert waiting_victims({5}, {4, 12, 13, 3, 7, 1}, topo) == {4, 12, 13}
+    assert waiting_victims({5}, {5}, topo) == set() and waiting_victims(set(), {4, 12}, topo) == set()
 
 
 def test_host_phase_straggler_and_onset() -> None:

@@ -161,6 +161,26 @@ def test_late_member_in_one_stage_explains_its_long_peers_only() -> None:
     assert detect_l3([_summary(_ranks(8, factor), kernel=AR)], topo) == []
 
 
+def test_late_tp_pair_explains_every_dp_group_and_is_not_named() -> None:
+    # DP 8 x TP 2: rank 5 slow, rank 4 waited for it in their TP all-reduce; both arrive last at their DP
+    # all-reduce, everyone else waits. No TP pair's long collective is a link, and which of 4 and 5 held up
+    # the other only the TP all-reduce shows.
+    topo = build_topology("j", dp=8, tp=2)
+    factor = {r: 1.0 if r in (4, 5) else 50.0 for r in range(16)}
+    assert detect_l3([_summary(_ranks(16, factor), kernel=AR, stream=13)], topo) == []
+    # the TP all-reduce: rank 5 short, its partner long
+    tp = {r: 50.0 if r == 4 else 1.0 for r in range(16)}
+    res = detect_l3([_summary(_ranks(16, tp), kernel=AR, stream=17)], topo)
+    assert _found(res) == [(L3Kind.COMPUTE_STRAGGLER_BY_COLLECTIVE, (5,))]
+    assert res[0].evidence["group"] == "TP2" and res[0].evidence["waiting_peers"] == [4]
+
+
+def test_link_of_a_larger_group_is_found_before_late_arrivals_of_smaller_ones() -> None:
+    topo = build_topology("j", dp=2, tp=4, pp=2)  # TP groups {0..3} {4..7}; DP pairs {0,4} {1,5} ...
+    res = detect_l3([_summary(_ranks(16, {r: 8.0 for r in range(4, 8)}), kernel=AR, stream=17)], topo)
+    assert _found(res) == [(L3Kind.LINK_DEGRADED, (4, 5, 6, 7))] and res[0].evidence["group"] == "TP1"
+
+
 def test_partial_group_slow_collective_is_no_link() -> None:
     topo = build_topology("j", dp=4, pp=2)
     res = detect_l3([_summary(_ranks(8, {1: 10.0, 5: 10.0}), kernel=AR)], topo)  # PP pair {1, 5}: not for AllReduce
