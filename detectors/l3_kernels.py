@@ -43,7 +43,8 @@ of every other TP pair (no links). Late arrivals that together make up a whole g
 that group's own collective (the TP all-reduce: rank 5 short, rank 4 long): they explain their peers but
 are not named. Durations alone cannot always tell a late group from a degraded link of the group that
 waited for it (where the kernel's own groups are not the largest, e.g. DP 2 x TP 4); L2 knows the group
-and is the authoritative attribution. Slow ranks left unexplained are :attr:`L3Kind.KERNEL_DEGRADED`
+and is the authoritative attribution. Slow members left unexplained only waited (a collective ends together
+on every member) and are not named; without a topology, slow ranks are :attr:`L3Kind.KERNEL_DEGRADED`
 (``collective: true`` in evidence).
 """
 
@@ -61,7 +62,7 @@ import numpy.typing as npt
 from argus.errors import DetectorError
 from detectors.l2_phases import loo_median
 from detectors.mixture import MixtureBatch, geometric_grid, mixture_cdf
-from schemas.records import JobTopology, KernelSummary, Level
+from schemas.records import JobTopology, KernelSummary, Level, ParallelGroup
 
 __all__ = ["L3Kind", "L3Params", "L3Result", "RankScores", "Scope", "detect_l3", "is_collective", "primary_p50",
            "score_ranks"]
@@ -222,13 +223,15 @@ def primary_p50(mixtures: MixtureBatch, mode_log_gap: float = 0.3) -> F64:
 
 
 def detect_l3(summaries: Sequence[KernelSummary], topology: JobTopology | None = None,
-              params: L3Params | None = None) -> list[L3Result]:
+              params: L3Params | None = None, group_kind: ParallelGroup | None = None) -> list[L3Result]:
     """Slow ranks of one (job, kernel, stream) from its summaries (see the module docstring).
 
     ``summaries``: all KernelSummary records of one (job, kernel, stream), any windows; a rank's rows
     are merged. ``topology``: the job's groups; without it compute kernels are compared across the job
     and collectives cannot be attributed to links or late arrivals (slow ranks become KERNEL_DEGRADED,
-    late arrivals are judged against all ranks). ``params`` defaults to ``L3Params()``.
+    late arrivals are judged against all ranks). ``params`` defaults to ``L3Params()``. ``group_kind``: the
+    parallel group a collective kernel runs in, when known (e.g. from the job's phases on that stream);
+    only groups of that kind then explain it.
 
     Raises :class:`DetectorError` for summaries of different (job, kernel, stream), inconsistent rows, or
     ranks missing from ``topology``.
@@ -247,7 +250,9 @@ def detect_l3(summaries: Sequence[KernelSummary], topology: JobTopology | None =
     collective = is_collective(first.kernel, p.collective_markers)
     base = {"window_end_ns": max(max(s.window_end_ns, default=0) for s in summaries), "n_ranks": int(ranks.size),
             "collective": collective}
-    return (_collective if collective else _compute)(first, ranks, batch, topology, p, base)
+    if collective:
+        return _collective(first, ranks, batch, topology, p, base, group_kind)
+    return _compute(first, ranks, batch, topology, p, base)
 
 
 def _merge(summaries: Sequence[KernelSummary], min_events: int) -> tuple[I64, MixtureBatch | None]:
@@ -320,8 +325,10 @@ def _compute(s: KernelSummary, ranks: I64, batch: MixtureBatch, topology: JobTop
                      flagged[top]["score"], evidence)]
 
 
-def _groups(topology: JobTopology | None, ranks: I64, p2p: bool) -> list[tuple[str, int, I64]]:
-    """(kind, index, rows) of every group with 2+ present members, largest first; the job without topology.
+def _groups(topology: JobTopology | None, ranks: I64, p2p: bool,
+            only: ParallelGroup | None = None) -> list[tuple[str, int, I64]]:
+    """(kind, index, rows) of every group whose members are all present (2+), largest first; the job without
+    topology.
 
     Pipeline groups only for point-to-point kernels: Megatron's pipeline communicates by send/receive."""
     if topology is None:
@@ -330,20 +337,28 @@ def _groups(topology: JobTopology | None, ranks: I64, p2p: bool) -> list[tuple[s
     at = np.array([pos[r] for r in ranks.tolist()], dtype=np.int64)
     out = []
     for kind, col in _GROUP_KINDS if p2p else _GROUP_KINDS[:-1]:
-        uniq, inv, counts = np.unique(np.asarray(getattr(topology, col))[at], return_inverse=True,
-                                      return_counts=True)
+        if only is not None and only is not ParallelGroup.NONE and kind != only.value:
+            continue
+        column = np.asarray(getattr(topology, col))
+        full = dict(zip(*np.unique(column, return_counts=True), strict=True))
+        uniq, inv, counts = np.unique(column[at], return_inverse=True, return_counts=True)
         members = np.split(np.argsort(inv, kind="stable"), np.cumsum(counts)[:-1])
-        out += [(kind, int(g), rows) for g, rows in zip(uniq.tolist(), members, strict=True) if rows.size >= 2]
+        # Only groups with every member present: in a window cut between the members' arrivals, a group
+        # missing its late member would look uniformly slow (a false link) or name a waiting member late.
+        out += [(kind, int(g), rows) for g, rows in zip(uniq.tolist(), members, strict=True)
+                if rows.size >= 2 and rows.size == full[g]]
     out.sort(key=lambda t: -t[2].size)
     return out
 
 
 def _collective(s: KernelSummary, ranks: I64, batch: MixtureBatch, topology: JobTopology | None, p: L3Params,
-                base: dict[str, Any]) -> list[L3Result]:
+                base: dict[str, Any], group_kind: ParallelGroup | None = None) -> list[L3Result]:
     sc = score_ranks(batch, p.grid_points, p.mode_log_gap)
     slow, p50_ratio, healthy = _slow_ranks(sc, p.collective_min_score, p.collective_p50_ratio, p)
     p50 = sc.primary_p50_ns
-    groups = _groups(topology, ranks, any(m in s.kernel.lower() for m in ("send", "recv")))
+    p2p = any(m in s.kernel.lower() for m in ("send", "recv")) or group_kind is ParallelGroup.PP
+    groups = _groups(topology, ranks, p2p, group_kind)
+    every_group = groups if group_kind is None else _groups(topology, ranks, True)
     explained = np.zeros(ranks.size, dtype=bool)
     results: list[L3Result] = []
     late: list[tuple[float, str, int, int, I64, float]] = []
@@ -365,7 +380,7 @@ def _collective(s: KernelSummary, ranks: I64, batch: MixtureBatch, topology: Job
     together = np.zeros(ranks.size, dtype=bool)
     together[[entry[3] for entry in late]] = True
     for ratio, kind, g, row, rows, peers_p50 in late:
-        if ratio < p.short_ratio or any(together[r].all() for _, _, r in groups
+        if ratio < p.short_ratio or any(together[r].all() for _, _, r in every_group
                                         if row in r and not np.array_equal(r, rows)):
             continue  # explains its peers' waiting, too weak to name or late with its whole group
         others = rows[rows != row]
@@ -376,7 +391,10 @@ def _collective(s: KernelSummary, ranks: I64, batch: MixtureBatch, topology: Job
             "waiting_peers": [int(r) for r in ranks[others]],
         }))
     rest = np.flatnonzero(slow & ~explained)
-    if rest.size:
+    # A collective ends together on every member, so one member's longer collective only means it arrived
+    # earlier and waited: with the topology known that is never the member's own fault (a slow link slows
+    # the whole group, a late peer is found above), so unexplained slow members are not named.
+    if rest.size and topology is None:
         top = int(rest[np.argmax(sc.score[rest])])
         results.append(L3Result(L3Kind.KERNEL_DEGRADED, tuple(int(r) for r in ranks[rest]), s.kernel, s.stream,
                                 float(sc.score[top]), {

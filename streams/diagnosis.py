@@ -4,8 +4,8 @@
 A step is *complete* once every rank reported its Step and PhaseBatch; every ``detect_every`` complete
 steps the detectors run on what is complete (live), and once more when the END's record counts have all
 arrived (final). :class:`KernelDiagnosis` (L3) gathers the KernelSummary rows of one (job, kernel, stream)
-and judges each event-time window once a later window has begun (the compressors close windows on event
-time, so by then every live rank has emitted it) and all remaining windows at the job's end.
+and judges each event-time window once it is complete (see :class:`KernelDiagnosis`) and every remaining
+window at the job's end.
 
 Findings carry deterministic ids, so repeated runs over growing data emit each finding once; a regression
 whose onset estimate moves by less than ``L1Params.min_segment`` steps counts as the same finding.
@@ -23,7 +23,7 @@ from detectors.findings import to_finding
 from detectors.l1_iteration import IterationSeries, L1Kind, L1Params, L1Result, detect_l1
 from detectors.l2_phases import L2Params, L2Result, PhaseTable, detect_l2
 from detectors.l3_kernels import L3Params, detect_l3
-from schemas.records import Finding, JobLifecycle, JobTopology, KernelSummary, PhaseBatch, Step
+from schemas.records import Finding, JobLifecycle, JobTopology, KernelSummary, ParallelGroup, PhaseBatch, Step
 
 __all__ = ["DiagnosisParams", "JobDiagnosis", "KernelDiagnosis"]
 
@@ -62,6 +62,8 @@ class JobDiagnosis:
         self._emitted: set[str] = set()
         self._onsets: list[int] = []
         self.last_time_ns = 0
+        #: The parallel group each collective stream serves, learnt from the phases (for L3).
+        self.collective_groups: dict[int, ParallelGroup] = {}
 
     def add(self, record: Step | PhaseBatch | JobTopology | JobLifecycle) -> None:
         """Take one record of the job (any order)."""
@@ -72,6 +74,9 @@ class JobDiagnosis:
             self._maybe_complete(record.step)
         elif isinstance(record, PhaseBatch):
             self.phases_seen += 1
+            for kind, group, stream in zip(record.kinds, record.groups, record.streams, strict=True):
+                if kind.is_collective and stream >= 0 and group is not ParallelGroup.NONE:
+                    self.collective_groups.setdefault(stream, group)
             self._phases[record.step][record.rank] = record
             self._maybe_complete(record.step)
         elif isinstance(record, JobTopology):
@@ -144,28 +149,52 @@ class JobDiagnosis:
 
 
 class KernelDiagnosis:
-    """L3 state of one (job, kernel, stream): summary rows by window."""
+    """L3 state of one (job, kernel, stream): summary rows by window.
+
+    Compressors of different partitions progress at different speeds, so a window may still be missing
+    ranks when the next one begins. A window is judged live once every rank seen for this key has it and
+    the next window has begun, or once two later windows have begun; at the job's end every window is
+    judged, again if ranks arrived since its live judgement.
+    """
 
     def __init__(self, job_id: str, kernel: str, stream: int, params: DiagnosisParams | None = None) -> None:
         self.job_id, self.kernel, self.stream = job_id, kernel, stream
         self.params = params or DiagnosisParams()
         self._windows: dict[int, list[KernelSummary]] = defaultdict(list)
-        self._judged: set[int] = set()
+        self._ranks: dict[int, set[int]] = defaultdict(set)
+        self._seen_ranks: set[int] = set()
+        self._judged: dict[int, int] = {}  # window start -> number of ranks when judged
         self._emitted: set[str] = set()
 
     def add(self, summary: KernelSummary) -> None:
         for i, ws in enumerate(summary.window_start_ns):
             self._windows[ws].append(_row(summary, i))
+            self._ranks[ws].add(summary.rank[i])
+            self._seen_ranks.add(summary.rank[i])
 
-    def diagnose(self, topology: JobTopology | None, final: bool = False) -> list[Finding]:
-        """Judge every window that is complete (a later one exists, or ``final``) and not judged yet."""
+    def diagnose(self, topology: JobTopology | None, final: bool = False,
+                 group_kind: ParallelGroup | None = None) -> list[Finding]:
+        """Judge the windows that are complete (see the class docstring) and not judged with these ranks.
+
+        Live judgements wait for the job's topology (groups decide how collectives are read); at the end
+        whatever is known is used. ``group_kind``: the group this stream's collectives run in, if known.
+        """
+        if topology is None and not final:
+            return []
         starts = sorted(self._windows)
-        ready = [ws for ws in (starts if final else starts[:-1]) if ws not in self._judged]
+        ready = []
+        for i, ws in enumerate(starts):
+            n = len(self._ranks[ws])
+            if self._judged.get(ws) == n:
+                continue
+            later = len(starts) - 1 - i
+            if final or later >= 2 or (later == 1 and self._ranks[ws] >= self._seen_ranks):
+                ready.append(ws)
         new: list[Finding] = []
         for ws in ready:
-            self._judged.add(ws)
+            self._judged[ws] = len(self._ranks[ws])
             rows = self._windows[ws]
-            for res in detect_l3(rows, topology, self.params.l3):
+            for res in detect_l3(rows, topology, self.params.l3, group_kind):
                 finding = to_finding(self.job_id, res, rows[0].window_end_ns[0])
                 if finding.finding_id not in self._emitted:
                     self._emitted.add(finding.finding_id)

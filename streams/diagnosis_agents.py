@@ -31,7 +31,7 @@ from faust.types import EventT
 from argus.errors import SchemaError
 from argus.settings import Settings
 from argus.topics import RECORD_OF, Topic, job_key
-from schemas.records import Finding, JobLifecycle, JobTopology, KernelSummary, LifecycleEvent
+from schemas.records import Finding, JobLifecycle, JobTopology, KernelSummary, LifecycleEvent, ParallelGroup
 from streams.diagnosis import DiagnosisParams, JobDiagnosis, KernelDiagnosis
 
 __all__ = ["DiagnosisStats", "install_diagnosis", "summary_end_marker"]
@@ -74,6 +74,7 @@ def install_diagnosis(app: faust.App, settings: Settings, params: DiagnosisParam
     jobs: dict[str, JobDiagnosis] = {}
     job_events: defaultdict[str, list[EventT]] = defaultdict(list)
     topologies: dict[str, JobTopology] = {}
+    stream_groups: dict[str, dict[int, ParallelGroup]] = {}
 
     async def publish(findings: list[Finding]) -> None:
         futs = [await findings_topic.send(key=job_key(f.job_id), value=f.encode(), force=True) for f in findings]
@@ -122,6 +123,7 @@ def install_diagnosis(app: faust.App, settings: Settings, params: DiagnosisParam
             job = jobs.get(rec.job_id)
             if job is None:
                 job = jobs[rec.job_id] = JobDiagnosis(rec.job_id, params)
+                stream_groups[rec.job_id] = job.collective_groups
             job.add(rec)
             hold(rec.job_id, event)
             if job.finished():
@@ -156,8 +158,9 @@ def install_diagnosis(app: faust.App, settings: Settings, params: DiagnosisParam
             if _is_end_marker(s):
                 markers[part].add(s.stream)
                 if len(markers[part]) >= settings.partitions:
+                    groups = stream_groups.get(s.job_id, {})
                     for state in kernels.pop(part, {}).values():
-                        await publish(state.diagnose(topo, final=True))
+                        await publish(state.diagnose(topo, final=True, group_kind=groups.get(state.stream)))
                     await diagnosed(s.job_id, f"l3/{part[1]}", last_window.pop(part, 0),
                                     topo.world_size if topo else 0)
                     stats.l3_parts_diagnosed += 1
@@ -172,13 +175,13 @@ def install_diagnosis(app: faust.App, settings: Settings, params: DiagnosisParam
             state = kernels[part][key]
             state.add(s)
             last_window[part] = max(last_window.get(part, 0), *s.window_end_ns)
-            await publish(state.diagnose(topo))
+            await publish(state.diagnose(topo, group_kind=stream_groups.get(s.job_id, {}).get(s.stream)))
             yield None
 
     @app.on_partitions_revoked.connect  # type: ignore[arg-type]
     async def on_revoked(sender: Any, *args: Any, **kwargs: Any) -> None:
         # Un-acked messages come back from the committed offsets after the rebalance.
-        for d in (jobs, job_events, kernels, markers, summary_events, last_window):
+        for d in (jobs, job_events, kernels, markers, summary_events, last_window, stream_groups):
             d.clear()
 
     return stats

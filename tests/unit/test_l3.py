@@ -184,8 +184,8 @@ def test_link_of_a_larger_group_is_found_before_late_arrivals_of_smaller_ones() 
 def test_partial_group_slow_collective_is_no_link() -> None:
     topo = build_topology("j", dp=4, pp=2)
     res = detect_l3([_summary(_ranks(8, {1: 10.0, 5: 10.0}), kernel=AR)], topo)  # PP pair {1, 5}: not for AllReduce
-    assert _found(res) == [(L3Kind.KERNEL_DEGRADED, (1, 5))]
-    assert res[0].evidence["whole_group"] is False and res[0].evidence["collective"] is True
+    # Members of DP groups whose peers are not slow only waited longer (a collective ends together): no finding.
+    assert _found(res) == []
     p2p = detect_l3([_summary(_ranks(8, {1: 10.0, 5: 10.0}), kernel="ncclDevKernel_SendRecv")], topo)
     assert _found(p2p) == [(L3Kind.LINK_DEGRADED, (1, 5))] and p2p[0].evidence["group_kind"] == "PP"
 
