@@ -1,0 +1,83 @@
+"""The stream agents' per-job diagnosis state: when steps are complete, when a job is finished, when a kernel
+window is judged, and that each finding is emitted once."""
+
+from __future__ import annotations
+
+import functools
+
+from argus.topics import Topic
+from producers.faults import Fault
+from producers.simulator import JobSimulator, SimRecord, paper_case
+from schemas.records import JobTopology, KernelSummary, LifecycleEvent, ParallelGroup
+from streams.compression import summarize_windows
+from streams.diagnosis import DiagnosisParams, JobDiagnosis, KernelDiagnosis
+from streams.windows import WindowBuffer
+
+
+@functools.cache
+def case1() -> tuple[SimRecord, ...]:
+    return tuple(JobSimulator(paper_case(Fault.COMPUTE_STRAGGLER, job_id="c1", steps=30)).records())
+
+
+def test_job_diagnosis_waits_for_all_records_and_emits_each_finding_once() -> None:
+    job = JobDiagnosis("c1", DiagnosisParams(detect_every=5))
+    emitted = []
+    end = None
+    for rec in case1():
+        if rec.topic is Topic.LIFECYCLE and rec.record.event is LifecycleEvent.END:
+            end = rec.record
+            continue
+        if rec.topic in (Topic.STEPS, Topic.PHASES, Topic.TOPOLOGY, Topic.LIFECYCLE):
+            job.add(rec.record)
+            if job.due():
+                emitted += job.diagnose()
+    assert job.complete_steps == 30 and not job.finished()
+    assert end is not None
+    job.add(end)
+    assert job.finished()
+    emitted += job.diagnose()
+    ids = [f.finding_id for f in emitted]
+    assert len(ids) == len(set(ids))
+    assert [(f.kind, f.steps) for f in emitted if f.kind == "step_regression"] == [("step_regression", (15,))]
+    assert {r for f in emitted if f.level.value == "L2" for r in f.ranks} == {5}
+    assert job.collective_groups == {13: ParallelGroup.DP}
+    assert job.diagnose() == []  # nothing new
+
+
+def test_steps_complete_only_when_every_rank_reported() -> None:
+    job = JobDiagnosis("c1")
+    steps = [r.record for r in case1() if r.topic is Topic.STEPS and r.record.step == 0]
+    phases = [r.record for r in case1() if r.topic is Topic.PHASES and r.record.step == 0]
+    topo = next(r.record for r in case1() if r.topic is Topic.TOPOLOGY)
+    for s in steps:
+        job.add(s)
+    for p in phases[:-1]:
+        job.add(p)
+    job.add(topo)
+    assert job.complete_steps == 0
+    job.add(phases[-1])
+    assert job.complete_steps == 1
+
+
+def _summaries() -> tuple[JobTopology, list[KernelSummary]]:
+    buf = WindowBuffer(2_000_000_000, 500_000_000)
+    out: list[KernelSummary] = []
+    topo = next(r.record for r in case1() if r.topic is Topic.TOPOLOGY)
+    for i, rec in enumerate(case1()):
+        if rec.topic is Topic.KERNELS:
+            out += summarize_windows(buf.add(rec.record, i).closed)
+    return topo, [s for s in out if s.kernel.startswith("sm90_xmma_gemm")]
+
+
+def test_kernel_windows_are_judged_when_complete_and_after_the_topology() -> None:
+    topo, summaries = _summaries()
+    state = KernelDiagnosis("c1", summaries[0].kernel, summaries[0].stream)
+    for s in summaries:
+        state.add(s)
+    assert state.diagnose(None) == []  # live judgement waits for the topology
+    live = state.diagnose(topo)
+    final = state.diagnose(topo, final=True)
+    found = live + final
+    assert found and {r for f in found for r in f.ranks} == {5}
+    assert len({f.finding_id for f in found}) == len(found)
+    assert state.diagnose(topo, final=True) == []  # every window judged with all its ranks
