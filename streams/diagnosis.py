@@ -25,7 +25,7 @@ from detectors.l2_phases import L2Params, L2Result, PhaseTable, detect_l2
 from detectors.l3_kernels import L3Params, detect_l3
 from schemas.records import Finding, JobLifecycle, JobTopology, KernelSummary, ParallelGroup, PhaseBatch, Step
 
-__all__ = ["DiagnosisParams", "JobDiagnosis", "KernelDiagnosis"]
+__all__ = ["DiagnosisParams", "JobDiagnosis", "KernelDiagnosis", "drop_victims"]
 
 
 @dataclass(frozen=True)
@@ -213,3 +213,24 @@ def _row(s: KernelSummary, i: int) -> KernelSummary:
         cluster_p99_ns=s.cluster_p99_ns[sl], cluster_min_ns=s.cluster_min_ns[sl],
         cluster_max_ns=s.cluster_max_ns[sl], cluster_sum_ns=s.cluster_sum_ns[sl],
     )
+
+
+def drop_victims(findings: list[Finding], stragglers: set[int], topology: JobTopology | None) -> list[Finding]:
+    """Drop L3 late-arrival findings that only name victims of known compute stragglers.
+
+    A rank sharing a blocking group (TP, PP or EP: collectives inside the layer) with a compute straggler
+    waits for it there, so it reaches its *other* collectives (e.g. the DP all-reduce) late as well. A single
+    (kernel, stream) cannot see why; L2, which reads the phases of every group, can. ``stragglers``: the ranks
+    L2 named compute stragglers in this job.
+    """
+    if topology is None or not stragglers:
+        return findings
+    pos = {r: i for i, r in enumerate(topology.rank)}
+    victims: set[int] = set()
+    for col in ("tp_group", "pp_group", "ep_group"):
+        groups = getattr(topology, col)
+        bad = {groups[pos[s]] for s in stragglers if s in pos}
+        victims |= {r for r in topology.rank if groups[pos[r]] in bad}
+    victims -= stragglers
+    return [f for f in findings
+            if not (f.level.value == "L3" and f.kind == "compute_straggler" and f.ranks and set(f.ranks) <= victims)]

@@ -32,7 +32,7 @@ from argus.errors import SchemaError
 from argus.settings import Settings
 from argus.topics import RECORD_OF, Topic, job_key
 from schemas.records import Finding, JobLifecycle, JobTopology, KernelSummary, LifecycleEvent, ParallelGroup
-from streams.diagnosis import DiagnosisParams, JobDiagnosis, KernelDiagnosis
+from streams.diagnosis import DiagnosisParams, JobDiagnosis, KernelDiagnosis, drop_victims
 
 __all__ = ["DiagnosisStats", "install_diagnosis", "summary_end_marker"]
 
@@ -75,8 +75,13 @@ def install_diagnosis(app: faust.App, settings: Settings, params: DiagnosisParam
     job_events: defaultdict[str, list[EventT]] = defaultdict(list)
     topologies: dict[str, JobTopology] = {}
     stream_groups: dict[str, dict[int, ParallelGroup]] = {}
+    # Ranks L2 named compute stragglers, per job: their blocking-group peers are victims for L3.
+    stragglers: defaultdict[str, set[int]] = defaultdict(set)
 
     async def publish(findings: list[Finding]) -> None:
+        for f in findings:
+            if f.level.value == "L2" and f.kind == "compute_straggler":
+                stragglers[f.job_id].update(f.ranks)
         futs = [await findings_topic.send(key=job_key(f.job_id), value=f.encode(), force=True) for f in findings]
         for fut in futs:
             await fut
@@ -160,7 +165,8 @@ def install_diagnosis(app: faust.App, settings: Settings, params: DiagnosisParam
                 if len(markers[part]) >= settings.partitions:
                     groups = stream_groups.get(s.job_id, {})
                     for state in kernels.pop(part, {}).values():
-                        await publish(state.diagnose(topo, final=True, group_kind=groups.get(state.stream)))
+                        found = state.diagnose(topo, final=True, group_kind=groups.get(state.stream))
+                        await publish(drop_victims(found, stragglers[s.job_id], topo))
                     await diagnosed(s.job_id, f"l3/{part[1]}", last_window.pop(part, 0),
                                     topo.world_size if topo else 0)
                     stats.l3_parts_diagnosed += 1
@@ -175,13 +181,14 @@ def install_diagnosis(app: faust.App, settings: Settings, params: DiagnosisParam
             state = kernels[part][key]
             state.add(s)
             last_window[part] = max(last_window.get(part, 0), *s.window_end_ns)
-            await publish(state.diagnose(topo, group_kind=stream_groups.get(s.job_id, {}).get(s.stream)))
+            found = state.diagnose(topo, group_kind=stream_groups.get(s.job_id, {}).get(s.stream))
+            await publish(drop_victims(found, stragglers[s.job_id], topo))
             yield None
 
     @app.on_partitions_revoked.connect  # type: ignore[arg-type]
     async def on_revoked(sender: Any, *args: Any, **kwargs: Any) -> None:
         # Un-acked messages come back from the committed offsets after the rebalance.
-        for d in (jobs, job_events, kernels, markers, summary_events, last_window, stream_groups):
+        for d in (jobs, job_events, kernels, markers, summary_events, last_window, stream_groups, stragglers):
             d.clear()
 
     return stats

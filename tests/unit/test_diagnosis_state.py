@@ -81,3 +81,20 @@ def test_kernel_windows_are_judged_when_complete_and_after_the_topology() -> Non
     assert found and {r for f in found for r in f.ranks} == {5}
     assert len({f.finding_id for f in found}) == len(found)
     assert state.diagnose(topo, final=True) == []  # every window judged with all its ranks
+
+
+def test_victims_of_a_compute_straggler_are_not_named_late_by_l3() -> None:
+    from producers.topology import build_topology
+    from schemas.records import Finding, Level
+    from streams.diagnosis import drop_victims
+
+    topo = build_topology("j", dp=8, tp=2, pp=2)  # ranks 4 and 5 form TP group 2
+
+    def late(rank: int) -> Finding:
+        return Finding(f"id{rank}", "j", Level.L3, "compute_straggler", (rank,), (), 5.0, "{}", 0,
+                       kernel="ncclDevKernel_AllReduce", stream=13)
+
+    kept = drop_victims([late(4), late(5), late(9)], {5}, topo)
+    assert [f.ranks for f in kept] == [(5,), (9,)]  # rank 4 only waited for its TP partner
+    assert len(drop_victims([late(4)], set(), topo)) == 1
+    assert len(drop_victims([late(4)], {5}, None)) == 1  # without topology nothing is known
