@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import faust
 from faust.types import EventT
@@ -37,6 +37,7 @@ from streams.diagnosis import DiagnosisParams, JobDiagnosis, KernelDiagnosis, dr
 __all__ = ["DiagnosisStats", "install_diagnosis", "summary_end_marker"]
 
 log = logging.getLogger(__name__)
+_V = TypeVar("_V")
 
 
 @dataclass
@@ -61,8 +62,22 @@ def _is_end_marker(s: KernelSummary) -> bool:
     return s.kernel == "" and not s.rank
 
 
+class _Recent(OrderedDict[str, _V]):
+    """A dict of the ``limit`` most recently written jobs."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__()
+        self.limit = limit
+
+    def __setitem__(self, key: str, value: _V) -> None:
+        super().__setitem__(key, value)
+        self.move_to_end(key)
+        while len(self) > self.limit:
+            self.popitem(last=False)
+
+
 def install_diagnosis(app: faust.App, settings: Settings, params: DiagnosisParams | None = None,
-                      max_pending: int = 200_000) -> DiagnosisStats:
+                      max_pending: int = 200_000, max_jobs: int = 10_000) -> DiagnosisStats:
     """Add the diagnosis agents to ``app``; returns their live counters."""
     params = params or DiagnosisParams()
     stats = DiagnosisStats()
@@ -73,15 +88,16 @@ def install_diagnosis(app: faust.App, settings: Settings, params: DiagnosisParam
     lifecycle = app.topic(Topic.LIFECYCLE.full(settings), key_type=bytes, value_type=bytes)
     jobs: dict[str, JobDiagnosis] = {}
     job_events: defaultdict[str, list[EventT]] = defaultdict(list)
-    topologies: dict[str, JobTopology] = {}
-    stream_groups: dict[str, dict[int, ParallelGroup]] = {}
+    # Per-job context shared with L3, kept for the most recent jobs only (bounded memory in a long-lived worker).
+    topologies: _Recent[JobTopology] = _Recent(max_jobs)
+    stream_groups: _Recent[dict[int, ParallelGroup]] = _Recent(max_jobs)
     # Ranks L2 named compute stragglers, per job: their blocking-group peers are victims for L3.
-    stragglers: defaultdict[str, set[int]] = defaultdict(set)
+    stragglers: _Recent[set[int]] = _Recent(max_jobs)
 
     async def publish(findings: list[Finding]) -> None:
         for f in findings:
             if f.level.value == "L2" and f.kind == "compute_straggler":
-                stragglers[f.job_id].update(f.ranks)
+                stragglers[f.job_id] = stragglers.get(f.job_id, set()) | set(f.ranks)
         futs = [await findings_topic.send(key=job_key(f.job_id), value=f.encode(), force=True) for f in findings]
         for fut in futs:
             await fut
@@ -166,7 +182,7 @@ def install_diagnosis(app: faust.App, settings: Settings, params: DiagnosisParam
                     groups = stream_groups.get(s.job_id, {})
                     for state in kernels.pop(part, {}).values():
                         found = state.diagnose(topo, final=True, group_kind=groups.get(state.stream))
-                        await publish(drop_victims(found, stragglers[s.job_id], topo))
+                        await publish(drop_victims(found, stragglers.get(s.job_id, set()), topo))
                     await diagnosed(s.job_id, f"l3/{part[1]}", last_window.pop(part, 0),
                                     topo.world_size if topo else 0)
                     stats.l3_parts_diagnosed += 1
@@ -182,7 +198,7 @@ def install_diagnosis(app: faust.App, settings: Settings, params: DiagnosisParam
             state.add(s)
             last_window[part] = max(last_window.get(part, 0), *s.window_end_ns)
             found = state.diagnose(topo, group_kind=stream_groups.get(s.job_id, {}).get(s.stream))
-            await publish(drop_victims(found, stragglers[s.job_id], topo))
+            await publish(drop_victims(found, stragglers.get(s.job_id, set()), topo))
             yield None
 
     @app.on_partitions_revoked.connect  # type: ignore[arg-type]
