@@ -34,7 +34,7 @@ from typing import Any, Protocol
 from argus.topics import Topic, job_key
 from schemas.records import ParallelGroup, PhaseBatch, PhaseKind, Step
 
-__all__ = ["EPOCH_ANCHOR_NS", "EventPool", "PhaseRec", "StepRec", "StepResolver", "epoch_ns"]
+__all__ = ["EPOCH_ANCHOR_NS", "EventPool", "PhaseOpener", "PhaseRec", "StepRec", "StepResolver", "epoch_ns"]
 
 log = logging.getLogger(__name__)
 
@@ -264,3 +264,18 @@ class StepResolver:
             self.steps_published += ok_step
             self.phase_batches_published += ok_phases
             self.publish_dropped += (not ok_step) + (not ok_phases)
+
+
+class PhaseOpener:
+    """What the tracer's mixins (hooks, collective wrappers) need from :class:`~producers.tracer.Tracer`."""
+
+    def _open(self, name: str, kind: PhaseKind, group: ParallelGroup, stream: Any, host: bool = False
+              ) -> PhaseRec | None:
+        raise NotImplementedError
+
+    def _close(self, rec: PhaseRec) -> None:
+        raise NotImplementedError
+
+    def _error(self, where: str, exc: BaseException) -> None:
+        raise NotImplementedError
+

@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from producers.cuda_timing import EventPool, PhaseRec, StepRec
+from producers.cuda_timing import EventPool, PhaseOpener, StepRec
 from producers.topology import build_topology
 from schemas.records import JobTopology, ParallelGroup, PhaseKind
 
@@ -90,7 +90,7 @@ class CollectiveHandle:
         return all(w is None or w.is_completed() for w in works)
 
 
-class CollectiveMixin:
+class CollectiveMixin(PhaseOpener):
     """The collective wrappers; mixed into :class:`~producers.tracer.Tracer`, which provides the state."""
 
     _pool: EventPool | None
@@ -102,16 +102,6 @@ class CollectiveMixin:
     host: str
     _reduce_counts: bool
     _dims: tuple[int | None, int, int, int]
-
-    def _open(self, name: str, kind: PhaseKind, group: ParallelGroup, stream: Any, host: bool = False
-              ) -> PhaseRec | None:
-        raise NotImplementedError
-
-    def _close(self, rec: PhaseRec) -> None:
-        raise NotImplementedError
-
-    def _error(self, where: str, exc: BaseException) -> None:
-        raise NotImplementedError
 
     # -- wrappers ------------------------------------------------------------------------------------------
 

@@ -14,26 +14,16 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from producers.cuda_timing import PhaseRec
+from producers.cuda_timing import PhaseOpener, PhaseRec
 from schemas.records import ParallelGroup, PhaseKind
 
 __all__ = ["HookMixin"]
 
 
-class HookMixin:
+class HookMixin(PhaseOpener):
     """The hook methods; mixed into :class:`~producers.tracer.Tracer`, which provides the state."""
 
     _handles: list[Any]
-
-    def _open(self, name: str, kind: PhaseKind, group: ParallelGroup, stream: Any, host: bool = False
-              ) -> PhaseRec | None:
-        raise NotImplementedError
-
-    def _close(self, rec: PhaseRec) -> None:
-        raise NotImplementedError
-
-    def _error(self, where: str, exc: BaseException) -> None:
-        raise NotImplementedError
 
     def instrument(self, model: Any, modules: Iterable[str] = ("self_attention", "mlp"), *, backward: bool = False,
                    match: Callable[[str, Any], bool] | None = None) -> list[Any]:
