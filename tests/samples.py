@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import threading
+from typing import Any
+
 import numpy as np
 
+from argus.topics import Topic
 from schemas.records import (
     CpuStack,
     DeadLetter,
@@ -53,3 +57,43 @@ def samples() -> dict[str, Record]:
                               '[{"thread_id": 1, "thread_name": "MainThread", "owns_gil": true, "active": true, '
                               '"frames": [{"name": "train_step", "filename": "train.py", "line": 12}]}]'),
     }
+
+
+class RecordingPublisher:
+    """A duck-typed publisher for tests that keeps what it is given, as ``(topic, key, record)``.
+
+    Args:
+        accept: what ``publish`` answers (False simulates a full queue).
+        refuse_every: refuse every n-th call (0: never).
+        check: validate and encode every record, as the real publisher's sender would.
+        round_trip: keep the record as decoded from its Avro encoding, not the object given.
+    """
+
+    def __init__(self, accept: bool = True, refuse_every: int = 0, check: bool = False,
+                 round_trip: bool = False) -> None:
+        self.records: list[tuple[Topic, bytes, Any]] = []
+        self.accept, self.refuse_every, self.check, self.round_trip = accept, refuse_every, check, round_trip
+        self.flushes = 0
+        self.lock = threading.Lock()
+
+    def publish(self, topic: Topic, key: bytes, record: Any) -> bool:
+        if self.check:
+            record.check()
+            record.encode()
+        if self.round_trip:
+            record = type(record).decode(record.encode())
+        with self.lock:
+            self.records.append((topic, key, record))
+            n = len(self.records)
+        return self.accept and not (self.refuse_every and n % self.refuse_every == 0)
+
+    def flush(self, timeout_s: float = 30.0) -> int:
+        self.flushes += 1
+        return 0
+
+    def of(self, kind: type) -> list[Any]:
+        """The records of one type, in publication order."""
+        return [r for _, _, r in self.records if isinstance(r, kind)]
+
+    def batches(self) -> list[KernelBatch]:
+        return [r for t, _, r in self.records if t is Topic.KERNELS]

@@ -3,7 +3,6 @@ callback -> parser-thread path with a fake ``cupti`` module, and the UNAVAILABLE
 
 from __future__ import annotations
 
-import threading
 import time
 from types import SimpleNamespace
 from typing import Any
@@ -12,7 +11,7 @@ import numpy as np
 import pytest
 
 import producers.cupti_kernels as ck
-from argus.topics import Topic, rank_key
+from argus.topics import rank_key
 from producers.cupti_kernels import CuptiKernels, CuptiState
 from producers.cupti_parse import (
     KIND_CONCURRENT_KERNEL,
@@ -26,7 +25,7 @@ from producers.cupti_parse import (
     extract_columns,
     parse_rank_list,
 )
-from schemas.records import KernelBatch
+from tests.samples import RecordingPublisher
 
 T0 = 1_000_000_000
 
@@ -39,24 +38,6 @@ def kernel(name: str, start: int, dur: int, stream: int = 7, corr: int = 1) -> S
 def memcpy(copy_kind: int, start: int, dur: int, stream: int = 9) -> SimpleNamespace:
     return SimpleNamespace(kind=KIND_MEMCPY, copy_kind=copy_kind, start=start, end=start + dur, stream_id=stream,
                            correlation_id=2)
-
-
-class FakePublisher:
-    def __init__(self, accept: bool = True) -> None:
-        self.records: list[tuple[Topic, bytes, Any]] = []
-        self.accept = accept
-        self.lock = threading.Lock()
-
-    def publish(self, topic: Topic, key: bytes, record: Any) -> bool:
-        with self.lock:
-            self.records.append((topic, key, record))
-        return self.accept
-
-    def flush(self, timeout_s: float = 30.0) -> int:
-        return 0
-
-    def batches(self) -> list[KernelBatch]:
-        return [r for t, _, r in self.records if t is Topic.KERNELS]
 
 
 def test_records_to_batches_columns_and_names() -> None:
@@ -153,7 +134,7 @@ def test_start_without_gpu_is_unavailable_not_an_error() -> None:
     import torch
     if torch.cuda.is_available():
         pytest.skip("a GPU is present: tests/gpu covers the running state")
-    pub = FakePublisher()
+    pub = RecordingPublisher()
     kernels = CuptiKernels("job-x", 0, 1, pub, env={})
     status = kernels.start()
     assert status.state is CuptiState.UNAVAILABLE and status.reason
@@ -165,7 +146,7 @@ def test_start_without_gpu_is_unavailable_not_an_error() -> None:
 
 
 def test_disabled_rank_still_ends_its_stream() -> None:
-    pub = FakePublisher()
+    pub = RecordingPublisher()
     kernels = CuptiKernels("job-x", 4, 8, pub, env={"ARGUS_CUPTI_RANKS": "0", "RANK": "4"})
     assert kernels.start().state is CuptiState.DISABLED
     kernels.stop()
@@ -216,7 +197,7 @@ class FakeCupti:
 def test_callback_to_parser_thread_with_fake_cupti(monkeypatch: pytest.MonkeyPatch) -> None:
     fake = FakeCupti()
     monkeypatch.setattr(ck, "_load_cupti", lambda: (fake, ""))
-    pub = FakePublisher()
+    pub = RecordingPublisher()
     marks = StepMarks()
     kernels = CuptiKernels("job-f", 2, 4, pub, marks, batch_events=4, env={"RANK": "2"}, max_latency_s=30.0)
     assert kernels.start().state is CuptiState.RUNNING
@@ -249,7 +230,7 @@ def test_callback_to_parser_thread_with_fake_cupti(monkeypatch: pytest.MonkeyPat
 def test_full_inbox_drops_and_reports(monkeypatch: pytest.MonkeyPatch) -> None:
     fake = FakeCupti()
     monkeypatch.setattr(ck, "_load_cupti", lambda: (fake, ""))
-    pub = FakePublisher()
+    pub = RecordingPublisher()
     kernels = CuptiKernels("job-d", 0, 1, pub, batch_events=100, max_queued_records=3, env={})
     kernels.start()
     kernels._stop.set()  # freeze the parser so that the inbox fills up
@@ -271,6 +252,6 @@ def test_enable_failure_is_unavailable(monkeypatch: pytest.MonkeyPatch) -> None:
             raise RuntimeError("CUPTI_ERROR_MULTIPLE_SUBSCRIBERS_NOT_SUPPORTED")
 
     monkeypatch.setattr(ck, "_load_cupti", lambda: (Refusing(), ""))
-    kernels = CuptiKernels("job-r", 0, 1, FakePublisher(), env={})
+    kernels = CuptiKernels("job-r", 0, 1, RecordingPublisher(), env={})
     status = kernels.start()
     assert status.state is CuptiState.UNAVAILABLE and "MULTIPLE_SUBSCRIBERS" in status.reason

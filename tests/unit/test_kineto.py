@@ -35,27 +35,17 @@ from schemas.records import (
     PhaseKind,
     Step,
 )
+from tests.samples import RecordingPublisher
+
+
+def collector() -> RecordingPublisher:
+    """Keeps every record as decoded from its Avro encoding (each one round-trips)."""
+    return RecordingPublisher(round_trip=True)
+
 
 REAL = Path(__file__).resolve().parents[2].parent / "shared" / "realtraces"
 T0 = 1_700_000_000_000_000  # µs since the epoch
 GPU = ("kernel", "gpu_memcpy", "gpu_memset")
-
-
-class Collector:
-    """A duck-typed publisher that keeps what it is given."""
-
-    def __init__(self) -> None:
-        self.sent: list[tuple[Topic, bytes, Any]] = []
-
-    def publish(self, topic: Topic, key: bytes, record: Any) -> bool:
-        self.sent.append((topic, key, type(record).decode(record.encode())))  # round-trips through Avro
-        return True
-
-    def flush(self, timeout_s: float = 30.0) -> int:
-        return 0
-
-    def of(self, kind: type) -> list[Any]:
-        return [r for _, _, r in self.sent if isinstance(r, kind)]
 
 
 def kernel(name: str, ts: float, dur: float, stream: int | None = 7, cat: str = "kernel", **extra: Any) -> dict:
@@ -336,7 +326,7 @@ def test_megatron_pg_config_gives_the_topology(tmp_path: Path) -> None:
     for r in range(8):
         write(tmp_path / f"rank{r}.json", trace_doc(one_step_rank(r), rank=r, world=8,
                                                     pg_config=megatron_pg_config(r, 2, 2, 2)))
-    out = Collector()
+    out = collector()
     report = import_kineto(Settings(), tmp_path, "job", topology="dp=8", publisher=out)
     assert report.topology_source == "pg_config" and report.topology == "dp=2,tp=2,pp=2"
     (topo,) = out.of(JobTopology)
@@ -364,12 +354,12 @@ def test_pg_config_groups_outside_megatron_order_are_kept_as_they_are() -> None:
 def test_topology_flag_default_and_validation(tmp_path: Path) -> None:
     for r in range(4):
         write(tmp_path / f"rank{r}.json", trace_doc(one_step_rank(r), rank=r, world=4))
-    report = import_kineto(Settings(), tmp_path, "job", topology="tp=2,dp=2", publisher=Collector())
+    report = import_kineto(Settings(), tmp_path, "job", topology="tp=2,dp=2", publisher=collector())
     assert (report.topology_source, report.topology) == ("flag", "dp=2,tp=2,pp=1")
-    report = import_kineto(Settings(), tmp_path, "job", publisher=Collector())
+    report = import_kineto(Settings(), tmp_path, "job", publisher=collector())
     assert (report.topology_source, report.topology) == ("default", "dp=4,tp=1,pp=1")
     with pytest.raises(ConfigError, match="world size is 4"):
-        import_kineto(Settings(), tmp_path, "job", topology="dp=2,tp=4", publisher=Collector())
+        import_kineto(Settings(), tmp_path, "job", topology="dp=2,tp=4", publisher=collector())
     for bad in ["dp=0", "dp2", "dp=2,dp=2", "xx=1", "dp=3,ep=2"]:
         with pytest.raises(ConfigError):
             parse_topology(bad)
@@ -382,17 +372,17 @@ def test_topology_flag_default_and_validation(tmp_path: Path) -> None:
 def test_import_publishes_in_pipeline_order_with_accounting(tmp_path: Path) -> None:
     for r in range(2):
         write(tmp_path / f"rank{r}.json.gz", trace_doc(one_step_rank(r), rank=r, world=2))
-    out = Collector()
+    out = collector()
     lines: list[str] = []
     report = import_kineto(Settings(), tmp_path, "job-k", batch_events=4, publisher=out, progress=lines.append)
-    topics = [t for t, _, _ in out.sent]
+    topics = [t for t, _, _ in out.records]
     assert topics[:2] == [Topic.TOPOLOGY, Topic.LIFECYCLE] and topics[-1] is Topic.LIFECYCLE
     start, end = out.of(JobLifecycle)
     assert (start.event, end.event, start.source, end.source) == (LifecycleEvent.START, LifecycleEvent.END,
                                                                   "kineto-import", "kineto-import")
     assert (end.kernel_events, end.steps, end.phase_batches, end.world_size) == (12, 4, 4, 2)
     assert start.time_ns == T0 * 1000 and end.time_ns == (T0 + 1900) * 1000
-    for topic, key, rec in out.sent:
+    for topic, key, rec in out.records:
         if topic in (Topic.STEPS, Topic.PHASES, Topic.TOPOLOGY, Topic.LIFECYCLE):
             assert key == job_key("job-k")
         else:
@@ -411,17 +401,17 @@ def test_import_publishes_in_pipeline_order_with_accounting(tmp_path: Path) -> N
 def test_clock_skew_is_reported_and_aligned_beyond_the_threshold(tmp_path: Path) -> None:
     write(tmp_path / "rank0.json", trace_doc(one_step_rank(0), rank=0, world=2))
     write(tmp_path / "rank1.json", trace_doc(one_step_rank(1, offset_us=134_000), rank=1, world=2))
-    out = Collector()
+    out = collector()
     report = import_kineto(Settings(), tmp_path, "job", publisher=out)
     assert report.clock_offsets_ns == {0: 0, 1: 134_000_000} and report.clock_aligned
     s0, s1 = (next(s for s in out.of(Step) if s.rank == r and s.step == 0) for r in (0, 1))
     assert s0.start_ns == s1.start_ns
     k1 = next(b for b in out.of(KernelBatch) if b.rank == 1)
     assert int(k1.start_ns[0]) == (T0 + 20) * 1000
-    report = import_kineto(Settings(), tmp_path, "job", publisher=Collector(), align_clocks=False)
+    report = import_kineto(Settings(), tmp_path, "job", publisher=collector(), align_clocks=False)
     assert not report.clock_aligned and report.clock_offsets_ns[1] == 134_000_000
     write(tmp_path / "rank1.json", trace_doc(one_step_rank(1, offset_us=2_000), rank=1, world=2))
-    report = import_kineto(Settings(), tmp_path, "job", publisher=Collector())
+    report = import_kineto(Settings(), tmp_path, "job", publisher=collector())
     assert not report.clock_aligned and report.clock_offsets_ns == {0: 0, 1: 2_000_000}
 
 
@@ -430,26 +420,26 @@ def test_duplicate_ranks_partial_worlds_and_empty_directories(tmp_path: Path) ->
     write(tmp_path / "a" / "x.json", trace_doc(one_step_rank(0), rank=0, world=2))
     write(tmp_path / "a" / "y.json", trace_doc(one_step_rank(0), rank=0, world=2))
     with pytest.raises(ProducerError, match="both rank 0"):
-        import_kineto(Settings(), tmp_path / "a", "job", publisher=Collector())
+        import_kineto(Settings(), tmp_path / "a", "job", publisher=collector())
     (tmp_path / "b").mkdir()
     with pytest.raises(ProducerError, match=r"no \.json"):
-        import_kineto(Settings(), tmp_path / "b", "job", publisher=Collector())
+        import_kineto(Settings(), tmp_path / "b", "job", publisher=collector())
     write(tmp_path / "b" / "r.json", trace_doc(one_step_rank(1), rank=1, world=16))
-    report = import_kineto(Settings(), tmp_path / "b", "job", publisher=Collector())
+    report = import_kineto(Settings(), tmp_path / "b", "job", publisher=collector())
     assert (report.world_size, report.trace_world_size) == (2, 16)
     assert any("rank 0 have no trace" in m or "ranks 0 have no trace" in m for m in report.messages)
     write(tmp_path / "b" / "r.json", trace_doc(one_step_rank(1), rank=4, world=2))
     with pytest.raises(ProducerError, match="outside world_size 2"):
-        import_kineto(Settings(), tmp_path / "b", "job", publisher=Collector())
+        import_kineto(Settings(), tmp_path / "b", "job", publisher=collector())
 
 
 def test_a_bad_file_aborts_before_anything_is_published(tmp_path: Path) -> None:
     write(tmp_path / "rank0.json", trace_doc(one_step_rank(0), rank=0, world=2))
     (tmp_path / "rank1.json").write_text('{"traceEvents": [{"ph": "X"')
-    out = Collector()
+    out = collector()
     with pytest.raises(ProducerError, match=r"rank1\.json"):
         import_kineto(Settings(), tmp_path, "job", publisher=out)
-    assert out.sent == []
+    assert out.records == []
 
 
 def test_memory_stays_bounded_on_a_large_trace(tmp_path: Path) -> None:
@@ -489,7 +479,7 @@ def _direct_counts(path: Path) -> Counter[str]:
 @needs_real
 def test_real_param_dlrm_8_ranks() -> None:
     directory = REAL / "param_dlrm_8rank_v100"
-    out = Collector()
+    out = collector()
     report = import_kineto(Settings(), directory, "dlrm", publisher=out)
     assert report.ranks == tuple(range(8)) and report.world_size == 8 and report.trace_world_size == 8
     assert (report.topology_source, report.topology) == ("default", "dp=8,tp=1,pp=1")
@@ -515,7 +505,7 @@ def test_real_param_dlrm_8_ranks() -> None:
 
 @needs_real
 def test_real_hta_sampled_2_ranks() -> None:
-    out = Collector()
+    out = collector()
     report = import_kineto(Settings(), REAL / "hta_sampled_2rank", "hta", publisher=out)
     assert report.ranks == (0, 1) and report.trace_world_size == 128 and report.world_size == 2
     # First common step (ProfilerStep#551): rank 1 starts 192 µs after rank 0. The two clocks agree: NCCL
@@ -534,4 +524,4 @@ def test_real_hta_single_ranks_parse_and_mixed_jobs_are_refused() -> None:
         assert t.steps[0].start_ns == 1_711_964_646_000_000_000 + 4_458_676_416_788_066
         assert t.pg_config and t.pg_config[0]["pg_desc"] == "default_pg"
     with pytest.raises(ProducerError, match="both rank"):
-        import_kineto(Settings(), REAL / "hta_single_rank", "mixed", publisher=Collector())
+        import_kineto(Settings(), REAL / "hta_single_rank", "mixed", publisher=collector())

@@ -6,7 +6,6 @@ import functools
 import re
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import pytest
@@ -27,6 +26,7 @@ from producers.sim_workload import (
 from producers.simulator import JobSimulator, JobSpec, paper_case, simulate
 from producers.topology import build_topology
 from schemas.records import JobLifecycle, KernelBatch, LifecycleEvent, PhaseBatch, PhaseKind, Step
+from tests.samples import RecordingPublisher
 
 
 @dataclass
@@ -283,31 +283,16 @@ def test_records_roundtrip() -> None:
     assert JobLifecycle.decode(run.sim.end().encode()) == run.sim.end()
 
 
-class FakePublisher:
-    def __init__(self, refuse_every: int = 0) -> None:
-        self.calls: list[tuple[Topic, bytes, Any]] = []
-        self.flushes = 0
-        self.refuse_every = refuse_every
-
-    def publish(self, topic: Topic, key: bytes, record: Any) -> bool:
-        self.calls.append((topic, key, record))
-        return not (self.refuse_every and len(self.calls) % self.refuse_every == 0)
-
-    def flush(self, timeout_s: float) -> int:
-        self.flushes += 1
-        return 0
-
-
 def test_run_order_and_counts() -> None:
     spec = JobSpec("pub", dp=2, pp=2, steps=3)
-    pub = FakePublisher(refuse_every=7)
+    pub = RecordingPublisher(refuse_every=7)
     progress: list[tuple[int, int]] = []
     stats = JobSimulator(spec, batch_events=500).run(pub, lambda done, total: progress.append((done, total)))
-    topics = [c[0] for c in pub.calls]
-    assert topics[0] is Topic.TOPOLOGY and pub.calls[0][1] == job_key("pub")
-    assert topics[1] is Topic.LIFECYCLE and pub.calls[1][2].event is LifecycleEvent.START
-    assert topics[-1] is Topic.LIFECYCLE and pub.calls[-1][2].event is LifecycleEvent.END
-    body = pub.calls[2:-1]
+    topics = [c[0] for c in pub.records]
+    assert topics[0] is Topic.TOPOLOGY and pub.records[0][1] == job_key("pub")
+    assert topics[1] is Topic.LIFECYCLE and pub.records[1][2].event is LifecycleEvent.START
+    assert topics[-1] is Topic.LIFECYCLE and pub.records[-1][2].event is LifecycleEvent.END
+    body = pub.records[2:-1]
     eos = [c for c in body if c[0] is Topic.KERNELS and c[2].end_of_stream]
     assert len(eos) == 4 and body[-4:] == eos
     letters = "".join({Topic.STEPS: "S", Topic.PHASES: "P", Topic.KERNELS: "K"}[c[0]] for c in body)
@@ -320,11 +305,11 @@ def test_run_order_and_counts() -> None:
     assert stats.steps == 3 * 4 and stats.phase_batches == 3 * 4
     assert stats.kernel_batches == topics.count(Topic.KERNELS)
     assert stats.kernel_events == sum(len(c[2]) for c in body if c[0] is Topic.KERNELS)
-    assert stats.kernel_events == pub.calls[-1][2].kernel_events
-    assert stats.messages == len(pub.calls) and stats.dropped == len(pub.calls) // 7
+    assert stats.kernel_events == pub.records[-1][2].kernel_events
+    assert stats.messages == len(pub.records) and stats.dropped == len(pub.records) // 7
     assert pub.flushes == 1 and progress == [(1, 3), (2, 3), (3, 3)]
     again = [(t, k) for t, k, _ in simulate(spec, batch_events=500)]
-    assert again == [(t, k) for t, k, _ in pub.calls]
+    assert again == [(t, k) for t, k, _ in pub.records]
 
 
 def test_single_use() -> None:

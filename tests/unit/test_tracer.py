@@ -4,7 +4,6 @@ counts, bounds, and the asynchronous event resolution with fake CUDA events."""
 from __future__ import annotations
 
 import socket
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -31,26 +30,7 @@ from schemas.records import (  # noqa: E402
     PhaseKind,
     Step,
 )
-
-
-class FakePublisher:
-    def __init__(self, accept: bool = True) -> None:
-        self.records: list[tuple[Topic, bytes, Any]] = []
-        self.accept = accept
-        self.lock = threading.Lock()
-
-    def publish(self, topic: Topic, key: bytes, record: Any) -> bool:
-        record.check()
-        record.encode()  # every record must be encodable
-        with self.lock:
-            self.records.append((topic, key, record))
-        return self.accept
-
-    def flush(self, timeout_s: float = 30.0) -> int:
-        return 0
-
-    def of(self, cls: type) -> list[Any]:
-        return [r for _, _, r in self.records if isinstance(r, cls)]
+from tests.samples import RecordingPublisher  # noqa: E402
 
 
 class Block(torch.nn.Module):
@@ -63,13 +43,13 @@ class Block(torch.nn.Module):
         return self.mlp(torch.relu(self.self_attention(x)))
 
 
-def make(pub: FakePublisher, tmp_path: Path, **kw: Any) -> Tracer:
+def make(pub: RecordingPublisher, tmp_path: Path, **kw: Any) -> Tracer:
     kw.setdefault("registry", RankRegistry(tmp_path / "reg"))
     return Tracer(Settings(), "job-t", kw.pop("rank", 0), kw.pop("world_size", 1), pub, kernels=False, **kw)
 
 
 def test_steps_and_phases_host_clock(tmp_path: Path) -> None:
-    pub = FakePublisher()
+    pub = RecordingPublisher(check=True)
     with make(pub, tmp_path) as tr:
         for _ in range(3):
             with tr.step():
@@ -94,7 +74,7 @@ def test_steps_and_phases_host_clock(tmp_path: Path) -> None:
 
 
 def test_publication_order_keys_and_end_counts(tmp_path: Path) -> None:
-    pub = FakePublisher()
+    pub = RecordingPublisher(check=True)
     tr = make(pub, tmp_path).start()
     for _ in range(2):
         with tr.step():
@@ -114,11 +94,11 @@ def test_publication_order_keys_and_end_counts(tmp_path: Path) -> None:
 
 
 def test_non_lifecycle_rank_publishes_no_topology_and_unknown_counts(tmp_path: Path) -> None:
-    pub = FakePublisher()
+    pub = RecordingPublisher(check=True)
     with make(pub, tmp_path, rank=1, world_size=2) as tr, tr.step():
         pass
     assert not pub.of(JobTopology) and not pub.of(JobLifecycle)
-    pub0 = FakePublisher()
+    pub0 = RecordingPublisher(check=True)
     with make(pub0, tmp_path, rank=0, world_size=2, dp=2) as tr0, tr0.step():
         pass
     end = pub0.of(JobLifecycle)[-1]
@@ -129,7 +109,7 @@ def test_non_lifecycle_rank_publishes_no_topology_and_unknown_counts(tmp_path: P
 def test_kernel_channel_ends_the_rank_stream_without_gpu(tmp_path: Path) -> None:
     if torch.cuda.is_available():
         pytest.skip("GPU present")
-    pub = FakePublisher()
+    pub = RecordingPublisher(check=True)
     with Tracer(Settings(), "job-k", 0, 1, pub, registry=False) as tr, tr.step():
         pass
     assert tr.cupti_status.state.value in ("UNAVAILABLE", "DISABLED") and tr.cupti_status.reason
@@ -141,7 +121,7 @@ def test_kernel_channel_ends_the_rank_stream_without_gpu(tmp_path: Path) -> None
 
 
 def test_module_and_optimizer_hooks(tmp_path: Path) -> None:
-    pub = FakePublisher()
+    pub = RecordingPublisher(check=True)
     model = torch.nn.Sequential(Block(), Block())
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     with make(pub, tmp_path) as tr:
@@ -165,7 +145,7 @@ def test_module_and_optimizer_hooks(tmp_path: Path) -> None:
 
 
 def test_errors_never_reach_training(tmp_path: Path) -> None:
-    pub = FakePublisher()
+    pub = RecordingPublisher(check=True)
     tr = make(pub, tmp_path, max_phases_per_step=2)
     with tr.phase("outside", PhaseKind.OTHER):  # no step: ignored, counted
         pass
@@ -183,7 +163,7 @@ def test_errors_never_reach_training(tmp_path: Path) -> None:
 
 
 def test_dropping_publisher_is_counted(tmp_path: Path) -> None:
-    pub = FakePublisher(accept=False)
+    pub = RecordingPublisher(check=True, accept=False)
     tr = make(pub, tmp_path)
     with tr.step():
         pass
@@ -194,7 +174,7 @@ def test_dropping_publisher_is_counted(tmp_path: Path) -> None:
 
 def test_rank_registry_entry_lives_with_the_tracer(tmp_path: Path) -> None:
     reg = RankRegistry(tmp_path / "reg")
-    tr = make(FakePublisher(), tmp_path, registry=reg, rank=0).start()
+    tr = make(RecordingPublisher(check=True), tmp_path, registry=reg, rank=0).start()
     entry = reg.lookup("job-t", 0)
     assert entry is not None and entry.alive() and entry.pid > 0
     tr.close()
@@ -211,7 +191,7 @@ def gloo_group(tmp_path: Path) -> Any:
 
 
 def test_collective_wrappers_under_gloo(tmp_path: Path, gloo_group: Any) -> None:
-    pub = FakePublisher()
+    pub = RecordingPublisher(check=True)
     t = torch.ones(4)
     with make(pub, tmp_path) as tr, tr.step():
         assert tr.all_reduce(t) is None
@@ -234,7 +214,7 @@ def test_collective_wrappers_under_gloo(tmp_path: Path, gloo_group: Any) -> None
 
 
 def test_collectives_outside_steps_and_after_close_still_run(tmp_path: Path, gloo_group: Any) -> None:
-    tr = make(FakePublisher(), tmp_path)
+    tr = make(RecordingPublisher(check=True), tmp_path)
     t = torch.ones(2)
     tr.all_reduce(t)
     tr.close()
@@ -282,7 +262,7 @@ def _ev(pool: EventPool, t_ms: float) -> FakeEvent:
 
 
 def test_resolver_waits_for_events_and_computes_gpu_times() -> None:
-    pub = FakePublisher()
+    pub = RecordingPublisher(check=True)
     pool = EventPool(FakeEvent, capacity=16)
     res = StepResolver("job-r", 1, pub, pool, poll_s=0.001)
     rec = StepRec(5, t0=1_000, ev0=_ev(pool, 10.0))
@@ -315,7 +295,7 @@ def test_resolver_waits_for_events_and_computes_gpu_times() -> None:
 
 
 def test_resolver_bounds_and_unfinished_phases() -> None:
-    pub = FakePublisher()
+    pub = RecordingPublisher(check=True)
     res = StepResolver("job-b", 0, pub, None, max_pending=1)
     stuck_pool = EventPool(FakeEvent, capacity=4)
     blocked = StepRec(0, 1, ev0=_ev(stuck_pool, 0.0))
@@ -427,7 +407,7 @@ def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> FakeCuda:
 
 
 def test_cuda_phases_record_events_on_their_stream(tmp_path: Path, fake_cuda: FakeCuda) -> None:
-    pub = FakePublisher()
+    pub = RecordingPublisher(check=True)
     side = fake_cuda.Stream()
     with make(pub, tmp_path, cuda=True) as tr:
         assert tr.stats().cuda
@@ -467,7 +447,7 @@ class FakeCudaTensor:
 
 
 def test_collective_wrapper_times_on_a_communication_stream(tmp_path: Path, fake_cuda: FakeCuda) -> None:
-    pub = FakePublisher()
+    pub = RecordingPublisher(check=True)
     t = FakeCudaTensor()
     works: list[FakeWork] = []
 
