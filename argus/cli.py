@@ -133,9 +133,10 @@ def _cmd_findings(settings: Settings, args: argparse.Namespace) -> int:
     elif not findings:
         _out(f"no findings for job {args.job}")
     else:
-        rows = [(f["level"], f["kind"], ",".join(map(str, f["ranks"])) or "-", f["phase"] or f["kernel"] or "-",
-                 ",".join(map(str, f["steps"])) or "-", f"{f['score']:.2f}") for f in findings]
-        _out(_table(("level", "kind", "ranks", "phase/kernel", "steps", "score"), rows))
+        rows = [(f"{f['impact_ns'] / 1e9:.3f}", f["level"], f["kind"], ",".join(map(str, f["ranks"])) or "-",
+                 f["phase"] or f["kernel"] or "-", ",".join(map(str, f["steps"])) or "-", f"{f['score']:.2f}")
+                for f in findings]
+        _out(_table(("impact_gpu_s", "level", "kind", "ranks", "phase/kernel", "steps", "score"), rows))
     return 0 if complete else 4
 
 

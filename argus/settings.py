@@ -84,6 +84,9 @@ class Settings:
     kde_min_samples: int = 5
     #: Minimum natural-log gap between neighbouring cluster boundaries.
     kde_min_log_gap: float = 0.15
+    #: Least delay per step a finding must add to the job, as a fraction of the median step time, to be
+    #: raised (default 0.01: 1 %; 0 raises every finding the detectors make).
+    min_impact_fraction: float = 0.01
     #: Kernel events per Kafka message from the publisher.
     publisher_batch_events: int = 4096
     #: Bounded publisher queue, in messages; beyond it records are dropped and counted.
@@ -142,6 +145,8 @@ class Settings:
             raise ConfigError("allowed_lateness_ns must be >= 0")
         if self.kde_min_log_gap < 0:
             raise ConfigError("kde_min_log_gap must be >= 0")
+        if not 0.0 <= self.min_impact_fraction < 1.0:
+            raise ConfigError(f"min_impact_fraction must be in [0, 1), got {self.min_impact_fraction!r}")
         if self.compression not in ("zstd", "lz4", "none"):
             raise ConfigError(f"compression must be zstd, lz4 or none, got {self.compression!r}")
         if not self.clickhouse_dsn.startswith(("chdb://", "http://", "https://")):

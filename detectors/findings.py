@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from argus.errors import DetectorError
+from detectors.impact import Impact
 from detectors.l1_iteration import L1Result
 from detectors.l2_phases import L2Result
 from detectors.l3_kernels import L3Result
@@ -41,11 +42,13 @@ def finding_id(job_id: str, level: str, kind: str, ranks: Iterable[int], phase: 
     return hashlib.sha1(json.dumps(key, separators=(",", ":")).encode("utf-8")).hexdigest()
 
 
-def to_finding(job_id: str, result: DetectorResult, time_ns: int) -> Finding:
+def to_finding(job_id: str, result: DetectorResult, time_ns: int, impact: Impact | None = None) -> Finding:
     """The :class:`Finding` of one detector result.
 
     ``time_ns``: the event time the finding refers to (the last analysed step's start, or the newest
-    window end), integer ns since the Unix epoch. Raises :class:`DetectorError` for an empty ``job_id``,
+    window end), integer ns since the Unix epoch. ``impact``: its GPU-time impact (see
+    :mod:`detectors.impact`; 0 when not given), also written to the evidence as ``delay_ms_per_step`` and
+    ``impact_steps``. Raises :class:`DetectorError` for an empty ``job_id``,
     a negative ``time_ns``, a non-finite score or evidence that cannot be written as JSON.
     """
     if not job_id:
@@ -61,14 +64,19 @@ def to_finding(job_id: str, result: DetectorResult, time_ns: int) -> Finding:
     stream = int(result.stream) if isinstance(result, L3Result) else None
     steps = tuple(int(s) for s in result.steps)
     level, kind = result.level, result.kind.value
+    extra = {} if impact is None else {"delay_ms_per_step": impact.delay_ns_per_step / 1e6,
+                                       "impact_steps": impact.steps}
     try:
-        evidence = json.dumps(_jsonable(result.evidence), sort_keys=True, allow_nan=False, separators=(",", ":"))
+        evidence = json.dumps(_jsonable(result.evidence | extra), sort_keys=True, allow_nan=False,
+                              separators=(",", ":"))
     except (TypeError, ValueError) as exc:
         raise DetectorError(f"{kind}: evidence is not JSON-serializable: {exc}") from exc
     return Finding(
         finding_id=finding_id(job_id, level.value, kind, ranks, phase, kernel, stream, steps),
         job_id=job_id, level=level, kind=kind, ranks=ranks, steps=steps, score=score, evidence_json=evidence,
         time_ns=int(time_ns), phase=phase, kernel=kernel, stream=stream,
+        impact_ns_per_step=0.0 if impact is None else float(impact.gpu_ns_per_step),
+        impact_ns=0.0 if impact is None else float(impact.gpu_ns),
     )
 
 

@@ -47,6 +47,7 @@ with the median of the other stages: a ratio of ``stage_ratio`` (1.5x) or more i
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
 from collections.abc import Iterable
@@ -79,6 +80,10 @@ _WAITED_EXPLAINS = 0.5
 # A member this many times shorter than its peers' median arrived late: its group's long collectives are
 # explained (the same 2x rule as L3's link check).
 _LATE_EXPLAINS = 2.0
+
+
+#: A stage's phase flagged slow: its ratio to the other stages, per-occurrence ms of every stage, ns per step.
+_StageHit = tuple[float, dict[str, float], float]
 
 
 class L2Kind(enum.Enum):
@@ -141,6 +146,11 @@ class L2Result:
     evidence: dict[str, Any] = field(default_factory=dict)
     #: Always empty: L2 findings are about ranks, not steps.
     steps: tuple[int, ...] = ()
+    #: Time (ns) per step the finding adds to the job's iteration: the rank's (or stage's) time beyond its
+    #: peers' median in its elevated phases, or its lateness for a late arrival.
+    delay_ns_per_step: float = 0.0
+    #: Steps the finding was judged on.
+    steps_affected: int = 0
 
     @property
     def level(self) -> Level:
@@ -287,6 +297,8 @@ class _Flag:
     group: str
     late_fraction: float = 0.0
     waited_fraction: float = 0.0
+    #: Per step: time beyond the peers' median (compute), or lateness (collectives), ns.
+    excess_ns: float = 0.0
 
 
 def detect_l2(phases: PhaseTable, topology: JobTopology, params: L2Params | None = None,
@@ -344,11 +356,14 @@ def detect_l2(phases: PhaseTable, topology: JobTopology, params: L2Params | None
             label = f"{(gkind if collective else ParallelGroup.DP).value}{g}"
             for i in np.flatnonzero(hit).tolist():
                 zi = float(z[i]) if members.size >= 3 and math.isfinite(float(z[i])) else None
+                excess = float(late_ns[i]) if collective else float(-late_ns[i])
                 target.append(_Flag(int(topology.rank[members[i]]), phases.names[k], kind, float(ratio[i]), zi,
-                                    float(value[i]), float(peers[i]), cv, label, float(late[i]), float(waited[i])))
+                                    float(value[i]), float(peers[i]), cv, label, float(late[i]), float(waited[i]),
+                                    excess))
     results, stragglers = _stragglers(compute_flags, short_flags, host_flags, topology, p)
     results += _slow_stages(per_step, occ, n_steps, phases, topology, stragglers, p)
-    return results
+    n_analysed = int(np.unique(phases.step[keep]).size)
+    return [dataclasses.replace(r, steps_affected=n_analysed) for r in results]
 
 
 def _compare(value: F64, p: L2Params, collective: bool) -> tuple[F64, F64, F64, float, npt.NDArray[np.bool_]]:
@@ -406,10 +421,28 @@ def _stragglers(compute: list[_Flag], short: list[_Flag], host: list[_Flag], top
             "lateness_over_longest_phase_ratio": max((f.late_fraction for f in short_fs), default=0.0),
         }
         score = top.ratio if flags else 1.0 / top.ratio
-        results.append(L2Result(L2Kind.COMPUTE_STRAGGLER, (r,), top.phase, score, evidence))
+        # Elevated phases of one rank run one after the other: their excesses add up; a late arrival's
+        # lateness is what its peers waited.
+        delay = sum(f.excess_ns for f in flags) if flags else max(f.excess_ns for f in short_fs)
+        results.append(L2Result(L2Kind.COMPUTE_STRAGGLER, (r,), top.phase, score, evidence,
+                                delay_ns_per_step=max(delay, 0.0)))
     for r, fs in sorted(_by_rank(host).items()):
-        results.append(L2Result(L2Kind.PHASE_STRAGGLER, (r,), fs[0].phase, fs[0].ratio, _evidence(fs[0], fs)))
+        results.append(L2Result(L2Kind.PHASE_STRAGGLER, (r,), fs[0].phase, fs[0].ratio, _evidence(fs[0], fs),
+                                delay_ns_per_step=max(sum(f.excess_ns for f in fs), 0.0)))
     return results, slow | late
+
+
+def _causes(found: dict[int, dict[tuple[str, str], _StageHit]]) -> dict[int, dict[tuple[str, str], _StageHit]]:
+    """The slow stages that are causes, not victims: a backward runs from the last stage to the first, so a
+    stage waiting for a slow later stage's gradients looks slow too; only the latest flagged stage of a
+    backward-kind phase is named (the earliest for any other kind: a forward's activations flow first to
+    last)."""
+    keep: dict[int, dict[tuple[str, str], _StageHit]] = {}
+    for key in {key for per_phase in found.values() for key in per_phase}:
+        stages = sorted(s for s, per_phase in found.items() if key in per_phase)
+        cause = stages[-1] if key[1] == PhaseKind.BACKWARD.value else stages[0]
+        keep.setdefault(cause, {})[key] = found[cause][key]
+    return keep
 
 
 def _slow_stages(per_step: F64, occ: F64, n_steps: I64, phases: PhaseTable, topology: JobTopology,
@@ -419,7 +452,7 @@ def _slow_stages(per_step: F64, occ: F64, n_steps: I64, phases: PhaseTable, topo
     if stages.size < 2:
         return []
     excluded = np.isin(np.asarray(topology.rank), sorted(stragglers))
-    found: dict[int, dict[tuple[str, str], tuple[float, dict[str, float]]]] = {}
+    found: dict[int, dict[tuple[str, str], _StageHit]] = {}
     for k, kind in enumerate(phases.kinds):
         if kind not in p.stage_kinds:
             continue
@@ -437,14 +470,15 @@ def _slow_stages(per_step: F64, occ: F64, n_steps: I64, phases: PhaseTable, topo
         for s, v in values.items():
             others = float(np.median([u for t, u in values.items() if t != s]))
             if others > 0 and v / others >= p.stage_ratio:
+                rate = float(np.nanmedian(occ[has & (stage == s), k]))
                 found.setdefault(s, {})[(phases.names[k], kind.value)] = (
-                    v / others, {str(t): u / _MS for t, u in sorted(values.items())})
+                    v / others, {str(t): u / _MS for t, u in sorted(values.items())}, (v - others) * rate)
     results = []
-    for s, per_phase in sorted(found.items()):
+    for s, per_phase in sorted(_causes(found).items()):
         top = max(per_phase, key=lambda key: per_phase[key][0])
-        ratio, stage_ms = per_phase[top]
+        ratio, stage_ms, excess = per_phase[top]
         ranks = tuple(int(r) for r in np.asarray(topology.rank)[stage == s])
-        results.append(L2Result(L2Kind.PP_STAGE_SLOW, ranks, top[0], ratio, {
+        results.append(L2Result(L2Kind.PP_STAGE_SLOW, ranks, top[0], ratio, delay_ns_per_step=excess, evidence={
             "stage": int(s), "phase_kind": top[1], "stage_over_other_stages_ratio": ratio,
             "stage_per_occurrence_ms": stage_ms,
             "phases_ratio": {f"{name}:{kind}": v[0] for (name, kind), v in sorted(per_phase.items())},

@@ -60,6 +60,7 @@ import numpy as np
 import numpy.typing as npt
 
 from argus.errors import DetectorError
+from detectors.kernel_modes import mode_quantiles, reference_modes
 from detectors.l2_phases import loo_median
 from detectors.mixture import MixtureBatch, geometric_grid, mixture_cdf
 from schemas.records import JobTopology, KernelSummary, Level, ParallelGroup
@@ -74,6 +75,11 @@ _W1_RESOLUTION = 1e-4
 #: A member this many times shorter than its group peers arrived late (explains their long collectives).
 _LATE_EXPLAINS = 2.0
 _GROUP_KINDS = (("DP", "dp_group"), ("TP", "tp_group"), ("EP", "ep_group"), ("PP", "pp_group"))
+_MAD_SCALE = 1.4826
+#: Two or three ranks have no spread to judge by: a mode must be this much slower than the others'.
+_SMALL_SET_RATIO = 1.3
+#: Floor of the spread of groups' log transfer times in the link test (5 %).
+_LINK_MAD_FLOOR = 0.05
 
 
 class L3Kind(enum.Enum):
@@ -82,6 +88,8 @@ class L3Kind(enum.Enum):
     KERNEL_DEGRADED = "kernel_degraded"
     LINK_DEGRADED = "link_degraded"
     COMPUTE_STRAGGLER_BY_COLLECTIVE = "compute_straggler"
+    #: A rank slower than its peers across the job's compute kernels (:mod:`detectors.l3_ranks`).
+    RANK_DEGRADED = "rank_degraded"
 
 
 class Scope(enum.Enum):
@@ -105,6 +113,12 @@ class L3Params:
     ``ln(ns)`` between component p50s that separates modes in :func:`primary_p50` [0.3].
     ``compute_scope``: compare compute kernels per pipeline stage or across the job [STAGE].
     ``collective_markers``: lower-case substrings marking a collective kernel [("nccl",)].
+    ``mode_ratio``: a compute kernel's mode on a rank over the reference's that flags the rank, when it is
+    also ``mode_z`` robust z-scores (log scale, MAD floored at ``mode_mad_floor``) above the other ranks
+    [1.15, 5.0, 0.02]. ``link_ratio``: a group's fastest member's collective time (its pure transfer: the last
+    arrival does not wait) over that of the other groups of its kind that flags a degraded link, when also
+    ``link_z`` robust z-scores above them (groups of one kind and pipeline stage: 4 or more) [1.3, 4.0];
+    up to ``link_max_ratio``: beyond it the fastest members wait (in a collective of another kind) [20.0].
 
     Raises :class:`DetectorError` for out-of-range values.
     """
@@ -121,13 +135,19 @@ class L3Params:
     mode_log_gap: float = 0.3
     compute_scope: Scope = Scope.STAGE
     collective_markers: tuple[str, ...] = ("nccl",)
+    mode_ratio: float = 1.15
+    mode_z: float = 5.0
+    mode_mad_floor: float = 0.02
+    link_ratio: float = 1.3
+    link_z: float = 4.0
+    link_max_ratio: float = 20.0
 
     def __post_init__(self) -> None:
         for name in ("iqr_k", "min_score", "collective_min_score"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0.0):
                 raise DetectorError(f"{name} must be finite and >= 0, got {value}")
-        for name in ("p50_ratio", "collective_p50_ratio", "short_ratio"):
+        for name in ("p50_ratio", "collective_p50_ratio", "short_ratio", "mode_ratio", "link_ratio", "link_max_ratio"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 1.0):
                 raise DetectorError(f"{name} must be finite and > 1, got {value}")
@@ -135,6 +155,8 @@ class L3Params:
             raise DetectorError("need min_events >= 1, min_ranks >= 2 and grid_points >= 16")
         if not (math.isfinite(self.mode_log_gap) and self.mode_log_gap > 0.0) or not self.collective_markers:
             raise DetectorError("mode_log_gap must be finite and > 0, collective_markers non-empty")
+        if not (self.mode_z >= 0.0 and self.link_z >= 0.0 and 0.0 < self.mode_mad_floor < 1.0):
+            raise DetectorError("mode_z and link_z must be >= 0, mode_mad_floor in (0, 1)")
 
 
 @dataclass(frozen=True)
@@ -151,6 +173,9 @@ class L3Result:
     evidence: dict[str, Any] = field(default_factory=dict)
     #: Always empty: L3 findings are about ranks, not steps.
     steps: tuple[int, ...] = ()
+    #: Extra time (ns) on the job's critical path over the judged data: the slowest named rank's time in the
+    #: kernel beyond its peers' median (a degraded link: its group's extra transfer time per member).
+    excess_ns: float = 0.0
 
     @property
     def level(self) -> Level:
@@ -242,7 +267,7 @@ def detect_l3(summaries: Sequence[KernelSummary], topology: JobTopology | None =
     first = summaries[0]
     if any((s.job_id, s.kernel, s.stream) != (first.job_id, first.kernel, first.stream) for s in summaries):
         raise DetectorError("detect_l3 needs the summaries of exactly one (job, kernel, stream)")
-    ranks, batch = _merge(summaries, p.min_events)
+    ranks, batch, total = _merge(summaries, p.min_events)
     if batch is None or ranks.size < p.min_ranks:
         return []
     if topology is not None and not set(topology.rank).issuperset(ranks.tolist()):
@@ -251,30 +276,32 @@ def detect_l3(summaries: Sequence[KernelSummary], topology: JobTopology | None =
     base = {"window_end_ns": max(max(s.window_end_ns, default=0) for s in summaries), "n_ranks": int(ranks.size),
             "collective": collective}
     if collective:
-        return _collective(first, ranks, batch, topology, p, base, group_kind)
-    return _compute(first, ranks, batch, topology, p, base)
+        return _collective(first, ranks, batch, total, topology, p, base, group_kind)
+    return _compute(first, ranks, batch, total, topology, p, base)
 
 
-def _merge(summaries: Sequence[KernelSummary], min_events: int) -> tuple[I64, MixtureBatch | None]:
-    """The ranks with at least ``min_events`` events and their merged mixtures (None if there are none)."""
+def _merge(summaries: Sequence[KernelSummary], min_events: int) -> tuple[I64, MixtureBatch | None, F64]:
+    """The ranks with at least ``min_events`` events, their merged mixtures (None if there are none) and
+    their total time in the kernel (ns)."""
     for s in summaries:
         if len(s.n_clusters) != len(s.rank) or sum(s.n_clusters) != len(s.cluster_count):
             raise DetectorError(f"kernel summary {s.job_id}/{s.kernel}: cluster columns do not match n_clusters")
     owner = np.concatenate([np.repeat(np.asarray(s.rank, dtype=np.int64), s.n_clusters) for s in summaries])
-    c, m, q = (np.concatenate([np.asarray(getattr(s, f), dtype=np.float64) for s in summaries])
-               for f in ("cluster_count", "cluster_p50_ns", "cluster_p99_ns"))
+    c, m, q, t = (np.concatenate([np.asarray(getattr(s, f), dtype=np.float64) for s in summaries])
+                  for f in ("cluster_count", "cluster_p50_ns", "cluster_p99_ns", "cluster_sum_ns"))
     keep = c > 0
-    owner, c, m, q = owner[keep], c[keep], np.maximum(m[keep], 1.0), q[keep]
+    owner, c, m, q, t = owner[keep], c[keep], np.maximum(m[keep], 1.0), q[keep], t[keep]
     ranks, idx = np.unique(owner, return_inverse=True)
     events = np.bincount(idx, weights=c, minlength=ranks.size)
     ok = events >= min_events
     if not ok.any():
-        return np.empty(0, dtype=np.int64), None
+        return np.empty(0, dtype=np.int64), None, np.empty(0)
     sel = ok[idx]
     remap = np.cumsum(ok) - 1
     batch = MixtureBatch.from_long(remap[idx[sel]], c[sel], m[sel], np.maximum(q[sel], m[sel]),
                                    n_owners=int(ok.sum()))
-    return ranks[ok].astype(np.int64), batch
+    total: F64 = np.bincount(idx, weights=t, minlength=ranks.size)[ok].astype(np.float64)
+    return ranks[ok].astype(np.int64), batch, total
 
 
 def _slow_ranks(sc: RankScores, min_score: float, gate: float, p: L3Params) -> tuple[npt.NDArray[np.bool_], F64,
@@ -292,8 +319,27 @@ def _slow_ranks(sc: RankScores, min_score: float, gate: float, p: L3Params) -> t
     return slow, p50_ratio, healthy
 
 
-def _compute(s: KernelSummary, ranks: I64, batch: MixtureBatch, topology: JobTopology | None, p: L3Params,
-             base: dict[str, Any]) -> list[L3Result]:
+def _mode_outliers(sc: RankScores, p: L3Params) -> tuple[npt.NDArray[np.bool_], F64, F64]:
+    """Ranks with a mode slower than the reference's (see :mod:`detectors.kernel_modes`): the mask, each
+    rank's largest mode ratio, and the share of calls of that mode."""
+    n = sc.score.size
+    modes = reference_modes(np.median(sc.cdf, axis=0), sc.grid)
+    logq = np.log(mode_quantiles(sc.cdf, sc.grid, modes.mid))
+    if n >= 4:
+        centre = np.median(logq, axis=0)
+        lr = logq - centre
+        mad = _MAD_SCALE * np.median(np.abs(lr), axis=0)
+        hit = (lr >= math.log(p.mode_ratio)) & (lr >= p.mode_z * np.maximum(mad, p.mode_mad_floor))
+    else:  # two or three ranks: against the others' median, and a wider gate
+        lr = logq - np.stack([loo_median(col) for col in logq.T], axis=1)
+        hit = lr >= math.log(max(p.mode_ratio, _SMALL_SET_RATIO))
+    best = np.argmax(np.where(hit, lr, -np.inf), axis=1)
+    rows = np.arange(n)
+    return hit.any(axis=1), np.exp(lr[rows, best]), modes.width[best]
+
+
+def _compute(s: KernelSummary, ranks: I64, batch: MixtureBatch, total: F64, topology: JobTopology | None,
+             p: L3Params, base: dict[str, Any]) -> list[L3Result]:
     if topology is not None and p.compute_scope is Scope.STAGE:
         stage_of = dict(zip(topology.rank, topology.pp_stage, strict=True))
         part = np.array([stage_of[r] for r in ranks.tolist()], dtype=np.int64)
@@ -307,11 +353,17 @@ def _compute(s: KernelSummary, ranks: I64, batch: MixtureBatch, topology: JobTop
         sub = MixtureBatch(batch.counts[rows], batch.p50_ns[rows], batch.p99_ns[rows])
         sc = score_ranks(sub, p.grid_points, p.mode_log_gap)
         slow, p50_ratio, healthy = _slow_ranks(sc, p.min_score, p.p50_ratio, p)
-        for i in np.flatnonzero(slow).tolist():
+        by_mode, mode_ratio, mode_share = _mode_outliers(sc, p)
+        excess = total[rows] - np.median(total[rows])
+        for i in np.flatnonzero((slow | by_mode) & (excess > 0.0)).tolist():
             flagged[int(ranks[rows[i]])] = {
-                "score": float(sc.score[i]), "w1_ns": float(sc.w1_ns[i]), "mean_shift_ns": float(sc.shift_ns[i]),
+                "score": float(max(sc.score[i], mode_ratio[i] - 1.0 if by_mode[i] else 0.0)),
+                "w1_ns": float(sc.w1_ns[i]), "mean_shift_ns": float(sc.shift_ns[i]),
                 "p50_ratio": float(p50_ratio[i]), "primary_p50_ns": float(sc.primary_p50_ns[i]),
+                "mode_ratio": float(mode_ratio[i]) if by_mode[i] else None,
+                "mode_share_of_calls": float(mode_share[i]) if by_mode[i] else None,
                 "healthy_p50_ns": healthy, "reference_mean_ns": sc.reference_mean_ns, "partition": int(g),
+                "excess_ns": float(excess[i]),
             }
     if not flagged:
         return []
@@ -320,9 +372,17 @@ def _compute(s: KernelSummary, ranks: I64, batch: MixtureBatch, topology: JobTop
         "scope": p.compute_scope.value if topology is not None else Scope.JOB.value, "top_rank": top,
         "rank_score": {str(r): v["score"] for r, v in sorted(flagged.items())},
         "rank_p50_ratio": {str(r): v["p50_ratio"] for r, v in sorted(flagged.items())},
+        "rank_excess_ns": {str(r): v["excess_ns"] for r, v in sorted(flagged.items())},
     }
     return [L3Result(L3Kind.KERNEL_DEGRADED, tuple(sorted(flagged)), s.kernel, s.stream,
-                     flagged[top]["score"], evidence)]
+                     flagged[top]["score"], evidence, excess_ns=max(v["excess_ns"] for v in flagged.values()))]
+
+
+def _is_p2p(kernel: str) -> bool:
+    """Point-to-point kernels (NCCL's ``SendRecv``, ``Send``, ``Recv``): pipeline transfers, or an all-to-all
+    (NCCL runs it as grouped send/receive)."""
+    low = kernel.lower()
+    return "send" in low or "recv" in low
 
 
 def _groups(topology: JobTopology | None, ranks: I64, p2p: bool,
@@ -330,13 +390,15 @@ def _groups(topology: JobTopology | None, ranks: I64, p2p: bool,
     """(kind, index, rows) of every group whose members are all present (2+), largest first; the job without
     topology.
 
-    Pipeline groups only for point-to-point kernels: Megatron's pipeline communicates by send/receive."""
+    Point-to-point kernels run in pipeline groups, as adjacent-stage pairs (a send/receive joins two stages),
+    and in expert groups (all-to-all); collectives in DP, TP and EP groups."""
     if topology is None:
         return [("JOB", 0, np.arange(ranks.size))]
     pos = {r: i for i, r in enumerate(topology.rank)}
     at = np.array([pos[r] for r in ranks.tolist()], dtype=np.int64)
+    kinds = (("PP", "pp_group"), ("EP", "ep_group")) if p2p else _GROUP_KINDS[:-1]
     out = []
-    for kind, col in _GROUP_KINDS if p2p else _GROUP_KINDS[:-1]:
+    for kind, col in kinds:
         if only is not None and only is not ParallelGroup.NONE and kind != only.value:
             continue
         column = np.asarray(getattr(topology, col))
@@ -345,32 +407,99 @@ def _groups(topology: JobTopology | None, ranks: I64, p2p: bool,
         members = np.split(np.argsort(inv, kind="stable"), np.cumsum(counts)[:-1])
         # Only groups with every member present: in a window cut between the members' arrivals, a group
         # missing its late member would look uniformly slow (a false link) or name a waiting member late.
-        out += [(kind, int(g), rows) for g, rows in zip(uniq.tolist(), members, strict=True)
-                if rows.size >= 2 and rows.size == full[g]]
+        whole = [(int(g), rows) for g, rows in zip(uniq.tolist(), members, strict=True)
+                 if rows.size >= 2 and rows.size == full[g]]
+        if kind == "PP":
+            stage = np.asarray(topology.pp_stage)[at]
+            for g, rows in whole:
+                chain = rows[np.argsort(stage[rows], kind="stable")]
+                out += [(kind, g * 65536 + i, chain[i:i + 2]) for i in range(chain.size - 1)]
+        else:
+            out += [(kind, g, rows) for g, rows in whole]
     out.sort(key=lambda t: -t[2].size)
     return out
 
 
-def _collective(s: KernelSummary, ranks: I64, batch: MixtureBatch, topology: JobTopology | None, p: L3Params,
-                base: dict[str, Any], group_kind: ParallelGroup | None = None) -> list[L3Result]:
+def _links(s: KernelSummary, ranks: I64, batch: MixtureBatch, sc: RankScores, groups: list[tuple[str, int, I64]],
+           stage: I64, p: L3Params, base: dict[str, Any], explained: npt.NDArray[np.bool_]) -> list[L3Result]:
+    """Degraded links: groups whose *fastest* member is slow in some mode of the kernel, against the fastest
+    members of the other groups of their kind.
+
+    A collective ends together on every member, so each member's time is its waiting for the last to arrive
+    plus the transfer; the last arrival does not wait, so a group's fastest member shows its transfer time.
+    A late peer (a straggler, or ranks held up elsewhere) leaves that untouched -- waiting is never a link --
+    while a degraded link slows it on every member. Larger groups first; a group of already explained
+    ranks is skipped (the smaller groups inside a degraded one).
+    """
+    modes = reference_modes(np.median(sc.cdf, axis=0), sc.grid)
+    q = mode_quantiles(sc.cdf, sc.grid, modes.mid)
+    calls = float(np.median(batch.counts.sum(axis=1)))
+    out: list[L3Result] = []
+    # Groups are compared with groups of the same kind *and role*: the same pipeline stage (the first and
+    # last stages hold the embedding and the output layer, so their DP collectives move other sizes), for a
+    # pipeline pair the same pair of stages.
+    roles: dict[tuple[str, int], list[tuple[int, I64]]] = {}
+    for kind, g, rows in groups:
+        roles.setdefault((kind, int(stage[rows].min())), []).append((g, rows))
+    for (kind, _), same in roles.items():
+        if len(same) < 2:
+            continue  # one group spans the comparison: nothing to compare its transfer with
+        lg = np.log(np.stack([q[rows].min(axis=0) for _, rows in same]))
+        n = lg.shape[0]
+        ref = _faster_half(lg)
+        lr = lg - ref
+        if n >= 4:
+            mad = _MAD_SCALE * np.median(np.abs(lg - np.median(lg, axis=0)), axis=0)
+            hit = (lr >= math.log(p.link_ratio)) & (lr >= p.link_z * np.maximum(mad, _LINK_MAD_FLOOR))
+        else:
+            hit = lr >= math.log(max(p.link_ratio, _SMALL_SET_RATIO + 0.2))
+        # Beyond a plausible slowdown of a transfer it is waiting: a group made only of ranks that wait in a
+        # collective of another kind (all of one TP index, waiting for the others) looks "slow" by far more.
+        hit &= lr <= math.log(p.link_max_ratio)
+        if 2 * int(hit.any(axis=1).sum()) > n:
+            continue  # most groups slow: the whole job's network or load, not one group's link
+        for i in np.flatnonzero(hit.any(axis=1)).tolist():
+            g, rows = same[i]
+            if explained[rows].all():
+                continue
+            j = int(np.argmax(np.where(hit[i], lr[i], -np.inf)))
+            extra = float(np.sum(np.where(hit[i], (np.exp(lg[i]) - np.exp(ref)) * modes.width * calls, 0.0)))
+            ratio = float(np.exp(lr[i, j]))
+            explained[rows] = True
+            out.append(L3Result(L3Kind.LINK_DEGRADED, tuple(sorted(int(r) for r in ranks[rows])), s.kernel, s.stream,
+                                ratio, {
+                **base, "group": f"{kind}{g}", "group_kind": kind, "group_index": g, "whole_group": True,
+                "transfer_ratio": ratio, "p50_ratio": ratio, "group_min_ns": float(np.exp(lg[i, j])),
+                "healthy_min_ns": float(np.exp(ref[j])),
+                "mode_share_of_calls": float(modes.width[j]), "groups_compared": n,
+                "w1_inter_over_intra_ratio": _inter_intra(sc, rows, np.flatnonzero(~explained)),
+            }, excess_ns=extra))
+    return out
+
+
+def _faster_half(lg: F64) -> F64:
+    """Per column, the median of the faster half of the rows (groups): the healthy groups' level."""
+    out: F64 = np.median(np.sort(lg, axis=0)[: (lg.shape[0] + 1) // 2], axis=0)
+    return out
+
+
+def _collective(s: KernelSummary, ranks: I64, batch: MixtureBatch, total: F64, topology: JobTopology | None,
+                p: L3Params, base: dict[str, Any], group_kind: ParallelGroup | None = None) -> list[L3Result]:
     sc = score_ranks(batch, p.grid_points, p.mode_log_gap)
     slow, p50_ratio, healthy = _slow_ranks(sc, p.collective_min_score, p.collective_p50_ratio, p)
     p50 = sc.primary_p50_ns
-    p2p = any(m in s.kernel.lower() for m in ("send", "recv")) or group_kind is ParallelGroup.PP
+    p2p = _is_p2p(s.kernel) or group_kind is ParallelGroup.PP
     groups = _groups(topology, ranks, p2p, group_kind)
-    every_group = groups if group_kind is None else _groups(topology, ranks, True)
+    every_group = groups if group_kind is None else _groups(topology, ranks, p2p)
     explained = np.zeros(ranks.size, dtype=bool)
     results: list[L3Result] = []
+    if topology is not None:
+        stage_of = dict(zip(topology.rank, topology.pp_stage, strict=True))
+        stage = np.array([stage_of[r] for r in ranks.tolist()], dtype=np.int64)
+        results = _links(s, ranks, batch, sc, groups, stage, p, base, explained)
     late: list[tuple[float, str, int, int, I64, float]] = []
     for size in sorted({rows.size for _, _, rows in groups}, reverse=True):  # larger groups explain first
         same = [grp for grp in groups if grp[2].size == size]
-        for kind, g, rows in same if topology is not None else ():  # long on every member, none 2x shorter
-            sl = slow[rows]
-            if (2 * int(sl.sum()) > rows.size and np.any(sl & ~explained[rows])
-                    and float(p50[rows].min()) >= 0.5 * float(np.median(p50[rows][sl]))):
-                results.append(_link(s, ranks, rows, kind, g, sc, p50_ratio, healthy, base,
-                                     np.flatnonzero(~slow & ~explained)))
-                explained[rows] = True
         for ratio, kind, g, row, rows, peers_p50 in _late_candidates(same, p50):
             if not (explained[row] or explained[rows[rows != row]].all()):
                 explained[rows] = True
@@ -379,6 +508,7 @@ def _collective(s: KernelSummary, ranks: I64, batch: MixtureBatch, topology: Job
     # late together: which of them held the others up shows only in that group's own collective.
     together = np.zeros(ranks.size, dtype=bool)
     together[[entry[3] for entry in late]] = True
+    calls = batch.counts.sum(axis=1)
     for ratio, kind, g, row, rows, peers_p50 in late:
         if ratio < p.short_ratio or any(together[r].all() for _, _, r in every_group
                                         if row in r and not np.array_equal(r, rows)):
@@ -389,7 +519,7 @@ def _collective(s: KernelSummary, ranks: I64, batch: MixtureBatch, topology: Job
             **base, "group": f"{kind}{g}", "group_kind": kind, "group_index": g, "collective_short": True,
             "peers_over_rank_p50_ratio": ratio, "rank_p50_ns": float(p50[row]), "peers_p50_ns": peers_p50,
             "waiting_peers": [int(r) for r in ranks[others]],
-        }))
+        }, excess_ns=float((peers_p50 - p50[row]) * calls[row])))
     rest = np.flatnonzero(slow & ~explained)
     # A collective ends together on every member, so one member's longer collective only means it arrived
     # earlier and waited: with the topology known that is never the member's own fault (a slow link slows
@@ -401,7 +531,7 @@ def _collective(s: KernelSummary, ranks: I64, batch: MixtureBatch, topology: Job
             **base, "whole_group": False, "healthy_p50_ns": healthy,
             "rank_score": {str(int(ranks[i])): float(sc.score[i]) for i in rest.tolist()},
             "rank_p50_ratio": {str(int(ranks[i])): float(p50_ratio[i]) for i in rest.tolist()},
-        }))
+        }, excess_ns=float(np.max(total[rest]) - np.median(total))))
     return results
 
 
@@ -419,18 +549,6 @@ def _late_candidates(groups: list[tuple[str, int, I64]], p50: F64) -> list[tuple
                 for i in np.flatnonzero(ratio >= _LATE_EXPLAINS).tolist()]
     out.sort(key=lambda c: (-c[0], c[3]))
     return out
-
-
-def _link(s: KernelSummary, ranks: I64, rows: I64, kind: str, g: int, sc: RankScores, p50_ratio: F64,
-          healthy: float, base: dict[str, Any], normal: I64) -> L3Result:
-    p50 = sc.primary_p50_ns
-    return L3Result(L3Kind.LINK_DEGRADED, tuple(int(r) for r in ranks[rows]), s.kernel, s.stream,
-                    float(np.median(p50_ratio[rows])), {
-        **base, "group": f"{kind}{g}", "group_kind": kind, "group_index": g, "whole_group": True,
-        "group_p50_ns": float(np.median(p50[rows])), "healthy_p50_ns": healthy,
-        "p50_ratio": float(np.median(p50_ratio[rows])), "group_score": float(np.median(sc.score[rows])),
-        "w1_inter_over_intra_ratio": _inter_intra(sc, rows, normal),
-    })
 
 
 def _inter_intra(sc: RankScores, group: I64, normal: I64) -> float | None:

@@ -356,7 +356,12 @@ class JobLifecycle(Record):
 
 @dataclass(frozen=True)
 class Finding(Record):
-    """A diagnosis; see ``schemas/finding.v1.avsc``."""
+    """A diagnosis; see ``schemas/finding.v2.avsc``.
+
+    ``impact_ns_per_step``: GPU time (ns) the whole job loses per affected step because of it (the delay it
+    adds to the iteration times the ranks that wait); ``impact_ns``: that over all affected steps. Both 0
+    when unknown (findings written with schema v1).
+    """
 
     SCHEMA: ClassVar[str] = "finding"
 
@@ -372,6 +377,8 @@ class Finding(Record):
     phase: str | None = None
     kernel: str | None = None
     stream: int | None = None
+    impact_ns_per_step: float = 0.0
+    impact_ns: float = 0.0
 
     @classmethod
     def _enum_fields(cls) -> dict[str, type[enum.Enum]]:

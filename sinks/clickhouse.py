@@ -89,6 +89,8 @@ class ClickHouseStore:
         self.command(f"CREATE DATABASE IF NOT EXISTS `{self.database}`")
         for table in TABLES.values():
             self.command(table.ddl(self.database))
+            for sql in table.migrations(self.database):
+                self.command(sql)
 
     def insert(self, table: Table, rows: list[tuple[Any, ...]]) -> None:
         """Insert ``rows`` into ``table`` as one Arrow block. Raises :class:`SinkError`."""

@@ -50,6 +50,12 @@ class Table:
         return (f"CREATE TABLE IF NOT EXISTS `{database}`.`{self.name}` ({', '.join(cols)}) "
                 f"ENGINE = {engine} ORDER BY ({', '.join(self.order_by)})")
 
+    def migrations(self, database: str) -> list[str]:
+        """``ADD COLUMN IF NOT EXISTS`` for every column, so tables created by an older argus gain new ones
+        (e.g. the findings' impact columns of schema v2); no-ops on current tables."""
+        return [f"ALTER TABLE `{database}`.`{self.name}` ADD COLUMN IF NOT EXISTS `{n}` {t}"
+                for n, t, _ in self.columns]
+
     @property
     def arrow_schema(self) -> pa.Schema:
         return pa.schema([(n, a) for n, _, a in self.columns])
@@ -96,7 +102,7 @@ def _job_rows(r: JobLifecycle) -> Iterable[tuple[Any, ...]]:
 
 def _finding_rows(r: Finding) -> Iterable[tuple[Any, ...]]:
     yield (r.job_id, r.finding_id, r.level.value, r.kind, list(r.ranks), r.phase, r.kernel, r.stream,
-           list(r.steps), r.score, r.evidence_json, r.time_ns)
+           list(r.steps), r.score, r.evidence_json, r.time_ns, r.impact_ns_per_step, r.impact_ns)
 
 
 def _dead_letter_rows(r: DeadLetter) -> Iterable[tuple[Any, ...]]:
@@ -149,7 +155,8 @@ TABLES: dict[str, Table] = {t.name: t for t in (
                        ("kind", _LC, _STR), ("ranks", "Array(Int32)", pa.list_(_I32)),
                        ("phase", "Nullable(String)", _STR), ("kernel", "Nullable(String)", _STR),
                        ("stream", "Nullable(Int64)", _I64), ("steps", _A64, _AL), ("score", "Float64", pa.float64()),
-                       ("evidence_json", "String", _STR), ("time_ns", "Int64", _I64)),
+                       ("evidence_json", "String", _STR), ("time_ns", "Int64", _I64),
+                       ("impact_ns_per_step", "Float64", pa.float64()), ("impact_ns", "Float64", pa.float64())),
           ("job_id", "finding_id"), _finding_rows),
     Table("dead_letters", (("topic", _LC, _STR), ("partition", "Int32", _I32), ("offset", "Int64", _I64),
                            ("stage", _LC, _STR), ("job_id", _LC, _STR), ("key", "Nullable(String)", pa.binary()),

@@ -9,6 +9,11 @@ window at the job's end.
 
 Findings carry deterministic ids, so repeated runs over growing data emit each finding once; a regression
 whose onset estimate moves by less than ``L1Params.min_segment`` steps counts as the same finding.
+
+Every finding carries its impact (:mod:`detectors.impact`: GPU time the job lost) and is raised only when
+its delay is at least ``DiagnosisParams.min_impact_fraction`` of the job's median step time.
+:class:`RankDiagnosis` pools a job's kernel summaries per rank across kernels (:mod:`detectors.l3_ranks`)
+and judges them once, when the job's summaries have all arrived.
 """
 
 from __future__ import annotations
@@ -19,13 +24,15 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from detectors.findings import to_finding
+from detectors.findings import DetectorResult, to_finding
+from detectors.impact import StepClock, impact_of, worth_raising
 from detectors.l1_iteration import IterationSeries, L1Kind, L1Params, L1Result, detect_l1
 from detectors.l2_phases import L2Params, L2Result, PhaseTable, detect_l2
 from detectors.l3_kernels import L3Params, detect_l3
+from detectors.l3_ranks import KernelTotals, RankExcessParams, detect_rank_excess
 from schemas.records import Finding, JobLifecycle, JobTopology, KernelSummary, ParallelGroup, PhaseBatch, Step
 
-__all__ = ["DiagnosisParams", "JobDiagnosis", "KernelDiagnosis", "drop_victims"]
+__all__ = ["DiagnosisParams", "JobDiagnosis", "KernelDiagnosis", "RankDiagnosis", "drop_victims", "judge"]
 
 
 @dataclass(frozen=True)
@@ -36,9 +43,25 @@ class DiagnosisParams:
     detect_every: int = 5
     #: Complete steps of phase records kept for L2 (older ones are dropped: bounded memory).
     history_steps: int = 200
+    #: Least delay a finding adds per step, as a fraction of the median step time, to be raised (1 %).
+    min_impact_fraction: float = 0.01
     l1: L1Params = field(default_factory=L1Params)
     l2: L2Params = field(default_factory=L2Params)
     l3: L3Params = field(default_factory=L3Params)
+    ranks: RankExcessParams = field(default_factory=RankExcessParams)
+
+
+def judge(job_id: str, results: list[DetectorResult], time_ns: int, world_size: int, clock: StepClock,
+          min_fraction: float, window: tuple[int, int] | None = None) -> list[Finding]:
+    """The findings of ``results`` worth raising (:func:`~detectors.impact.worth_raising`), each with its
+    impact; ``window``: the judged window of L3 results (its steps spread their excess)."""
+    steps = clock.steps_in(*window) if window is not None else max(len(clock.starts_ns), 1)
+    out = []
+    for res in results:
+        impact = impact_of(res, world_size, steps)
+        if worth_raising(impact, clock, min_fraction):
+            out.append(to_finding(job_id, res, time_ns, impact))
+    return out
 
 
 class JobDiagnosis:
@@ -58,6 +81,7 @@ class JobDiagnosis:
         self._done: set[int] = set()
         # The job's iteration series, one entry per complete step: max over ranks (the job waits for all).
         self._series: list[tuple[int, float, float]] = []
+        self._starts: list[int] = []
         self._last_run = 0
         self._emitted: set[str] = set()
         self._onsets: list[int] = []
@@ -93,6 +117,10 @@ class JobDiagnosis:
     def complete_steps(self) -> int:
         return len(self._complete)
 
+    def clock(self) -> StepClock:
+        """The complete steps' starts and median iteration time, for judging impacts."""
+        return StepClock.of(self._starts, [wall for _, wall, _ in self._series])
+
     def due(self) -> bool:
         """Enough new complete steps since the last live run."""
         return self.complete_steps - self._last_run >= self.params.detect_every
@@ -126,8 +154,9 @@ class JobDiagnosis:
             if len(table):
                 results.extend(detect_l2(table, self.topology, self.params.l2, onset_step=onset))
         new = []
-        for res in results:
-            finding = to_finding(self.job_id, res, self.last_time_ns)
+        world = self.world_size or (len(self.topology.rank) if self.topology else 1)
+        for finding in judge(self.job_id, list(results), self.last_time_ns, world, self.clock(),
+                             self.params.min_impact_fraction):
             if finding.finding_id not in self._emitted:
                 self._emitted.add(finding.finding_id)
                 new.append(finding)
@@ -144,6 +173,7 @@ class JobDiagnosis:
             ranks = self._steps.pop(step).values()
             gpu = [r.gpu_ns for r in ranks if r.gpu_ns is not None]
             self._series.append((step, float(max(r.wall_ns for r in ranks)), float(max(gpu)) if gpu else math.nan))
+            self._starts.append(min(r.start_ns for r in ranks))
             for old in self._complete[:-self.params.history_steps]:
                 self._phases.pop(old, None)
 
@@ -173,14 +203,17 @@ class KernelDiagnosis:
             self._seen_ranks.add(summary.rank[i])
 
     def diagnose(self, topology: JobTopology | None, final: bool = False,
-                 group_kind: ParallelGroup | None = None) -> list[Finding]:
+                 group_kind: ParallelGroup | None = None, clock: StepClock | None = None) -> list[Finding]:
         """Judge the windows that are complete (see the class docstring) and not judged with these ranks.
 
-        Live judgements wait for the job's topology (groups decide how collectives are read); at the end
-        whatever is known is used. ``group_kind``: the group this stream's collectives run in, if known.
+        Live judgements wait for the job's topology (groups decide how collectives are read) and its steps
+        (``clock``: impacts are judged against the step time); at the end whatever is known is used.
+        ``group_kind``: the group this stream's collectives run in, if known.
         """
-        if topology is None and not final:
+        if (topology is None or clock is None or clock.median_step_ns <= 0) and not final:
             return []
+        clock = clock or StepClock()
+        world = topology.world_size if topology is not None else len(self._seen_ranks)
         starts = sorted(self._windows)
         ready = []
         for i, ws in enumerate(starts):
@@ -194,12 +227,41 @@ class KernelDiagnosis:
         for ws in ready:
             self._judged[ws] = len(self._ranks[ws])
             rows = self._windows[ws]
-            for res in detect_l3(rows, topology, self.params.l3, group_kind):
-                finding = to_finding(self.job_id, res, rows[0].window_end_ns[0])
+            results: list[DetectorResult] = list(detect_l3(rows, topology, self.params.l3, group_kind))
+            for finding in judge(self.job_id, results, rows[0].window_end_ns[0], world, clock,
+                                 self.params.min_impact_fraction, (ws, rows[0].window_end_ns[0])):
                 if finding.finding_id not in self._emitted:
                     self._emitted.add(finding.finding_id)
                     new.append(finding)
         return new
+
+
+class RankDiagnosis:
+    """Job-level L3 state: every compute kernel's time and calls per rank (:class:`KernelTotals`), judged
+    once at the job's end by :func:`~detectors.l3_ranks.detect_rank_excess`."""
+
+    def __init__(self, job_id: str, params: DiagnosisParams | None = None) -> None:
+        self.job_id = job_id
+        self.params = params or DiagnosisParams()
+        self._totals: dict[tuple[str, int], KernelTotals] = {}
+        self._ranks: set[int] = set()
+        self.last_time_ns = 0
+
+    def add(self, summary: KernelSummary) -> None:
+        key = (summary.kernel, summary.stream)
+        totals = self._totals.get(key)
+        if totals is None:
+            totals = self._totals[key] = KernelTotals(summary.kernel, summary.stream)
+        totals.add(summary)
+        self._ranks.update(summary.rank)
+        self.last_time_ns = max(self.last_time_ns, *summary.window_end_ns, 0)
+
+    def diagnose(self, topology: JobTopology | None, clock: StepClock | None = None) -> list[Finding]:
+        """The ranks slow across kernels, with their impact over the job's steps."""
+        world = topology.world_size if topology is not None else len(self._ranks)
+        results: list[DetectorResult] = list(detect_rank_excess(self._totals.values(), topology, self.params.ranks))
+        return judge(self.job_id, results, self.last_time_ns, world, clock or StepClock(),
+                     self.params.min_impact_fraction)
 
 
 def _row(s: KernelSummary, i: int) -> KernelSummary:

@@ -7,8 +7,11 @@
 * ``argus.diagnose-kernels`` reads kernel summaries keyed by (job, kernel, stream), feeds
   :class:`streams.diagnosis.KernelDiagnosis` and judges each window once the next one begins. Every
   compressor partition ends a job with a marker on every summaries partition; when one partition has the
-  markers of all kernel partitions, all of the job's summaries there have arrived: final L3, then
-  ``DIAGNOSED`` with part ``l3/<partition>``.
+  markers of all kernel partitions, all of the job's summaries there have arrived: final L3 (once the job's
+  steps are all in, so impacts are judged against the final step time; at most ``final_wait_s``), then
+  ``DIAGNOSED`` with part ``l3/<partition>``. The summaries also feed the job's
+  :class:`streams.diagnosis.RankDiagnosis`, judged before the DIAGNOSED of the last partition this worker
+  finishes the job on, when this worker has held all partitions of the job.
 
 ``argus findings --wait`` waits for all those DIAGNOSED parts. Messages are acked once their job is
 finished here (or, for very long jobs, once ``max_pending`` messages of the job are held), so a restarted
@@ -19,6 +22,7 @@ workers a job's topology may be read by another worker, and L3 then compares ran
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections import OrderedDict, defaultdict
@@ -31,8 +35,9 @@ from faust.types import EventT
 from argus.errors import SchemaError
 from argus.settings import Settings
 from argus.topics import RECORD_OF, Topic, job_key
+from detectors.impact import StepClock
 from schemas.records import Finding, JobLifecycle, JobTopology, KernelSummary, LifecycleEvent, ParallelGroup
-from streams.diagnosis import DiagnosisParams, JobDiagnosis, KernelDiagnosis, drop_victims
+from streams.diagnosis import DiagnosisParams, JobDiagnosis, KernelDiagnosis, RankDiagnosis, drop_victims
 
 __all__ = ["DiagnosisStats", "install_diagnosis", "summary_end_marker"]
 
@@ -77,9 +82,10 @@ class _Recent(OrderedDict[str, _V]):
 
 
 def install_diagnosis(app: faust.App, settings: Settings, params: DiagnosisParams | None = None,
-                      max_pending: int = 200_000, max_jobs: int = 10_000) -> DiagnosisStats:
+                      max_pending: int = 200_000, max_jobs: int = 10_000, final_wait_s: float = 30.0
+                      ) -> DiagnosisStats:
     """Add the diagnosis agents to ``app``; returns their live counters."""
-    params = params or DiagnosisParams()
+    params = params or DiagnosisParams(min_impact_fraction=settings.min_impact_fraction)
     stats = DiagnosisStats()
     names = {t.full(settings): t for t in (Topic.STEPS, Topic.PHASES, Topic.TOPOLOGY, Topic.LIFECYCLE)}
     job_input = app.topic(*names, key_type=bytes, value_type=bytes)
@@ -93,10 +99,15 @@ def install_diagnosis(app: faust.App, settings: Settings, params: DiagnosisParam
     stream_groups: _Recent[dict[int, ParallelGroup]] = _Recent(max_jobs)
     # Ranks L2 named compute stragglers, per job: their blocking-group peers are victims for L3.
     stragglers: _Recent[set[int]] = _Recent(max_jobs)
+    # The job's steps as L1/L2 know them (impacts are judged against the step time); final once finished.
+    clocks: _Recent[StepClock] = _Recent(max_jobs)
+    final_clocks: _Recent[StepClock] = _Recent(max_jobs)
+    ranks_state: _Recent[RankDiagnosis] = _Recent(max_jobs)
+    parts_done: _Recent[set[int]] = _Recent(max_jobs)
 
     async def publish(findings: list[Finding]) -> None:
         for f in findings:
-            if f.level.value == "L2" and f.kind == "compute_straggler":
+            if (f.level.value, f.kind) in (("L2", "compute_straggler"), ("L3", "rank_degraded")):
                 stragglers[f.job_id] = stragglers.get(f.job_id, set()) | set(f.ranks)
         futs = [await findings_topic.send(key=job_key(f.job_id), value=f.encode(), force=True) for f in findings]
         for fut in futs:
@@ -149,6 +160,7 @@ def install_diagnosis(app: faust.App, settings: Settings, params: DiagnosisParam
             hold(rec.job_id, event)
             if job.finished():
                 await publish(job.diagnose())
+                clocks[rec.job_id] = final_clocks[rec.job_id] = job.clock()
                 end = job.end
                 await diagnosed(rec.job_id, "l1l2", end.time_ns if end else job.last_time_ns, job.world_size or 0)
                 stats.jobs_diagnosed += 1
@@ -156,6 +168,7 @@ def install_diagnosis(app: faust.App, settings: Settings, params: DiagnosisParam
                 release(rec.job_id)
             elif job.due():
                 await publish(job.diagnose())
+                clocks[rec.job_id] = job.clock()
             yield None
 
     # L3 state per (job, summaries partition): a job's keys spread over partitions, each finishes alone.
@@ -179,10 +192,20 @@ def install_diagnosis(app: faust.App, settings: Settings, params: DiagnosisParam
             if _is_end_marker(s):
                 markers[part].add(s.stream)
                 if len(markers[part]) >= settings.partitions:
+                    deadline = time.monotonic() + final_wait_s
+                    while s.job_id not in final_clocks and time.monotonic() < deadline:
+                        await asyncio.sleep(0.1)  # the job agent finishes the job's steps concurrently
+                    clock = final_clocks.get(s.job_id) or clocks.get(s.job_id)
+                    topo = topologies.get(s.job_id)
                     groups = stream_groups.get(s.job_id, {})
                     for state in kernels.pop(part, {}).values():
-                        found = state.diagnose(topo, final=True, group_kind=groups.get(state.stream))
+                        found = state.diagnose(topo, final=True, group_kind=groups.get(state.stream), clock=clock)
                         await publish(drop_victims(found, stragglers.get(s.job_id, set()), topo))
+                    done = parts_done[s.job_id] = parts_done.get(s.job_id, set()) | {part[1]}
+                    rank_state = ranks_state.get(s.job_id)
+                    if len(done) >= settings.partitions and rank_state is not None:
+                        await publish(rank_state.diagnose(topo, clock))
+                        del ranks_state[s.job_id]
                     await diagnosed(s.job_id, f"l3/{part[1]}", last_window.pop(part, 0),
                                     topo.world_size if topo else 0)
                     stats.l3_parts_diagnosed += 1
@@ -196,15 +219,20 @@ def install_diagnosis(app: faust.App, settings: Settings, params: DiagnosisParam
                 kernels[part][key] = KernelDiagnosis(s.job_id, s.kernel, s.stream, params)
             state = kernels[part][key]
             state.add(s)
+            if s.job_id not in ranks_state:
+                ranks_state[s.job_id] = RankDiagnosis(s.job_id, params)
+            ranks_state[s.job_id].add(s)
             last_window[part] = max(last_window.get(part, 0), *s.window_end_ns)
-            found = state.diagnose(topo, group_kind=stream_groups.get(s.job_id, {}).get(s.stream))
+            found = state.diagnose(topo, group_kind=stream_groups.get(s.job_id, {}).get(s.stream),
+                                   clock=clocks.get(s.job_id))
             await publish(drop_victims(found, stragglers.get(s.job_id, set()), topo))
             yield None
 
     @app.on_partitions_revoked.connect  # type: ignore[arg-type]
     async def on_revoked(sender: Any, *args: Any, **kwargs: Any) -> None:
         # Un-acked messages come back from the committed offsets after the rebalance.
-        for d in (jobs, job_events, kernels, markers, summary_events, last_window, stream_groups, stragglers):
+        for d in (jobs, job_events, kernels, markers, summary_events, last_window, stream_groups, stragglers,
+                  ranks_state, parts_done):
             d.clear()
 
     return stats

@@ -27,8 +27,10 @@ def _kinds(results: list) -> list[L1Kind]:
 
 
 @PROPERTY
-@given(n=st.integers(1, 300), sigma=st.floats(0.0, 0.05), seed=st.integers(0, 2**31))
+@given(n=st.integers(1, 300), sigma=st.floats(0.0, 0.01), seed=st.integers(0, 2**31))
 def test_flat_noise_gives_nothing(n: int, sigma: float, seed: int) -> None:
+    # Up to 1 % noise is silent for every seed (the 4 % effect gate is >= 6 standard errors away); noisier
+    # healthy series are silent up to the calibrated false-alarm rate (test_l1_power.py).
     wall = _noise(n, sigma, seed)
     assert detect_l1(np.arange(n), wall, wall * 0.98) == []
 
@@ -107,8 +109,11 @@ def test_step_regression_onset_exact(n: int, onset_frac: float, factor: float, s
 
 def test_small_shift_and_speedup_are_not_regressions() -> None:
     wall = _noise(60, 0.01, 4)
-    wall[30:] *= 1.2
+    wall[30:] *= 1.03  # under the 4 % effect size
     assert detect_l1(np.arange(60), wall) == []
+    wall = _noise(60, 0.01, 4)
+    wall[30:] *= 1.2  # was below the old 1.3x floor; a sustained >= 5 % slowdown is now a regression
+    assert [(r.kind, r.steps) for r in detect_l1(np.arange(60), wall)] == [(L1Kind.STEP_REGRESSION, (30,))]
     wall = _noise(60, 0.01, 4)
     wall[30:] /= 3.0  # a recovery is no finding
     assert detect_l1(np.arange(60), wall) == []
@@ -172,6 +177,7 @@ def test_bad_input_and_params_raise() -> None:
     with pytest.raises(DetectorError):
         detect_l1(np.arange(3))
     for bad in ({"window": 1}, {"min_context": 6}, {"spike_ratio": 1.0}, {"min_shift": float("nan")},
-                {"min_segment": 1}, {"penalty": -1.0}, {"smooth": 4}, {"max_change_points": 0}):
+                {"min_segment": 1}, {"penalty": -1.0}, {"smooth": 4}, {"max_change_points": 0}, {"warmup": -1},
+                {"outlier_sigmas": 0.0}):
         with pytest.raises(DetectorError):
             L1Params(**bad)  # type: ignore[arg-type]

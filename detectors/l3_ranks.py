@@ -1,0 +1,215 @@
+"""L3 per rank: a rank slower than its peers across many kernels, each with too few calls to judge alone.
+
+A real trace is often one or two steps long, so each kernel name runs 1-3 times per rank: no single-kernel
+test has samples enough, yet a rank whose every GEMM runs 30 % slower is plain when the kernels are taken
+together. :func:`detect_rank_excess` pools the evidence of every compute kernel of the job per rank:
+
+1. Per kernel (within a comparison set: the rank's pipeline stage, whose ranks run the same kernels) each
+   rank's mean duration per call ``m`` is compared with the median over the set, ``ref``.
+2. **Significance, rank-based.** In each kernel the ranks are ordered by ``m / ref`` and each gets the normal
+   score of its place; a rank's scores are summed over the kernels. If no rank differed, the places would
+   be a random permutation per kernel, so the sum's null variance is known exactly and its z-score is
+   calibrated whatever the durations' noise, skew or microsecond quantization. A rank slower in most of
+   its GEMMs stands out even with one call of each: every slower kernel adds its top score. The test runs
+   over all kernels and over each kernel family (:func:`kernel_family`: GEMMs, attention, ...) alone, so
+   a fault confined to one family is not diluted by the kernels it spares; the largest z counts.
+3. **Effect size.** Its **excess**: the time beyond its peers in the kernels it runs slower (``m / ref >
+   slower_ratio``), ``sum(calls * (m - ref))``, as a share of its expected time.
+4. A rank with ``z >= min_z`` and an excess share ``>= min_excess_fraction`` is a
+   :attr:`~detectors.l3_kernels.L3Kind.RANK_DEGRADED` finding naming the kernels that carry most of the
+   excess (and the stream layer raises it only when its delay is worth it, :mod:`detectors.impact`). If
+   most of a set is flagged it is the set's work that changed, not a rank: nothing is named.
+
+Collective kernels are left out: their duration includes waiting for the last member, which says nothing
+about a rank's own speed (the per-kernel L3 reads them with the topology).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import numpy.typing as npt
+from scipy.special import ndtri
+from scipy.stats import rankdata
+
+from argus.errors import DetectorError
+from detectors.l3_kernels import L3Kind, L3Result, is_collective
+from schemas.records import JobTopology, KernelSummary
+
+__all__ = ["KernelTotals", "RankExcessParams", "detect_rank_excess", "kernel_family"]
+
+F64 = npt.NDArray[np.float64]
+I64 = npt.NDArray[np.int64]
+
+
+@dataclass
+class KernelTotals:
+    """Per rank: total time (ns) and calls of one (kernel, stream) over a job, accumulated from summaries."""
+
+    kernel: str
+    stream: int
+    total_ns: dict[int, float] = field(default_factory=dict)
+    calls: dict[int, float] = field(default_factory=dict)
+
+    def add(self, summary: KernelSummary) -> None:
+        """Add the rows of one summary of this (kernel, stream). Raises :class:`DetectorError` for another key
+        or inconsistent cluster columns."""
+        if (summary.kernel, summary.stream) != (self.kernel, self.stream):
+            raise DetectorError(f"summary of {summary.kernel}/{summary.stream} added to {self.kernel}/{self.stream}")
+        if len(summary.n_clusters) != len(summary.rank) or sum(summary.n_clusters) != len(summary.cluster_count):
+            raise DetectorError(f"kernel summary {summary.job_id}/{summary.kernel}: cluster columns do not match")
+        at = 0
+        for rank, k in zip(summary.rank, summary.n_clusters, strict=True):
+            self.total_ns[rank] = self.total_ns.get(rank, 0.0) + float(sum(summary.cluster_sum_ns[at:at + k]))
+            self.calls[rank] = self.calls.get(rank, 0.0) + float(sum(summary.cluster_count[at:at + k]))
+            at += k
+
+
+@dataclass(frozen=True)
+class RankExcessParams:
+    """Thresholds of :func:`detect_rank_excess` (defaults in brackets).
+
+    ``slower_ratio``: a rank's mean time per call of a kernel over the set's median that counts it slower
+    in that kernel [1.1]. ``min_z``: least z-score of the rank's summed normal scores [4.5].
+    ``min_excess_fraction``: least share of its expected compute time it spends beyond its peers in
+    those kernels [0.05]. ``min_ranks``: fewest ranks of a comparison set [2]. ``min_kernels``: fewest kernels
+    a rank must share with its set [3]. ``top_kernels``: kernels named in the evidence [5].
+    ``collective_markers``: lower-case substrings of collective kernels, left out [("nccl",)].
+    """
+
+    min_z: float = 4.5
+    min_excess_fraction: float = 0.05
+    slower_ratio: float = 1.1
+    min_ranks: int = 2
+    min_kernels: int = 3
+    top_kernels: int = 5
+    collective_markers: tuple[str, ...] = ("nccl",)
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.min_z) and self.min_z >= 0.0 and 0.0 <= self.min_excess_fraction < 1.0
+                and self.slower_ratio > 1.0):
+            raise DetectorError("need min_z >= 0, min_excess_fraction in [0, 1) and slower_ratio > 1")
+        if self.min_ranks < 2 or self.min_kernels < 1 or self.top_kernels < 1:
+            raise DetectorError("need min_ranks >= 2, min_kernels >= 1 and top_kernels >= 1")
+
+
+def detect_rank_excess(totals: Iterable[KernelTotals], topology: JobTopology | None = None,
+                       params: RankExcessParams | None = None) -> list[L3Result]:
+    """Ranks slower than their peers across the job's compute kernels (see the module docstring).
+
+    ``totals``: one :class:`KernelTotals` per (kernel, stream) of the job. ``topology``: ranks are compared
+    within their pipeline stage when given, else across the job. One result per flagged rank, with
+    ``kernel`` = the kernel carrying most of its excess and ``excess_ns`` = its total excess time.
+    """
+    p = params if params is not None else RankExcessParams()
+    usable = [t for t in totals if t.calls and not is_collective(t.kernel, p.collective_markers)]
+    if not usable:
+        return []
+    ranks = np.array(sorted({r for t in usable for r in t.calls}), dtype=np.int64)
+    pos = {r: i for i, r in enumerate(ranks.tolist())}
+    n_r, n_k = ranks.size, len(usable)
+    total = np.full((n_r, n_k), np.nan)
+    calls = np.zeros((n_r, n_k))
+    for k, t in enumerate(usable):
+        for r, c in t.calls.items():
+            if c > 0:
+                total[pos[r], k], calls[pos[r], k] = t.total_ns.get(r, 0.0), c
+    if topology is not None:
+        stage_of = dict(zip(topology.rank, topology.pp_stage, strict=True))
+        part = np.array([stage_of.get(r, -1) for r in ranks.tolist()], dtype=np.int64)
+    else:
+        part = np.zeros(n_r, dtype=np.int64)
+    out: list[L3Result] = []
+    for g in np.unique(part).tolist():
+        rows = np.flatnonzero(part == g)
+        if rows.size >= p.min_ranks:
+            out += _judge(ranks[rows], total[rows], calls[rows], [(t.kernel, t.stream) for t in usable], int(g), p)
+    return out
+
+
+#: Kernel families by name (lower case, first match): a fault often slows one family, e.g. the GEMMs.
+_FAMILIES = (("gemm", ("gemm", "xmma", "cutlass", "cublas", "matmul", "wgmma")),
+             ("attention", ("flash", "attn", "fmha", "softmax")),
+             ("norm", ("norm",)),
+             ("embedding", ("embedding", "embed")),
+             ("elementwise", ("elementwise", "vectorized", "unrolled")),
+             ("reduce", ("reduce",)))
+
+
+def kernel_family(kernel: str) -> str:
+    """The family of a kernel name: gemm, attention, norm, embedding, elementwise, reduce or other."""
+    low = kernel.lower()
+    return next((fam for fam, needles in _FAMILIES if any(n in low for n in needles)), "other")
+
+
+def _rank_scores_z(d: F64) -> F64:
+    """Per row of ``d`` (ranks x kernels, NaN where absent): the z-score of its summed normal scores.
+
+    In each kernel the ranks are ranked by ``d`` (ties share their mean rank) and a rank's score is
+    ``Phi^-1((rank - 0.5) / n)``; if no rank differed, which rank holds which score would be a random
+    permutation, independently per kernel, so a row's centred sum has variance the sum of each kernel's
+    permutation variance. Rank-based: calibrated whatever the durations' noise, skew or quantization."""
+    present = ~np.isnan(d)
+    n = present.sum(axis=0)
+    ranks = rankdata(np.where(present, d, np.inf), axis=0)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        score = np.where(present, ndtri((ranks - 0.5) / np.maximum(n, 1)), 0.0)
+        centre = score.sum(axis=0) / np.maximum(n, 1)
+        dev = np.where(present, score - centre, 0.0)
+        var = (dev * dev).sum(axis=0) / np.maximum(n, 1)
+        out: F64 = dev.sum(axis=1) / np.sqrt(np.where(present, var, 0.0).sum(axis=1))
+    return np.nan_to_num(out, nan=0.0)
+
+
+def _judge(ranks: I64, total: F64, calls: F64, keys: Sequence[tuple[str, int]], part: int,
+           p: RankExcessParams) -> list[L3Result]:
+    present = calls > 0
+    enough = present.sum(axis=0) >= p.min_ranks
+    total, calls, present = total[:, enough], calls[:, enough], present[:, enough]
+    keys = [k for k, ok in zip(keys, enough.tolist(), strict=True) if ok]
+    if not keys:
+        return []
+    with np.errstate(invalid="ignore", divide="ignore"):
+        mean = np.where(present, total / np.where(present, calls, 1.0), np.nan)
+        positive = present & (mean > 0)
+        logm = np.where(positive, np.log(np.where(positive, mean, 1.0)), np.nan)
+    ref_log = np.nanmedian(logm, axis=0)
+    d = np.where(positive, logm - ref_log, 0.0)
+    ref = np.exp(ref_log)
+    slower = positive & (d > math.log(p.slower_ratio))
+    masked = np.where(positive, d, np.nan)
+    pooled = _rank_scores_z(masked)
+    fams = [kernel_family(k) for k, _ in keys]
+    for fam in set(fams):  # a fault often hits one family (the GEMMs): test it undiluted by the rest too
+        cols = np.array([f == fam for f in fams])
+        if p.min_kernels <= int(cols.sum()) < len(fams):
+            pooled = np.maximum(pooled, _rank_scores_z(masked[:, cols]))
+    w = np.where(positive, ref * np.nanmedian(np.where(present, calls, np.nan), axis=0), 0.0)
+    share = (w * slower).sum(axis=1) / np.maximum(w.sum(axis=1), 1e-300)
+    per_call = np.where(positive, total / np.where(positive, calls, 1.0), 0.0)
+    expected = np.where(positive, calls * ref, 0.0).sum(axis=1)
+    extra = np.where(slower, calls * (per_call - ref), 0.0)
+    excess = extra.sum(axis=1)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        fraction = excess / expected
+    hit = (pooled >= p.min_z) & (fraction >= p.min_excess_fraction) & (positive.sum(axis=1) >= p.min_kernels)
+    if not hit.any() or 2 * int(hit.sum()) > ranks.size:
+        return []
+    out = []
+    for i in np.flatnonzero(hit).tolist():
+        order = np.argsort(-extra[i], kind="stable")[: p.top_kernels]
+        top = [j for j in order.tolist() if extra[i, j] > 0]
+        kernel, stream = keys[top[0]] if top else keys[0]
+        out.append(L3Result(L3Kind.RANK_DEGRADED, (int(ranks[i]),), kernel, stream, float(fraction[i]), {
+            "rank_score_z": float(pooled[i]), "kernels_slower": int(slower[i].sum()),
+            "excess_fraction": float(fraction[i]), "excess_ms": float(excess[i]) / 1e6,
+            "expected_ms": float(expected[i]) / 1e6, "kernels_compared": int(positive[i].sum()),
+            "slower_time_share": float(share[i]), "partition": part,
+            "n_ranks": int(ranks.size),
+            "top_kernels_excess_ms": {f"{keys[j][0]}@{keys[j][1]}": float(extra[i, j]) / 1e6 for j in top},
+            "top_kernels_ratio": {f"{keys[j][0]}@{keys[j][1]}": float(math.exp(d[i, j])) for j in top},
+        }, excess_ns=float(excess[i])))
+    return out

@@ -1,0 +1,298 @@
+"""The independent Kineto scenario generator of the detection evaluation (load_tests/kineto_scenarios.py):
+traces the importer reads, synchronous collectives, fault magnitudes, multimodal GEMMs, truth and scoring."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from load_tests.kineto_scenarios import (
+    FAULT_CLASSES,
+    RANK_KINDS,
+    Scenario,
+    Timeline,
+    estimate_kernel_events,
+    expected_findings,
+    kernel_budget,
+    score_findings,
+    simulate,
+    write_scenario,
+)
+from producers.kineto import find_traces, topology_from_pg_config
+from producers.kineto_parse import RankTrace, parse_rank
+
+SMALL = Scenario(seed=3, fault="healthy", dp=2, tp=2, pp=2, steps=8, microbatches=2, layers=1, hidden=4096,
+                 tokens=4096, noise=0.05, name_style="sm90", nccl_stream_base=20)
+TP_STREAM = SMALL.nccl_stream_base
+
+
+def _parse_all(traces: Path) -> list[RankTrace]:
+    return sorted((parse_rank(p) for p in find_traces(traces)), key=lambda t: t.rank)
+
+
+def _rows(trace: RankTrace) -> Any:
+    return np.concatenate(list(trace.rows(1 << 20)))
+
+
+def _is_gemm(name: str) -> bool:
+    return "gemm" in name.lower()
+
+
+@pytest.mark.parametrize("variant", [
+    {},
+    {"compress": True, "absolute_ts": True, "annotate_phases": True, "nccl_annotations": True, "flows": True,
+     "gpu_step_annotations": False, "extra_pgs": True, "first_step": 10, "name_style": "sm80_legacy"},
+    {"moe": True, "ep": 2, "dp": 4, "tp": 1, "sequence_parallel": False, "schedule": "gpipe"},
+])
+def test_traces_parse_and_give_the_topology(tmp_path: Path, variant: dict[str, Any]) -> None:
+    scn = dataclasses.replace(SMALL, **variant)
+    tl = simulate(scn)
+    traces = write_scenario(scn, tmp_path, tl)
+    assert (tmp_path / "truth.json").is_file() and not list(traces.glob("truth*"))
+    parsed = _parse_all(traces)
+    try:
+        assert [t.rank for t in parsed] == list(range(scn.world))
+        counts = np.bincount(tl.rank, minlength=scn.world)
+        for t in parsed:
+            assert t.world_size == scn.world and not t.skipped and t.host and t.device
+            assert t.kernel_events == counts[t.rank]
+            assert [s.step for s in t.steps] == [scn.first_step + i for i in range(scn.steps)]
+            assert t.max_lag_ns == 0
+        topo = topology_from_pg_config("j", scn.world, [g for t in parsed for g in t.pg_config])
+        assert topo is not None
+        assert (topo.dp_size, topo.tp_size, topo.pp_size, topo.ep_size) == (scn.dp, scn.tp, scn.pp, scn.ep)
+        assert list(topo.pp_stage) == [r // scn.stage_size for r in range(scn.world)]
+        if scn.annotate_phases:
+            kinds = Counter(p.kind.value for p in parsed[0].phases)
+            assert kinds["FORWARD"] == kinds["BACKWARD"] == 2 * scn.steps * scn.microbatches  # CPU + GPU mirror
+            assert kinds["OPTIMIZER"] == 2 * scn.steps
+        # Every kernel falls in a step.
+        for t in parsed:
+            from producers.kineto_parse import assign_steps
+
+            assert (assign_steps(t.intervals(gpu=True), _rows(t)["start"]) >= 0).all()
+    finally:
+        for t in parsed:
+            t.close()
+
+
+def test_collectives_of_a_group_end_together_and_early_members_wait(tmp_path: Path) -> None:
+    scn = dataclasses.replace(SMALL, fault="compute_straggler", fault_ranks=(2,), magnitude=2.0, onset=0)
+    parsed = _parse_all(write_scenario(scn, tmp_path))
+    try:
+        tp_rows = {}
+        for t in parsed:
+            rows = _rows(t)
+            rows = rows[rows["stream"] == TP_STREAM]
+            tp_rows[t.rank] = rows[np.argsort(rows["start"], kind="stable")]
+        for group in ([0, 1], [2, 3], [4, 5], [6, 7]):
+            ends = np.stack([tp_rows[r]["start"] + tp_rows[r]["dur"] for r in group])
+            assert ends.shape[1] > 0
+            assert (ends.max(axis=0) - ends.min(axis=0)).max() <= 1_000  # ns
+        # Rank 2 is slow: its TP partner 3 arrives early and waits in the collective.
+        assert np.median(tp_rows[3]["dur"]) > 3 * np.median(tp_rows[2]["dur"])
+        # Healthy TP groups wait far less than the victim.
+        assert np.median(tp_rows[0]["dur"]) < 0.5 * np.median(tp_rows[3]["dur"])
+    finally:
+        for t in parsed:
+            t.close()
+
+
+@pytest.mark.parametrize("magnitude", [1.3, 2.5])
+def test_a_straggler_gemm_time_grows_by_the_magnitude(tmp_path: Path, magnitude: float) -> None:
+    scn = dataclasses.replace(SMALL, fault="compute_straggler", fault_ranks=(5,), magnitude=magnitude, onset=3)
+    parsed = _parse_all(write_scenario(scn, tmp_path))
+    try:
+        after: list[float] = []
+        before: list[float] = []
+        for t in parsed:
+            rows = _rows(t)
+            gemm = np.array([_is_gemm(n) for n in t.names])[rows["name"]]
+            first_after = t.steps[3].start_ns
+            after.append(float(rows["dur"][gemm & (rows["start"] >= first_after)].sum()))
+            before.append(float(rows["dur"][gemm & (rows["start"] < first_after)].sum()))
+        peers = [4, 6, 7]  # the same pipeline stage (the last one also runs the LM head)
+        ratio_after = after[5] / np.median([after[r] for r in peers])
+        ratio_before = before[5] / np.median([before[r] for r in peers])
+        assert ratio_after == pytest.approx(magnitude, rel=0.08)
+        assert ratio_before == pytest.approx(1.0, abs=0.08)
+    finally:
+        for t in parsed:
+            t.close()
+
+
+def test_one_gemm_name_has_several_duration_modes() -> None:
+    tl = simulate(dataclasses.replace(SMALL, layers=2))
+    fwd = next(i for i, n in enumerate(tl.names) if "tn_n_tilesize128x128x64" in n)
+    d = np.sort(np.log(tl.dur[(tl.rank == 0) & (tl.name == fwd)]))
+    modes = 1 + int((np.diff(d) > 0.2).sum())
+    assert modes >= 2
+    assert d[-1] - d[0] > np.log(2.5)  # QKV (3x) and out-projection (1x) share the name
+
+
+def test_one_mode_slows_only_that_shape() -> None:
+    scn = dataclasses.replace(SMALL, fault="one_mode", fault_ranks=(1,), fault_shape="gemm_fwd:proj", magnitude=1.5,
+                              noise=0.03)
+    tl = simulate(scn)
+    fwd = next(i for i, n in enumerate(tl.names) if "tn_n_tilesize128x128x64" in n)
+
+    def modes(rank: int) -> tuple[float, float]:
+        d = np.sort(tl.dur[(tl.rank == rank) & (tl.name == fwd)])
+        split = np.argmax(np.diff(np.log(d))) + 1
+        return float(np.median(d[:split])), float(np.median(d[split:]))
+
+    lo1, hi1 = modes(1)
+    lo0, hi0 = modes(0)
+    assert lo1 / lo0 == pytest.approx(1.5, rel=0.1)
+    assert hi1 / hi0 == pytest.approx(1.0, abs=0.06)
+
+
+def test_stage_slow_and_link_degraded_change_what_they_should() -> None:
+    stage = simulate(dataclasses.replace(SMALL, fault="stage_slow", fault_stage=1, fault_ranks=(4, 5, 6, 7),
+                                         magnitude=2.0))
+    base = simulate(SMALL)
+    bwd = (stage.phase == 2) & (stage.stream == 7)
+    assert bwd.any() and np.array_equal(bwd, (base.phase == 2) & (base.stream == 7))
+    for ranks, factor in ((range(4), 1.0), (range(4, 8), 2.0)):  # the same seed: the same noise
+        sel = bwd & np.isin(stage.rank, list(ranks))
+        assert stage.dur[sel].sum() / base.dur[sel].sum() == pytest.approx(factor, rel=1e-6)
+    fwd = (stage.phase == 1) & (stage.stream == 7)
+    assert stage.dur[fwd].sum() == pytest.approx(base.dur[fwd].sum(), rel=1e-9)
+    link = simulate(dataclasses.replace(SMALL, fault="link_degraded", fault_group="tp", fault_ranks=(2, 3),
+                                        magnitude=3.0))
+    # The degraded TP group's last arrival still takes ~3x the transfer: its shortest collectives are longer.
+    sel = link.stream == TP_STREAM
+    short = {r: np.percentile(link.dur[sel & (link.rank == r)], 10) for r in range(4)}
+    assert min(short[2], short[3]) > 2 * max(short[0], short[1])
+
+
+def test_host_stall_spikes_wall_time_not_gpu_time() -> None:
+    scn = dataclasses.replace(SMALL, fault="host_stall", stall_steps=(4,), magnitude=3.0)
+    tl = simulate(scn)
+    it = tl.iteration_us()
+    others = np.delete(it, 4)
+    assert it[4] / np.median(others) == pytest.approx(3.0, rel=0.15)
+    end = tl.start + tl.dur
+    gpu = [end[tl.step == n].max() - tl.start[tl.step == n].min() for n in range(scn.steps)]
+    assert gpu[4] < 1.3 * np.median(np.delete(gpu, 4))
+
+
+def test_short_trace_has_few_calls_per_name() -> None:
+    for seed in range(4):
+        scn = Scenario.from_seed(seed, "short_trace", 64)
+        assert 1 <= scn.steps <= 3
+        tl = simulate(scn)
+        r = scn.fault_ranks[0]
+        calls = Counter(tl.name[(tl.rank == r) & (tl.coll < 0)].tolist())
+        assert max(calls.values()) <= 3
+        gemm = np.array([_is_gemm(n) for n in tl.names])[tl.name]
+        mine = tl.dur[gemm & (tl.rank == r)].sum()
+        peer = [tl.dur[gemm & (tl.rank == q)].sum() for q in range(scn.world)
+                if q != r and q // scn.stage_size == r // scn.stage_size]
+        if peer:
+            assert mine / np.median(peer) == pytest.approx(scn.magnitude, rel=0.15)
+
+
+def test_draw_is_deterministic_and_sized() -> None:
+    for fault in FAULT_CLASSES:
+        for seed in range(6):
+            scn = Scenario.from_seed(seed, fault, 64)
+            assert scn == Scenario.from_seed(seed, fault, 64)
+            assert scn.world <= 64 and scn.fault == fault
+            assert estimate_kernel_events(scn) <= kernel_budget(scn.world)
+            if fault not in ("short_trace",):
+                assert 6 <= scn.steps <= 40
+    big = Scenario.from_seed(1, "healthy", 512)
+    assert estimate_kernel_events(big) <= kernel_budget(big.world)
+    a, b = simulate(SMALL), simulate(SMALL)
+    assert np.array_equal(a.start, b.start) and np.array_equal(a.name, b.name)
+
+
+def test_truth_per_class() -> None:
+    seen = set()
+    for fault in FAULT_CLASSES:
+        for seed in range(5):
+            scn = Scenario.from_seed(seed, fault, 128)
+            truth = expected_findings(scn)
+            exp = truth["expected"]
+            seen.add(fault)
+            if fault in ("compute_straggler", "one_mode", "short_trace"):
+                assert len(exp) == 1 and exp[0]["kinds"] == list(RANK_KINDS)
+                assert exp[0]["ranks"] == list(scn.fault_ranks) and len(scn.fault_ranks) in (1, 2)
+            elif fault == "stage_slow":
+                stage = scn.fault_stage
+                assert exp[0]["kinds"] == ["pp_stage_slow"]
+                assert exp[0]["ranks"] == list(range(stage * scn.stage_size, (stage + 1) * scn.stage_size))
+                assert truth["tolerated"][0]["ranks"] == exp[0]["ranks"]
+            elif fault == "link_degraded":
+                assert exp[0]["kinds"] == ["link_degraded"] and len(exp[0]["ranks"]) >= 2
+                assert len(exp[0]["ranks"]) < scn.world
+            elif fault == "job_regression":
+                assert exp == [{"kinds": ["step_regression"], "ranks": [], "steps": None,
+                                "onset": scn.first_step + scn.onset}]
+                assert 5 <= scn.onset <= scn.steps - 5
+            elif fault == "host_stall":
+                assert exp[0]["kinds"] == ["iteration_spike"]
+                assert exp[0]["steps"] == [scn.first_step + s for s in scn.stall_steps] and exp[0]["steps"]
+            else:
+                assert exp == [] and not truth["optional"]
+    assert seen == set(FAULT_CLASSES)
+
+
+def test_truth_json_holds_the_scenario(tmp_path: Path) -> None:
+    scn = dataclasses.replace(SMALL, fault="job_regression", magnitude=1.3, onset=4, steps=10)
+    write_scenario(scn, tmp_path)
+    truth = json.loads((tmp_path / "truth.json").read_text())
+    assert Scenario(**{k: tuple(v) if isinstance(v, list) else v for k, v in truth["scenario"].items()
+                       if k != "world"}) == scn
+    assert truth["expected"][0]["onset"] == 4 and len(truth["iteration_ms"]) == 10
+    assert truth["kernel_events"] == estimate_kernel_events(scn)
+
+
+def _f(kind: str, ranks: list[int], steps: list[int] | None = None) -> dict[str, Any]:
+    return {"kind": kind, "ranks": ranks, "steps": steps or [], "level": "L3"}
+
+
+def test_score_findings() -> None:
+    straggler = {"expected": [{"kinds": list(RANK_KINDS), "ranks": [3, 9], "steps": None, "onset": 0}],
+                 "optional": [{"kinds": ["step_regression"], "ranks": [], "steps": None, "onset": 12}],
+                 "tolerated": [], "onset_tolerance": 2, "step_tolerance": 1}
+    ok = score_findings(straggler, [_f("kernel_degraded", [3]), _f("compute_straggler", [9]),
+                                    _f("step_regression", [], [13])])
+    assert ok["exact"] and ok["tp"] == 2 and ok["fp"] == 0 and ok["fn"] == 0
+    half = score_findings(straggler, [_f("kernel_degraded", [3])])
+    assert not half["exact"] and half["missing"] and half["fn"] == 1
+    extra = score_findings(straggler, [_f("kernel_degraded", [3, 9]), _f("link_degraded", [3, 9]),
+                                       _f("step_regression", [], [20])])
+    assert not extra["exact"] and len(extra["false"]) == 2 and extra["fp"] == 3
+    other = score_findings(straggler, [_f("kernel_degraded", [3, 9, 4])])
+    assert not other["exact"] and other["false"]
+    stage = {"expected": [{"kinds": ["pp_stage_slow"], "ranks": [4, 5, 6, 7], "steps": None, "onset": 0}],
+             "optional": [], "tolerated": [{"kinds": [*RANK_KINDS, "phase_straggler"], "ranks": [4, 5, 6, 7]}]}
+    assert score_findings(stage, [_f("pp_stage_slow", [4, 5, 6, 7]), _f("kernel_degraded", [6])])["exact"]
+    assert not score_findings(stage, [_f("pp_stage_slow", [4, 5, 6, 7]), _f("kernel_degraded", [3])])["exact"]
+    stall = {"expected": [{"kinds": ["iteration_spike"], "ranks": [], "steps": [10, 20], "onset": None}],
+             "optional": [], "tolerated": [], "step_tolerance": 1}
+    assert score_findings(stall, [_f("iteration_spike", [], [11]), _f("iteration_spike", [], [20])])["exact"]
+    assert not score_findings(stall, [_f("iteration_spike", [], [11])])["exact"]
+    assert not score_findings(stall, [_f("iteration_spike", [], [10, 20]), _f("iteration_spike", [], [30])])["exact"]
+    regression = {"expected": [{"kinds": ["step_regression"], "ranks": [], "steps": None, "onset": 15}],
+                  "optional": [], "tolerated": [], "onset_tolerance": 2}
+    assert score_findings(regression, [_f("step_regression", [], [17])])["exact"]
+    assert not score_findings(regression, [_f("step_regression", [], [18])])["exact"]
+    assert not score_findings(regression, [_f("step_regression", [], [15]), _f("compute_straggler", [2])])["exact"]
+    healthy = {"expected": [], "optional": [], "tolerated": []}
+    assert score_findings(healthy, [])["exact"]
+    assert not score_findings(healthy, [_f("kernel_degraded", [1])])["exact"]
+
+
+def test_timeline_select_orders_a_rank() -> None:
+    tl: Timeline = simulate(SMALL)
+    idx = tl.select(3)
+    assert (np.diff(tl.start[idx]) >= 0).all() and (tl.rank[idx] == 3).all()

@@ -1,0 +1,130 @@
+"""L3 mode by mode and links by transfer time (detectors.kernel_modes, detectors.l3_kernels)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from detectors import L3Kind, MixtureBatch, detect_l3, score_ranks
+from detectors.kernel_modes import mode_quantiles, reference_modes
+from producers.topology import build_topology
+from schemas.records import KernelSummary
+
+GEMM = "ampere_bf16_s16816gemm_bf16_128x128_ldg8_f2f_stages_64x3_tn"
+AR = "ncclDevKernel_AllReduce_Sum_bf16_RING_LL(ncclDevKernelArgsStorage<4096ul>)"
+SR = "ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)"
+SHAPES = ((40, 1.0e6), (40, 2.2e6), (20, 5.0e6))  # (calls, p50 ns) of one GEMM name at three shapes
+
+
+def _summary(per_rank: dict[int, list[tuple[int, float]]], kernel: str = GEMM, stream: int = 7,
+             spread: float = 1.08) -> KernelSummary:
+    ranks = sorted(per_rank)
+    comps = [c for r in ranks for c in per_rank[r]]
+    return KernelSummary(
+        job_id="j", kernel=kernel, stream=stream, rank=tuple(ranks), window_start_ns=(0,) * len(ranks),
+        window_end_ns=(10,) * len(ranks), n_events=tuple(sum(c for c, _ in per_rank[r]) for r in ranks),
+        n_clusters=tuple(len(per_rank[r]) for r in ranks), cluster_count=tuple(c for c, _ in comps),
+        cluster_p50_ns=tuple(round(m) for _, m in comps), cluster_p99_ns=tuple(round(m * spread) for _, m in comps),
+        cluster_min_ns=tuple(round(m / spread) for _, m in comps),
+        cluster_max_ns=tuple(round(m * spread) for _, m in comps),
+        cluster_sum_ns=tuple(round(c * m) for c, m in comps))
+
+
+def _multimodal(n: int, seed: int, jitter: float, slow: dict[int, tuple[int, float]] | None = None
+                ) -> dict[int, list[tuple[int, float]]]:
+    """Ranks running three shapes; ``slow``: rank -> (shape index, factor)."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    for r in range(n):
+        comps = []
+        for k, (calls, p50) in enumerate(SHAPES):
+            f = (slow or {}).get(r, (-1, 1.0))[1] if (slow or {}).get(r, (-1, 1.0))[0] == k else 1.0
+            comps.append((calls, p50 * f * float(np.exp(jitter * rng.standard_normal()))))
+        out[r] = comps
+    return out
+
+
+def test_reference_modes_are_the_shapes_and_quantiles_their_medians() -> None:
+    s = _summary(_multimodal(8, 0, 0.0))
+    batch = MixtureBatch.from_long(np.repeat(np.arange(8), 3), np.array(s.cluster_count, dtype=float),
+                                   np.array(s.cluster_p50_ns, dtype=float), np.array(s.cluster_p99_ns, dtype=float),
+                                   n_owners=8)
+    sc = score_ranks(batch)
+    modes = reference_modes(np.median(sc.cdf, axis=0), sc.grid)
+    assert len(modes) == 3
+    assert modes.width == pytest.approx([0.4, 0.4, 0.2], abs=0.02)
+    q = mode_quantiles(sc.cdf, sc.grid, modes.mid)
+    assert np.median(q, axis=0) == pytest.approx([p for _, p in SHAPES], rel=0.03)
+
+
+def test_one_shape_slower_on_one_rank_is_found_though_the_mixture_barely_moves() -> None:
+    s = _summary(_multimodal(16, 1, 0.02, slow={5: (1, 1.35)}))
+    res = detect_l3([s])
+    assert [(r.kind, r.ranks) for r in res] == [(L3Kind.KERNEL_DEGRADED, (5,))]
+    ev = res[0].evidence
+    assert ev["top_mode_ratio"] == pytest.approx(1.35, rel=0.05)
+    assert ev["top_mode_share_of_calls"] == pytest.approx(0.4, abs=0.05)
+    assert ev["top_w1_ns"] / ev["top_reference_mean_ns"] < 0.25  # the whole-mixture score alone would miss it
+    assert res[0].excess_ns == pytest.approx(40 * 2.2e6 * 0.35, rel=0.15)
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 10_000), n=st.integers(4, 64), jitter=st.floats(0.005, 0.03))
+def test_healthy_multimodal_kernels_raise_nothing(seed: int, n: int, jitter: float) -> None:
+    assert detect_l3([_summary(_multimodal(n, seed, jitter))]) == []
+
+
+def _collective(topo_ranks: int, arrival: dict[int, float], transfer: dict[int, float], groups: list[list[int]],
+                calls: int = 50, seed: int = 0) -> dict[int, list[tuple[int, float]]]:
+    """Per rank one collective mode: it waits from its arrival to the group's last arrival, then transfers
+    (the group's transfer time, ns). ``arrival``: per-rank lateness (ns), jittered."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    for g in groups:
+        arr = {r: arrival.get(r, 0.0) + 2e4 * rng.random() for r in g}
+        last = max(arr.values())
+        xfer = max(transfer.get(r, 1e5) for r in g)
+        for r in g:
+            out[r] = [(calls, last - arr[r] + xfer)]
+    assert len(out) == topo_ranks
+    return out
+
+
+def test_a_tp_group_with_a_slower_link_is_named_with_its_group() -> None:
+    topo = build_topology("j", dp=4, tp=8)
+    tp_groups = [list(range(i, i + 8)) for i in range(0, 32, 8)]
+    for factor in (1.5, 2.0, 3.0):
+        rows = _collective(32, {}, {r: 1e5 * factor for r in range(8, 16)}, tp_groups)
+        res = detect_l3([_summary(rows, kernel=AR, stream=20)], topo)
+        assert [(r.kind, r.ranks) for r in res] == [(L3Kind.LINK_DEGRADED, tuple(range(8, 16)))], factor
+        assert res[0].evidence["group"] == "TP1"
+        assert res[0].evidence["transfer_ratio"] == pytest.approx(factor, rel=0.1)
+
+
+def test_waiting_for_a_late_member_is_never_a_link() -> None:
+    topo = build_topology("j", dp=4, tp=8)
+    tp_groups = [list(range(i, i + 8)) for i in range(0, 32, 8)]
+    rows = _collective(32, {13: 5e5}, {}, tp_groups)  # rank 13 arrives 5x the transfer late: its peers wait
+    res = detect_l3([_summary(rows, kernel=AR, stream=20)], topo)
+    assert all(r.kind is not L3Kind.LINK_DEGRADED for r in res)
+    assert {r.ranks for r in res} <= {(13,)}
+
+
+def test_send_recv_partners_waiting_for_a_slow_stage_are_not_a_link() -> None:
+    # DP2 x TP2 x PP2: stage-1 ranks 4 and 5 (one TP group, held up by a straggler) send late to stage 0.
+    topo = build_topology("j", dp=2, tp=2, pp=2)
+    pairs = [[0, 4], [1, 5], [2, 6], [3, 7]]
+    rows = _collective(8, {4: 8e5, 5: 8e5}, {}, pairs)
+    res = detect_l3([_summary(rows, kernel=SR, stream=21)], topo)
+    assert all(r.kind is not L3Kind.LINK_DEGRADED for r in res)
+
+
+def test_a_degraded_pipeline_link_is_its_pair() -> None:
+    topo = build_topology("j", dp=4, pp=2)
+    pairs = [[r, r + 4] for r in range(4)]
+    rows = _collective(8, {}, {2: 2.5e5, 6: 2.5e5}, pairs)
+    res = detect_l3([_summary(rows, kernel=SR, stream=21)], topo)
+    assert [(r.kind, r.ranks) for r in res] == [(L3Kind.LINK_DEGRADED, (2, 6))]
+    assert res[0].evidence["group_kind"] == "PP"

@@ -1,0 +1,90 @@
+"""L3 per rank across kernels (detectors.l3_ranks) and impacts (detectors.impact)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from argus.errors import DetectorError
+from detectors.impact import StepClock, impact_of, worth_raising
+from detectors.l1_iteration import L1Kind, L1Result
+from detectors.l2_phases import L2Kind, L2Result
+from detectors.l3_kernels import L3Kind, L3Result
+from detectors.l3_ranks import KernelTotals, RankExcessParams, detect_rank_excess
+from producers.topology import build_topology
+from schemas.records import KernelSummary
+
+
+def _job(n_ranks: int, seed: int, noise: float, slow: dict[int, float] | None = None, gemms: int = 24,
+         others: int = 30, calls: tuple[int, int] = (1, 3)) -> list[KernelTotals]:
+    """Totals of a short trace: ``gemms`` GEMM names and ``others`` other kernels, each with 1-3 calls per
+    rank of a per-call noise ``noise``; ``slow``: rank -> factor on its GEMMs."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for k in range(gemms + others):
+        name = f"sm80_xmma_gemm_{k}" if k < gemms else f"vectorized_elementwise_kernel_{k}"
+        base = float(rng.lognormal(np.log(2e5 if k < gemms else 3e4), 0.8))
+        n = int(rng.integers(calls[0], calls[1] + 1))
+        t = KernelTotals(name, 7)
+        for r in range(n_ranks):
+            f = (slow or {}).get(r, 1.0) if k < gemms else 1.0
+            durations = base * f * np.exp(noise * rng.standard_normal(n))
+            t.total_ns[r], t.calls[r] = float(durations.sum()), float(n)
+        out.append(t)
+    return out
+
+
+@pytest.mark.parametrize("factor", [1.3, 1.6])
+def test_a_rank_slower_in_every_gemm_is_named_from_one_call_each(factor: float) -> None:
+    res = detect_rank_excess(_job(8, 3, 0.05, {6: factor}))
+    assert [(r.kind, r.ranks) for r in res] == [(L3Kind.RANK_DEGRADED, (6,))]
+    ev = res[0].evidence
+    assert all("gemm" in k for k in ev["top_kernels_excess_ms"])
+    assert ev["rank_score_z"] >= 4.5 and res[0].excess_ns > 0
+
+
+def test_ranks_are_compared_within_their_pipeline_stage() -> None:
+    topo = build_topology("j", dp=4, pp=2)  # stage 1 = ranks 4..7
+    totals = _job(8, 5, 0.04, {5: 1.5})
+    for t in totals:  # stage 1 runs every kernel 2x longer (other layers): no rank of it is slow
+        for r in range(4, 8):
+            t.total_ns[r] *= 2.0
+    res = detect_rank_excess(totals, topo)
+    assert [r.ranks for r in res] == [(5,)] and res[0].evidence["partition"] == 1
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 100_000), n=st.integers(3, 64), noise=st.floats(0.03, 0.10))
+def test_healthy_short_traces_name_nobody(seed: int, n: int, noise: float) -> None:
+    assert detect_rank_excess(_job(n, seed, noise)) == []
+
+
+def test_collectives_are_left_out_and_keys_checked() -> None:
+    t = KernelTotals("ncclDevKernel_AllReduce_Sum_bf16_RING_LL", 20)
+    t.total_ns = {0: 1e9, 1: 1e6, 2: 1e6, 3: 1e6}
+    t.calls = {0: 1.0, 1: 1.0, 2: 1.0, 3: 1.0}
+    assert detect_rank_excess([t]) == []
+    s = KernelSummary(job_id="j", kernel="other", stream=1, rank=(0,), window_start_ns=(0,), window_end_ns=(1,),
+                      n_events=(1,), n_clusters=(1,), cluster_count=(1,), cluster_p50_ns=(5,), cluster_p99_ns=(5,),
+                      cluster_min_ns=(5,), cluster_max_ns=(5,), cluster_sum_ns=(5,))
+    with pytest.raises(DetectorError):
+        t.add(s)
+    with pytest.raises(DetectorError):
+        RankExcessParams(min_ranks=1)
+
+
+def test_step_clock_and_impacts() -> None:
+    clock = StepClock.of([300, 100, 200, 400], [10.0, 12.0, 11.0, 100.0])
+    assert clock.median_step_ns == 11.5 and clock.starts_ns == (100, 200, 300, 400)
+    assert clock.steps_in(100, 300) == 2 and clock.steps_in(1000, 2000) == 1
+    l3 = L3Result(L3Kind.RANK_DEGRADED, (1,), "k", 7, 0.3, excess_ns=40.0)
+    imp = impact_of(l3, world_size=8, window_steps=4)
+    assert (imp.delay_ns_per_step, imp.steps, imp.gpu_ns_per_step, imp.gpu_ns) == (10.0, 4, 80.0, 320.0)
+    l2 = L2Result(L2Kind.COMPUTE_STRAGGLER, (2,), "fwd", 2.0, delay_ns_per_step=0.1, steps_affected=30)
+    assert impact_of(l2, 8).gpu_ns == pytest.approx(24.0)
+    assert not worth_raising(impact_of(l2, 8), clock, 0.01)  # 0.1 ns of an 11.5 ns step
+    assert worth_raising(imp, clock, 0.01) and worth_raising(impact_of(l2, 8), StepClock(), 0.01)
+    l1 = L1Result(L1Kind.STEP_REGRESSION, (12,), 1.2, {}, delay_ns_per_step=2.0, steps_affected=5)
+    assert impact_of(l1, 4).gpu_ns == 40.0
