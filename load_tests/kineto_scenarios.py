@@ -1234,7 +1234,31 @@ def simulate(scn: Scenario) -> Timeline:
 # -- truth and scoring -------------------------------------------------------------------------------------
 
 
-def expected_findings(scn: Scenario, iteration_us: Sequence[float] | None = None) -> dict[str, Any]:
+#: Least delay per step, as a share of the median iteration time, of a finding argus raises (its default
+#: ``min_impact_fraction``): a rank-level fault costing less is not required (but tolerated).
+MIN_IMPACT_FRACTION = 0.01
+
+
+def fault_delay_fraction(scn: Scenario, tl: Timeline | None = None) -> float | None:
+    """For a rank-level fault (compute_straggler, one_mode, short_trace): the GPU time the fault adds per step
+    to its most affected rank, over the job's median iteration time, from a twin run without the fault (same
+    seed: every other duration is identical). None for other classes."""
+    if scn.fault not in ("compute_straggler", "one_mode", "short_trace") or not scn.fault_ranks:
+        return None
+    tl = tl if tl is not None else simulate(scn)
+    twin = simulate(dataclasses.replace(scn, magnitude=1.0))
+    if twin.dur.shape != tl.dur.shape:
+        return None
+    worst = 0.0
+    for r in scn.fault_ranks:
+        sel = (tl.rank == r) & (tl.coll < 0) & (tl.step >= scn.onset)
+        steps = max(int(np.unique(tl.step[sel]).size), 1)
+        worst = max(worst, float(tl.dur[sel].sum() - twin.dur[sel].sum()) / steps)
+    return worst / float(np.median(tl.iteration_us()))
+
+
+def expected_findings(scn: Scenario, iteration_us: Sequence[float] | None = None,
+                      delay_fraction: float | None = None) -> dict[str, Any]:
     """The expected diagnosis of a scenario (what ``truth.json`` holds besides the scenario).
 
     ``expected``: findings that must be there, each ``{"kinds", "ranks", "steps", "onset"}`` (ranks ``[]`` for
@@ -1243,7 +1267,9 @@ def expected_findings(scn: Scenario, iteration_us: Sequence[float] | None = None
     must be within ``onset_tolerance`` steps; for ``iteration_spike`` every listed step must be within
     ``step_tolerance`` of a finding's step and no finding step may be farther from all of them.
     ``optional``: findings that may be there (not required, not false). ``tolerated``: rank-level findings of
-    these kinds naming only these ranks are not false. Anything else is a false finding.
+    these kinds naming only these ranks are not false. Anything else is a false finding. ``delay_fraction``
+    (:func:`fault_delay_fraction`): a rank-level fault costing under :data:`MIN_IMPACT_FRACTION` of the step
+    is below what argus raises (a finding must cost at least that), so it is tolerated, not required.
     """
     f = scn.fault
     exp: list[dict[str, Any]] = []
@@ -1256,8 +1282,12 @@ def expected_findings(scn: Scenario, iteration_us: Sequence[float] | None = None
         growth = float(np.median(it[scn.onset:]) / np.median(it[:scn.onset]) - 1.0)
     regression_ok = growth is not None and growth >= 0.05
     if f in ("compute_straggler", "one_mode", "short_trace"):
-        exp.append({"kinds": list(RANK_KINDS), "ranks": list(scn.fault_ranks), "steps": None,
-                    "onset": onset_step if f != "short_trace" else None})
+        entry = {"kinds": list(RANK_KINDS), "ranks": list(scn.fault_ranks), "steps": None,
+                 "onset": onset_step if f != "short_trace" else None}
+        if delay_fraction is not None and delay_fraction < MIN_IMPACT_FRACTION:
+            tol.append({"kinds": list(RANK_KINDS), "ranks": list(scn.fault_ranks)})  # below the impact threshold
+        else:
+            exp.append(entry)
     elif f == "stage_slow":
         exp.append({"kinds": ["pp_stage_slow"], "ranks": list(scn.fault_ranks), "steps": None, "onset": onset_step})
         tol.append({"kinds": [*RANK_KINDS, "phase_straggler"], "ranks": list(scn.fault_ranks)})
@@ -1271,7 +1301,7 @@ def expected_findings(scn: Scenario, iteration_us: Sequence[float] | None = None
     if regression_ok and f in ("compute_straggler", "one_mode", "stage_slow", "link_degraded"):
         opt.append({"kinds": ["step_regression"], "ranks": [], "steps": None, "onset": onset_step})
     return {"expected": exp, "optional": opt, "tolerated": tol, "onset_tolerance": 2, "step_tolerance": 1,
-            "iteration_growth": growth}
+            "iteration_growth": growth, "fault_delay_fraction": delay_fraction}
 
 
 def _job_match(entry: Mapping[str, Any], finding: Mapping[str, Any], truth: Mapping[str, Any]) -> bool:
@@ -1561,7 +1591,7 @@ def write_scenario(scn: Scenario, out_dir: Path, timeline: Timeline | None = Non
             path.write_text(text, encoding="utf-8")
     truth = {"scenario": scn.to_json(), "kernel_events": int(tl.rank.shape[0]),
              "iteration_ms": [round(float(x) / 1000, 3) for x in tl.iteration_us()],
-             **expected_findings(scn, tl.iteration_us().tolist())}
+             **expected_findings(scn, tl.iteration_us().tolist(), fault_delay_fraction(scn, tl))}
     (out_dir / "truth.json").write_text(json.dumps(truth, indent=1), encoding="utf-8")
     return traces
 

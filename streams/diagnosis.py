@@ -32,7 +32,8 @@ from detectors.l3_kernels import L3Params, detect_l3
 from detectors.l3_ranks import KernelTotals, RankExcessParams, detect_rank_excess
 from schemas.records import Finding, JobLifecycle, JobTopology, KernelSummary, ParallelGroup, PhaseBatch, Step
 
-__all__ = ["DiagnosisParams", "JobDiagnosis", "KernelDiagnosis", "RankDiagnosis", "drop_victims", "judge"]
+__all__ = ["DiagnosisParams", "JobDiagnosis", "KernelDiagnosis", "LinkLedger", "RankDiagnosis", "drop_victims",
+           "judge"]
 
 
 @dataclass(frozen=True)
@@ -234,6 +235,39 @@ class KernelDiagnosis:
                     self._emitted.add(finding.finding_id)
                     new.append(finding)
         return new
+
+
+class LinkLedger:
+    """Job-level check of degraded-link findings: a group's link is named once its evidence holds in two
+    collectives ((kernel, stream) pairs: a degraded link slows every collective its group runs), or in one
+    with strong evidence (transfer ``strong_ratio``x slower than ``strong_groups`` or more groups of its kind).
+
+    One collective alone can mislead: the ranks of one position in their groups (all of one TP index) can wait
+    in a collective of another kind for the others and look like a slow group of their own kind.
+    """
+
+    def __init__(self, strong_ratio: float = 2.5, strong_groups: int = 4) -> None:
+        self.strong_ratio, self.strong_groups = strong_ratio, strong_groups
+        self._seen: dict[tuple[int, ...], dict[tuple[str, int], Finding]] = {}
+        self._named: set[tuple[int, ...]] = set()
+
+    def filter(self, findings: list[Finding]) -> list[Finding]:
+        """``findings`` with link findings held back until corroborated (then each named group once)."""
+        out = []
+        for f in findings:
+            if f.kind != "link_degraded" or f.level.value != "L3":
+                out.append(f)
+                continue
+            group = tuple(f.ranks)
+            seen = self._seen.setdefault(group, {})
+            seen.setdefault((f.kernel or "", f.stream or 0), f)
+            ev = f.evidence
+            strong = (float(ev.get("transfer_ratio", 0.0)) >= self.strong_ratio
+                      and int(ev.get("groups_compared", 0)) >= self.strong_groups)
+            if group not in self._named and (len(seen) >= 2 or strong):
+                self._named.add(group)
+                out.append(f)
+        return out
 
 
 class RankDiagnosis:

@@ -37,7 +37,14 @@ from argus.settings import Settings
 from argus.topics import RECORD_OF, Topic, job_key
 from detectors.impact import StepClock
 from schemas.records import Finding, JobLifecycle, JobTopology, KernelSummary, LifecycleEvent, ParallelGroup
-from streams.diagnosis import DiagnosisParams, JobDiagnosis, KernelDiagnosis, RankDiagnosis, drop_victims
+from streams.diagnosis import (
+    DiagnosisParams,
+    JobDiagnosis,
+    KernelDiagnosis,
+    LinkLedger,
+    RankDiagnosis,
+    drop_victims,
+)
 
 __all__ = ["DiagnosisStats", "install_diagnosis", "summary_end_marker"]
 
@@ -104,8 +111,14 @@ def install_diagnosis(app: faust.App, settings: Settings, params: DiagnosisParam
     final_clocks: _Recent[StepClock] = _Recent(max_jobs)
     ranks_state: _Recent[RankDiagnosis] = _Recent(max_jobs)
     parts_done: _Recent[set[int]] = _Recent(max_jobs)
+    links: _Recent[LinkLedger] = _Recent(max_jobs)
 
     async def publish(findings: list[Finding]) -> None:
+        if any(f.kind == "link_degraded" for f in findings):
+            job_id = findings[0].job_id
+            if job_id not in links:
+                links[job_id] = LinkLedger()
+            findings = links[job_id].filter(findings)
         for f in findings:
             if (f.level.value, f.kind) in (("L2", "compute_straggler"), ("L3", "rank_degraded")):
                 stragglers[f.job_id] = stragglers.get(f.job_id, set()) | set(f.ranks)
@@ -232,7 +245,7 @@ def install_diagnosis(app: faust.App, settings: Settings, params: DiagnosisParam
     async def on_revoked(sender: Any, *args: Any, **kwargs: Any) -> None:
         # Un-acked messages come back from the committed offsets after the rebalance.
         for d in (jobs, job_events, kernels, markers, summary_events, last_window, stream_groups, stragglers,
-                  ranks_state, parts_done):
+                  ranks_state, parts_done, links):
             d.clear()
 
     return stats

@@ -30,7 +30,7 @@ from schemas.records import (
     Step,
 )
 from streams.compression import summarize_windows
-from streams.diagnosis import DiagnosisParams, JobDiagnosis, KernelDiagnosis, RankDiagnosis, drop_victims
+from streams.diagnosis import DiagnosisParams, JobDiagnosis, KernelDiagnosis, LinkLedger, RankDiagnosis, drop_victims
 from streams.windows import ClosedWindow, WindowBuffer
 
 __all__ = ["diagnose_records", "diagnose_traces", "finding_json"]
@@ -41,11 +41,13 @@ class _Job:
         self.state = JobDiagnosis(job_id, params)
         self.kernels: dict[tuple[str, int], KernelDiagnosis] = {}
         self.ranks = RankDiagnosis(job_id, params)
+        self.links = LinkLedger()
         self.params = params
         self.stragglers: set[int] = set()
         self.findings: list[Finding] = []
 
     def keep(self, findings: list[Finding]) -> None:
+        findings = self.links.filter(findings)
         for f in findings:
             if (f.level.value, f.kind) in (("L2", "compute_straggler"), ("L3", "rank_degraded")):
                 self.stragglers |= set(f.ranks)
