@@ -36,10 +36,11 @@ from scipy.special import ndtri
 from scipy.stats import rankdata
 
 from argus.errors import DetectorError
+from detectors.l2_phases import L2Kind, L2Result
 from detectors.l3_kernels import L3Kind, L3Result, is_collective
 from schemas.records import JobTopology, KernelSummary
 
-__all__ = ["KernelTotals", "RankExcessParams", "detect_rank_excess", "kernel_family"]
+__all__ = ["KernelTotals", "RankExcessParams", "detect_rank_excess", "detect_stage_excess", "kernel_family"]
 
 F64 = npt.NDArray[np.float64]
 I64 = npt.NDArray[np.int64]
@@ -78,9 +79,12 @@ class RankExcessParams:
     those kernels [0.05]. ``min_ranks``: fewest ranks of a comparison set [2]. ``min_kernels``: fewest kernels
     a rank must share with its set [3]. ``top_kernels``: kernels named in the evidence [5].
     ``collective_markers``: lower-case substrings of collective kernels, left out [("nccl",)].
+    ``stage_min_excess``: least excess of a pipeline stage over the others, as a share of its expected time,
+    in :func:`detect_stage_excess` [0.1].
     """
 
     min_z: float = 4.5
+    stage_min_excess: float = 0.1
     min_excess_fraction: float = 0.05
     slower_ratio: float = 1.1
     min_ranks: int = 2
@@ -212,4 +216,68 @@ def _judge(ranks: I64, total: F64, calls: F64, keys: Sequence[tuple[str, int]], 
             "top_kernels_excess_ms": {f"{keys[j][0]}@{keys[j][1]}": float(extra[i, j]) / 1e6 for j in top},
             "top_kernels_ratio": {f"{keys[j][0]}@{keys[j][1]}": float(math.exp(d[i, j])) for j in top},
         }, excess_ns=float(excess[i])))
+    return out
+
+
+def detect_stage_excess(totals: Iterable[KernelTotals], topology: JobTopology,
+                        params: RankExcessParams | None = None, exclude: Iterable[int] = ()) -> list[L2Result]:
+    """Pipeline stages slower than the others in the compute kernels they share.
+
+    The pipeline's own schedule hides a slow stage from per-rank comparisons (all of its ranks are slow
+    alike) and its waiting spreads to the other stages, but compute kernels do not wait: per kernel that every
+    stage runs with the same calls per rank (the layers' kernels; the first and last stages' embedding and
+    output layer differ and are left out), each stage's median time per call is compared with the other
+    stages' median. A stage whose excess over the others, ``sum(calls * (m - ref))`` over its kernels, is at
+    least ``stage_min_excess`` of its expected time is an :attr:`~detectors.l2_phases.L2Kind.PP_STAGE_SLOW`
+    finding naming its ranks (score: 1 + that share), with phase ``gpu_kernels``; ``delay_ns_per_step`` is
+    left to the caller (totals have no steps) and ``steps_affected`` 0. The excess must not rest on a couple
+    of kernels (a name that runs another shape on one stage): without its ``2`` largest kernel contributions
+    it is still half the threshold. ``exclude``: ranks left out of the stage medians (the slow ranks found
+    by :func:`detect_rank_excess`: one slow rank of a small stage is no slow stage).
+    """
+    p = params if params is not None else RankExcessParams()
+    skip = set(exclude)
+    stage_of = {r: st for r, st in zip(topology.rank, topology.pp_stage, strict=True) if r not in skip}
+    stages = sorted(set(topology.pp_stage))
+    if len(stages) < 2:
+        return []
+    rows: list[tuple[str, F64, F64]] = []  # kernel, per-stage median per-call time, per-stage median calls
+    for t in totals:
+        if is_collective(t.kernel, p.collective_markers):
+            continue
+        per_call: dict[int, list[float]] = {s: [] for s in stages}
+        calls: dict[int, list[float]] = {s: [] for s in stages}
+        for r, c in t.calls.items():
+            if c > 0 and r in stage_of:
+                per_call[stage_of[r]].append(t.total_ns.get(r, 0.0) / c)
+                calls[stage_of[r]].append(c)
+        if any(not calls[s] for s in stages):
+            continue
+        med_calls = np.array([float(np.median(calls[s])) for s in stages])
+        if med_calls.max() > 1.02 * med_calls.min():
+            continue  # not the same work on every stage
+        rows.append((t.kernel, np.array([float(np.median(per_call[s])) for s in stages]), med_calls))
+    if len(rows) < p.min_kernels:
+        return []
+    m = np.stack([r[1] for r in rows])  # kernels x stages
+    n = np.stack([r[2] for r in rows])
+    out = []
+    for j, stage in enumerate(stages):
+        others = np.median(np.delete(m, j, axis=1), axis=1)
+        ratio = m[:, j] / others
+        expected = float((n[:, j] * others).sum())
+        parts = n[:, j] * (m[:, j] - others)
+        excess = float(parts.sum())  # signed: noise of few calls cancels
+        spread = excess - float(np.sort(parts)[-2:].clip(min=0.0).sum())
+        if expected > 0 and excess / expected >= p.stage_min_excess and spread / expected >= 0.5 * p.stage_min_excess:
+            median_ratio = 1.0 + excess / expected
+            ranks = tuple(int(r) for r, st in zip(topology.rank, topology.pp_stage, strict=True) if st == stage)
+            top = np.argsort(-(n[:, j] * (m[:, j] - others)))[: p.top_kernels]
+            out.append(L2Result(L2Kind.PP_STAGE_SLOW, ranks, "gpu_kernels", median_ratio, {
+                "stage": int(stage), "phase_kind": "gpu_kernels", "stage_over_other_stages_ratio": median_ratio,
+                "excess_fraction": excess / expected, "excess_ms": excess / 1e6, "kernels_compared": len(rows),
+                "top_kernels_ratio": {rows[k][0]: float(ratio[k]) for k in top.tolist()},
+            }, delay_ns_per_step=0.0, steps_affected=0))
+    if 2 * len(out) > len(stages):
+        return []  # most stages "slow": no stage stands out
     return out

@@ -18,6 +18,7 @@ and judges them once, when the job's summaries have all arrived.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -29,7 +30,7 @@ from detectors.impact import StepClock, impact_of, worth_raising
 from detectors.l1_iteration import IterationSeries, L1Kind, L1Params, L1Result, detect_l1
 from detectors.l2_phases import L2Params, L2Result, PhaseTable, detect_l2
 from detectors.l3_kernels import L3Params, detect_l3
-from detectors.l3_ranks import KernelTotals, RankExcessParams, detect_rank_excess
+from detectors.l3_ranks import KernelTotals, RankExcessParams, detect_rank_excess, detect_stage_excess
 from schemas.records import Finding, JobLifecycle, JobTopology, KernelSummary, ParallelGroup, PhaseBatch, Step
 
 __all__ = ["DiagnosisParams", "JobDiagnosis", "KernelDiagnosis", "LinkLedger", "RankDiagnosis", "drop_victims",
@@ -293,7 +294,14 @@ class RankDiagnosis:
     def diagnose(self, topology: JobTopology | None, clock: StepClock | None = None) -> list[Finding]:
         """The ranks slow across kernels, with their impact over the job's steps."""
         world = topology.world_size if topology is not None else len(self._ranks)
-        results: list[DetectorResult] = list(detect_rank_excess(self._totals.values(), topology, self.params.ranks))
+        slow = detect_rank_excess(self._totals.values(), topology, self.params.ranks)
+        results: list[DetectorResult] = list(slow)
+        if topology is not None:
+            steps = max(len(clock.starts_ns), 1) if clock is not None else 1
+            stages = detect_stage_excess(self._totals.values(), topology, self.params.ranks,
+                                         exclude={r for res in slow for r in res.ranks})
+            results += [dataclasses.replace(r, delay_ns_per_step=r.evidence["excess_ms"] * 1e6 / steps,
+                                            steps_affected=steps) for r in stages]
         return judge(self.job_id, results, self.last_time_ns, world, clock or StepClock(),
                      self.params.min_impact_fraction)
 
