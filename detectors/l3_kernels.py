@@ -437,10 +437,16 @@ def _links(s: KernelSummary, ranks: I64, batch: MixtureBatch, sc: RankScores, gr
     out: list[L3Result] = []
     # Groups are compared with groups of the same kind *and role*: the same pipeline stage (the first and
     # last stages hold the embedding and the output layer, so their DP collectives move other sizes), for a
-    # pipeline pair the same pair of stages.
+    # pipeline pair the same pair of stages; across stages only where each stage has one group of the kind.
     roles: dict[tuple[str, int], list[tuple[int, I64]]] = {}
     for kind, g, rows in groups:
         roles.setdefault((kind, int(stage[rows].min())), []).append((g, rows))
+    for kind in {k for k, _ in roles}:  # one group per stage: the stages' groups are all there is to compare
+        if all(len(v) < 2 for (k, _), v in roles.items() if k == kind):
+            pooled = [grp for (k, _), v in roles.items() if k == kind for grp in v]
+            for key in [key for key in roles if key[0] == kind]:
+                del roles[key]
+            roles[(kind, -1)] = pooled
     for (kind, _), same in roles.items():
         if len(same) < 2:
             continue  # one group spans the comparison: nothing to compare its transfer with
