@@ -77,6 +77,8 @@ BLOCKING_GROUPS = frozenset({ParallelGroup.TP, ParallelGroup.EP, ParallelGroup.P
 # A late arrival that spent this fraction of its lateness in its own blocking collectives (more than its peers
 # did) waited there, for a degraded link or a late TP partner: it is no straggler.
 _WAITED_EXPLAINS = 0.5
+# Among members of one blocking group flagged alike, one this much more elevated than the next is the cause.
+_STANDS_OUT = 1.3
 # A member this many times shorter than its peers' median arrived late: its group's long collectives are
 # explained (the same 2x rule as L3's link check).
 _LATE_EXPLAINS = 2.0
@@ -410,6 +412,10 @@ def _stragglers(compute: list[_Flag], short: list[_Flag], host: list[_Flag], top
                    and f.waited_fraction < _WAITED_EXPLAINS for f in fs)
 
     late = {r for r, fs in shorts.items() if r in slow or (r not in victims and named_late(fs))}
+    together = _waited_together({r: fs[0].ratio for r, fs in by_rank.items()}, topology)
+    together |= _waited_together({r: 1.0 / fs[0].ratio for r, fs in shorts.items() if r not in by_rank}, topology)
+    slow -= together
+    late -= together
     results: list[L2Result] = []
     for r in sorted(slow | late):
         flags, short_fs = by_rank.get(r, []), shorts.get(r, [])
@@ -443,6 +449,31 @@ def _causes(found: dict[int, dict[tuple[str, str], _StageHit]]) -> dict[int, dic
         cause = stages[-1] if key[1] == PhaseKind.BACKWARD.value else stages[0]
         keep.setdefault(cause, {})[key] = found[cause][key]
     return keep
+
+
+def _waited_together(elevation: dict[int, float], topology: JobTopology) -> set[int]:
+    """Compute stragglers that are members of one blocking group (TP, EP) flagged alike: the members of a
+    group that waited in its blocking collectives for one of them (or for a degraded link) all look slow in
+    the phase around it, when the phase cannot be told from the waiting (phases without nested collective
+    records, e.g. imported traces). None of them is named here unless one stands out (its elevation
+    ``_STANDS_OUT`` x the next member's); the compute kernels find the cause. The same holds for members
+    that reached a later collective late together. ``elevation``: per flagged rank, its top ratio (> 1)."""
+    pos = {r: i for i, r in enumerate(topology.rank)}
+    out: set[int] = set()
+    for col in ("tp_group", "ep_group"):
+        column = np.asarray(getattr(topology, col))
+        members: dict[int, list[int]] = {}
+        for r in elevation:
+            members.setdefault(int(column[pos[r]]), []).append(r)
+        for ranks in members.values():
+            if len(ranks) < 2:
+                continue
+            ratios = sorted((elevation[r], r) for r in ranks)
+            if ratios[-1][0] >= _STANDS_OUT * ratios[-2][0]:
+                out |= {r for _, r in ratios[:-1]}
+            else:
+                out |= set(ranks)
+    return out
 
 
 def _slow_stages(per_step: F64, occ: F64, n_steps: I64, phases: PhaseTable, topology: JobTopology,

@@ -320,21 +320,13 @@ def _row(s: KernelSummary, i: int) -> KernelSummary:
 
 
 def drop_victims(findings: list[Finding], stragglers: set[int], topology: JobTopology | None) -> list[Finding]:
-    """Drop L3 late-arrival findings that only name victims of known compute stragglers.
+    """Keep L3 late-arrival findings only for ranks L2 named compute stragglers (``stragglers``).
 
-    A rank sharing a blocking group (TP, PP or EP: collectives inside the layer) with a compute straggler
-    waits for it there, so it reaches its *other* collectives (e.g. the DP all-reduce) late as well. A single
-    (kernel, stream) cannot see why; L2, which reads the phases of every group, can. ``stragglers``: the ranks
-    L2 named compute stragglers in this job.
+    A member that reaches a collective last is late, not necessarily the cause: a rank sharing a blocking
+    group (TP, PP or EP: collectives inside the layer) with a straggler waits for it there and reaches its
+    *other* collectives late as well, and so does a pipeline stage waiting for another. A single (kernel,
+    stream) cannot tell why; L2 (the phases of every group) and the compute kernels can, so an L3 late
+    arrival is only raised as corroboration of a straggler found there.
     """
-    if topology is None or not stragglers:
-        return findings
-    pos = {r: i for i, r in enumerate(topology.rank)}
-    victims: set[int] = set()
-    for col in ("tp_group", "pp_group", "ep_group"):
-        groups = getattr(topology, col)
-        bad = {groups[pos[s]] for s in stragglers if s in pos}
-        victims |= {r for r in topology.rank if groups[pos[r]] in bad}
-    victims -= stragglers
     return [f for f in findings
-            if not (f.level.value == "L3" and f.kind == "compute_straggler" and f.ranks and set(f.ranks) <= victims)]
+            if not (f.level.value == "L3" and f.kind == "compute_straggler" and not set(f.ranks) <= stragglers)]

@@ -95,7 +95,8 @@ def test_faster_rank_is_not_flagged() -> None:
 
 def test_half_the_ranks_slow_needs_the_p50_path() -> None:
     slow = {r: 4.0 for r in range(8, 16)}
-    assert _found(detect_l3([_summary(_ranks(16, slow))])) == [(L3Kind.KERNEL_DEGRADED, tuple(range(8, 16)))]
+    # one finding per rank, each judged on its own impact downstream
+    assert _found(detect_l3([_summary(_ranks(16, slow))])) == [(L3Kind.KERNEL_DEGRADED, (r,)) for r in range(8, 16)]
     assert detect_l3([_summary(_ranks(16, slow))], params=L3Params(p50_ratio=1e9)) == []  # IQR alone fails
 
 
@@ -126,7 +127,7 @@ def test_compute_kernels_compared_within_a_stage() -> None:
     rows = _ranks(8, {r: 2.5 for r in range(4, 8)})  # stage 1 runs a bigger shape of the same kernel
     assert detect_l3([_summary(rows)], topo) == []
     job = detect_l3([_summary(rows)], topo, L3Params(compute_scope=Scope.JOB, p50_ratio=2.0))
-    assert _found(job) == [(L3Kind.KERNEL_DEGRADED, (4, 5, 6, 7))]
+    assert _found(job) == [(L3Kind.KERNEL_DEGRADED, (r,)) for r in (4, 5, 6, 7)]
     assert _found(detect_l3([_summary(_ranks(8, {5: 2.5}))], topo)) == [(L3Kind.KERNEL_DEGRADED, (5,))]
 
 
