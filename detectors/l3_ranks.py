@@ -74,7 +74,8 @@ class RankExcessParams:
     """Thresholds of :func:`detect_rank_excess` (defaults in brackets).
 
     ``slower_ratio``: a rank's mean time per call of a kernel over the set's median that counts it slower
-    in that kernel [1.1]. ``min_z``: least z-score of the rank's summed normal scores [4.5].
+    in that kernel [1.1]. ``min_z``: least z-score of the rank's summed normal scores [4.5], or
+    ``min_z_with_magnitude`` [3.0] when its mean shift is ``min_magnitude_z`` [8.0] noise units (few ranks).
     ``min_excess_fraction``: least share of its expected compute time it spends beyond its peers in
     those kernels [0.05]. ``min_ranks``: fewest ranks of a comparison set [2]. ``min_kernels``: fewest kernels
     a rank must share with its set [3]. ``top_kernels``: kernels named in the evidence [5].
@@ -84,6 +85,8 @@ class RankExcessParams:
     """
 
     min_z: float = 4.5
+    min_z_with_magnitude: float = 3.0
+    min_magnitude_z: float = 8.0
     stage_min_excess: float = 0.1
     min_excess_fraction: float = 0.05
     slower_ratio: float = 1.1
@@ -149,6 +152,20 @@ def kernel_family(kernel: str) -> str:
     return next((fam for fam, needles in _FAMILIES if any(n in low for n in needles)), "other")
 
 
+def _magnitude_z(d: F64) -> F64:
+    """Per row of ``d`` (ranks x kernels, NaN where absent): its mean deviation over the kernels, in units of
+    the noise of a kernel's deviation (1.4826 MAD of all entries, floored at 0.02) over sqrt(kernels)."""
+    present = ~np.isnan(d)
+    if not present.any():
+        return np.zeros(d.shape[0])
+    centred = d - np.nanmedian(d, axis=0)
+    scale = max(1.4826 * float(np.nanmedian(np.abs(centred))), 0.02)
+    n = present.sum(axis=1)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        out: F64 = np.nansum(centred, axis=1) / (scale * np.sqrt(np.maximum(n, 1)))
+    return np.where(n > 0, out, 0.0)
+
+
 def _rank_scores_z(d: F64) -> F64:
     """Per row of ``d`` (ranks x kernels, NaN where absent): the z-score of its summed normal scores.
 
@@ -185,12 +202,19 @@ def _judge(ranks: I64, total: F64, calls: F64, keys: Sequence[tuple[str, int]], 
     ref = np.exp(ref_log)
     slower = positive & (d > math.log(p.slower_ratio))
     masked = np.where(positive, d, np.nan)
-    pooled = _rank_scores_z(masked)
     fams = [kernel_family(k) for k, _ in keys]
-    for fam in set(fams):  # a fault often hits one family (the GEMMs): test it undiluted by the rest too
+    subsets = [np.ones(len(fams), dtype=bool)]
+    for fam in sorted(set(fams)):  # a fault often hits one family (the GEMMs): test it undiluted by the rest too
         cols = np.array([f == fam for f in fams])
         if p.min_kernels <= int(cols.sum()) < len(fams):
-            pooled = np.maximum(pooled, _rank_scores_z(masked[:, cols]))
+            subsets.append(cols)
+    pooled = np.max([_rank_scores_z(masked[:, c]) for c in subsets], axis=0)
+    magnitude = np.max([_magnitude_z(masked[:, c]) for c in subsets], axis=0)
+    # Few ranks bound a rank-based z (4 ranks: ~1.15 per kernel); a shift far beyond the kernels' noise counts
+    # then, when the ranks agree in direction.
+    if ranks.size >= 3:  # two ranks: each is the other's reference, neither is the deviant by magnitude
+        pooled = np.where((pooled >= p.min_z_with_magnitude) & (magnitude >= p.min_magnitude_z),
+                          np.maximum(pooled, p.min_z), pooled)
     w = np.where(positive, ref * np.nanmedian(np.where(present, calls, np.nan), axis=0), 0.0)
     share = (w * slower).sum(axis=1) / np.maximum(w.sum(axis=1), 1e-300)
     per_call = np.where(positive, total / np.where(positive, calls, 1.0), 0.0)

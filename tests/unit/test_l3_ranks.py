@@ -88,3 +88,23 @@ def test_step_clock_and_impacts() -> None:
     assert worth_raising(imp, clock, 0.01) and worth_raising(impact_of(l2, 8), StepClock(), 0.01)
     l1 = L1Result(L1Kind.STEP_REGRESSION, (12,), 1.2, {}, delay_ns_per_step=2.0, steps_affected=5)
     assert impact_of(l1, 4).gpu_ns == 40.0
+
+
+def test_a_slow_stage_is_found_from_the_kernels_its_stages_share() -> None:
+    from detectors.l3_ranks import detect_stage_excess
+
+    topo = build_topology("j", dp=4, pp=2)
+    totals = _job(8, 11, 0.05)
+    for t in totals[:30]:  # stage 1 runs 30 of its kernels (its backward) 1.8x slower
+        for r in range(4, 8):
+            t.total_ns[r] *= 1.8
+    res = detect_stage_excess(totals, topo, exclude=set())
+    assert [(r.kind.value, r.ranks) for r in res] == [("pp_stage_slow", (4, 5, 6, 7))]
+    assert res[0].evidence["excess_fraction"] > 0.1
+    assert detect_stage_excess(_job(8, 11, 0.05), topo) == []
+    # a couple of kernels running another shape on one stage are no slow stage
+    other = _job(8, 12, 0.05)
+    for t in other[:2]:
+        for r in range(4):
+            t.total_ns[r] *= 4.0
+    assert detect_stage_excess(other, topo) == []
