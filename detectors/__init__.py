@@ -5,11 +5,14 @@
 measures how far ranks drift apart with the 1-Wasserstein distance (in ns). The progressive diagnosis
 runs on top: :mod:`detectors.l1_iteration` (iteration-time spikes and regressions),
 :mod:`detectors.l2_phases` (straggler rank and phase within parallel groups, slow pipeline stages),
-:mod:`detectors.l3_kernels` (degraded kernels and links from the compressed windows), and
-:mod:`detectors.findings` turns their results into Finding records.
+:mod:`detectors.l3_kernels` (degraded kernels, mode by mode with :mod:`detectors.kernel_modes`, and links
+from the compressed windows), :mod:`detectors.l3_ranks` (ranks and pipeline stages slow across kernels);
+:mod:`detectors.impact` gives each result the GPU time the job lost to it and :mod:`detectors.findings`
+turns results into Finding records.
 """
 
 from detectors.findings import DetectorResult, finding_id, to_finding, to_findings
+from detectors.impact import Impact, StepClock, impact_of, worth_raising
 from detectors.kde_clusters import (
     ClusterSet,
     ClusterSummary,
@@ -18,6 +21,7 @@ from detectors.kde_clusters import (
     cluster_by_group,
     cluster_durations,
 )
+from detectors.kernel_modes import ReferenceModes, mode_quantiles, reference_modes
 from detectors.l1_iteration import IterationSeries, L1Kind, L1Params, L1Result, detect_l1
 from detectors.l2_phases import L2Kind, L2Params, L2Result, PhaseTable, detect_l2, loo_median
 from detectors.l3_kernels import (
@@ -31,6 +35,7 @@ from detectors.l3_kernels import (
     primary_p50,
     score_ranks,
 )
+from detectors.l3_ranks import KernelTotals, RankExcessParams, detect_rank_excess, detect_stage_excess, kernel_family
 from detectors.mixture import (
     Mixture,
     MixtureBatch,
@@ -45,8 +50,10 @@ __all__ = [
     "ClusterSet",
     "ClusterSummary",
     "DetectorResult",
+    "Impact",
     "IterationSeries",
     "KdeParams",
+    "KernelTotals",
     "L1Kind",
     "L1Params",
     "L1Result",
@@ -59,24 +66,34 @@ __all__ = [
     "Mixture",
     "MixtureBatch",
     "PhaseTable",
+    "RankExcessParams",
     "RankScores",
+    "ReferenceModes",
     "Scope",
+    "StepClock",
     "binned_kde",
     "cluster_by_group",
     "cluster_durations",
     "detect_l1",
     "detect_l2",
     "detect_l3",
+    "detect_rank_excess",
+    "detect_stage_excess",
     "finding_id",
     "geometric_grid",
+    "impact_of",
     "is_collective",
+    "kernel_family",
     "loo_median",
     "mixture_cdf",
+    "mode_quantiles",
     "primary_p50",
+    "reference_modes",
     "score_ranks",
     "to_finding",
     "to_findings",
     "w1_distance",
     "w1_matrix",
     "w1_to_reference",
+    "worth_raising",
 ]

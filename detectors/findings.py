@@ -2,7 +2,8 @@
 
 Kinds are the lower-case values of the detectors' enums: ``iteration_spike`` and ``step_regression``
 (L1), ``compute_straggler``, ``phase_straggler`` and ``pp_stage_slow`` (L2), ``kernel_degraded``,
-``link_degraded`` and ``compute_straggler`` (L3, a late arrival seen in a collective kernel).
+``link_degraded``, ``compute_straggler`` (L3, a late arrival seen in a collective kernel) and
+``rank_degraded`` (L3, a rank slow across kernels).
 
 ``finding_id`` is the SHA-1 (hex) of the canonical JSON array ``[job_id, level, kind, ranks, phase,
 kernel, stream, steps]``: the same diagnosis re-derived after a replay or a re-delivery gets the same id,
