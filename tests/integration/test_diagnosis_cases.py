@@ -38,6 +38,9 @@ def test_contract_fields(settings: Settings, worker: WorkerProcess, sink: SinkTh
     for f in findings:
         assert {"job", "level", "kind", "ranks", "phase", "kernel", "stream", "steps", "score", "evidence"} <= set(f)
         assert f["job"] == "c1" and f["level"] in ("L1", "L2", "L3") and isinstance(f["evidence"], dict)
+        assert f["impact_ns"] >= f["impact_ns_per_step"] > 0 and f["evidence"]["delay_ms_per_step"] > 0
+    # What a user acts on first: ordered by the GPU time the job lost to each finding.
+    assert [f["impact_ns"] for f in findings] == sorted((f["impact_ns"] for f in findings), reverse=True)
     # Case 1: L1 change point at step 15; L2 flags only rank 5.
     l1 = by_level(findings, "L1")
     assert [(f["kind"], f["steps"]) for f in l1 if f["kind"] == "step_regression"] == [("step_regression", [15])]
