@@ -40,6 +40,11 @@ from detectors.l2_phases import L2Kind, L2Result
 from detectors.l3_kernels import L3Kind, L3Result, is_collective
 from schemas.records import JobTopology, KernelSummary
 
+#: Kernels that must run slower on a stage for it to be slow (a name or two may run another shape there).
+_STAGE_MIN_SLOWER_KERNELS = 3
+#: Calls per rank a kernel needs to count in the stage comparison (a one-step trace is no stage verdict).
+_STAGE_MIN_CALLS = 4
+
 __all__ = ["KernelTotals", "RankExcessParams", "detect_rank_excess", "detect_stage_excess", "kernel_family"]
 
 F64 = npt.NDArray[np.float64]
@@ -250,14 +255,15 @@ def detect_stage_excess(totals: Iterable[KernelTotals], topology: JobTopology,
     The pipeline's own schedule hides a slow stage from per-rank comparisons (all of its ranks are slow
     alike) and its waiting spreads to the other stages, but compute kernels do not wait: per kernel that every
     stage runs with the same calls per rank (the layers' kernels; the first and last stages' embedding and
-    output layer differ and are left out), each stage's median time per call is compared with the other
-    stages' median. A stage whose excess over the others, ``sum(calls * (m - ref))`` over its kernels, is at
-    least ``stage_min_excess`` of its expected time is an :attr:`~detectors.l2_phases.L2Kind.PP_STAGE_SLOW`
-    finding naming its ranks (score: 1 + that share), with phase ``gpu_kernels``; ``delay_ns_per_step`` is
+    output layer differ and are left out), each stage's time per call on its fastest rank (a slow stage slows
+    all of its ranks, a straggler only itself) is compared with the other stages' median of that. A stage
+    whose excess over the others, ``sum(calls * (m - ref))`` over its kernels, is at least
+    ``stage_min_excess`` of its expected time is an :attr:`~detectors.l2_phases.L2Kind.PP_STAGE_SLOW` finding
+    naming its ranks (score: 1 + that share), with phase ``gpu_kernels``; ``delay_ns_per_step`` is
     left to the caller (totals have no steps) and ``steps_affected`` 0. The excess must not rest on a couple
-    of kernels (a name that runs another shape on one stage): without its ``2`` largest kernel contributions
-    it is still half the threshold. ``exclude``: ranks left out of the stage medians (the slow ranks found
-    by :func:`detect_rank_excess`: one slow rank of a small stage is no slow stage).
+    of kernels (a name that runs another shape on one stage): at least 3 kernels run ``slower_ratio`` slower.
+    ``exclude``: ranks left out of the stage medians (the slow ranks found by :func:`detect_rank_excess`: one
+    slow rank of a small stage is no slow stage).
     """
     p = params if params is not None else RankExcessParams()
     skip = set(exclude)
@@ -278,9 +284,10 @@ def detect_stage_excess(totals: Iterable[KernelTotals], topology: JobTopology,
         if any(not calls[s] for s in stages):
             continue
         med_calls = np.array([float(np.median(calls[s])) for s in stages])
-        if med_calls.max() > 1.02 * med_calls.min():
-            continue  # not the same work on every stage
-        rows.append((t.kernel, np.array([float(np.median(per_call[s])) for s in stages]), med_calls))
+        if med_calls.max() > 1.02 * med_calls.min() or med_calls.min() < _STAGE_MIN_CALLS:
+            continue  # not the same work on every stage, or too few calls for a stage-wide verdict
+        # A stage's fastest rank: a slow stage slows every one of its ranks, a straggler only itself.
+        rows.append((t.kernel, np.array([float(np.min(per_call[s])) for s in stages]), med_calls))
     if len(rows) < p.min_kernels:
         return []
     m = np.stack([r[1] for r in rows])  # kernels x stages
@@ -292,8 +299,8 @@ def detect_stage_excess(totals: Iterable[KernelTotals], topology: JobTopology,
         expected = float((n[:, j] * others).sum())
         parts = n[:, j] * (m[:, j] - others)
         excess = float(parts.sum())  # signed: noise of few calls cancels
-        spread = excess - float(np.sort(parts)[-2:].clip(min=0.0).sum())
-        if expected > 0 and excess / expected >= p.stage_min_excess and spread / expected >= 0.5 * p.stage_min_excess:
+        slower = int(np.sum(ratio >= p.slower_ratio))
+        if expected > 0 and excess / expected >= p.stage_min_excess and slower >= _STAGE_MIN_SLOWER_KERNELS:
             median_ratio = 1.0 + excess / expected
             ranks = tuple(int(r) for r, st in zip(topology.rank, topology.pp_stage, strict=True) if st == stage)
             top = np.argsort(-(n[:, j] * (m[:, j] - others)))[: p.top_kernels]

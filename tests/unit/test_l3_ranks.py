@@ -94,16 +94,17 @@ def test_a_slow_stage_is_found_from_the_kernels_its_stages_share() -> None:
     from detectors.l3_ranks import detect_stage_excess
 
     topo = build_topology("j", dp=4, pp=2)
-    totals = _job(8, 11, 0.05)
+    totals = _job(8, 11, 0.05, calls=(4, 6))
     for t in totals[:30]:  # stage 1 runs 30 of its kernels (its backward) 1.8x slower
         for r in range(4, 8):
             t.total_ns[r] *= 1.8
     res = detect_stage_excess(totals, topo, exclude=set())
     assert [(r.kind.value, r.ranks) for r in res] == [("pp_stage_slow", (4, 5, 6, 7))]
     assert res[0].evidence["excess_fraction"] > 0.1
-    assert detect_stage_excess(_job(8, 11, 0.05), topo) == []
+    assert detect_stage_excess(_job(8, 11, 0.05, calls=(4, 6)), topo) == []
+    assert detect_stage_excess(totals, topo, exclude={4}) != []  # one straggler is no stage, a stage is
     # a couple of kernels running another shape on one stage are no slow stage
-    other = _job(8, 12, 0.05)
+    other = _job(8, 12, 0.05, calls=(4, 6))
     for t in other[:2]:
         for r in range(4):
             t.total_ns[r] *= 4.0
