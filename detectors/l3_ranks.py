@@ -5,7 +5,7 @@ test has samples enough, yet a rank whose every GEMM runs 30 % slower is plain w
 together. :func:`detect_rank_excess` pools the evidence of every compute kernel of the job per rank:
 
 1. Per kernel (within a comparison set: the rank's pipeline stage, whose ranks run the same kernels) each
-   rank's mean duration per call ``m`` is compared with the median over the set, ``ref``.
+   rank's mean duration per call ``m`` is compared with the median of its peers in the set, ``ref``.
 2. **Significance, rank-based.** In each kernel the ranks are ordered by ``m / ref`` and each gets the normal
    score of its place; a rank's scores are summed over the kernels. If no rank differed, the places would
    be a random permutation per kernel, so the sum's null variance is known exactly and its z-score is
@@ -27,6 +27,7 @@ about a rank's own speed (the per-kernel L3 reads them with the topology).
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -36,6 +37,7 @@ from scipy.special import ndtri
 from scipy.stats import rankdata
 
 from argus.errors import DetectorError
+from detectors.l2_groups import loo_median
 from detectors.l2_phases import L2Kind, L2Result
 from detectors.l3_kernels import L3Kind, L3Result, is_collective
 from schemas.records import JobTopology, KernelSummary
@@ -82,7 +84,7 @@ class RankExcessParams:
     in that kernel [1.1]. ``min_z``: least z-score of the rank's summed normal scores [4.5], or
     ``min_z_with_magnitude`` [3.0] when its mean shift is ``min_magnitude_z`` [8.0] noise units (few ranks).
     ``min_excess_fraction``: least share of its expected compute time it spends beyond its peers in
-    those kernels [0.05]. ``min_ranks``: fewest ranks of a comparison set [2]. ``min_kernels``: fewest kernels
+    those kernels [0.1]. ``min_ranks``: fewest ranks of a comparison set [2]. ``min_kernels``: fewest kernels
     a rank must share with its set [3]. ``top_kernels``: kernels named in the evidence [5].
     ``collective_markers``: lower-case substrings of collective kernels, left out [("nccl",)].
     ``stage_min_excess``: least excess of a pipeline stage over the others, as a share of its expected time,
@@ -93,7 +95,7 @@ class RankExcessParams:
     min_z_with_magnitude: float = 3.0
     min_magnitude_z: float = 8.0
     stage_min_excess: float = 0.1
-    min_excess_fraction: float = 0.05
+    min_excess_fraction: float = 0.1
     slower_ratio: float = 1.1
     min_ranks: int = 2
     min_kernels: int = 3
@@ -158,17 +160,19 @@ def kernel_family(kernel: str) -> str:
 
 
 def _magnitude_z(d: F64) -> F64:
-    """Per row of ``d`` (ranks x kernels, NaN where absent): its mean deviation over the kernels, in units of
-    the noise of a kernel's deviation (1.4826 MAD of all entries, floored at 0.02) over sqrt(kernels)."""
+    """Per row of ``d`` (ranks x kernels, NaN where absent): its median deviation over the kernels, in units
+    of its standard error (1.2533 x the noise of one deviation -- 1.4826 MAD of all entries, floored at
+    0.02 -- over sqrt(kernels)). The median: one stray call of one kernel must not make a rank slow."""
     present = ~np.isnan(d)
     if not present.any():
         return np.zeros(d.shape[0])
     centred = d - np.nanmedian(d, axis=0)
     scale = max(1.4826 * float(np.nanmedian(np.abs(centred))), 0.02)
     n = present.sum(axis=1)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        out: F64 = np.nansum(centred, axis=1) / (scale * np.sqrt(np.maximum(n, 1)))
-    return np.where(n > 0, out, 0.0)
+    with np.errstate(invalid="ignore", divide="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # rows without kernels: NaN, zeroed below
+        out: F64 = np.nanmedian(centred, axis=1) / (1.2533 * scale / np.sqrt(np.maximum(n, 1)))
+    return np.where(n > 0, np.nan_to_num(out), 0.0)
 
 
 def _rank_scores_z(d: F64) -> F64:
@@ -202,9 +206,15 @@ def _judge(ranks: I64, total: F64, calls: F64, keys: Sequence[tuple[str, int]], 
         mean = np.where(present, total / np.where(present, calls, 1.0), np.nan)
         positive = present & (mean > 0)
         logm = np.where(positive, np.log(np.where(positive, mean, 1.0)), np.nan)
-    ref_log = np.nanmedian(logm, axis=0)
-    d = np.where(positive, logm - ref_log, 0.0)
-    ref = np.exp(ref_log)
+    # Each rank against its peers' median (leave-one-out: with two ranks, the other one).
+    ref_log = np.full(logm.shape, np.nan)
+    for k in range(logm.shape[1]):
+        rows = np.flatnonzero(positive[:, k])
+        if rows.size >= 2:
+            ref_log[rows, k] = loo_median(logm[rows, k])
+    positive &= ~np.isnan(ref_log)
+    d = np.where(positive, logm - np.nan_to_num(ref_log), 0.0)
+    ref = np.where(positive, np.exp(np.nan_to_num(ref_log)), 0.0)
     slower = positive & (d > math.log(p.slower_ratio))
     masked = np.where(positive, d, np.nan)
     fams = [kernel_family(k) for k, _ in keys]
@@ -220,7 +230,7 @@ def _judge(ranks: I64, total: F64, calls: F64, keys: Sequence[tuple[str, int]], 
     if ranks.size >= 3:  # two ranks: each is the other's reference, neither is the deviant by magnitude
         pooled = np.where((pooled >= p.min_z_with_magnitude) & (magnitude >= p.min_magnitude_z),
                           np.maximum(pooled, p.min_z), pooled)
-    w = np.where(positive, ref * np.nanmedian(np.where(present, calls, np.nan), axis=0), 0.0)
+    w = np.where(positive, ref * calls, 0.0)
     share = (w * slower).sum(axis=1) / np.maximum(w.sum(axis=1), 1e-300)
     per_call = np.where(positive, total / np.where(positive, calls, 1.0), 0.0)
     expected = np.where(positive, calls * ref, 0.0).sum(axis=1)
