@@ -314,8 +314,7 @@ def _slow_ranks(sc: RankScores, min_score: float, gate: float, p: L3Params) -> t
     if n >= 4:
         q1, q3 = np.percentile(sc.score, [25.0, 75.0])
         slow |= (sc.score > q3 + p.iqr_k * (q3 - q1)) & (sc.score >= min_score) & (sc.shift_ns > 0.0)
-    lower = np.sort(sc.primary_p50_ns)[: (n + 1) // 2]
-    healthy = float(np.median(lower))
+    healthy = float(_faster_half(sc.primary_p50_ns[:, None])[0])
     p50_ratio = sc.primary_p50_ns / healthy
     slow |= p50_ratio >= gate
     return slow, p50_ratio, healthy

@@ -34,7 +34,10 @@ from detectors.l3_ranks import KernelTotals, RankExcessParams, detect_rank_exces
 from schemas.records import Finding, JobLifecycle, JobTopology, KernelSummary, ParallelGroup, PhaseBatch, Step
 
 __all__ = ["DiagnosisParams", "JobDiagnosis", "KernelDiagnosis", "LinkLedger", "RankDiagnosis", "drop_victims",
-           "judge"]
+           "judge", "straggler_ranks"]
+
+#: (level, kind) of findings that name a rank slow by its own work.
+_STRAGGLER_KINDS = frozenset({("L2", "compute_straggler"), ("L3", "rank_degraded")})
 
 
 @dataclass(frozen=True)
@@ -319,7 +322,12 @@ def _row(s: KernelSummary, i: int) -> KernelSummary:
     )
 
 
-def drop_victims(findings: list[Finding], stragglers: set[int], topology: JobTopology | None) -> list[Finding]:
+def straggler_ranks(findings: list[Finding]) -> set[int]:
+    """Ranks named compute stragglers: by L2 (phases) or by L3 across kernels (``rank_degraded``)."""
+    return {r for f in findings if (f.level.value, f.kind) in _STRAGGLER_KINDS for r in f.ranks}
+
+
+def drop_victims(findings: list[Finding], stragglers: set[int]) -> list[Finding]:
     """Keep L3 late-arrival findings only for ranks L2 named compute stragglers (``stragglers``).
 
     A member that reaches a collective last is late, not necessarily the cause: a rank sharing a blocking

@@ -44,6 +44,7 @@ from streams.diagnosis import (
     LinkLedger,
     RankDiagnosis,
     drop_victims,
+    straggler_ranks,
 )
 
 __all__ = ["DiagnosisStats", "install_diagnosis", "summary_end_marker"]
@@ -114,14 +115,12 @@ def install_diagnosis(app: faust.App, settings: Settings, params: DiagnosisParam
     links: _Recent[LinkLedger] = _Recent(max_jobs)
 
     async def publish(findings: list[Finding]) -> None:
-        if any(f.kind == "link_degraded" for f in findings):
+        if findings:  # one job's findings per call
             job_id = findings[0].job_id
             if job_id not in links:
                 links[job_id] = LinkLedger()
             findings = links[job_id].filter(findings)
-        for f in findings:
-            if (f.level.value, f.kind) in (("L2", "compute_straggler"), ("L3", "rank_degraded")):
-                stragglers[f.job_id] = stragglers.get(f.job_id, set()) | set(f.ranks)
+            stragglers[job_id] = stragglers.get(job_id, set()) | straggler_ranks(findings)
         futs = [await findings_topic.send(key=job_key(f.job_id), value=f.encode(), force=True) for f in findings]
         for fut in futs:
             await fut
@@ -213,7 +212,7 @@ def install_diagnosis(app: faust.App, settings: Settings, params: DiagnosisParam
                     groups = stream_groups.get(s.job_id, {})
                     for state in kernels.pop(part, {}).values():
                         found = state.diagnose(topo, final=True, group_kind=groups.get(state.stream), clock=clock)
-                        await publish(drop_victims(found, stragglers.get(s.job_id, set()), topo))
+                        await publish(drop_victims(found, stragglers.get(s.job_id, set())))
                     done = parts_done[s.job_id] = parts_done.get(s.job_id, set()) | {part[1]}
                     rank_state = ranks_state.get(s.job_id)
                     if len(done) >= settings.partitions and rank_state is not None:
@@ -238,7 +237,7 @@ def install_diagnosis(app: faust.App, settings: Settings, params: DiagnosisParam
             last_window[part] = max(last_window.get(part, 0), *s.window_end_ns)
             found = state.diagnose(topo, group_kind=stream_groups.get(s.job_id, {}).get(s.stream),
                                    clock=clocks.get(s.job_id))
-            await publish(drop_victims(found, stragglers.get(s.job_id, set()), topo))
+            await publish(drop_victims(found, stragglers.get(s.job_id, set())))
             yield None
 
     @app.on_partitions_revoked.connect  # type: ignore[arg-type]

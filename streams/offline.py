@@ -30,7 +30,15 @@ from schemas.records import (
     Step,
 )
 from streams.compression import summarize_windows
-from streams.diagnosis import DiagnosisParams, JobDiagnosis, KernelDiagnosis, LinkLedger, RankDiagnosis, drop_victims
+from streams.diagnosis import (
+    DiagnosisParams,
+    JobDiagnosis,
+    KernelDiagnosis,
+    LinkLedger,
+    RankDiagnosis,
+    drop_victims,
+    straggler_ranks,
+)
 from streams.windows import ClosedWindow, WindowBuffer
 
 __all__ = ["diagnose_records", "diagnose_traces", "finding_json"]
@@ -48,9 +56,7 @@ class _Job:
 
     def keep(self, findings: list[Finding]) -> None:
         findings = self.links.filter(findings)
-        for f in findings:
-            if (f.level.value, f.kind) in (("L2", "compute_straggler"), ("L3", "rank_degraded")):
-                self.stragglers |= set(f.ranks)
+        self.stragglers |= straggler_ranks(findings)
         self.findings += findings
 
     def summaries(self, out: list[KernelSummary]) -> None:
@@ -63,7 +69,7 @@ class _Job:
             self.ranks.add(s)
             found = self.kernels[key].diagnose(topo, group_kind=self.state.collective_groups.get(s.stream),
                                                clock=clock)
-            self.keep(drop_victims(found, self.stragglers, topo))
+            self.keep(drop_victims(found, self.stragglers))
 
     def finish(self) -> list[Finding]:
         self.keep(self.state.diagnose())
@@ -71,7 +77,7 @@ class _Job:
         for state in self.kernels.values():
             found = state.diagnose(topo, final=True, group_kind=self.state.collective_groups.get(state.stream),
                                    clock=clock)
-            self.keep(drop_victims(found, self.stragglers, topo))
+            self.keep(drop_victims(found, self.stragglers))
         self.keep(self.ranks.diagnose(topo, clock))
         return _dedup(self.findings)
 

@@ -84,19 +84,18 @@ def test_kernel_windows_are_judged_when_complete_and_after_the_topology() -> Non
 
 
 def test_l3_late_arrivals_only_corroborate_l2_stragglers() -> None:
-    from producers.topology import build_topology
     from schemas.records import Finding, Level
     from streams.diagnosis import drop_victims
 
-    topo = build_topology("j", dp=8, tp=2, pp=2)  # ranks 4 and 5 form TP group 2
+    # DP 8 x TP 2 x PP 2: ranks 4 and 5 form TP group 2
 
     def late(rank: int) -> Finding:
         return Finding(f"id{rank}", "j", Level.L3, "compute_straggler", (rank,), (), 5.0, "{}", 0,
                        kernel="ncclDevKernel_AllReduce", stream=13)
 
-    kept = drop_victims([late(4), late(5), late(9)], {5}, topo)
+    kept = drop_victims([late(4), late(5), late(9)], {5})
     # rank 4 only waited for its TP partner; rank 9's lateness is corroborated by nothing: late, not a cause
     assert [f.ranks for f in kept] == [(5,)]
-    assert drop_victims([late(4)], set(), topo) == []
+    assert drop_victims([late(4)], set()) == []
     other = Finding("k", "j", Level.L3, "kernel_degraded", (4,), (), 1.0, "{}", 0, kernel="gemm", stream=7)
-    assert drop_victims([other], set(), None) == [other]  # other kinds pass
+    assert drop_victims([other], set()) == [other]  # other kinds pass
