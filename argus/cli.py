@@ -61,11 +61,35 @@ def _cmd_status(settings: Settings, args: argparse.Namespace) -> int:
     if args.json:
         _out(json.dumps(status, indent=2))
     else:
+        sup = status["supervisor"]
+        _out(f"{'supervisor':10s} {'running' if sup['running'] else 'stopped':8s} pid={sup['pid']}  "
+             f"up since {sup['up_since'] or '-'}  log={sup['log']}")
         for name in ("kafka", "worker", "sink"):
             s = status[name]
             state = "healthy" if s.get("healthy") else ("running" if s.get("running") else "stopped")
-            _out(f"{name:7s} {state:8s} pid={s.get('pid')}  log={s.get('log')}")
+            if s.get("state") not in (None, "running"):
+                state += f" ({s['state']})"  # e.g. backoff: the supervisor restarts it shortly
+            last = s.get("last_exit")
+            exit_text = "-" if last is None else (f"{last.get('signal') or last.get('code')} at {last.get('at')}")
+            _out(f"{name:10s} {state:8s} pid={s.get('pid')}  up since {s.get('up_since') or '-'}  "
+                 f"restarts={s.get('restarts', 0)}  last exit={exit_text}  log={s.get('log')}")
+        _out_jobs((status["worker"].get("stats") or {}).get("diagnosis"))
     return 0 if all(status[n].get("healthy") for n in ("kafka", "worker", "sink")) else 3
+
+
+def _out_jobs(diagnosis: dict[str, Any] | None, limit: int = 20) -> None:
+    """The worker's jobs holding state: open ones, those being abandoned, finished ones awaiting L3."""
+    if not diagnosis:
+        return
+    jobs = diagnosis.get("jobs") or []
+    _out(f"jobs       open={diagnosis.get('open_jobs', 0)}  held messages={diagnosis.get('held_messages', 0)}  "
+         f"abandoned={diagnosis.get('jobs_abandoned', 0)}  diagnosed={diagnosis.get('jobs_diagnosed', 0)}")
+    if jobs:
+        rows = [(j["job"], j["state"], f"{j['age_s']:.0f}", f"{j['idle_s']:.0f}", j["last_step"], j["held_messages"])
+                for j in jobs[:limit]]
+        _out(_table(("job", "state", "age_s", "idle_s", "last_step", "held_messages"), rows))
+        if len(jobs) > limit:
+            _out(f"... {len(jobs) - limit} more (argus status --json lists them)")
 
 
 def _cmd_sql(settings: Settings, args: argparse.Namespace) -> int:
@@ -105,7 +129,9 @@ def _cmd_simulate(settings: Settings, args: argparse.Namespace) -> int:
     from argus.demo import simulate_job
 
     stats = simulate_job(settings, job_id=args.job, dp=args.dp, tp=args.tp, pp=args.pp, steps=args.steps,
-                         fault=args.fault, seed=args.seed, progress=_progress)
+                         fault=args.fault, seed=args.seed, progress=_progress, hang_rank=args.hang_rank,
+                         hang_step=args.hang_step, hang_s=args.hang_s, hang_resume=not args.no_resume,
+                         pause_step=args.pause_step, pause_s=args.pause_s)
     _out(json.dumps(stats, indent=2))
     return 0
 
@@ -119,13 +145,17 @@ def _cmd_demo(settings: Settings, args: argparse.Namespace) -> int:
 
 
 def _cmd_findings(settings: Settings, args: argparse.Namespace) -> int:
-    from sinks.findings_query import fetch_findings, wait_diagnosed
+    from sinks.findings_query import fetch_findings, pending_reasons, wait_diagnosed
 
     complete = True
     if args.wait:
         complete = wait_diagnosed(settings, args.job, args.wait)
         if not complete:
-            sys.stderr.write(f"argus: job {args.job} not fully diagnosed after {args.wait:.0f} s; "
+            try:
+                why = "; ".join(pending_reasons(settings, args.job)) or "unknown"
+            except ArgusError as exc:
+                why = str(exc)
+            sys.stderr.write(f"argus: job {args.job} not fully diagnosed after {args.wait:.0f} s ({why}); "
                              "showing the findings so far\n")
     findings = fetch_findings(settings, args.job)
     if args.json:
@@ -148,6 +178,15 @@ def _cmd_import_kineto(settings: Settings, args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_ddl(settings: Settings, args: argparse.Namespace) -> int:
+    from sinks.tables import schema_ddl
+
+    cluster = settings.clickhouse_cluster if args.cluster is None else args.cluster
+    for sql in schema_ddl(args.database or settings.clickhouse_database, cluster):
+        _out(sql + ";")
+    return 0
+
+
 def _cmd_stacks(settings: Settings, args: argparse.Namespace) -> int:
     import signal
     import threading
@@ -166,16 +205,20 @@ def _parser() -> argparse.ArgumentParser:
                                 "for GPU training jobs.")
     p.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING or ERROR (env ARGUS_LOG_LEVEL)")
     sub = p.add_subparsers(dest="command", required=True)
-    s = sub.add_parser("up", help="start Kafka, the stream worker and the sink in the background")
+    s = sub.add_parser("up", help="start Kafka, the stream worker and the sink in the background, under a "
+                       "supervisor that restarts any of them that exits")
     s.add_argument("--json", action="store_true")
     s.set_defaults(fn=_cmd_up)
     s = sub.add_parser("down", help="stop the local stack")
     s.add_argument("--keep-kafka", action="store_true", help="leave the Kafka broker running")
     s.set_defaults(fn=_cmd_down)
-    s = sub.add_parser("status", help="show the local stack (exit 3 unless all healthy)")
+    s = sub.add_parser("status", help="show the local stack: health, pids, restarts, last exits (exit 3 unless "
+                       "all healthy)")
     s.add_argument("--json", action="store_true")
     s.set_defaults(fn=_cmd_status)
-    s = sub.add_parser("sql", help="run SQL against the configured ClickHouse (embedded or server)")
+    s = sub.add_parser("sql", help="run SQL against the configured ClickHouse (embedded or server); through a "
+                       "running sink only one read-only statement (SELECT, WITH, SHOW, DESCRIBE, EXPLAIN, EXISTS), "
+                       "sent with the token in <ARGUS_HOME>/query.token")
     s.add_argument("query")
     s.add_argument("--json", action="store_true", help="print a JSON array of row objects")
     s.set_defaults(fn=_cmd_sql)
@@ -185,6 +228,14 @@ def _parser() -> argparse.ArgumentParser:
     s.set_defaults(fn=_cmd_worker)
     s = sub.add_parser("sink", help="run the ClickHouse sink (and its SQL endpoint) in the foreground")
     s.set_defaults(fn=_cmd_sink)
+    s = sub.add_parser("ddl", help="print the statements that create argus's ClickHouse schema, one per line "
+                       "ending in ';' (for review, or `clickhouse-client --multiquery`), without connecting")
+    s.add_argument("--cluster", default=None, metavar="NAME",
+                   help="the cluster (remote_servers) to create the tables ON CLUSTER: NAME_local "
+                        "ReplicatedReplacingMergeTree + Distributed tables (default ARGUS_CLICKHOUSE_CLUSTER; '' for "
+                        "one server)")
+    s.add_argument("--database", default=None, metavar="DB", help="default ARGUS_CLICKHOUSE_DATABASE (argus)")
+    s.set_defaults(fn=_cmd_ddl)
     s = sub.add_parser("stacks", help="on a training host: capture py-spy stacks of ranks named by findings")
     s.set_defaults(fn=_cmd_stacks)
     faults = ["none", "case1", "case2", "case3", "case4", "case5"]
@@ -195,12 +246,23 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--pp", type=int, default=2)
     s.add_argument("--steps", type=int, default=40)
     s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--fault", choices=faults, default="none")
+    s.add_argument("--fault", choices=[*faults, "hang", "silent-rank", "crash"], default="none",
+                   help="case1..case5 (fail-slow), hang / silent-rank (rank --hang-rank from step --hang-step), "
+                        "crash (no END)")
+    s.add_argument("--hang-rank", type=int, default=5, metavar="R", help="hang / silent-rank: the rank")
+    s.add_argument("--hang-step", type=int, default=10, metavar="S", help="hang / silent-rank: the first step")
+    s.add_argument("--hang-s", type=float, default=20.0, metavar="SECONDS",
+                   help="hang / silent-rank: seconds the blocked ranks heartbeat (in real time)")
+    s.add_argument("--no-resume", action="store_true", help="hang: the job never resumes (no END)")
+    s.add_argument("--pause-step", type=int, default=-1, metavar="S",
+                   help="a checkpoint pause: every rank stops before step S (heartbeats only), then goes on")
+    s.add_argument("--pause-s", type=float, default=5.0, metavar="SECONDS", help="length of the --pause-step pause")
     s.set_defaults(fn=_cmd_simulate)
     s = sub.add_parser("findings", help="the diagnosis of a job (JSON contract with --json)")
     s.add_argument("--job", required=True)
     s.add_argument("--wait", type=float, default=0.0, metavar="SECONDS",
-                   help="block until the job's end has been diagnosed through to ClickHouse (exit 4 on timeout)")
+                   help="block until the job is diagnosed through to ClickHouse: every detector part done, its "
+                        "findings and the END's record counts stored (exit 4 on timeout)")
     s.add_argument("--json", action="store_true", help="print a JSON array of findings")
     s.set_defaults(fn=_cmd_findings)
     s = sub.add_parser("import-kineto", help="publish torch.profiler/Kineto traces (one file per rank) as a job")

@@ -26,15 +26,25 @@ FAULTS: dict[str, Fault] = {
     "case3": Fault.PP_LAST_STAGE_SLOW,
     "case4": Fault.HOST_JIT_STALL,
     "case5": Fault.COMPUTE_STRAGGLER_SHORT_COLLECTIVES,
+    "hang": Fault.HANG,
+    "silent-rank": Fault.SILENT_RANK,
+    "crash": Fault.CRASH,
 }
 
 Progress = Callable[[str], None]
 
 
-def build_spec(job_id: str, dp: int, tp: int, pp: int, steps: int, fault: str, seed: int = 0) -> JobSpec:
-    """A job of ``dp × tp × pp`` ranks with fault ``case1`` … ``case5`` (or ``none``) at its defaults."""
+def build_spec(job_id: str, dp: int, tp: int, pp: int, steps: int, fault: str, seed: int = 0, *,
+               hang_rank: int = 5, hang_step: int = 10, hang_s: float = 20.0, hang_resume: bool = True,
+               heartbeat_interval_s: float = 2.0, pause_step: int = -1, pause_s: float = 0.0) -> JobSpec:
+    """A job of ``dp × tp × pp`` ranks with fault ``case1`` … ``case5`` (or ``none``) at its defaults, or a
+    liveness fault: ``hang`` / ``silent-rank`` (rank ``hang_rank`` from step ``hang_step``, the others
+    heartbeat every ``heartbeat_interval_s`` for ``hang_s`` seconds; a hang then resumes if
+    ``hang_resume``) or ``crash`` (no END). With ``pause_step`` >= 1 every rank pauses ``pause_s`` seconds
+    before that step (a checkpoint: heartbeats only), then the job goes on."""
     topo = build_topology(job_id, dp, tp, pp)
     spec: FaultSpec | None
+    hang_ns = round(hang_s * 1e9)
     try:
         spec = {
             "none": lambda: None,
@@ -43,21 +53,31 @@ def build_spec(job_id: str, dp: int, tp: int, pp: int, steps: int, fault: str, s
             "case3": lambda: FaultSpec.pp_last_stage_slow(topo),
             "case4": lambda: FaultSpec.host_jit_stall(topo),
             "case5": lambda: FaultSpec.compute_straggler_short_collectives(topo),
+            "hang": lambda: FaultSpec.hang(topo, hang_rank, hang_step, hang_ns, hang_resume),
+            "silent-rank": lambda: FaultSpec.silent_rank(topo, hang_rank, hang_step, hang_ns),
+            "crash": lambda: FaultSpec.crash(topo),
         }[fault]()
     except KeyError as exc:
-        raise ArgusError(f"unknown fault {fault!r}; use none or case1..case5") from exc
+        raise ArgusError(f"unknown fault {fault!r}; use none, case1..case5, hang, silent-rank or crash") from exc
     except ValueError as exc:
         raise ArgusError(f"fault {fault} does not fit a {dp}x{tp}x{pp} job: {exc}") from exc
     # A host stall of 80 ms is a spike only against short steps (the paper's case: 40 ms steps).
     step_time_ns = 40_000_000 if fault == "case4" else 200_000_000
-    return JobSpec(job_id, dp, tp=tp, pp=pp, steps=steps, seed=seed, fault=spec, step_time_ns=step_time_ns)
+    try:
+        return JobSpec(job_id, dp, tp=tp, pp=pp, steps=steps, seed=seed, fault=spec, step_time_ns=step_time_ns,
+                       heartbeat_interval_ns=round(heartbeat_interval_s * 1e9), pause_step=pause_step,
+                       pause_ns=round(pause_s * 1e9) if pause_step >= 0 else 0)
+    except ValueError as exc:
+        raise ArgusError(f"job spec: {exc}") from exc
 
 
 def _publish(settings: Settings, spec: JobSpec, progress: Progress) -> tuple[SimStats, dict[str, int]]:
     sim = JobSimulator(spec, batch_events=settings.publisher_batch_events)
     with Publisher(settings, lossless=True) as pub:
+        # A hang's heartbeats go out at the pace of their event time, as a live job's would.
+        live = (spec.fault is not None and spec.fault.liveness) or spec.pause_ns > 0
         stats = sim.run(pub, progress=lambda done, total: progress(f"simulated step {done}/{total}")
-                        if done % 10 == 0 or done == total else None)
+                        if done % 10 == 0 or done == total else None, realtime_heartbeats=live)
         pstats = pub.close()
     if pstats.failed or pstats.dropped:
         raise ArgusError(f"publishing failed: {pstats.failed} undelivered, {pstats.dropped} dropped")
@@ -65,10 +85,12 @@ def _publish(settings: Settings, spec: JobSpec, progress: Progress) -> tuple[Sim
 
 
 def simulate_job(settings: Settings, job_id: str, dp: int, tp: int, pp: int, steps: int, fault: str,
-                 seed: int = 0, progress: Progress | None = None) -> dict[str, Any]:
-    """Publish a simulated job to Kafka; returns what was published."""
+                 seed: int = 0, progress: Progress | None = None, **liveness: Any) -> dict[str, Any]:
+    """Publish a simulated job to Kafka; returns what was published. ``liveness``: the hang options of
+    :func:`build_spec` (the heartbeat interval defaults to the settings')."""
     say = progress or (lambda _m: None)
-    spec = build_spec(job_id, dp, tp, pp, steps, fault, seed)
+    liveness.setdefault("heartbeat_interval_s", settings.heartbeat_interval_s)
+    spec = build_spec(job_id, dp, tp, pp, steps, fault, seed, **liveness)
     stats, sizes = _publish(settings, spec, say)
     return {"job": job_id, "ranks": spec.world_size, "steps": steps, "fault": fault, **dataclasses.asdict(stats),
             "kernel_bytes": sizes.get(Topic.KERNELS.full(settings), 0)}

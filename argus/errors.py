@@ -9,9 +9,11 @@ from __future__ import annotations
 __all__ = [
     "ArgusError",
     "ConfigError",
+    "DeadLetterError",
     "DetectorError",
     "KafkaLocalError",
     "ProducerError",
+    "RejectedRecordError",
     "SchemaError",
     "SinkError",
     "StreamError",
@@ -36,6 +38,16 @@ class ProducerError(ArgusError):
 
 class StreamError(ArgusError):
     """A stream-processing agent failed outside of a single bad record."""
+
+
+class RejectedRecordError(StreamError):
+    """One record decoded but cannot be processed by a stream stage (e.g. a rank outside its job's topology);
+    the agent dead-letters it and goes on."""
+
+
+class DeadLetterError(StreamError):
+    """A dead letter could not be delivered: the agent stops without acking the message, so the commit never
+    passes it and it is read again after a restart."""
 
 
 class SinkError(ArgusError):

@@ -6,6 +6,15 @@ under ``Settings.kafka_cache/<version>/libs``. The broker's state lives under ``
 ``log4j2.properties``, ``kafka.pid``, ``logs/server.log`` (broker log) and ``kafka.out`` (JVM console).
 The broker listens on the host and port of the first ``Settings.bootstrap_servers`` entry; its KRaft
 controller listens on the next port.
+
+Security follows the ``kafka_*`` settings the clients use (:mod:`argus.kafka_security`): ``PLAINTEXT``, or
+``SASL_PLAINTEXT`` with the configured mechanism and user. For SCRAM the user's credential is written into
+the metadata when the storage is formatted (``kafka-storage format --add-scram`` with a salted password, the
+arguments in a 0600 Java argument file so that no command line shows them); ``scram.json`` remembers which
+user (a hash of the salted password, never the password), so a storage formatted for another user or
+password is refused with what to do. For PLAIN the user is declared in the listener's JAAS entry. The
+controller listener then takes SASL/PLAIN with a random per-launch secret, so no listener is left open.
+``server.properties`` holds the credentials and is written 0600. TLS listeners are not offered locally.
 """
 
 from __future__ import annotations
@@ -13,8 +22,12 @@ from __future__ import annotations
 import base64
 import contextlib
 import fcntl
+import hashlib
+import json
 import logging
 import os
+import re
+import secrets
 import shutil
 import signal
 import socket
@@ -26,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from argus.errors import KafkaLocalError
+from argus.kafka_security import AuthWatch, client_config
 from argus.settings import Settings
 
 __all__ = ["LocalKafka", "fetch_jars", "pid_alive", "pom_path"]
@@ -34,6 +48,10 @@ logger = logging.getLogger(__name__)
 
 _COMPLETE_MARKER = ".complete"
 _TAIL_CHARS = 4000
+#: SCRAM user names the local broker takes: they go unquoted into ``--add-scram`` and JAAS option names.
+_LOCAL_USER = re.compile(r"^[A-Za-z0-9._@-]{1,128}$")
+_SCRAM_ITERATIONS = 8192
+_SCRAM_HASH = {"SCRAM-SHA-256": "sha256", "SCRAM-SHA-512": "sha512"}
 
 
 def pom_path() -> Path:
@@ -97,6 +115,40 @@ def fetch_jars(settings: Settings, progress: Callable[[str], None] | None = None
     return libs
 
 
+def _jaas_quote(value: str) -> str:
+    """``value`` as a JAAS option value (Kafka's JAAS parser reads backslash escapes inside quotes)."""
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def _properties_escape(value: str) -> str:
+    """``value`` escaped for a Java ``.properties`` file read as ISO-8859-1 (Kafka's ``loadProps``)."""
+    out = []
+    for i, ch in enumerate(value):
+        if ch == "\\":
+            out.append("\\\\")
+        elif ch == " " and i == 0:
+            out.append("\\ ")  # a leading blank would be taken for the separator
+        elif " " <= ch <= "~":
+            out.append(ch)
+        else:  # control and non-ASCII characters as UTF-16 code units
+            units = ch.encode("utf-16-be")
+            out.extend(f"\\u{units[j]:02x}{units[j + 1]:02x}" for j in range(0, len(units), 2))
+    return "".join(out)
+
+
+def _argfile_quote(arg: str) -> str:
+    """``arg`` quoted for a Java launcher argument file (``java @file``)."""
+    return '"' + arg.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def _write_private(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` readable by its owner only (credentials), whatever the umask."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)  # an existing file keeps its mode through O_CREAT
+    with os.fdopen(fd, "w") as fh:
+        fh.write(text)
+
+
 def _random_cluster_id() -> str:
     """A Kafka cluster id: a random UUID in URL-safe base64 without padding (as ``random-uuid``)."""
     while True:
@@ -153,6 +205,7 @@ class LocalKafka:
         self.log_path = self.dir / "logs" / "server.log"
         self._proc: subprocess.Popen[bytes] | None = None  # the broker, when this object launched it
         self._log_offset = 0  # size of the broker log when this object launched the broker
+        self._watch = AuthWatch(settings)  # whether the broker refused our credentials (last probe)
 
     @property
     def bootstrap(self) -> str:
@@ -182,20 +235,26 @@ class LocalKafka:
     def _admin(self) -> Any:
         from confluent_kafka.admin import AdminClient
 
-        conf: dict[str, Any] = {
+        conf = client_config(self.settings, {
             "bootstrap.servers": self.bootstrap,
             "log_level": 0,  # connection-refused noise while the broker boots
-            "error_cb": lambda _err: None,
-        }
+            "error_cb": self._watch,
+        })
         return AdminClient(conf)
+
+    def _refused(self) -> KafkaLocalError:
+        return KafkaLocalError(self._watch.explain())
 
     def is_healthy(self, timeout_s: float = 3.0) -> bool:
         """True if a broker answers metadata on the configured port and knows its controller."""
         if not self._port_open(self.port):
             return False
+        self._watch.refused = None
+        admin = self._admin()
         try:
-            md = self._admin().list_topics(timeout=timeout_s)
+            md = admin.list_topics(timeout=timeout_s)
         except Exception as exc:  # KafkaException or a timeout: not healthy (yet)
+            admin.poll(0)  # serves the error callbacks: was it the credentials?
             logger.debug("metadata probe failed: %s", exc)
             return False
         return bool(md.brokers) and md.controller_id >= 0
@@ -227,6 +286,85 @@ class LocalKafka:
             "home": str(self.dir),
         }
 
+    # -- security ---------------------------------------------------------------------------------
+    def _sasl(self) -> bool:
+        """Whether the broker's client listener takes SASL (checks what the local broker can serve).
+
+        Raises:
+            KafkaLocalError: TLS was asked for, or a user name the local broker cannot declare.
+        """
+        protocol = self.settings.kafka_security_protocol
+        if protocol not in ("PLAINTEXT", "SASL_PLAINTEXT"):
+            raise KafkaLocalError(f"the local broker serves PLAINTEXT or SASL_PLAINTEXT, not {protocol}; point "
+                                  "bootstrap_servers at a TLS-enabled cluster instead")
+        if protocol == "PLAINTEXT":
+            return False
+        if not _LOCAL_USER.match(self.settings.kafka_sasl_username):
+            raise KafkaLocalError("the local broker takes SASL user names of letters, digits and ._@- only, "
+                                  f"got {self.settings.kafka_sasl_username!r}")
+        return True
+
+    def _security_props(self) -> dict[str, str]:
+        """Listener properties: all PLAINTEXT, or SASL on both the client and the controller listener."""
+        client = f"{self.host}:{self.port}"
+        controller = f"CONTROLLER://{self.host}:{self.controller_port}"
+        if not self._sasl():
+            return {"listeners": f"PLAINTEXT://{client},{controller}",
+                    "advertised.listeners": f"PLAINTEXT://{client}",
+                    "inter.broker.listener.name": "PLAINTEXT",
+                    "listener.security.protocol.map": "CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT"}
+        mechanism = self.settings.kafka_sasl_mechanism
+        user, password = self.settings.kafka_sasl_username, self.settings.kafka_sasl_password.reveal()
+        if mechanism == "PLAIN":
+            module = "org.apache.kafka.common.security.plain.PlainLoginModule"
+            users = f" user_{user}={_jaas_quote(password)}"
+        else:  # SCRAM: the users are in the metadata (see _format)
+            module = "org.apache.kafka.common.security.scram.ScramLoginModule"
+            users = ""
+        # The broker authenticates to itself as the configured user.
+        jaas = f"{module} required username={_jaas_quote(user)} password={_jaas_quote(password)}{users};"
+        # KRaft controllers cannot take SCRAM (its credentials live in the metadata they serve): PLAIN with a
+        # secret of this launch, so the controller port is not an open door either.
+        secret = secrets.token_urlsafe(24)
+        controller_jaas = ("org.apache.kafka.common.security.plain.PlainLoginModule required "
+                           f'username="controller" password="{secret}" user_controller="{secret}";')
+        return {"listeners": f"SASL_PLAINTEXT://{client},{controller}",
+                "advertised.listeners": f"SASL_PLAINTEXT://{client}",
+                "inter.broker.listener.name": "SASL_PLAINTEXT",
+                "listener.security.protocol.map": "CONTROLLER:SASL_PLAINTEXT,SASL_PLAINTEXT:SASL_PLAINTEXT",
+                "sasl.enabled.mechanisms": mechanism,
+                "sasl.mechanism.inter.broker.protocol": mechanism,
+                f"listener.name.sasl_plaintext.{mechanism.lower()}.sasl.jaas.config": jaas,
+                "sasl.mechanism.controller.protocol": "PLAIN",
+                "listener.name.controller.sasl.enabled.mechanisms": "PLAIN",
+                "listener.name.controller.plain.sasl.jaas.config": controller_jaas}
+
+    def _scram_marker(self, salt: bytes, salted: bytes) -> dict[str, Any]:
+        return {"mechanism": self.settings.kafka_sasl_mechanism, "user": self.settings.kafka_sasl_username,
+                "salt": base64.b64encode(salt).decode(), "iterations": _SCRAM_ITERATIONS,
+                "salted_password_sha256": hashlib.sha256(salted).hexdigest()}
+
+    def _salted_password(self, salt: bytes) -> bytes:
+        """SCRAM's SaltedPassword (RFC 5802 ``Hi``, i.e. PBKDF2-HMAC), as Kafka's ScramFormatter makes it."""
+        return hashlib.pbkdf2_hmac(_SCRAM_HASH[self.settings.kafka_sasl_mechanism],
+                                   self.settings.kafka_sasl_password.reveal().encode(), salt, _SCRAM_ITERATIONS)
+
+    def _check_scram_user(self) -> None:
+        """A storage formatted before must hold the configured SCRAM user and password."""
+        marker = self.dir / "scram.json"
+        try:
+            known = json.loads(marker.read_text())
+            salted = self._salted_password(base64.b64decode(known["salt"]))
+            expected = self._scram_marker(base64.b64decode(known["salt"]), salted)
+        except (OSError, ValueError, KeyError, TypeError):
+            known, expected = None, {}
+        if known != expected:
+            raise KafkaLocalError(
+                f"the local broker's storage in {self.data_dir} was formatted without SCRAM user "
+                f"{self.settings.kafka_sasl_username!r} (or with another password or mechanism); SCRAM users "
+                f"are added only when the storage is formatted: remove {self.data_dir} (its topics are lost) or "
+                "use the credentials it was formatted with")
+
     # -- files ------------------------------------------------------------------------------------
     def _write_configs(self) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -235,11 +373,8 @@ class LocalKafka:
             "process.roles": "broker,controller",
             "node.id": "1",
             "controller.quorum.voters": f"1@{self.host}:{self.controller_port}",
-            "listeners": f"PLAINTEXT://{self.host}:{self.port},CONTROLLER://{self.host}:{self.controller_port}",
-            "advertised.listeners": f"PLAINTEXT://{self.host}:{self.port}",
-            "inter.broker.listener.name": "PLAINTEXT",
+            **self._security_props(),
             "controller.listener.names": "CONTROLLER",
-            "listener.security.protocol.map": "CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT",
             "log.dirs": str(self.data_dir),
             "num.partitions": str(self.settings.partitions),
             "default.replication.factor": "1",
@@ -259,7 +394,9 @@ class LocalKafka:
             "message.max.bytes": str(16 * 1024 * 1024),
         }
         text = "# Written by argus.local_kafka on every start; edits are overwritten.\n"
-        self.properties_path.write_text(text + "".join(f"{k}={v}\n" for k, v in props.items()))
+        # 0600: with SASL it holds the user's password.
+        _write_private(self.properties_path,
+                       text + "".join(f"{k}={_properties_escape(v)}\n" for k, v in props.items()))
         self.log4j_path.write_text(
             "status = warn\n"
             "shutdownHook = disable\n"  # let the broker log its own shutdown to the end
@@ -294,20 +431,41 @@ class LocalKafka:
         ]
 
     def _format(self, libs: Path) -> None:
+        scram = self._sasl() and self.settings.kafka_sasl_mechanism in _SCRAM_HASH
         if (self.data_dir / "meta.properties").exists():
+            if scram:
+                self._check_scram_user()
             return
         if self.cluster_id_path.exists():
             cluster_id = self.cluster_id_path.read_text().strip()
         else:
             cluster_id = _random_cluster_id()
             self.cluster_id_path.write_text(cluster_id + "\n")
-        cmd = self._java(libs, "kafka.tools.StorageTool", "format", "--ignore-formatted",
-                         "-t", cluster_id, "-c", str(self.properties_path))
-        logger.info("formatting KRaft storage in %s (cluster id %s)", self.data_dir, cluster_id)
-        proc = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=120)
+        args = ["format", "--ignore-formatted", "-t", cluster_id, "-c", str(self.properties_path)]
+        marker: dict[str, Any] | None = None
+        if scram:
+            # A salted password (base64, no commas) instead of the password: --add-scram splits on commas.
+            salt = secrets.token_bytes(32)
+            salted = self._salted_password(salt)
+            marker = self._scram_marker(salt, salted)
+            args += ["--add-scram", f"{self.settings.kafka_sasl_mechanism}=[name={self.settings.kafka_sasl_username},"
+                                    f"salt={marker['salt']},saltedpassword={base64.b64encode(salted).decode()},"
+                                    f"iterations={_SCRAM_ITERATIONS}]"]
+        cmd = self._java(libs, "kafka.tools.StorageTool", *args)
+        # The arguments go through a 0600 argument file: a command line is readable by every local user.
+        argfile = self.dir / "format.args"
+        _write_private(argfile, "\n".join(_argfile_quote(a) for a in cmd[1:]) + "\n")
+        logger.info("formatting KRaft storage in %s (cluster id %s%s)", self.data_dir, cluster_id,
+                    f", SCRAM user {self.settings.kafka_sasl_username}" if scram else "")
+        try:
+            proc = subprocess.run([cmd[0], f"@{argfile}"], capture_output=True, text=True, check=False, timeout=120)
+        finally:
+            argfile.unlink(missing_ok=True)
         if proc.returncode != 0:
             raise KafkaLocalError(f"kafka-storage format failed (exit {proc.returncode}):\n"
                                   + _tail(proc.stdout + "\n" + proc.stderr))
+        if marker is not None:
+            _write_private(self.dir / "scram.json", json.dumps(marker) + "\n")
 
     def _console_tail(self) -> str:
         """The JVM console, the broker's ERROR lines of this launch and the end of its log."""
@@ -343,6 +501,8 @@ class LocalKafka:
                 return pid
             for port in (self.port, self.controller_port):
                 if self._port_open(port):
+                    if self._watch.refused is not None:
+                        raise self._refused()
                     raise KafkaLocalError(f"port {self.host}:{port} is in use by something that is not "
                                           "a healthy Kafka broker started from this home")
             libs = fetch_jars(self.settings)
@@ -359,12 +519,28 @@ class LocalKafka:
                         self.settings.kafka_version, proc.pid, self.bootstrap, self.log_path)
             return proc.pid
 
+    def launch(self) -> int:
+        """Launch the broker without waiting for it (or find this home's running one); returns its pid.
+
+        For a caller that polls :meth:`pid` and :meth:`is_healthy` itself (the stack's supervisor).
+
+        Raises:
+            KafkaLocalError: as :meth:`start`, except that health is not awaited.
+        """
+        return self._launch()
+
+    def exit_code(self) -> int | None:
+        """The exit status of the broker this object launched, once it has exited (negative: the signal that
+        ended it); ``None`` while it runs or when another process launched it."""
+        return None if self._proc is None else self._proc.poll()
+
     def start(self, timeout_s: float = 90) -> str:
         """Start the broker (or reuse a healthy one on the port) and return the bootstrap servers.
 
         Raises:
             KafkaLocalError: jars could not be fetched, storage not formatted, the port is taken by
-                something that is not a healthy broker, or the broker did not become healthy in time.
+                something that is not a healthy broker, the broker refused the configured SASL credentials,
+                or it did not become healthy in time.
         """
         if self.is_healthy():
             logger.info("reusing the Kafka broker already healthy on %s", self.bootstrap)
@@ -379,6 +555,11 @@ class LocalKafka:
             if self.is_healthy() and self._probe_topic():
                 logger.info("Kafka broker healthy on %s", self.bootstrap)
                 return self.bootstrap
+            if self._watch.refused is not None:
+                refused = self._refused()
+                if self._proc is not None:  # launched by this call: not left running with credentials it refuses
+                    self.stop()
+                raise refused
             time.sleep(0.5)
         self.stop()
         raise KafkaLocalError(f"Kafka broker did not become healthy within {timeout_s:.0f}s:\n"

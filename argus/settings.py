@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,9 +17,16 @@ from typing import Any
 
 from argus.errors import ConfigError
 
-__all__ = ["ENV_PREFIX", "Secret", "Settings"]
+__all__ = ["ENV_PREFIX", "Secret", "Settings", "check_identifier"]
 
 ENV_PREFIX = "ARGUS_"
+#: Longest event-time window (1 day): window ends must stay far inside int64 (see ``schemas.records``).
+_MAX_WINDOW_NS = 86_400_000_000_000
+_KAFKA_PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
+_SASL_MECHANISMS = ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512")
+#: A ClickHouse cluster or database name argus writes into cluster DDL: inside backquotes, inside string
+#: literals and inside the replicas' Keeper path, so no quote, backslash, slash, brace (a macro) or space.
+_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_-]{0,127}")
 
 
 @dataclass(frozen=True)
@@ -58,6 +66,22 @@ class Settings:
     kafka_cache: Path = Path.home() / ".cache" / "argus" / "kafka"
     #: Apache Kafka version fetched from Maven Central for the local broker.
     kafka_version: str = "4.1.1"
+
+    # -- Kafka security, for every client (see ``argus.kafka_security``) --
+    #: ``PLAINTEXT``, ``SSL`` (TLS), ``SASL_PLAINTEXT`` or ``SASL_SSL`` (SASL over TLS).
+    kafka_security_protocol: str = "PLAINTEXT"
+    #: SASL mechanism with a ``SASL_*`` protocol: ``PLAIN``, ``SCRAM-SHA-256`` or ``SCRAM-SHA-512``.
+    kafka_sasl_mechanism: str = ""
+    #: SASL user name (required with a ``SASL_*`` protocol).
+    kafka_sasl_username: str = ""
+    #: SASL password (``ARGUS_KAFKA_SASL_PASSWORD`` or ``..._FILE``; required with a ``SASL_*`` protocol).
+    kafka_sasl_password: Secret = Secret()
+    #: PEM file of the CA(s) that sign the brokers' certificates (``SSL``/``SASL_SSL``; empty: system CAs).
+    kafka_ssl_ca_file: str = ""
+    #: PEM client certificate for mutual TLS (with ``kafka_ssl_key_file``; empty: none).
+    kafka_ssl_cert_file: str = ""
+    #: PEM private key of ``kafka_ssl_cert_file`` (unencrypted; keep it 0600).
+    kafka_ssl_key_file: str = ""
     #: ClickHouse DSN: ``chdb://<dir>`` (embedded; empty dir = ``<home>/chdb``) or ``http(s)://host:port``.
     clickhouse_dsn: str = "chdb://"
     #: ClickHouse database holding argus tables.
@@ -66,6 +90,13 @@ class Settings:
     clickhouse_user: str = "default"
     #: ClickHouse password for a server DSN (``ARGUS_CLICKHOUSE_PASSWORD`` or ``..._FILE``).
     clickhouse_password: Secret = Secret()
+    #: ClickHouse cluster (a name in the servers' ``remote_servers``) to create argus's tables on, for a
+    #: server DSN only. Set: every table ``T`` is ``T_local`` (``ReplicatedReplacingMergeTree`` on each
+    #: replica of each shard) plus ``T`` (``Distributed`` over them, sharded by job and rank), all DDL
+    #: ``ON CLUSTER``; inserts and queries keep using ``T`` (``argus ddl`` prints the statements). Empty
+    #: (default): tables on the one server or the embedded chDB. A letter or ``_``, then letters, digits,
+    #: ``_`` or ``-``.
+    clickhouse_cluster: str = ""
     #: Loopback port on which the sink process answers SQL for the embedded chDB it owns.
     query_port: int = 18124
     #: Port of the Faust worker's web server (health checks).
@@ -78,6 +109,33 @@ class Settings:
     window_ns: int = 10_000_000_000
     #: How far behind a rank's newest event a window may still receive records (default 2 s).
     allowed_lateness_ns: int = 2_000_000_000
+    #: How far ahead of a rank's watermark (its newest accepted kernel start) an event may start, in
+    #: nanoseconds (default 1 h). Events beyond it are dead-lettered and do not move the watermark, so one
+    #: bogus far-future timestamp cannot close the rank's windows and turn its later events late. A rank
+    #: that is silent for longer (no kernels at all) resumes into the dead letters: raise it for jobs
+    #: that pause their GPUs longer. At least ``window_ns + allowed_lateness_ns``, at most 2^61.
+    max_event_skew_ns: int = 3_600_000_000_000
+    #: Distinct kernel names kept per (rank, window) by the compressor (default 4096); events of further
+    #: names are summarized together under the kernel name ``[other kernels]`` (its summary carries their
+    #: count), so one window's compression cost stays bounded.
+    max_kernel_names: int = 4096
+    #: Judged event-time windows the L3 agent keeps per (job, kernel, stream) (default 64; the newest
+    #: are kept, older ones were already judged and their findings published; rows that arrive later for a
+    #: dropped window are counted and ignored). At least 3.
+    l3_max_windows: int = 64
+    #: Stream worker: seconds without any record of a job (steps, phases, topology, lifecycle) after which
+    #: the job is abandoned (default 300): a lifecycle record ``ABANDONED`` (reason, last step) is written, and
+    #: on it the job's open kernel windows are summarized, its final diagnosis runs on what arrived, its state
+    #: is dropped and its held Kafka messages are acked (so its partitions' committed offsets move on). The
+    #: only use of the worker's clock (spans in which the worker was too busy to read count at most a fraction
+    #: of a second each, so a lagging worker does not abandon jobs whose records wait unread). In (0, 604800].
+    job_idle_timeout_s: float = 300.0
+    #: Jobs the stream worker diagnoses at once (default 10000); beyond it, the job idle the longest is
+    #: abandoned early (reason ``max_open_jobs``), so a worker's memory stays bounded. At least 1.
+    max_open_jobs: int = 10_000
+    #: Ranks the stream worker keeps state for per job (default 65536); records of higher ranks are
+    #: dead-lettered. At least 1.
+    max_ranks_per_job: int = 65_536
     #: KDE grid resolution (points) on log-durations.
     kde_grid_points: int = 512
     #: Minimum samples on each side of a KDE valley for it to split clusters.
@@ -91,6 +149,10 @@ class Settings:
     publisher_batch_events: int = 4096
     #: Bounded publisher queue, in messages; beyond it records are dropped and counted.
     publisher_queue_max: int = 1024
+    #: Rank-side tracer: seconds between two heartbeats of a rank (its step, phase and collective in flight;
+    #: default 2 s). Also published, at most 4 per interval, when a rank stays in a newly entered phase. In
+    #: (0, 3600].
+    heartbeat_interval_s: float = 2.0
     #: Kafka compression of produced messages: ``zstd``, ``lz4`` or ``none``.
     compression: str = "zstd"
     #: Sink: most records gathered before one ClickHouse insert.
@@ -101,6 +163,18 @@ class Settings:
     session_timeout_s: float = 10.0
     #: Log level of argus processes.
     log_level: str = "INFO"
+
+    # -- the supervisor of the local stack (``argus up``) --
+    #: First delay, in seconds, before the supervisor restarts a crashed worker, sink or local broker; it
+    #: doubles with each crash in a row up to ``supervisor_backoff_max_s`` and starts over once the process
+    #: has run for four times that maximum.
+    supervisor_backoff_s: float = 1.0
+    #: Longest delay between two restarts of a process that keeps crashing, in seconds.
+    supervisor_backoff_max_s: float = 15.0
+    #: Seconds a running worker or sink may fail its health check (``/health``), after having passed it once,
+    #: before the supervisor kills it as hung and restarts it. Generous: a worker busy with a large diagnosis
+    #: answers late, and a restart re-reads everything un-acked.
+    supervisor_hang_s: float = 300.0
 
     @classmethod
     def load(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
@@ -122,7 +196,7 @@ class Settings:
             key = ENV_PREFIX + name.upper()
             if key in env:
                 values[name] = _coerce(name, f.type, env[key])
-            elif name == "clickhouse_password" and key + "_FILE" in env:
+            elif _type_name(f.type) == "Secret" and key + "_FILE" in env:
                 try:
                     values[name] = Secret(Path(env[key + "_FILE"]).read_text().strip())
                 except OSError as exc:
@@ -141,8 +215,25 @@ class Settings:
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        if not 0 < self.heartbeat_interval_s <= 3600:
+            raise ConfigError(f"heartbeat_interval_s must be in (0, 3600], got {self.heartbeat_interval_s!r}")
         if self.allowed_lateness_ns < 0:
             raise ConfigError("allowed_lateness_ns must be >= 0")
+        if self.window_ns > _MAX_WINDOW_NS:
+            raise ConfigError(f"window_ns must be <= {_MAX_WINDOW_NS} (1 day), got {self.window_ns!r}")
+        least_skew = self.window_ns + self.allowed_lateness_ns
+        if not least_skew <= self.max_event_skew_ns <= 2**61:
+            raise ConfigError(f"max_event_skew_ns must be in [window_ns + allowed_lateness_ns = {least_skew}, "
+                              f"2^61], got {self.max_event_skew_ns!r}")
+        if self.max_kernel_names < 1:
+            raise ConfigError(f"max_kernel_names must be >= 1, got {self.max_kernel_names!r}")
+        if self.l3_max_windows < 3:
+            raise ConfigError(f"l3_max_windows must be >= 3, got {self.l3_max_windows!r}")
+        if not 0 < self.job_idle_timeout_s <= 604_800:
+            raise ConfigError(f"job_idle_timeout_s must be in (0, 604800], got {self.job_idle_timeout_s!r}")
+        for name in ("max_open_jobs", "max_ranks_per_job"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)!r}")
         if self.kde_min_log_gap < 0:
             raise ConfigError("kde_min_log_gap must be >= 0")
         if not 0.0 <= self.min_impact_fraction < 1.0:
@@ -151,12 +242,50 @@ class Settings:
             raise ConfigError(f"compression must be zstd, lz4 or none, got {self.compression!r}")
         if not self.clickhouse_dsn.startswith(("chdb://", "http://", "https://")):
             raise ConfigError(f"clickhouse_dsn must start with chdb://, http:// or https://: {self.clickhouse_dsn!r}")
+        if self.clickhouse_cluster:
+            check_identifier("clickhouse_cluster", self.clickhouse_cluster)
+            # The database goes into the replicas' Keeper path and the Distributed engine's arguments too.
+            check_identifier("clickhouse_database", self.clickhouse_database)
+            if self.clickhouse_dsn.startswith("chdb://"):
+                raise ConfigError("clickhouse_cluster needs a ClickHouse server (clickhouse_dsn http(s)://...); "
+                                  "the embedded chDB has no clusters")
         if not self.bootstrap_servers or any(":" not in s for s in self.bootstrap_servers.split(",")):
             raise ConfigError(f"bootstrap_servers must be host:port[,host:port]: {self.bootstrap_servers!r}")
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
             raise ConfigError(f"log_level must be DEBUG, INFO, WARNING or ERROR: {self.log_level!r}")
         if self.session_timeout_s <= 0:
             raise ConfigError("session_timeout_s must be > 0")
+        self._validate_kafka_security()
+        if not self.supervisor_hang_s > 0:
+            raise ConfigError(f"supervisor_hang_s must be > 0, got {self.supervisor_hang_s!r}")
+        if not 0 < self.supervisor_backoff_s <= self.supervisor_backoff_max_s:
+            raise ConfigError(f"supervisor_backoff_s must be > 0 and <= supervisor_backoff_max_s, got "
+                              f"{self.supervisor_backoff_s!r} and {self.supervisor_backoff_max_s!r}")
+
+    def _validate_kafka_security(self) -> None:
+        protocol = self.kafka_security_protocol
+        if protocol not in _KAFKA_PROTOCOLS:
+            raise ConfigError(f"kafka_security_protocol must be one of {', '.join(_KAFKA_PROTOCOLS)}: {protocol!r}")
+        sasl = protocol.startswith("SASL_")
+        if sasl:
+            if self.kafka_sasl_mechanism not in _SASL_MECHANISMS:
+                raise ConfigError(f"kafka_sasl_mechanism must be one of {', '.join(_SASL_MECHANISMS)} with "
+                                  f"{protocol}, got {self.kafka_sasl_mechanism!r}")
+            if not self.kafka_sasl_username or not self.kafka_sasl_password.reveal():
+                raise ConfigError(f"kafka_sasl_username and kafka_sasl_password are required with {protocol}")
+        elif self.kafka_sasl_mechanism or self.kafka_sasl_username or self.kafka_sasl_password.reveal():
+            # Credentials that would silently not be sent are a misconfiguration, not a default.
+            raise ConfigError(f"kafka_sasl_* settings need kafka_security_protocol SASL_PLAINTEXT or SASL_SSL, "
+                              f"not {protocol}")
+        files = {"kafka_ssl_ca_file": self.kafka_ssl_ca_file, "kafka_ssl_cert_file": self.kafka_ssl_cert_file,
+                 "kafka_ssl_key_file": self.kafka_ssl_key_file}
+        if any(files.values()) and not protocol.endswith("SSL"):
+            raise ConfigError(f"kafka_ssl_* files need kafka_security_protocol SSL or SASL_SSL, not {protocol}")
+        if bool(self.kafka_ssl_cert_file) != bool(self.kafka_ssl_key_file):
+            raise ConfigError("kafka_ssl_cert_file and kafka_ssl_key_file go together (mutual TLS)")
+        for name, value in files.items():
+            if value and not (os.path.isfile(value) and os.access(value, os.R_OK)):
+                raise ConfigError(f"{name}: {value!r} is not a readable file")
 
     def replace(self, **changes: Any) -> Settings:
         """A validated copy with ``changes`` applied."""
@@ -194,8 +323,25 @@ class Settings:
         return f"{self.topic_prefix}{name}"
 
 
+def check_identifier(setting: str, value: str) -> str:
+    """``value`` if it is a plain ClickHouse name (a letter or ``_``, then up to 127 letters, digits, ``_`` or
+    ``-``), fit to be written into cluster DDL.
+
+    Raises:
+        ConfigError: naming ``setting``, for anything else.
+    """
+    if not _IDENTIFIER.fullmatch(value):
+        raise ConfigError(f"{setting} must be a letter or _ followed by up to 127 letters, digits, _ or -, "
+                          f"got {value!r}")
+    return value
+
+
+def _type_name(typ: Any) -> str:
+    return typ if isinstance(typ, str) else getattr(typ, "__name__", str(typ))
+
+
 def _coerce(name: str, typ: Any, raw: Any) -> Any:
-    type_name = typ if isinstance(typ, str) else getattr(typ, "__name__", str(typ))
+    type_name = _type_name(typ)
     try:
         if type_name == "int":
             return int(raw)

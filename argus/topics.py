@@ -11,11 +11,18 @@ logical topic      key                             record                  why t
 ``lifecycle``      ``<job>``                       JobLifecycle            start/end of a job
 ``findings``       ``<job>``                       Finding                 the diagnosis output
 ``stacks``         ``<job>/<rank>``                CpuStack                py-spy dumps for findings
+``heartbeats``     ``<job>``                       Heartbeat               all ranks of a job meet (hangs)
 ``deadletter``     the rejected message's key      DeadLetter              nothing is lost silently
+``context``        ``<job>/<part>``                JobContext              compacted; every worker reads it all
 =================  ==============================  ======================  ===============================
 
 Full names carry :attr:`Settings.topic_prefix` (default ``argus.``). Every topic is created up front with
 the same partition count (Faust's changelogs require it) and :attr:`Settings.retention_ms`.
+
+Every argus producer partitions keys as Kafka's Java client does (murmur2, :func:`key_partition`): the rank
+side's confluent-kafka producers (``partitioner=murmur2_random``) and the workers' Faust (aiokafka) producers
+put one job's records on the same partition number of every job-keyed topic, so the worker holding a job's
+steps also reads the lifecycle records workers write about it, and can tell which jobs it holds.
 """
 
 from __future__ import annotations
@@ -27,11 +34,14 @@ from confluent_kafka import KafkaException
 from confluent_kafka.admin import AdminClient, NewTopic
 
 from argus.errors import ArgusError
+from argus.kafka_security import AuthWatch, client_config
 from argus.settings import Settings
+from schemas.job_context import JobContext
 from schemas.records import (
     CpuStack,
     DeadLetter,
     Finding,
+    Heartbeat,
     JobLifecycle,
     JobTopology,
     KernelBatch,
@@ -41,7 +51,7 @@ from schemas.records import (
     Step,
 )
 
-__all__ = ["RECORD_OF", "Topic", "ensure_topics", "job_key", "kernel_key", "rank_key"]
+__all__ = ["PARTITIONER", "RECORD_OF", "Topic", "ensure_topics", "job_key", "kernel_key", "key_partition", "rank_key"]
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +66,8 @@ class Topic(enum.Enum):
     FINDINGS = "findings"
     DEAD_LETTER = "deadletter"
     STACKS = "stacks"
+    HEARTBEATS = "heartbeats"
+    CONTEXT = "context"
 
     def full(self, settings: Settings) -> str:
         """The topic's name on the broker."""
@@ -72,6 +84,8 @@ RECORD_OF: dict[Topic, type[Record]] = {
     Topic.FINDINGS: Finding,
     Topic.DEAD_LETTER: DeadLetter,
     Topic.STACKS: CpuStack,
+    Topic.HEARTBEATS: Heartbeat,
+    Topic.CONTEXT: JobContext,
 }
 
 
@@ -87,21 +101,57 @@ def job_key(job_id: str) -> bytes:
     return job_id.encode()
 
 
+#: librdkafka's name of the Java client's partitioner (murmur2 of the key; random without a key).
+PARTITIONER = "murmur2_random"
+
+_M32 = 0xFFFFFFFF
+
+
+def _murmur2(data: bytes) -> int:
+    """MurmurHash2 (32 bit, seed 0x9747b28c) as ``org.apache.kafka.common.utils.Utils.murmur2`` computes it."""
+    m, n = 0x5BD1E995, len(data)
+    h = (0x9747B28C ^ n) & _M32
+    body = n - n % 4
+    for i in range(0, body, 4):
+        k = int.from_bytes(data[i:i + 4], "little") * m & _M32
+        k = (k ^ (k >> 24)) * m & _M32
+        h = (h * m & _M32) ^ k
+    tail = data[body:]
+    if tail:
+        h ^= int.from_bytes(tail, "little")
+        h = h * m & _M32
+    h = (h ^ (h >> 13)) * m & _M32
+    return h ^ (h >> 15)
+
+
+def key_partition(key: bytes, partitions: int) -> int:
+    """The partition (of ``partitions``) a record keyed ``key`` goes to from any argus producer."""
+    if partitions < 1:
+        raise ValueError(f"partitions must be >= 1, got {partitions}")
+    return (_murmur2(key) & 0x7FFFFFFF) % partitions
+
+
+#: Topics that keep the newest record per key (the job context is read in full by every worker at start).
+_COMPACTED = frozenset({Topic.TOPOLOGY, Topic.CONTEXT})
+
+
 def ensure_topics(settings: Settings, timeout_s: float = 30.0) -> list[str]:
     """Create every argus topic that does not exist yet; existing ones are left as they are.
 
     Returns the names created. Raises :class:`ArgusError` when the broker refuses.
     """
-    admin = AdminClient({"bootstrap.servers": settings.bootstrap_servers})
+    watch = AuthWatch(settings)
+    admin = AdminClient(client_config(settings, {"error_cb": watch}))
     try:
         existing = set(admin.list_topics(timeout=timeout_s).topics)
     except KafkaException as exc:
-        raise ArgusError(f"cannot list topics on {settings.bootstrap_servers}: {exc}") from exc
+        admin.poll(0)  # serves the error callbacks: was it the credentials?
+        raise ArgusError(watch.explain() or f"cannot list topics on {settings.bootstrap_servers}: {exc}") from exc
     config = {"retention.ms": str(settings.retention_ms)}
     wanted = [
         NewTopic(t.full(settings), num_partitions=settings.partitions,
                  replication_factor=settings.replication_factor,
-                 config={**config, "cleanup.policy": "compact"} if t is Topic.TOPOLOGY else config)
+                 config={**config, "cleanup.policy": "compact"} if t in _COMPACTED else config)
         for t in Topic
         if t.full(settings) not in existing
     ]

@@ -7,11 +7,13 @@ runs on top: :mod:`detectors.l1_iteration` (iteration-time spikes and regression
 :mod:`detectors.l2_phases` (straggler rank and phase within parallel groups, slow pipeline stages),
 :mod:`detectors.l3_kernels` (degraded kernels, mode by mode with :mod:`detectors.kernel_modes`, and links
 from the compressed windows), :mod:`detectors.l3_ranks` (ranks and pipeline stages slow across kernels);
+:mod:`detectors.hangs` names stalled jobs, silent ranks and the ranks a hung collective waits for;
 :mod:`detectors.impact` gives each result the GPU time the job lost to it and :mod:`detectors.findings`
 turns results into Finding records.
 """
 
 from detectors.findings import DetectorResult, finding_id, to_finding, to_findings
+from detectors.hangs import HangKind, HangParams, HangResult, RankLiveness, detect_hangs, job_resumed
 from detectors.impact import Impact, StepClock, impact_of, worth_raising
 from detectors.kde_clusters import (
     ClusterSet,
@@ -50,6 +52,9 @@ __all__ = [
     "ClusterSet",
     "ClusterSummary",
     "DetectorResult",
+    "HangKind",
+    "HangParams",
+    "HangResult",
     "Impact",
     "IterationSeries",
     "KdeParams",
@@ -67,6 +72,7 @@ __all__ = [
     "MixtureBatch",
     "PhaseTable",
     "RankExcessParams",
+    "RankLiveness",
     "RankScores",
     "ReferenceModes",
     "Scope",
@@ -74,6 +80,7 @@ __all__ = [
     "binned_kde",
     "cluster_by_group",
     "cluster_durations",
+    "detect_hangs",
     "detect_l1",
     "detect_l2",
     "detect_l3",
@@ -83,6 +90,7 @@ __all__ = [
     "geometric_grid",
     "impact_of",
     "is_collective",
+    "job_resumed",
     "kernel_family",
     "loo_median",
     "mixture_cdf",

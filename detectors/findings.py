@@ -3,7 +3,8 @@
 Kinds are the lower-case values of the detectors' enums: ``iteration_spike`` and ``step_regression``
 (L1), ``compute_straggler``, ``phase_straggler`` and ``pp_stage_slow`` (L2), ``kernel_degraded``,
 ``link_degraded``, ``compute_straggler`` (L3, a late arrival seen in a collective kernel) and
-``rank_degraded`` (L3, a rank slow across kernels).
+``rank_degraded`` (L3, a rank slow across kernels); from :mod:`detectors.hangs`, ``job_stalled`` and
+``job_resumed`` (L1), ``rank_silent`` and ``hang_wavefront`` (L2; its ranks are the suspects).
 
 ``finding_id`` is the SHA-1 (hex) of the canonical JSON array ``[job_id, level, kind, ranks, phase,
 kernel, stream, steps]``: the same diagnosis re-derived after a replay or a re-delivery gets the same id,
@@ -24,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from argus.errors import DetectorError
+from detectors.hangs import HangResult
 from detectors.impact import Impact
 from detectors.l1_iteration import L1Result
 from detectors.l2_phases import L2Result
@@ -43,7 +45,7 @@ def finding_id(job_id: str, level: str, kind: str, ranks: Iterable[int], phase: 
     return hashlib.sha1(json.dumps(key, separators=(",", ":")).encode("utf-8")).hexdigest()
 
 
-def to_finding(job_id: str, result: DetectorResult, time_ns: int, impact: Impact | None = None) -> Finding:
+def to_finding(job_id: str, result: DetectorResult | HangResult, time_ns: int, impact: Impact | None = None) -> Finding:
     """The :class:`Finding` of one detector result.
 
     ``time_ns``: the event time the finding refers to (the last analysed step's start, or the newest
@@ -60,7 +62,7 @@ def to_finding(job_id: str, result: DetectorResult, time_ns: int, impact: Impact
     if not math.isfinite(score):
         raise DetectorError(f"{result.kind.value}: score must be finite, got {score}")
     ranks: tuple[int, ...] = () if isinstance(result, L1Result) else tuple(sorted(int(r) for r in result.ranks))
-    phase = result.phase if isinstance(result, L2Result) else None
+    phase = result.phase if isinstance(result, (L2Result, HangResult)) else None
     kernel = result.kernel if isinstance(result, L3Result) else None
     stream = int(result.stream) if isinstance(result, L3Result) else None
     steps = tuple(int(s) for s in result.steps)
@@ -81,7 +83,7 @@ def to_finding(job_id: str, result: DetectorResult, time_ns: int, impact: Impact
     )
 
 
-def to_findings(job_id: str, results: Iterable[DetectorResult], time_ns: int) -> list[Finding]:
+def to_findings(job_id: str, results: Iterable[DetectorResult | HangResult], time_ns: int) -> list[Finding]:
     """:func:`to_finding` of each result, in order."""
     return [to_finding(job_id, r, time_ns) for r in results]
 

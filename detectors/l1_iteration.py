@@ -18,6 +18,8 @@ detectors run on that series:
      medians of the ``smooth // 2`` (5) steps on *both* sides is dropped (a GC pause, a checkpoint, any
      spike; the edge of a lasting change agrees with one side and stays). The first ``warmup`` (3) steps
      are judged against the steps after them only (slow warm-up steps), the last step against those before.
+     A side of ``m`` < 5 steps (near the ends) has a noisier median: its threshold grows by
+     ``sqrt((1 + pi / 2m) / (1 + pi / 10))`` (1.40 for one step), so noise is not taken for a pause there.
   3. *Test noise*: ``sigma`` = RMS of the first differences of the kept steps / sqrt(2), each difference
      winsorized at 4 of its robust standard deviations: efficient for Gaussian noise, counts moderately
      heavy tails fully, and level shifts hardly at all.
@@ -35,12 +37,16 @@ detectors run on that series:
      * the **effect size**: ``|d| >= ln(min_shift)`` (4 %): a smaller shift is never reported, however
        many steps support it.
 
-     If ``k`` is fewer than ``min_segment`` steps from an end, the change cannot be judged yet and the
-     search goes on in the rest of the segment. Change points that fail the same test against their
-     final neighbours are pruned, weakest first. Only slowdowns are reported; a recovery still splits
-     the series so that later regressions are measured against the right baseline.
+     If ``k`` is fewer than ``min_segment`` steps (of the series, dropped ones included; at least 2 kept)
+     from an end, the change cannot be judged yet and the search goes on in the rest of the segment.
+     Change points that fail the same test against their final neighbours are pruned, weakest first.
+     Only slowdowns are reported; a recovery still splits the series so that later regressions are
+     measured against the right baseline.
 
-  The onset is the first kept step of the new level. ``score`` and ``shift_ratio`` are ``exp(d)`` (ratio of
+  The onset is the first step of the new level: dropped steps between the last kept step of the old level
+  and the first of the new one go to the level they are nearer to (a pause right before a slowdown starts
+  it; the first slow step, dropped because its noise set it apart from its new neighbours, is still the
+  onset). ``score`` and ``shift_ratio`` are ``exp(d)`` (ratio of
   the geometric means after and before, pauses excluded).
 
 **Calibration** (simulation, ``tests/unit/test_l1_power.py`` re-checks it): healthy series of 10-2000 steps,
@@ -91,6 +97,7 @@ steps.
 from __future__ import annotations
 
 import enum
+import itertools
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -129,8 +136,9 @@ class L1Params:
     fewest steps needed on each side before a step is judged a spike [3]. ``spike_ratio``: a spike's
     iteration time over both neighbouring medians [2.0]. ``host_stall_gpu_ratio``: a spike whose GPU
     time is below this multiple of its neighbours' is called host-side [1.2]. ``min_segment``: fewest
-    kept steps on each side of a change point [5]. ``min_shift``: smallest ratio of the geometric means
-    after and before a change point that counts as a regression (the effect size) [1.04]. ``penalty``:
+    steps on each side of a change point, dropped pauses included, at least 2 of them kept [5].
+    ``min_shift``: smallest ratio of the geometric means after and before a change point that counts as a
+    regression (the effect size) [1.04]. ``penalty``:
     multiplier of the squared calibrated critical value (1 = false regressions <= 0.5 % per call) [1.0].
     ``smooth``: width of the two-sided window whose side medians judge a step an outlier (pause, spike)
     before the change-point search, odd, 1 = keep every step [11]. ``max_change_points``: at most this
@@ -344,12 +352,20 @@ def _outliers(y: F64, sigma: float, p: L1Params) -> npt.NDArray[np.bool_]:
     if half == 0 or n < 3:
         return np.zeros(n, dtype=bool)
     mb, ma = _side_medians(y, half, 1)
-    thr = p.outlier_sigmas * sigma
+    # The distance to a side median carries that median's own noise, ~pi sigma**2 / (2 m) for m steps: near
+    # the ends a side has few steps (one, for the last but one) and noise alone would pass a fixed threshold,
+    # biasing the levels near the ends and moving onsets. So the threshold grows with that noise,
+    # normalised to stay ``outlier_sigmas * sigma`` with full context (the calibrated case).
+    i = np.arange(n)
+    m_b, m_a = np.maximum(np.minimum(i, half), 1), np.maximum(np.minimum(n - 1 - i, half), 1)
+    full = 1.0 + math.pi / (2.0 * half)
+    thr_b = p.outlier_sigmas * sigma * np.sqrt((1.0 + math.pi / (2.0 * m_b)) / full)
+    thr_a = p.outlier_sigmas * sigma * np.sqrt((1.0 + math.pi / (2.0 * m_a)) / full)
     no_b, no_a = np.isnan(mb), np.isnan(ma)
     d_b, d_a = np.where(no_b, 0.0, y - mb), np.where(no_a, 0.0, y - ma)
     warm = np.arange(n) < p.warmup  # slow warm-up steps: high above what follows, whatever came before
-    up = (no_b | warm | (d_b > thr)) & (no_a | (d_a > thr)) & ~(no_a & (no_b | warm))
-    down = (no_b | (d_b < -thr)) & (no_a | (d_a < -thr)) & ~(no_a & no_b)
+    up = (no_b | warm | (d_b > thr_b)) & (no_a | (d_a > thr_a)) & ~(no_a & (no_b | warm))
+    down = (no_b | (d_b < -thr_b)) & (no_a | (d_a < -thr_a)) & ~(no_a & no_b)
     return up | down
 
 
@@ -406,28 +422,36 @@ class _Test:
         return (self.z(n1, n2, delta) >= self.z_crit) & (np.abs(np.asarray(delta, np.float64)) >= self.gate)
 
 
-def _change_points(z: F64, test: _Test, p: L1Params) -> list[int]:
-    """Binary segmentation of ``z`` (see the module docstring); change points as indices into ``z``."""
+def _change_points(y: F64, keep: I64, test: _Test, p: L1Params) -> list[int]:
+    """Binary segmentation of the kept steps ``z = y[keep]`` (see the module docstring); change points as
+    indices into ``z``. ``min_segment`` counts series steps, left-out ones included (see :func:`_onset`)."""
+    z = y[keep]
     n, m = z.size, p.min_segment
     found: list[int] = []
-    stack = [(0, n)]
+    stack = [(0, n, 0, y.size)]  # kept steps [a, b), series steps [ra, rb)
     looks = 0
     while stack and len(found) < p.max_change_points and looks < _MAX_LOOKS:
-        a, b = stack.pop()
-        if b - a < 2 * m:
+        a, b, ra, rb = stack.pop()
+        if b - a < 4 or rb - ra < 2 * m:
             continue
         looks += 1
         k, delta = _best_split(z[a:b])
-        if k < m:  # the strongest change is too close to an end to judge yet: look past it
-            stack.append((a + k, b))
+        c = a + k
+        left = float(np.mean(z[a:c]))
+        r = _onset(y, keep, c, left, left + delta)
+        # Too close to an end to judge yet (fewer than min_segment steps, or a single kept one): look past it.
+        # Sides count series steps: a pause, or a step its noise set apart, left out near the end of the
+        # series must not hide a change that min_segment steps already show (the test weighs the kept ones).
+        if k < 2 or r - ra < m:
+            stack.append((c, b, r, rb))
             continue
-        if k > b - a - m:
-            stack.append((a, a + k))
+        if b - c < 2 or rb - r < m:
+            stack.append((a, c, ra, r))
             continue
-        if not test.ok(k, b - a - k, delta):
+        if not test.ok(k, b - c, delta):
             continue
-        found.append(a + k)
-        stack += [(a, a + k), (a + k, b)]
+        found.append(c)
+        stack += [(a, c, ra, r), (c, b, r, rb)]
     return _prune(z, sorted(found), test)
 
 
@@ -452,6 +476,21 @@ def _prune(z: F64, cps: list[int], test: _Test) -> list[int]:
     return cps
 
 
+def _onset(y: F64, keep: I64, c: int, old: float, new: float) -> int:
+    """Series index of the first step of the level that starts at kept step ``c``, given the mean ``ln``
+    iteration times ``old`` and ``new`` of the levels before and after it.
+
+    Steps left out between the last kept step of the old level and ``keep[c]`` belong to the level their
+    value is nearer to: the first step of a change, left out because its noise put it beyond the new level's
+    neighbours, is the onset, and so is a pause right before a slowdown (nearer the higher level); a step
+    that only its noise set apart from the old level stays before the onset."""
+    onset = int(keep[c])
+    first = int(keep[c - 1]) + 1 if c > 0 else 0
+    while onset > first and abs(y[onset - 1] - new) < abs(y[onset - 1] - old):
+        onset -= 1
+    return onset
+
+
 def _regressions(step: I64, wall: F64, gpu: F64, p: L1Params) -> list[L1Result]:
     n, m = wall.size, p.min_segment
     if n < 2 * m:
@@ -460,16 +499,18 @@ def _regressions(step: I64, wall: F64, gpu: F64, p: L1Params) -> list[L1Result]:
     mad = _mad_sigma(y)
     keep = np.flatnonzero(~_outliers(y, max(mad, _SIGMA_FLOOR), p))
     z = y[keep]
-    if z.size < 2 * m:
+    if z.size < 4:  # min_segment counts series steps (already checked); a mean and a noise need >= 2 each
         return []
     test = _Test(sigma=_test_sigma(z, mad), z_crit=threshold_z(z.size) * math.sqrt(p.penalty),
                  gate=math.log(p.min_shift), drift_per_step=math.log1p(p.max_drift) / (2.0 * z.size))
-    cps = _change_points(z, test, p)
+    cps = _change_points(y, keep, test, p)
     if not cps:
         return []
     n1s, n2s, deltas = _segment_stats(z, cps)
     zs = test.z(n1s, n2s, deltas)
     bounds = [0, *cps, z.size]
+    means = [float(np.mean(z[lo:hi])) for lo, hi in itertools.pairwise(bounds)]
+    onsets = [0, *(_onset(y, keep, cp, means[i], means[i + 1]) for i, cp in enumerate(cps)), n]
     out: list[L1Result] = []
     for i, cp in enumerate(cps):
         delta = float(deltas[i])
@@ -482,9 +523,7 @@ def _regressions(step: I64, wall: F64, gpu: F64, p: L1Params) -> list[L1Result]:
         gpu_ratio = None
         if np.any(~np.isnan(g_before)) and np.any(~np.isnan(g_after)):
             gpu_ratio = float(np.nanmedian(g_after) / max(float(np.nanmedian(g_before)), 1.0))
-        onset = int(keep[cp])
-        end = int(keep[hi]) if hi < z.size else n  # the next change point, or the end of the series
-        start = int(keep[lo]) if lo > 0 else 0
+        start, onset, end = onsets[i], onsets[i + 1], onsets[i + 2]  # end: the next onset or of the series
         ratio = math.exp(delta)
         out.append(L1Result(
             kind=L1Kind.STEP_REGRESSION,

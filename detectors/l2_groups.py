@@ -9,7 +9,7 @@ import numpy.typing as npt
 from argus.errors import DetectorError
 from schemas.records import JobTopology
 
-__all__ = ["cell_median", "loo_median", "waiting_victims"]
+__all__ = ["cell_median", "loo_median", "loo_median_rows", "waiting_victims"]
 
 F64 = npt.NDArray[np.float64]
 I64 = npt.NDArray[np.int64]
@@ -18,14 +18,28 @@ _BLOCKING_COLUMNS = ("tp_group", "pp_group", "ep_group")
 
 
 def cell_median(cell: I64, values: F64, size: int) -> F64:
-    """Median of ``values`` per integer ``cell`` in ``[0, size)``; NaN for empty cells. Vectorized."""
+    """Median of ``values`` per integer ``cell`` in ``[0, size)``; NaN for empty cells. Vectorized.
+
+    When every non-empty cell holds equally many values (a value per step, the usual table), the cells
+    are grouped by a stable sort of the cells alone (the table lists them in runs, one per step) and the
+    medians taken along the rows of a ``cells x values`` array; otherwise by a sort of (cell, value)."""
+    if values.size == 0:
+        return np.full(size, np.nan)
+    order = np.argsort(cell, kind="stable")
+    c = cell[order]
+    if int(c[0]) >= 0 and int(c[-1]) < size:
+        n = np.bincount(c, minlength=size)
+        filled = n > 0
+        per = n[filled]
+        if int(per.min()) == int(per.max()):
+            out = np.full(size, np.nan)
+            out[filled] = np.median(values[order].reshape(-1, int(per[0])), axis=1)
+            return out
     order = np.lexsort((values, cell))
     c, v = cell[order], values[order]
     cells = np.arange(size)
     lo, hi = np.searchsorted(c, cells, "left"), np.searchsorted(c, cells, "right")
     n = hi - lo
-    if v.size == 0:
-        return np.full(size, np.nan)
     a = v[np.clip(lo + (n - 1) // 2, 0, v.size - 1)]
     b = v[np.clip(lo + n // 2, 0, v.size - 1)]
     return np.where(n > 0, (a + b) / 2.0, np.nan)
@@ -39,16 +53,28 @@ def loo_median(values: npt.ArrayLike) -> F64:
     v = np.asarray(values, dtype=np.float64)
     if v.ndim != 1:
         raise DetectorError("loo_median needs a 1-D array")
-    n = v.size
+    out: F64 = loo_median_rows(v[None, :])[0]
+    return out
+
+
+def loo_median_rows(values: npt.ArrayLike) -> F64:
+    """:func:`loo_median` of each row of a 2-D array, at once (the same values row by row).
+
+    Raises :class:`DetectorError` for a non-2-D input.
+    """
+    v = np.asarray(values, dtype=np.float64)
+    if v.ndim != 2:
+        raise DetectorError("loo_median_rows needs a 2-D array")
+    n = v.shape[1]
     if n < 2:
-        return np.full(n, np.nan)
-    order = np.argsort(v, kind="stable")
-    s = v[order]
-    pos = np.empty(n, dtype=np.int64)
-    pos[order] = np.arange(n)
+        return np.full(v.shape, np.nan)
+    order = np.argsort(v, axis=1, kind="stable")
+    s = np.take_along_axis(v, order, axis=1)
+    pos = np.empty(v.shape, dtype=np.int64)
+    np.put_along_axis(pos, order, np.arange(n)[None, :], axis=1)
 
     def remaining(j: int) -> F64:  # j-th smallest value once the entry at sorted position pos is removed
-        out: F64 = np.where(j < pos, s[min(j, n - 1)], s[min(j + 1, n - 1)])
+        out: F64 = np.where(j < pos, s[:, min(j, n - 1), None], s[:, min(j + 1, n - 1), None])
         return out
 
     m = n - 1

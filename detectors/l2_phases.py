@@ -52,13 +52,16 @@ import enum
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
 from argus.errors import DetectorError
+from detectors.l2_compare import Flag, phase_flags
 from detectors.l2_groups import cell_median, loo_median, waiting_victims
+from detectors.phase_layout import BLOCKING_GROUPS, COMPUTE_KINDS, PhaseLayout
 from schemas.records import JobTopology, Level, ParallelGroup, PhaseBatch, PhaseKind
 
 __all__ = ["BLOCKING_GROUPS", "L2Kind", "L2Params", "L2Result", "PhaseTable", "detect_l2", "loo_median"]
@@ -66,22 +69,14 @@ __all__ = ["BLOCKING_GROUPS", "L2Kind", "L2Params", "L2Result", "PhaseTable", "d
 F64 = npt.NDArray[np.float64]
 I64 = npt.NDArray[np.int64]
 _MS = 1e6
-_MAD_SCALE = 1.4826
 _GROUP_COLUMN = {ParallelGroup.DP: "dp_group", ParallelGroup.TP: "tp_group", ParallelGroup.PP: "pp_group",
                  ParallelGroup.EP: "ep_group", ParallelGroup.NONE: "dp_group"}
-_COMPUTE = frozenset({PhaseKind.FORWARD, PhaseKind.BACKWARD, PhaseKind.OPTIMIZER})
-#: Group kinds whose collectives block the compute stream where they sit inside a compute phase (Megatron's
-#: TP all-reduce between GEMMs, the MoE all-to-all, pipeline send/receive); DP gradient buckets overlap the
-#: backward instead. Their time inside a phase is waiting or transfer, not the phase's own work.
-BLOCKING_GROUPS = frozenset({ParallelGroup.TP, ParallelGroup.EP, ParallelGroup.PP})
+_COMPUTE = COMPUTE_KINDS
 # A late arrival that spent this fraction of its lateness in its own blocking collectives (more than its peers
 # did) waited there, for a degraded link or a late TP partner: it is no straggler.
 _WAITED_EXPLAINS = 0.5
 # Among members of one blocking group flagged alike, one this much more elevated than the next is the cause.
 _STANDS_OUT = 1.3
-# A member this many times shorter than its peers' median arrived late: its group's long collectives are
-# explained (the same 2x rule as L3's link check).
-_LATE_EXPLAINS = 2.0
 
 
 #: A stage's phase flagged slow: its ratio to the other stages, per-occurrence ms of every stage, ns per step.
@@ -214,93 +209,48 @@ class PhaseTable:
         ``nested_ns`` of a compute phase sums the overlap of its ``[start, start + duration)`` with
         every collective of a group kind in :data:`BLOCKING_GROUPS` of the same batch (capped at its duration).
         """
-        latest: dict[tuple[int, int], PhaseBatch] = {}
-        for b in batches:
-            latest[(b.rank, b.step)] = b
+        every = list(batches)
+        at_of = map(attrgetter("rank", "step"), every)
+        latest: dict[tuple[int, int], PhaseBatch] = dict(zip(at_of, every, strict=True))
         keys: dict[tuple[str, PhaseKind, ParallelGroup], int] = {}
-        layouts: dict[tuple[str, ...], list[_Layout]] = {}  # by names: tuples of enums hash slowly
-        ranks, steps, pids, durs, nests, counts = [], [], [], [], [], []
-        for (rank, step), b in latest.items():
+        layouts: dict[tuple[str, ...], list[int]] = {}  # indices in found, by names: tuples of enums hash slowly
+        found: list[PhaseLayout] = []
+        members: list[list[PhaseBatch]] = []  # per layout, its batches in the order of ``latest``
+        which_list: list[int] = []  # per batch, its layout's index in ``found``
+        for b in latest.values():
             same = layouts.setdefault(b.names, [])
-            cached = next((c for c in same if c.kinds == b.kinds and c.groups == b.groups), None)
-            if cached is None:
-                cached = _Layout.of(b, keys)
-                same.append(cached)
-            dur = np.asarray(b.duration_ns, dtype=np.float64)
-            ranks.append(np.full(cached.ids.size, rank, dtype=np.int64))
-            steps.append(np.full(cached.ids.size, step, dtype=np.int64))
-            pids.append(cached.ids)
-            durs.append(np.bincount(cached.inverse, weights=dur, minlength=cached.ids.size))
-            nests.append(np.bincount(cached.inverse, weights=_nested(b, dur, cached), minlength=cached.ids.size))
-            counts.append(cached.counts)
+            for at in same:
+                if found[at].kinds == b.kinds and found[at].groups == b.groups:
+                    break
+            else:
+                at = len(found)
+                found.append(PhaseLayout.of(b, keys))
+                members.append([])
+                same.append(at)
+            which_list.append(at)
+            members[at].append(b)
+        which = np.array(which_list, dtype=np.int64)
         names = tuple(k[0] for k in keys)
         kinds = tuple(k[1] for k in keys)
         groups = tuple(k[2] for k in keys)
-        if not pids:
+        if not latest:
             empty = np.empty(0, dtype=np.int64)
             return cls(empty, empty, empty, empty, empty, names, kinds, groups)
-        return cls(np.concatenate(ranks), np.concatenate(steps), np.concatenate(pids),
-                   np.rint(np.concatenate(durs)).astype(np.int64), np.concatenate(counts), names, kinds, groups,
-                   np.rint(np.concatenate(nests)).astype(np.int64))
-
-
-@dataclass(frozen=True, eq=False)
-class _Layout:
-    """What one (names, kinds, groups) layout of a PhaseBatch maps to: phase ids, inverse, counts, and
-    the positions of its compute phases and blocking collectives (both empty: nothing nests)."""
-
-    kinds: tuple[PhaseKind, ...]
-    groups: tuple[ParallelGroup, ...]
-    ids: I64
-    inverse: I64
-    counts: I64
-    outer: I64
-    block: I64
-
-    @classmethod
-    def of(cls, b: PhaseBatch, keys: dict[tuple[str, PhaseKind, ParallelGroup], int]) -> _Layout:
-        """``b``'s layout; new (name, kind, group) entries are added to ``keys``."""
-        if not len(b.names) == len(b.kinds) == len(b.groups) == len(b.duration_ns) == len(b.start_ns):
-            raise DetectorError(f"phase batch {b.job_id}/{b.rank}/{b.step}: columns differ in length")
-        triples = zip(b.names, b.kinds, b.groups, strict=True)
-        ids = np.array([keys.setdefault(k, len(keys)) for k in triples], dtype=np.int64)
-        uniq, inv = np.unique(ids, return_inverse=True)
-        outer = np.flatnonzero([k in _COMPUTE for k in b.kinds])
-        block = np.flatnonzero([k.is_collective and g in BLOCKING_GROUPS for k, g in zip(b.kinds, b.groups,
-                                                                                  strict=True)])
-        return cls(b.kinds, b.groups, uniq, inv, np.bincount(inv).astype(np.int64), outer if block.size else block,
-                   block)
-
-
-def _nested(b: PhaseBatch, dur: F64, lay: _Layout) -> F64:
-    """Per phase of ``b``: its overlap with ``b``'s blocking collectives, capped at its duration."""
-    out = np.zeros(dur.size)
-    if lay.block.size == 0:
-        return out
-    start = np.asarray(b.start_ns, dtype=np.int64)
-    start = (start - start.min()).astype(np.float64)  # epoch nanoseconds exceed float64's integer precision
-    s_o, e_o = start[lay.outer], start[lay.outer] + dur[lay.outer]
-    s_c, e_c = start[lay.block], start[lay.block] + dur[lay.block]
-    overlap = np.minimum(e_o[:, None], e_c[None, :]) - np.maximum(s_o[:, None], s_c[None, :])
-    out[lay.outer] = np.minimum(np.clip(overlap, 0.0, None).sum(axis=1), dur[lay.outer])
-    return out
-
-
-@dataclass
-class _Flag:
-    rank: int
-    phase: str
-    kind: PhaseKind
-    ratio: float
-    z: float | None
-    value_ns: float
-    peers_ns: float
-    cv: float
-    group: str
-    late_fraction: float = 0.0
-    waited_fraction: float = 0.0
-    #: Per step: time beyond the peers' median (compute), or lateness (collectives), ns.
-    excess_ns: float = 0.0
+        # Rows: per batch (in the order of ``latest``) one per phase id of its layout, in id order.
+        size = np.array([lay.ids.size for lay in found], dtype=np.int64)[which]
+        first = np.cumsum(size) - size
+        cols = {c: np.empty(int(size.sum()), dtype=np.int64) for c in ("phase", "duration", "count", "nested")}
+        for j, lay in enumerate(found):
+            at_rows = (first[which == j][:, None] + np.arange(lay.ids.size)).ravel()
+            dur = lay.columns(members[j], "duration_ns")
+            cols["phase"][at_rows] = np.tile(lay.ids, dur.shape[0])
+            cols["count"][at_rows] = np.tile(lay.counts, dur.shape[0])
+            cols["duration"][at_rows] = lay.sums(dur).ravel()
+            start = lay.columns(members[j], "start_ns") if lay.block.size else dur
+            cols["nested"][at_rows] = lay.nested_sums(start, dur).ravel()
+        rank = np.repeat(np.fromiter((k[0] for k in latest), dtype=np.int64, count=len(latest)), size)
+        step = np.repeat(np.fromiter((k[1] for k in latest), dtype=np.int64, count=len(latest)), size)
+        return cls(rank, step, cols["phase"], cols["duration"], cols["count"], names, kinds, groups, cols["nested"])
 
 
 def detect_l2(phases: PhaseTable, topology: JobTopology, params: L2Params | None = None,
@@ -322,7 +272,9 @@ def detect_l2(phases: PhaseTable, topology: JobTopology, params: L2Params | None
     if missing:
         raise DetectorError(f"ranks {sorted(missing)[:5]} are not in topology {topology.job_id}")
     world, n_phases = len(topology.rank), len(phases.names)
-    rpos = np.fromiter((pos_of[r] for r in rank.tolist()), dtype=np.int64, count=rank.size)
+    # Each row's position in the topology (the last of equal ranks, as ``pos_of`` has it), by one search.
+    order = np.argsort(np.asarray(topology.rank, dtype=np.int64), kind="stable")
+    rpos = order[np.searchsorted(np.asarray(topology.rank, dtype=np.int64)[order], rank, side="right") - 1]
     cell = rpos * n_phases + pid
     size = world * n_phases
     n_steps = np.bincount(cell, minlength=size).reshape(world, n_phases)
@@ -335,65 +287,32 @@ def detect_l2(phases: PhaseTable, topology: JobTopology, params: L2Params | None
     blocking = np.array([k.is_collective and g in BLOCKING_GROUPS for k, g in zip(phases.kinds, phases.groups,
                                                                                   strict=True)], dtype=bool)
     in_blocking = np.where(n_steps > 0, per_step, 0.0)[:, blocking].sum(axis=1)  # per step
-    compute_flags: list[_Flag] = []
-    host_flags: list[_Flag] = []
-    short_flags: list[_Flag] = []
+    compute_flags: list[Flag] = []
+    host_flags: list[Flag] = []
+    short_flags: list[Flag] = []
+    ranks = np.asarray(topology.rank)
     for k in range(n_phases):
         kind, gkind = phases.kinds[k], phases.groups[k]
         collective = kind.is_collective
-        column = np.asarray(getattr(topology, _GROUP_COLUMN[gkind if collective else ParallelGroup.DP]))
-        has = n_steps[:, k] > 0
-        for g in np.unique(column[has]).tolist():
-            members = np.flatnonzero(has & (column == g))
-            if members.size < 2:
-                continue
-            value, rate = per_step[members, k], occ[members, k]
-            per_occurrence = float(rate.max() - rate.min()) > 0.01 * float(rate.max())
-            value = value / rate if per_occurrence else value
-            ratio, z, peers, cv, hit = _compare(value, p, collective)
-            late_ns = (peers - value) * (rate if per_occurrence else 1.0)
-            late = late_ns / np.maximum(longest[members], 1.0)
-            waited = (in_blocking[members] - loo_median(in_blocking[members])) / np.maximum(late_ns, 1.0)
-            target = short_flags if collective else compute_flags if kind in _COMPUTE else host_flags
-            label = f"{(gkind if collective else ParallelGroup.DP).value}{g}"
-            for i in np.flatnonzero(hit).tolist():
-                zi = float(z[i]) if members.size >= 3 and math.isfinite(float(z[i])) else None
-                excess = float(late_ns[i]) if collective else float(-late_ns[i])
-                target.append(_Flag(int(topology.rank[members[i]]), phases.names[k], kind, float(ratio[i]), zi,
-                                    float(value[i]), float(peers[i]), cv, label, float(late[i]), float(waited[i]),
-                                    excess))
+        gkind = gkind if collective else ParallelGroup.DP
+        column = np.asarray(getattr(topology, _GROUP_COLUMN[gkind]))
+        target = short_flags if collective else compute_flags if kind in _COMPUTE else host_flags
+        target += phase_flags(phases.names[k], kind, gkind.value, column, n_steps[:, k] > 0, per_step[:, k],
+                              occ[:, k], longest, in_blocking, ranks, p)
     results, stragglers = _stragglers(compute_flags, short_flags, host_flags, topology, p)
     results += _slow_stages(per_step, occ, n_steps, phases, topology, stragglers, p)
     n_analysed = int(np.unique(phases.step[keep]).size)
     return [dataclasses.replace(r, steps_affected=n_analysed) for r in results]
 
 
-def _compare(value: F64, p: L2Params, collective: bool) -> tuple[F64, F64, F64, float, npt.NDArray[np.bool_]]:
-    """One group's members: ratio to and z against the peers' median, that median, the group's CV, hits."""
-    peers = loo_median(value)
-    med = float(np.median(value))
-    scale = np.maximum(float(np.median(np.abs(value - med))) * _MAD_SCALE, p.mad_floor * peers)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        z = (value - peers) / scale
-        ratio = value / peers
-    mean = float(value.mean())
-    cv = float(value.std() / mean) if mean > 0 else 0.0
-    use_z = value.size >= 3
-    if collective:  # only short members (late arrivals); long ones waited or arrived early
-        hit = (ratio <= 1.0 / _LATE_EXPLAINS) & ((z <= -p.min_z) if use_z else True)
-    else:
-        hit = (ratio >= p.min_elevation) & ((z >= p.min_z) if use_z else True)
-    return ratio, z, peers, cv, hit
-
-
-def _by_rank(flags: list[_Flag]) -> dict[int, list[_Flag]]:
-    out: dict[int, list[_Flag]] = {}
+def _by_rank(flags: list[Flag]) -> dict[int, list[Flag]]:
+    out: dict[int, list[Flag]] = {}
     for f in sorted(flags, key=lambda f: -abs(math.log(f.ratio))):  # strongest first
         out.setdefault(f.rank, []).append(f)
     return out
 
 
-def _evidence(top: _Flag, flags: list[_Flag]) -> dict[str, Any]:
+def _evidence(top: Flag, flags: list[Flag]) -> dict[str, Any]:
     return {
         "phase_kind": top.kind.value, "rank_ms": top.value_ns / _MS, "peers_median_ms": top.peers_ns / _MS,
         "elevation_ratio": top.ratio, "robust_z": top.z, "group_cv": top.cv, "group": top.group,
@@ -401,13 +320,13 @@ def _evidence(top: _Flag, flags: list[_Flag]) -> dict[str, Any]:
     }
 
 
-def _stragglers(compute: list[_Flag], short: list[_Flag], host: list[_Flag], topology: JobTopology,
+def _stragglers(compute: list[Flag], short: list[Flag], host: list[Flag], topology: JobTopology,
                 p: L2Params) -> tuple[list[L2Result], set[int]]:
     by_rank, shorts = _by_rank(compute), _by_rank(short)
     slow = set(by_rank)
     victims = waiting_victims(slow, set(shorts), topology)
 
-    def named_late(fs: list[_Flag]) -> bool:
+    def named_late(fs: list[Flag]) -> bool:
         return any(1.0 / f.ratio >= p.collective_ratio and f.late_fraction >= p.min_late_fraction
                    and f.waited_fraction < _WAITED_EXPLAINS for f in fs)
 

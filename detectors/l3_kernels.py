@@ -60,13 +60,14 @@ import numpy as np
 import numpy.typing as npt
 
 from argus.errors import DetectorError
-from detectors.kernel_modes import mode_quantiles, reference_modes
-from detectors.l2_phases import loo_median
+from detectors.kernel_modes import ReferenceModes, mode_quantiles, reference_modes
+from detectors.kernel_rows import merge_rows, one_key, window_end
+from detectors.l2_groups import loo_median, loo_median_rows
 from detectors.mixture import MixtureBatch, geometric_grid, mixture_cdf
 from schemas.records import JobTopology, KernelSummary, Level, ParallelGroup
 
-__all__ = ["L3Kind", "L3Params", "L3Result", "RankScores", "Scope", "detect_l3", "is_collective", "primary_p50",
-           "score_ranks"]
+__all__ = ["PIPELINE_SIDE", "L3Kind", "L3Params", "L3Result", "RankScores", "Scope", "cluster_median_quantile",
+           "detect_l3", "is_collective", "primary_p50", "score_ranks"]
 
 F64 = npt.NDArray[np.float64]
 I64 = npt.NDArray[np.int64]
@@ -76,8 +77,21 @@ _W1_RESOLUTION = 1e-4
 _LATE_EXPLAINS = 2.0
 _GROUP_KINDS = (("DP", "dp_group"), ("TP", "tp_group"), ("EP", "ep_group"), ("PP", "pp_group"))
 _MAD_SCALE = 1.4826
+#: ``group_kind`` of a link result that is one rank's side of its pipeline transfers (see :func:`_pipeline_sides`):
+#: evidence to pair with the adjacent stage's side, not a finding on its own.
+PIPELINE_SIDE = "PP_SIDE"
+#: The u grid (share of a rank's calls) on which quantile functions are compared for an unseparated mode.
+_SCAN_STEP = 0.05
+_SCAN_U = np.arange(0.1, 0.9 + 1e-9, _SCAN_STEP)
+#: Calls a cluster needs for its p99 to describe a tail rather than its slowest call or two.
+_TAIL_CALLS = 100
 #: Two or three ranks have no spread to judge by: a mode must be this much slower than the others'.
 _SMALL_SET_RATIO = 1.3
+#: The same for links among two or three groups: a group of two or three ranks that all arrive early (all
+#: wait) is slow by their spread of arrival, commonly x1.5 or more.
+_SMALL_LINK_RATIO = 2.0
+#: Fewest ranks of a comparison set with a spread to judge by (robust z over the set).
+_SPREAD_SET = 4
 #: Ranks whose calls of a kernel differ from the set's median by more than this share are not judged by mode.
 _SAME_CALLS = 0.02
 #: Floor of the spread of groups' log transfer times in the link test (5 %).
@@ -190,7 +204,8 @@ class RankScores:
 
     ``w1_ns``: W1 to the median CDF; ``shift_ns``: signed mean difference to it (> 0: slower);
     ``score``: ``w1_ns / reference_mean_ns``; ``primary_p50_ns``: see :func:`primary_p50`.
-    ``grid``, ``cdf`` and ``weights`` (trapezoid) are kept for further distances.
+    ``grid``, ``cdf``, ``weights`` (trapezoid) and ``reference`` (the median CDF on ``grid``) are kept for
+    further distances.
     """
 
     w1_ns: F64
@@ -201,6 +216,7 @@ class RankScores:
     grid: F64
     cdf: F64
     weights: F64
+    reference: F64
 
 
 def is_collective(kernel: str, markers: Sequence[str] = ("nccl",)) -> bool:
@@ -217,10 +233,12 @@ def score_ranks(mixtures: MixtureBatch, grid_points: int = 512, mode_log_gap: fl
     w = np.zeros(grid.size)
     w[:-1] += 0.5 * step
     w[1:] += 0.5 * step
-    w1 = np.abs(cdf - ref) @ w
-    shift = (ref - cdf) @ w
+    # One difference array for both integrals: (ref - cdf) @ w is exactly -((cdf - ref) @ w).
+    diff = cdf - ref
+    shift = -(diff @ w)
+    w1 = np.abs(diff, out=diff) @ w
     ref_mean = float(grid[0] + (1.0 - ref) @ w)
-    return RankScores(w1, shift, w1 / ref_mean, primary_p50(mixtures, mode_log_gap), ref_mean, grid, cdf, w)
+    return RankScores(w1, shift, w1 / ref_mean, primary_p50(mixtures, mode_log_gap), ref_mean, grid, cdf, w, ref)
 
 
 def primary_p50(mixtures: MixtureBatch, mode_log_gap: float = 0.3) -> F64:
@@ -267,43 +285,19 @@ def detect_l3(summaries: Sequence[KernelSummary], topology: JobTopology | None =
     if not summaries:
         return []
     first = summaries[0]
-    if any((s.job_id, s.kernel, s.stream) != (first.job_id, first.kernel, first.stream) for s in summaries):
+    if not one_key(summaries):
         raise DetectorError("detect_l3 needs the summaries of exactly one (job, kernel, stream)")
-    ranks, batch, total = _merge(summaries, p.min_events)
+    ranks, batch, total = merge_rows(summaries, p.min_events)
     if batch is None or ranks.size < p.min_ranks:
         return []
     if topology is not None and not set(topology.rank).issuperset(ranks.tolist()):
         raise DetectorError(f"ranks {sorted(set(ranks.tolist()) - set(topology.rank))[:5]} are not in topology")
     collective = is_collective(first.kernel, p.collective_markers)
-    base = {"window_end_ns": max(max(s.window_end_ns, default=0) for s in summaries), "n_ranks": int(ranks.size),
+    base = {"window_end_ns": window_end(summaries), "n_ranks": int(ranks.size),
             "collective": collective}
     if collective:
         return _collective(first, ranks, batch, total, topology, p, base, group_kind)
     return _compute(first, ranks, batch, total, topology, p, base)
-
-
-def _merge(summaries: Sequence[KernelSummary], min_events: int) -> tuple[I64, MixtureBatch | None, F64]:
-    """The ranks with at least ``min_events`` events, their merged mixtures (None if there are none) and
-    their total time in the kernel (ns)."""
-    for s in summaries:
-        if len(s.n_clusters) != len(s.rank) or sum(s.n_clusters) != len(s.cluster_count):
-            raise DetectorError(f"kernel summary {s.job_id}/{s.kernel}: cluster columns do not match n_clusters")
-    owner = np.concatenate([np.repeat(np.asarray(s.rank, dtype=np.int64), s.n_clusters) for s in summaries])
-    c, m, q, t = (np.concatenate([np.asarray(getattr(s, f), dtype=np.float64) for s in summaries])
-                  for f in ("cluster_count", "cluster_p50_ns", "cluster_p99_ns", "cluster_sum_ns"))
-    keep = c > 0
-    owner, c, m, q, t = owner[keep], c[keep], np.maximum(m[keep], 1.0), q[keep], t[keep]
-    ranks, idx = np.unique(owner, return_inverse=True)
-    events = np.bincount(idx, weights=c, minlength=ranks.size)
-    ok = events >= min_events
-    if not ok.any():
-        return np.empty(0, dtype=np.int64), None, np.empty(0)
-    sel = ok[idx]
-    remap = np.cumsum(ok) - 1
-    batch = MixtureBatch.from_long(remap[idx[sel]], c[sel], m[sel], np.maximum(q[sel], m[sel]),
-                                   n_owners=int(ok.sum()))
-    total: F64 = np.bincount(idx, weights=t, minlength=ranks.size)[ok].astype(np.float64)
-    return ranks[ok].astype(np.int64), batch, total
 
 
 def _slow_ranks(sc: RankScores, min_score: float, gate: float, p: L3Params) -> tuple[npt.NDArray[np.bool_], F64,
@@ -320,12 +314,15 @@ def _slow_ranks(sc: RankScores, min_score: float, gate: float, p: L3Params) -> t
     return slow, p50_ratio, healthy
 
 
-def _mode_outliers(sc: RankScores, p: L3Params) -> tuple[npt.NDArray[np.bool_], F64, F64]:
+def _mode_outliers(sc: RankScores, p: L3Params, tails: npt.NDArray[np.bool_], modes: ReferenceModes,
+                   mode_q: F64, scan_q: F64) -> tuple[npt.NDArray[np.bool_], F64, F64]:
     """Ranks with a mode slower than the reference's (see :mod:`detectors.kernel_modes`): the mask, each
-    rank's largest mode ratio, and the share of calls of that mode."""
+    rank's largest mode ratio, and the share of calls of that mode. ``tails``: ranks whose clusters all
+    have the calls for a modelled tail (only they are read on the fixed u grid, whose upper levels lie in
+    the tails). ``modes``: the reference's; ``mode_q`` and ``scan_q``: each rank's quantiles (ns) at the
+    modes' middles and at ``_SCAN_U``."""
     n = sc.score.size
-    modes = reference_modes(np.median(sc.cdf, axis=0), sc.grid)
-    logq = np.log(mode_quantiles(sc.cdf, sc.grid, modes.mid))
+    logq = np.log(mode_q)
     if n >= 4:
         centre = np.median(logq, axis=0)
         lr = logq - centre
@@ -336,14 +333,38 @@ def _mode_outliers(sc: RankScores, p: L3Params) -> tuple[npt.NDArray[np.bool_], 
         hit = lr >= math.log(max(p.mode_ratio, _SMALL_SET_RATIO))
     best = np.argmax(np.where(hit, lr, -np.inf), axis=1)
     rows = np.arange(n)
-    return hit.any(axis=1), np.exp(lr[rows, best]), modes.width[best]
+    found, ratio, share = hit.any(axis=1), np.exp(lr[rows, best]), modes.width[best]
+    if n >= 4:
+        # Shapes of one kernel a few percent apart make no plateau between them: one mode. A slower shape
+        # then still lifts the quantile function over the u range of its calls, so the rank's quantiles are
+        # read on a fixed u grid too; a run of two neighbouring levels is needed (a lone level is noise).
+        lq = np.log(scan_q)
+        lq -= np.median(lq, axis=0)
+        floor = np.maximum(_MAD_SCALE * np.median(np.abs(lq), axis=0), p.mode_mad_floor)
+        level = (lq >= math.log(p.mode_ratio)) & (lq >= p.mode_z * floor)
+        run = level[:, 1:] & level[:, :-1]
+        scan = run.any(axis=1) & ~found & tails
+        if scan.any():
+            top = np.argmax(np.where(level, lq, -np.inf), axis=1)
+            ratio = np.where(scan, np.exp(lq[rows, top]), ratio)
+            share = np.where(scan, float(run.sum(axis=1).max() + 1) * _SCAN_STEP, share)
+            found = found | scan
+    return found, ratio, share
 
 
 def _compute(s: KernelSummary, ranks: I64, batch: MixtureBatch, total: F64, topology: JobTopology | None,
              p: L3Params, base: dict[str, Any]) -> list[L3Result]:
+    stages: I64 | None = None  # the ranks' stages when compared job-wide
     if topology is not None and p.compute_scope is Scope.STAGE:
         stage_of = dict(zip(topology.rank, topology.pp_stage, strict=True))
         part = np.array([stage_of[r] for r in ranks.tolist()], dtype=np.int64)
+        calls = batch.counts.sum(axis=1)
+        if (np.unique(part, return_counts=True)[1].min() < _SPREAD_SET and ranks.size >= _SPREAD_SET
+                and bool(np.all(np.abs(calls / np.median(calls) - 1.0) <= _SAME_CALLS))):
+            # Stages of a few ranks have no spread to judge by; a kernel every rank of the job runs equally
+            # often runs the same shapes in every stage (the transformer layers): compare it job-wide. A
+            # stage slow as a whole is left to the stage detectors (below).
+            stages, part = part, np.zeros(ranks.size, dtype=np.int64)
     else:
         part = np.zeros(ranks.size, dtype=np.int64)
     flagged: dict[int, dict[str, Any]] = {}
@@ -354,15 +375,21 @@ def _compute(s: KernelSummary, ranks: I64, batch: MixtureBatch, total: F64, topo
         sub = MixtureBatch(batch.counts[rows], batch.p50_ns[rows], batch.p99_ns[rows])
         sc = score_ranks(sub, p.grid_points, p.mode_log_gap)
         slow, p50_ratio, healthy = _slow_ranks(sc, p.min_score, p.p50_ratio, p)
-        by_mode, mode_ratio, mode_share = _mode_outliers(sc, p)
+        tails = ((sub.counts == 0.0) | (sub.counts >= _TAIL_CALLS)).all(axis=1)
+        modes = reference_modes(sc.reference, sc.grid)
+        # Every level read at once (one search per rank): the modes' middles, the scan grid, the 90th.
+        q = mode_quantiles(sc.cdf, sc.grid, np.concatenate([modes.mid, _SCAN_U, [0.9]]))
+        by_mode, mode_ratio, mode_share = _mode_outliers(sc, p, tails, modes, q[:, :len(modes)], q[:, len(modes):-1])
         # Modes are matched by position among a rank's calls: only ranks with the set's calls (a window cut
         # between the ranks' calls of one step shifts every position) are judged by mode.
         calls = batch.counts[rows].sum(axis=1)
         by_mode &= np.abs(calls / np.median(calls) - 1.0) <= _SAME_CALLS
         excess = total[rows] - np.median(total[rows])
         # A distance grown by a few stray calls (under a tenth of them) is no slow kernel: the W1 and p50
-        # paths need the rank's 90th percentile raised too.
-        q90 = mode_quantiles(sc.cdf, sc.grid, [0.9])[:, 0]
+        # paths need the rank's 90th percentile raised too. The modelled tail holds only where every
+        # cluster has the calls for a p99; in a smaller one the p99 is its slowest call or two, and one
+        # stray call would stretch the whole modelled tail, so there the clusters' medians are read.
+        q90 = np.where(tails, q[:, -1], cluster_median_quantile(sub, 0.9))
         slow &= q90 >= p.mode_ratio * np.median(q90)
         for i in np.flatnonzero((slow | by_mode) & (excess > 0.0)).tolist():
             flagged[int(ranks[rows[i]])] = {
@@ -374,6 +401,9 @@ def _compute(s: KernelSummary, ranks: I64, batch: MixtureBatch, total: F64, topo
                 "healthy_p50_ns": healthy, "reference_mean_ns": sc.reference_mean_ns, "partition": int(g),
                 "excess_ns": float(excess[i]),
             }
+    if stages is not None:
+        stage_all = {st: set(ranks[stages == st].tolist()) for st in np.unique(stages).tolist()}
+        flagged = {r: v for r, v in flagged.items() if not stage_all[int(stages[ranks == r][0])] <= flagged.keys()}
     # One finding per rank: each is judged on its own impact (a rank riding along a strong one is not).
     scope = p.compute_scope.value if topology is not None else Scope.JOB.value
     return [L3Result(L3Kind.KERNEL_DEGRADED, (r,), s.kernel, s.stream, v["score"],
@@ -382,6 +412,18 @@ def _compute(s: KernelSummary, ranks: I64, batch: MixtureBatch, total: F64, topo
                          "rank_score": {str(r): v["score"]}, "rank_p50_ratio": {str(r): v["p50_ratio"]},
                          "rank_excess_ns": {str(r): v["excess_ns"]}},
                      excess_ns=v["excess_ns"]) for r, v in sorted(flagged.items())]
+
+
+def cluster_median_quantile(batch: MixtureBatch, q: float) -> F64:
+    """Per row, the ``q`` quantile of the calls with each call at its cluster's median (ns): the level
+    below which ``q`` of the calls' clusters sit, untouched by the spread inside any cluster."""
+    order = np.argsort(batch.p50_ns, axis=1)
+    counts = np.take_along_axis(batch.counts, order, axis=1)
+    p50 = np.take_along_axis(batch.p50_ns, order, axis=1)
+    cum = np.cumsum(counts, axis=1)
+    at = np.argmax(cum >= q * cum[:, -1:], axis=1)
+    out: F64 = p50[np.arange(p50.shape[0]), at]
+    return out
 
 
 def _is_p2p(kernel: str) -> bool:
@@ -402,11 +444,14 @@ def _groups(topology: JobTopology | None, ranks: I64, p2p: bool,
         return [("JOB", 0, np.arange(ranks.size))]
     pos = {r: i for i, r in enumerate(topology.rank)}
     at = np.array([pos[r] for r in ranks.tolist()], dtype=np.int64)
-    kinds = (("PP", "pp_group"), ("EP", "ep_group")) if p2p else _GROUP_KINDS[:-1]
+    # NCCL runs an all-to-all as grouped sends and receives, so expert groups show in point-to-point kernels
+    # only; the reductions and gathers run in data- and tensor-parallel groups.
+    if only is not None and only is not ParallelGroup.NONE:
+        kinds = tuple(k for k in _GROUP_KINDS if k[0] == only.value)
+    else:
+        kinds = (("PP", "pp_group"), ("EP", "ep_group")) if p2p else _GROUP_KINDS[:2]
     out = []
     for kind, col in kinds:
-        if only is not None and only is not ParallelGroup.NONE and kind != only.value:
-            continue
         column = np.asarray(getattr(topology, col))
         full = dict(zip(*np.unique(column, return_counts=True), strict=True))
         uniq, inv, counts = np.unique(column[at], return_inverse=True, return_counts=True)
@@ -420,10 +465,20 @@ def _groups(topology: JobTopology | None, ranks: I64, p2p: bool,
             for g, rows in whole:
                 chain = rows[np.argsort(stage[rows], kind="stable")]
                 out += [(kind, g * 65536 + i, chain[i:i + 2]) for i in range(chain.size - 1)]
+            if p2p and not whole:
+                out += _pipeline_sides(column[at], stage)
         else:
             out += [(kind, g, rows) for g, rows in whole]
     out.sort(key=lambda t: -t[2].size)
     return out
+
+
+def _pipeline_sides(pp_group: I64, stage: I64) -> list[tuple[str, int, I64]]:
+    """Each rank on its own, as one side of its pipeline transfers: a stream that carries one side only (the
+    sends to the next stage and the receives from it are on one communicator's stream, the other stage's
+    on another) has no whole pair. Index: ``pp_group * 65536 + stage``."""
+    return [(PIPELINE_SIDE, int(pp_group[i]) * 65536 + int(stage[i]), np.array([i], dtype=np.int64))
+            for i in range(pp_group.size)]
 
 
 def _links(s: KernelSummary, ranks: I64, batch: MixtureBatch, sc: RankScores, groups: list[tuple[str, int, I64]],
@@ -437,7 +492,7 @@ def _links(s: KernelSummary, ranks: I64, batch: MixtureBatch, sc: RankScores, gr
     while a degraded link slows it on every member. Larger groups first; a group of already explained
     ranks is skipped (the smaller groups inside a degraded one).
     """
-    modes = reference_modes(np.median(sc.cdf, axis=0), sc.grid)
+    modes = reference_modes(sc.reference, sc.grid)
     q = mode_quantiles(sc.cdf, sc.grid, modes.mid)
     calls = float(np.median(batch.counts.sum(axis=1)))
     out: list[L3Result] = []
@@ -464,7 +519,7 @@ def _links(s: KernelSummary, ranks: I64, batch: MixtureBatch, sc: RankScores, gr
             mad = _MAD_SCALE * np.median(np.abs(lg - np.median(lg, axis=0)), axis=0)
             hit = (lr >= math.log(p.link_ratio)) & (lr >= p.link_z * np.maximum(mad, _LINK_MAD_FLOOR))
         else:
-            hit = lr >= math.log(max(p.link_ratio, _SMALL_SET_RATIO + 0.2))
+            hit = lr >= math.log(max(p.link_ratio, _SMALL_LINK_RATIO))
         # Beyond a plausible slowdown of a transfer it is waiting: a group made only of ranks that wait in a
         # collective of another kind (all of one TP index, waiting for the others) looks "slow" by far more.
         hit &= lr <= math.log(p.link_max_ratio)
@@ -478,9 +533,11 @@ def _links(s: KernelSummary, ranks: I64, batch: MixtureBatch, sc: RankScores, gr
             extra = float(np.sum(np.where(hit[i], (np.exp(lg[i]) - np.exp(ref)) * modes.width * calls, 0.0)))
             ratio = float(np.exp(lr[i, j]))
             explained[rows] = True
+            side = {"pp_group": g // 65536, "pp_stage": g % 65536} if kind == PIPELINE_SIDE else {}
             out.append(L3Result(L3Kind.LINK_DEGRADED, tuple(sorted(int(r) for r in ranks[rows])), s.kernel, s.stream,
                                 ratio, {
-                **base, "group": f"{kind}{g}", "group_kind": kind, "group_index": g, "whole_group": True,
+                **base, **side, "group": f"{kind}{g}", "group_kind": kind, "group_index": g,
+                "whole_group": kind != PIPELINE_SIDE,
                 "transfer_ratio": ratio, "p50_ratio": ratio, "group_min_ns": float(np.exp(lg[i, j])),
                 "healthy_min_ns": float(np.exp(ref[j])),
                 "mode_share_of_calls": float(modes.width[j]), "groups_compared": n,
@@ -510,8 +567,9 @@ def _collective(s: KernelSummary, ranks: I64, batch: MixtureBatch, total: F64, t
         stage = np.array([stage_of[r] for r in ranks.tolist()], dtype=np.int64)
         results = _links(s, ranks, batch, sc, groups, stage, p, base, explained)
     late: list[tuple[float, str, int, int, I64, float]] = []
-    for size in sorted({rows.size for _, _, rows in groups}, reverse=True):  # larger groups explain first
-        same = [grp for grp in groups if grp[2].size == size]
+    whole = [grp for grp in groups if grp[0] != PIPELINE_SIDE]  # a rank alone has no peers to be late for
+    for size in sorted({rows.size for _, _, rows in whole}, reverse=True):  # larger groups explain first
+        same = [grp for grp in whole if grp[2].size == size]
         for ratio, kind, g, row, rows, peers_p50 in _late_candidates(same, p50):
             if not (explained[row] or explained[rows[rows != row]].all()):
                 explained[rows] = True
@@ -550,15 +608,17 @@ def _collective(s: KernelSummary, ranks: I64, batch: MixtureBatch, total: F64, t
 def _late_candidates(groups: list[tuple[str, int, I64]], p50: F64) -> list[tuple[float, str, int, int, I64, float]]:
     """(ratio, kind, index, row, rows, peers' p50) of members 2x shorter than their group peers (late
     arrivals), strongest first; a group with over a quarter of short members has none (only the last
-    arrival of a call is short)."""
-    out = []
-    for kind, g, rows in groups:
-        if int(np.sum(_LATE_EXPLAINS * p50[rows] <= np.median(p50[rows]))) > max(1, rows.size // 4):
-            continue
-        peers = loo_median(p50[rows])
-        ratio = peers / p50[rows]
-        out += [(float(ratio[i]), kind, g, int(rows[i]), rows, float(peers[i]))
-                for i in np.flatnonzero(ratio >= _LATE_EXPLAINS).tolist()]
+    arrival of a call is short). ``groups``: all of one size (judged at once, as a groups x members array)."""
+    if not groups:
+        return []
+    members = np.stack([rows for _, _, rows in groups])
+    v = p50[members]
+    size = members.shape[1]
+    calm = np.sum(_LATE_EXPLAINS * v <= np.median(v, axis=1, keepdims=True), axis=1) <= max(1, size // 4)
+    peers = loo_median_rows(v)
+    ratio = peers / v
+    out = [(float(ratio[i, j]), groups[i][0], groups[i][1], int(members[i, j]), groups[i][2], float(peers[i, j]))
+           for i, j in zip(*np.nonzero(calm[:, None] & (ratio >= _LATE_EXPLAINS)), strict=True)]
     out.sort(key=lambda c: (-c[0], c[3]))
     return out
 

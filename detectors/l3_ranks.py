@@ -14,8 +14,11 @@ together. :func:`detect_rank_excess` pools the evidence of every compute kernel 
    over all kernels and over each kernel family (:func:`kernel_family`: GEMMs, attention, ...) alone, so
    a fault confined to one family is not diluted by the kernels it spares; the largest z counts.
 3. **Effect size.** Its **excess**: the time beyond its peers in the kernels it runs slower (``m / ref >
-   slower_ratio``), ``sum(calls * (m - ref))``, as a share of its expected time.
-4. A rank with ``z >= min_z`` and an excess share ``>= min_excess_fraction`` is a
+   slower_ratio``), ``sum(calls * (m - ref))``, as a share of its expected time. Noise puts some kernels of
+   every rank above its peers, so in a set of five or more ranks the share must also stand out of the
+   others' shares (robust z over the set's Bonferroni bound).
+4. A rank with ``z`` over the set's bound (``alpha`` over its tests) and such an excess share
+   ``>= min_excess_fraction`` is a
    :attr:`~detectors.l3_kernels.L3Kind.RANK_DEGRADED` finding naming the kernels that carry most of the
    excess (and the stream layer raises it only when its delay is worth it, :mod:`detectors.impact`). If
    most of a set is flagged it is the set's work that changed, not a rank: nothing is named.
@@ -42,6 +45,11 @@ from detectors.l2_phases import L2Kind, L2Result
 from detectors.l3_kernels import L3Kind, L3Result, is_collective
 from schemas.records import JobTopology, KernelSummary
 
+_MAD_SCALE = 1.4826
+#: Least spread of the ranks' excess fractions (a set of identical ranks has none).
+_FRACTION_FLOOR = 0.01
+#: Fewest ranks whose excess fractions have a spread to judge a rank's against.
+_SPREAD_RANKS = 5
 #: Kernels that must run slower on a stage for it to be slow (a name or two may run another shape there).
 _STAGE_MIN_SLOWER_KERNELS = 3
 #: Calls per rank a kernel needs to count in the stage comparison (a one-step trace is no stage verdict).
@@ -81,8 +89,11 @@ class RankExcessParams:
     """Thresholds of :func:`detect_rank_excess` (defaults in brackets).
 
     ``slower_ratio``: a rank's mean time per call of a kernel over the set's median that counts it slower
-    in that kernel [1.1]. ``min_z``: least z-score of the rank's summed normal scores [4.5], or
-    ``min_z_with_magnitude`` [3.0] when its mean shift is ``min_magnitude_z`` [8.0] noise units (few ranks).
+    in that kernel [1.1]. The z-score of the rank's summed normal scores must reach the Bonferroni bound of
+    ``alpha`` [0.01] over the tests of its set (its ranks x kernel subsets: 3.5 for 8 ranks, 4.4 for 256),
+    and at least ``min_z`` [3.0] (``min_z_two_ranks`` [4.5] in a set of two, where each rank is the other's
+    reference and a systematic difference between two GPUs names neither); or ``min_z_with_magnitude`` [2.0]
+    when its median shift is ``min_magnitude_z`` [8.0] noise units (few ranks).
     ``min_excess_fraction``: least share of its expected compute time it spends beyond its peers in
     those kernels [0.1]. ``min_ranks``: fewest ranks of a comparison set [2]. ``min_kernels``: fewest kernels
     a rank must share with its set [3]. ``top_kernels``: kernels named in the evidence [5].
@@ -91,8 +102,10 @@ class RankExcessParams:
     in :func:`detect_stage_excess` [0.1].
     """
 
-    min_z: float = 4.5
-    min_z_with_magnitude: float = 3.0
+    min_z: float = 3.0
+    min_z_two_ranks: float = 4.5
+    alpha: float = 0.01
+    min_z_with_magnitude: float = 2.0
     min_magnitude_z: float = 8.0
     stage_min_excess: float = 0.1
     min_excess_fraction: float = 0.1
@@ -104,8 +117,9 @@ class RankExcessParams:
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.min_z) and self.min_z >= 0.0 and 0.0 <= self.min_excess_fraction < 1.0
-                and self.slower_ratio > 1.0):
-            raise DetectorError("need min_z >= 0, min_excess_fraction in [0, 1) and slower_ratio > 1")
+                and self.slower_ratio > 1.0 and 0.0 < self.alpha < 1.0):
+            raise DetectorError("need min_z >= 0, alpha in (0, 1), min_excess_fraction in [0, 1) and "
+                                "slower_ratio > 1")
         if self.min_ranks < 2 or self.min_kernels < 1 or self.top_kernels < 1:
             raise DetectorError("need min_ranks >= 2, min_kernels >= 1 and top_kernels >= 1")
 
@@ -136,11 +150,23 @@ def detect_rank_excess(totals: Iterable[KernelTotals], topology: JobTopology | N
         part = np.array([stage_of.get(r, -1) for r in ranks.tolist()], dtype=np.int64)
     else:
         part = np.zeros(n_r, dtype=np.int64)
+    keys = [(t.kernel, t.stream) for t in usable]
     out: list[L3Result] = []
-    for g in np.unique(part).tolist():
+    stages, sizes = np.unique(part, return_counts=True)
+    for g in stages.tolist():
         rows = np.flatnonzero(part == g)
         if rows.size >= p.min_ranks:
-            out += _judge(ranks[rows], total[rows], calls[rows], [(t.kernel, t.stream) for t in usable], int(g), p)
+            out += _judge(ranks[rows], total[rows], calls[rows], keys, int(g), p)
+    small = set(stages[sizes < _SPREAD_RANKS].tolist())
+    if small and stages.size >= 2:
+        # Stages of a few ranks have little to compare with, but their transformer layers run the same
+        # kernels as every other stage's: the kernels every rank runs, with the same calls, compare job-wide.
+        shared = (calls > 0).all(axis=0) & (calls.min(axis=0) == calls.max(axis=0))
+        named = {r.ranks[0] for r in out}
+        if int(shared.sum()) >= p.min_kernels:
+            cols = np.flatnonzero(shared)
+            out += [r for r in _judge(ranks, total[:, cols], calls[:, cols], [keys[j] for j in cols.tolist()], -1, p)
+                    if int(part[np.searchsorted(ranks, r.ranks[0])]) in small and r.ranks[0] not in named]
     return out
 
 
@@ -224,12 +250,16 @@ def _judge(ranks: I64, total: F64, calls: F64, keys: Sequence[tuple[str, int]], 
         if p.min_kernels <= int(cols.sum()) < len(fams):
             subsets.append(cols)
     pooled = np.max([_rank_scores_z(masked[:, c]) for c in subsets], axis=0)
+    # Every rank is tested in every subset: the z a rank needs grows with the tests (Bonferroni), so a set of
+    # eight ranks is not held to the bar of a thousand, nor a thousand to that of eight.
+    min_z = max(p.min_z if ranks.size >= 3 else p.min_z_two_ranks,
+                float(ndtri(1.0 - p.alpha / (ranks.size * len(subsets)))))
     magnitude = np.max([_magnitude_z(masked[:, c]) for c in subsets], axis=0)
     # Few ranks bound a rank-based z (4 ranks: ~1.15 per kernel); a shift far beyond the kernels' noise counts
     # then, when the ranks agree in direction.
     if ranks.size >= 3:  # two ranks: each is the other's reference, neither is the deviant by magnitude
         pooled = np.where((pooled >= p.min_z_with_magnitude) & (magnitude >= p.min_magnitude_z),
-                          np.maximum(pooled, p.min_z), pooled)
+                          np.maximum(pooled, min_z), pooled)
     w = np.where(positive, ref * calls, 0.0)
     share = (w * slower).sum(axis=1) / np.maximum(w.sum(axis=1), 1e-300)
     per_call = np.where(positive, total / np.where(positive, calls, 1.0), 0.0)
@@ -238,7 +268,14 @@ def _judge(ranks: I64, total: F64, calls: F64, keys: Sequence[tuple[str, int]], 
     excess = extra.sum(axis=1)
     with np.errstate(invalid="ignore", divide="ignore"):
         fraction = excess / expected
-    hit = (pooled >= p.min_z) & (fraction >= p.min_excess_fraction) & (positive.sum(axis=1) >= p.min_kernels)
+    # The excess must also stand out of its peers' excesses: in a short trace a few long kernels carry the
+    # time, and their noise alone gives some healthy rank of a large set a tenth or more. (A few ranks have
+    # no spread to judge by: there the rank-based z stands alone.)
+    apart = np.ones(ranks.size, dtype=bool)
+    if ranks.size >= _SPREAD_RANKS:
+        spread = max(_MAD_SCALE * float(np.median(np.abs(fraction - np.median(fraction)))), _FRACTION_FLOOR)
+        apart = (fraction - np.median(fraction)) / spread >= float(ndtri(1.0 - p.alpha / ranks.size))
+    hit = (pooled >= min_z) & (fraction >= p.min_excess_fraction) & apart & (positive.sum(axis=1) >= p.min_kernels)
     if not hit.any() or 2 * int(hit.sum()) > ranks.size:
         return []
     out = []

@@ -53,6 +53,14 @@ TAIL_SIGMAS = 5.0
 GRID_POINTS = 1024
 # Bounds the (rows, ranks, grid) temporary of w1_matrix to ~32 MiB of float64.
 _PAIRWISE_BLOCK_ELEMENTS = 1 << 22
+#: ``ndtr(z)`` is exactly 1.0 from z ~ 8.29 on; above this bound a component's term is its weight.
+_Z_HIGH = 9.0
+#: ``ndtr(-10) < 1e-23``: below it a component's term cannot move a CDF value of 1e-7 or more.
+_Z_LOW = -10.0
+#: Rows per chunk of the windowed CDF evaluation (rows of neighbouring windows share the chunk's columns).
+_WINDOW_CHUNK_ROWS = 256
+#: Grids shorter than this are evaluated densely (the windows would save nothing).
+_MIN_WINDOWED_POINTS = 16
 
 
 @dataclass(frozen=True, eq=False)
@@ -276,17 +284,56 @@ def _log_params(p50_ns: F64, p99_ns: F64) -> tuple[F64, F64]:
 
 
 def _cdfs(counts: F64, p50_ns: F64, p99_ns: F64, grid: F64) -> F64:
-    """CDFs on ``grid`` of mixtures given as ``(..., K)`` arrays; result ``(..., G)``."""
+    """CDFs on ``grid`` of mixtures given as ``(..., K)`` arrays; result ``(..., G)``.
+
+    Component by component (in order, so each entry sums the same terms in the same order as a dense
+    evaluation), ``weight * ndtr(z)`` is evaluated only where ``z`` lies in ``[_Z_LOW, _Z_HIGH]``
+    (:func:`_add_component`): above, ``ndtr`` is exactly 1 and the weight is added as is; below, the
+    term (< 1e-23 of the weight) is left out. On an increasing grid only; otherwise densely.
+    """
     mu, sigma = _log_params(p50_ns, p99_ns)
     weight = counts / counts.sum(axis=-1, keepdims=True)
     # ln(0) = -inf is the right limit (F = 0) but warns; the smallest normal float gives the same F.
     log_grid = np.log(np.maximum(grid, np.finfo(np.float64).tiny))
-    out = np.zeros((*counts.shape[:-1], grid.size))
+    lead = counts.shape[:-1]
+    out = np.zeros((math.prod(lead), grid.size))
+    k_comp = counts.shape[-1]
+    mu2, sigma2, weight2 = (a.reshape(-1, k_comp) for a in (mu, sigma, weight))
+    windowed = grid.size >= _MIN_WINDOWED_POINTS and bool(np.all(np.diff(log_grid) > 0.0))
     # A loop over the few components keeps the temporary at (..., G) rather than (..., K, G).
-    for k in range(counts.shape[-1]):
-        z = (log_grid - mu[..., k, None]) / sigma[..., k, None]
-        out += weight[..., k, None] * ndtr(z)
-    return out
+    for k in range(k_comp):
+        if windowed:
+            _add_component(out, log_grid, mu2[:, k], sigma2[:, k], weight2[:, k])
+        else:
+            out += weight2[:, k, None] * ndtr((log_grid - mu2[:, k, None]) / sigma2[:, k, None])
+    return out.reshape(*lead, grid.size)
+
+
+def _add_component(out: F64, log_grid: F64, mu: F64, sigma: F64, weight: F64) -> None:
+    """``out += weight * ndtr((log_grid - mu) / sigma)`` per row (``out``: rows x G, the rest per row),
+    with ``ndtr`` evaluated only in each row's window of ``z`` in ``[_Z_LOW, _Z_HIGH]``.
+
+    Rows are taken in chunks of neighbouring window starts; a chunk evaluates the columns from its first
+    window start to its last window end (plain slices, no per-element indexing). Right of that every
+    ``z > _Z_HIGH`` and ``ndtr(z) == 1.0`` exactly, so the weight itself is added; left of the row's own
+    window every term is below 1e-23 of the weight and dropped. In between the terms are exactly the dense
+    evaluation's.
+    """
+    g = log_grid.size
+    lo = np.searchsorted(log_grid, mu + _Z_LOW * sigma, side="left")
+    hi = np.searchsorted(log_grid, mu + _Z_HIGH * sigma, side="right")
+    order = np.argsort(lo, kind="stable")
+    cols = np.arange(g)
+    end = np.empty_like(hi)  # per row, where its chunk's evaluated columns end
+    for at in range(0, order.size, _WINDOW_CHUNK_ROWS):
+        rows = order[at:at + _WINDOW_CHUNK_ROWS]
+        a, b = int(lo[rows].min()), int(hi[rows].max())
+        end[rows] = b
+        if b > a:
+            z = (log_grid[a:b] - mu[rows, None]) / sigma[rows, None]
+            # Left of a row's own window its terms are dropped, so a row's CDF is the same in any chunk.
+            out[rows, a:b] += np.where(cols[a:b] >= lo[rows, None], weight[rows, None] * ndtr(z), 0.0)
+    np.add(out, weight[:, None], out=out, where=cols >= end[:, None])
 
 
 def _trapezoid_weights(grid: F64) -> F64:

@@ -1242,19 +1242,26 @@ MIN_IMPACT_FRACTION = 0.01
 def fault_delay_fraction(scn: Scenario, tl: Timeline | None = None) -> float | None:
     """For a rank-level fault (compute_straggler, one_mode, short_trace): the GPU time the fault adds per step
     to its most affected rank, over the job's median iteration time, from a twin run without the fault (same
-    seed: every other duration is identical). None for other classes."""
-    if scn.fault not in ("compute_straggler", "one_mode", "short_trace") or not scn.fault_ranks:
+    seed: every other duration is identical). For a degraded link: the lesser of the collective time it adds
+    per step to the group's least affected member (the transfer alone) and the growth of the median iteration
+    time (a transfer hidden behind compute costs the job nothing). None for other classes."""
+    link = scn.fault == "link_degraded"
+    if scn.fault not in ("compute_straggler", "one_mode", "short_trace", "link_degraded") or not scn.fault_ranks:
         return None
     tl = tl if tl is not None else simulate(scn)
     twin = simulate(dataclasses.replace(scn, magnitude=1.0))
     if twin.dur.shape != tl.dur.shape:
         return None
-    worst = 0.0
+    extra = []
     for r in scn.fault_ranks:
-        sel = (tl.rank == r) & (tl.coll < 0) & (tl.step >= scn.onset)
+        sel = (tl.rank == r) & ((tl.coll >= 0) if link else (tl.coll < 0)) & (tl.step >= scn.onset)
         steps = max(int(np.unique(tl.step[sel]).size), 1)
-        worst = max(worst, float(tl.dur[sel].sum() - twin.dur[sel].sum()) / steps)
-    return worst / float(np.median(tl.iteration_us()))
+        extra.append(float(tl.dur[sel].sum() - twin.dur[sel].sum()) / steps)
+    it = tl.iteration_us()
+    if link:
+        growth = float(np.median(it[scn.onset:]) - np.median(twin.iteration_us()[scn.onset:]))
+        return min(min(extra), growth) / float(np.median(it))
+    return max(extra) / float(np.median(it))
 
 
 def expected_findings(scn: Scenario, iteration_us: Sequence[float] | None = None,
@@ -1268,8 +1275,8 @@ def expected_findings(scn: Scenario, iteration_us: Sequence[float] | None = None
     ``step_tolerance`` of a finding's step and no finding step may be farther from all of them.
     ``optional``: findings that may be there (not required, not false). ``tolerated``: rank-level findings of
     these kinds naming only these ranks are not false. Anything else is a false finding. ``delay_fraction``
-    (:func:`fault_delay_fraction`): a rank-level fault costing under :data:`MIN_IMPACT_FRACTION` of the step
-    is below what argus raises (a finding must cost at least that), so it is tolerated, not required.
+    (:func:`fault_delay_fraction`): a rank-level or link fault costing under :data:`MIN_IMPACT_FRACTION` of
+    the step is below what argus raises (a finding must cost at least that), so it is tolerated, not required.
     """
     f = scn.fault
     exp: list[dict[str, Any]] = []
@@ -1292,7 +1299,11 @@ def expected_findings(scn: Scenario, iteration_us: Sequence[float] | None = None
         exp.append({"kinds": ["pp_stage_slow"], "ranks": list(scn.fault_ranks), "steps": None, "onset": onset_step})
         tol.append({"kinds": [*RANK_KINDS, "phase_straggler"], "ranks": list(scn.fault_ranks)})
     elif f == "link_degraded":
-        exp.append({"kinds": ["link_degraded"], "ranks": list(scn.fault_ranks), "steps": None, "onset": onset_step})
+        entry = {"kinds": ["link_degraded"], "ranks": list(scn.fault_ranks), "steps": None, "onset": onset_step}
+        if delay_fraction is not None and delay_fraction < MIN_IMPACT_FRACTION:
+            tol.append({"kinds": ["link_degraded"], "ranks": list(scn.fault_ranks)})
+        else:
+            exp.append(entry)
     elif f == "job_regression":
         exp.append({"kinds": ["step_regression"], "ranks": [], "steps": None, "onset": onset_step})
     elif f == "host_stall":

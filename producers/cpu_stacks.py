@@ -14,6 +14,10 @@ CpuStack -> publisher.
 Safety: the command is an argument list (no shell) whose only variable part is the pid, an integer read
 from this host's own registry file and checked to be a live process; nothing of a Kafka record's content
 reaches the command line. The job id only selects a registry folder (a safe file name or a hash of the id).
+A finding steers captures only of ranks registered by the collector's own user: entries, folders and target
+processes of any other user are refused (see :mod:`producers.rank_registry`), so findings written by whoever
+can reach the findings topic cannot point a root collector at another user's (or a system) process. Run the
+collector as the user that runs the training job; as root it serves only jobs run as root.
 py-spy needs ptrace permission on the target (root, ``CAP_SYS_PTRACE``, or ``kernel.yama.ptrace_scope=0``);
 without it :func:`capture_stacks` raises :class:`StackCaptureError` with ``permission=True`` and says so.
 """
@@ -34,6 +38,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from argus.errors import ProducerError, SchemaError
+from argus.kafka_security import client_config
 from argus.settings import Settings
 from argus.topics import Topic, rank_key
 from producers.rank_registry import RankRegistry
@@ -240,11 +245,10 @@ class StackCollector:
         from confluent_kafka import Consumer, KafkaException
 
         try:
-            consumer = Consumer({
-                "bootstrap.servers": self.settings.bootstrap_servers, "group.id": self.group_id,
-                "auto.offset.reset": "latest", "enable.auto.commit": True,
+            consumer = Consumer(client_config(self.settings, {
+                "group.id": self.group_id, "auto.offset.reset": "latest", "enable.auto.commit": True,
                 "session.timeout.ms": int(self.settings.session_timeout_s * 1000),
-            })
+            }))
             consumer.subscribe([Topic.FINDINGS.full(self.settings)])
         except KafkaException as exc:
             raise ProducerError(f"stack collector cannot consume findings: {exc}") from exc

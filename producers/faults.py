@@ -13,6 +13,12 @@ fault                          effect (default)
 ``HOST_JIT_STALL`` (4)         an 80 ms host stall on every rank before steps 12 and 27
 ``COMPUTE_STRAGGLER_SHORT_     rank 5's mlp compute x3 from step 0: its ReduceScatter looks *shorter*
 COLLECTIVES`` (5)              than its peers' (it arrives last, and all members end together)
+``HANG``                       rank R stops inside a DP collective at step S: it never enters it, its DP
+                               peers block in it, the other ranks wait at the step's barrier; heartbeats
+                               only for ``hang_ns``, then the job resumes (``resume``) or goes quiet
+``SILENT_RANK``                rank R publishes nothing from step S; the others complete step S, then
+                               block in step S + 1 (heartbeats for ``hang_ns``), and the job goes quiet
+``CRASH``                      the job stops after step S - 1 (all steps by default) and never sends END
 =============================  ===============================================================
 
 A link factor slows the whole collective of every group that holds a listed rank (a ring is as fast as its
@@ -40,6 +46,10 @@ class Fault(enum.Enum):
     PP_LAST_STAGE_SLOW = "PP_LAST_STAGE_SLOW"
     HOST_JIT_STALL = "HOST_JIT_STALL"
     COMPUTE_STRAGGLER_SHORT_COLLECTIVES = "COMPUTE_STRAGGLER_SHORT_COLLECTIVES"
+    #: Liveness faults (not fail-slow): a hung collective, a rank that goes silent, a job without END.
+    HANG = "HANG"
+    SILENT_RANK = "SILENT_RANK"
+    CRASH = "CRASH"
 
 
 @dataclass(frozen=True)
@@ -57,6 +67,8 @@ class FaultSpec:
             collectives of that type in every group holding one of ``ranks``.
         stall_ns: host stall before each of ``stall_steps``, integer nanoseconds (the GPU idles meanwhile).
         stall_steps: steps preceded by a host stall (independent of ``onset_step``).
+        hang_ns: ``HANG`` / ``SILENT_RANK``: how long the blocked ranks keep heartbeating, integer ns.
+        resume: ``HANG``: whether the job resumes after ``hang_ns`` (else it goes quiet, without END).
     """
 
     fault: Fault
@@ -70,6 +82,8 @@ class FaultSpec:
     reduce_scatter_factor: float = 1.0
     stall_ns: int = 0
     stall_steps: tuple[int, ...] = ()
+    hang_ns: int = 0
+    resume: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "ranks", tuple(sorted(set(self.ranks))))
@@ -80,8 +94,13 @@ class FaultSpec:
                    self.all_gather_factor, self.reduce_scatter_factor)
         if min(factors) <= 0:
             raise ValueError(f"fault {self.fault.value}: factors must be > 0, got {factors}")
-        if self.stall_ns < 0 or self.onset_step < 0:
-            raise ValueError(f"fault {self.fault.value}: stall_ns and onset_step must be >= 0")
+        if self.stall_ns < 0 or self.onset_step < 0 or self.hang_ns < 0:
+            raise ValueError(f"fault {self.fault.value}: stall_ns, onset_step and hang_ns must be >= 0")
+
+    @property
+    def liveness(self) -> bool:
+        """A liveness fault (hang, silent rank, crash) rather than a fail-slow one."""
+        return self.fault in (Fault.HANG, Fault.SILENT_RANK, Fault.CRASH)
 
     def active(self, step: int) -> bool:
         """Whether the kernel factors apply at ``step``."""
@@ -151,5 +170,37 @@ class FaultSpec:
                                             mlp_factor: float = 3.0, onset_step: int = 0) -> FaultSpec:
         """Case 5: slow mlp compute; the straggler's ReduceScatter looks shorter than its peers'."""
         spec = cls(Fault.COMPUTE_STRAGGLER_SHORT_COLLECTIVES, ranks, onset_step, mlp_factor=mlp_factor)
+        spec.check(topology)
+        return spec
+
+    # -- liveness faults --------------------------------------------------------------------------
+
+    @classmethod
+    def hang(cls, topology: JobTopology, rank: int = 5, step: int = 10, hang_ns: int = 20_000_000_000,
+             resume: bool = True) -> FaultSpec:
+        """``rank`` never enters a DP collective of ``step``; its DP peers block in it for ``hang_ns``.
+
+        Raises:
+            ValueError: ``rank`` is outside the topology or alone in its DP group.
+        """
+        spec = cls(Fault.HANG, (rank,), step, hang_ns=hang_ns, resume=resume)
+        spec.check(topology)
+        dp = topology.dp_group[topology.rank.index(rank)]
+        if topology.dp_group.count(dp) < 2:
+            raise ValueError(f"hang: rank {rank} has no DP peers (dp={topology.dp_size})")
+        return spec
+
+    @classmethod
+    def silent_rank(cls, topology: JobTopology, rank: int = 5, step: int = 10,
+                    hang_ns: int = 20_000_000_000) -> FaultSpec:
+        """``rank`` publishes nothing from ``step``; the others complete it, then block for ``hang_ns``."""
+        spec = cls(Fault.SILENT_RANK, (rank,), step, hang_ns=hang_ns, resume=False)
+        spec.check(topology)
+        return spec
+
+    @classmethod
+    def crash(cls, topology: JobTopology, step: int | None = None) -> FaultSpec:
+        """The job stops before ``step`` (after its last step if ``None``) and never sends END."""
+        spec = cls(Fault.CRASH, (0,), step if step is not None else 2**31 - 1, resume=False)
         spec.check(topology)
         return spec

@@ -2,7 +2,9 @@
 
 Each file is parsed in one streaming pass (:mod:`producers.kineto_parse`: bounded memory, kernels spilled to a
 temporary file), so every file is checked before anything is published: a bad file aborts the import with a
-:class:`~argus.errors.ProducerError` naming it, and nothing of the job reaches Kafka. Then::
+:class:`~argus.errors.ProducerError` naming it, and nothing of the job reaches Kafka. Hostile files (nesting,
+numbers or strings beyond the parser's limits, more than ``max_file_bytes`` per rank, ranks or world sizes over
+:data:`~producers.kineto_parse.MAX_WORLD_SIZE`) are refused the same way, naming the event. Then::
 
     JobTopology; JobLifecycle START (source 'kineto-import');
     step by step, every rank's Step and PhaseBatch (keyed by job; one PhaseBatch per step and rank, empty if
@@ -43,7 +45,7 @@ import numpy as np
 from argus.errors import ConfigError, ProducerError
 from argus.settings import Settings
 from argus.topics import Topic, job_key, rank_key
-from producers.kineto_parse import Phase, RankTrace, assign_steps, parse_rank
+from producers.kineto_parse import MAX_FILE_BYTES, Phase, RankTrace, assign_steps, parse_rank
 from producers.topology import build_topology, groups_of
 from schemas.records import (
     JobLifecycle,
@@ -175,11 +177,12 @@ def _kernel_batch(job_id: str, trace: RankTrace, seq: int, rows: Any, iv: Any, s
                        duration_ns=rows["dur"], step=assign_steps(iv, rows["start"]), host=host, end_of_stream=eos)
 
 
-def read_trace(path: Path, job_id: str = "kineto", batch_events: int = 4096) -> Iterator[Record]:
+def read_trace(path: Path, job_id: str = "kineto", batch_events: int = 4096, *,
+               max_file_bytes: int = MAX_FILE_BYTES) -> Iterator[Record]:
     """Parse one rank's file and yield its records (see :func:`rank_records`); pure, no Kafka.
 
     Raises :class:`ProducerError` like :func:`~producers.kineto_parse.parse_rank`."""
-    with parse_rank(Path(path)) as trace:
+    with parse_rank(Path(path), max_file_bytes=max_file_bytes) as trace:
         yield from rank_records(trace, job_id, batch_events, host=trace.host or "")
 
 
@@ -312,7 +315,8 @@ def _clock_offsets(traces: list[RankTrace], messages: list[str]) -> tuple[dict[i
 
 def import_kineto(settings: Settings, directory: Path, job_id: str, topology: str | None = None,
                   batch_events: int | None = None, progress: Callable[[str], None] | None = None,
-                  publisher: PublisherLike | None = None, align_clocks: bool | None = None) -> ImportReport:
+                  publisher: PublisherLike | None = None, align_clocks: bool | None = None, *,
+                  max_file_bytes: int = MAX_FILE_BYTES) -> ImportReport:
     """Import the Kineto traces under ``directory`` (one file per rank) as job ``job_id``.
 
     Args:
@@ -326,10 +330,14 @@ def import_kineto(settings: Settings, directory: Path, job_id: str, topology: st
             :class:`~producers.publisher.Publisher`, closed at the end.
         align_clocks: shift ranks so their first common step starts coincide (see the module docstring);
             None: only when the skew exceeds :data:`ALIGN_THRESHOLD_NS`.
+        max_file_bytes: the most bytes one rank's file may hold after decompression (default
+            :data:`~producers.kineto_parse.MAX_FILE_BYTES`, 2 GiB).
 
     Raises:
-        ProducerError: a file is not a trace, two files claim one rank, a rank is outside the world size, or
-            records could not be published.
+        ProducerError: a file is not a trace or is refused as hostile (too deep, too long a number or string,
+            too large, a rank or world size out of bounds: see :func:`~producers.kineto_parse.parse_rank`; the
+            message names the file and the event), two files claim one rank, a rank is outside the world size,
+            or records could not be published.
         ConfigError: ``topology`` is malformed or does not multiply to the world size.
     """
     t0 = time.perf_counter()
@@ -344,7 +352,7 @@ def import_kineto(settings: Settings, directory: Path, job_id: str, topology: st
     with tempfile.TemporaryDirectory(prefix="argus-kineto-") as spill, contextlib.ExitStack() as stack:
         traces: list[RankTrace] = []
         for i, path in enumerate(files):
-            trace = stack.enter_context(parse_rank(path, Path(spill)))
+            trace = stack.enter_context(parse_rank(path, Path(spill), max_file_bytes=max_file_bytes))
             traces.append(trace)
             say(f"[{i + 1}/{len(files)}] {path.name}: rank {trace.rank}, {trace.kernel_events:,} kernel events, "
                 f"{len(trace.steps)} steps, {len(trace.phases)} phases")

@@ -19,6 +19,14 @@ a float loses the ns digits of an epoch in µs) and rounded to integer ns; absol
 ``baseTimeNanoseconds`` (when present) + ts. Events with missing or invalid fields are skipped and counted by
 reason, never fatal.
 
+Hostile input: every byte is checked before the parser sees it (:class:`_Guard`), and a file over a limit is
+refused with a :class:`~argus.errors.ProducerError` naming the file and where (``traceEvents[i]`` and the
+event's name, or the top-level key): nesting deeper than :data:`MAX_DEPTH`, a number with more than
+:data:`MAX_NUMBER_DIGITS` digits in a row or :data:`MAX_EXPONENT_DIGITS` exponent digits, a string over
+:data:`MAX_STRING_BYTES`, more than ``max_file_bytes`` bytes after decompression (default
+:data:`MAX_FILE_BYTES`, 2 GiB), a world size over :data:`MAX_WORLD_SIZE`, a rank not below it or not below its
+``distributedInfo.world_size``. Memory is then proportional to what is kept (distinct names, steps, phases).
+
 Steps: a GPU event belongs to the step whose GPU ``ProfilerStep#N`` span contains its start, or, without GPU
 step annotations, to the step whose CPU span *extended to the next step's start* contains it (kernels run
 after the host launched them; the last step is open-ended); host events use the extended CPU spans; else -1.
@@ -34,9 +42,9 @@ import shutil
 import tempfile
 import zlib
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from decimal import ROUND_HALF_EVEN, Decimal, InvalidOperation
+from decimal import ROUND_HALF_EVEN, Decimal
 from pathlib import Path
 from types import ModuleType
 from typing import IO, Any, cast
@@ -48,13 +56,15 @@ import numpy.typing as npt
 from argus.errors import ProducerError
 from schemas.records import PhaseKind
 
-__all__ = ["GPU_CATEGORIES", "Phase", "RankTrace", "StepSpan", "classify_phase", "parse_rank", "rank_from_name",
-           "to_ns"]
+__all__ = ["GPU_CATEGORIES", "MAX_DEPTH", "MAX_EXPONENT_DIGITS", "MAX_FILE_BYTES", "MAX_NUMBER_DIGITS",
+           "MAX_STRING_BYTES", "MAX_WORLD_SIZE", "Phase", "RankTrace", "StepSpan", "classify_phase", "parse_rank",
+           "rank_from_name", "to_ns"]
 
 #: Event categories imported as kernel events (compared lower-case).
 GPU_CATEGORIES = frozenset({"kernel", "gpu_memcpy", "gpu_memset"})
 _ANNOTATIONS = {"user_annotation": False, "gpu_user_annotation": True}  # category -> on the GPU timeline
 _STEP_RE = re.compile(r"ProfilerStep#(\d+)")
+_MAX_STEP_DIGITS = 10  # steps are int32; int() of a longer run is wasted work (or a ValueError)
 _RANK_RE = re.compile(r"(?:rank|worker)[-_]?(\d+)", re.IGNORECASE)
 _SPILL = np.dtype([("name", "<u4"), ("stream", "<u4"), ("start", "<i8"), ("dur", "<i8")])
 _SPILL_ROWS = 16_384
@@ -67,6 +77,35 @@ _OPEN_END = np.iinfo(np.int64).max
 _TAIL_CANDIDATE = re.compile(r"[}\[]\s*\]\s*[,}]")
 _WS = re.compile(r"\s*")
 _READ_ERRORS = (ijson.JSONError, OSError, EOFError, zlib.error, UnicodeDecodeError)
+# What the parser's number conversion or a decoder may still raise on input the guard let through.
+_VALUE_ERRORS = (ArithmeticError, ValueError, RecursionError)
+
+#: Largest world size accepted from ``distributedInfo.world_size``; ranks (also from file names) must be below.
+MAX_WORLD_SIZE = 1 << 20
+#: Default bound on one rank's file, counted after decompression (``max_file_bytes`` overrides it).
+MAX_FILE_BYTES = 2 << 30
+#: Deepest nesting of arrays and objects (a Kineto trace needs about 6).
+MAX_DEPTH = 64
+#: Most digits in a row in a number (its integer part or its fraction).
+MAX_NUMBER_DIGITS = 100
+#: Most digits of a number's exponent (``1e9999`` passes, then is out of range like any other bad time).
+MAX_EXPONENT_DIGITS = 4
+#: Longest string, in bytes as written (escapes included).
+MAX_STRING_BYTES = 16 << 20
+# Byte classes for the guard's scan: quote, backslash, opening and closing bracket; everything else 0.
+_CLASS = bytes(1 if b == 0x22 else 2 if b == 0x5C else 3 if b in b"[{" else 4 if b in b"]}" else 0 for b in range(256))
+_DELTA = np.array([0, 0, 0, 1, -1], dtype=np.int64)
+# Number characters as '0' (digits), 'e' (exponent), 's' (signs) and '.'; anything else 'x'.
+_NUMERIC = bytes(0x30 if 0x30 <= b <= 0x39 else 0x65 if b in b"eE" else 0x73 if b in b"+-" else 0x2E if b == 0x2E
+                 else 0x78 for b in range(256))
+_NUMBER_CHARS = b"0es."
+_NUMBER_LIMITS = (
+    (b"0" * (MAX_NUMBER_DIGITS + 1), f"a number with more than {MAX_NUMBER_DIGITS} digits in a row", False),
+    (b"e" + b"0" * (MAX_EXPONENT_DIGITS + 1), f"a number with more than {MAX_EXPONENT_DIGITS} exponent digits", True),
+    (b"es" + b"0" * (MAX_EXPONENT_DIGITS + 1), f"a number with more than {MAX_EXPONENT_DIGITS} exponent digits", True),
+)
+_KEY_BEFORE = re.compile(rb'"((?:[^"\\]|\\.){0,200})"\s*:\s*\Z')
+_NAME = re.compile(rb'"name"\s*:\s*"((?:[^"\\]|\\.){0,200})')
 # Ordered: collectives first (so 'alltoall_bwd' is ALL_TO_ALL), then compute, then data loading.
 _PHASE_RULES: tuple[tuple[tuple[str, ...], PhaseKind], ...] = (
     (("reduce_scatter", "reducescatter"), PhaseKind.REDUCE_SCATTER),
@@ -113,9 +152,11 @@ def to_ns(value: Any) -> int | None:
         value = Decimal(repr(value))  # the shortest repr is the number as written: exact ns digits
     elif t is not Decimal or not value.is_finite():
         return None
+    if value.adjusted() > 30:  # beyond any time in ns: no million-digit int (or decimal.Overflow) to build
+        return None
     try:
         return int((value * 1000).to_integral_value(rounding=ROUND_HALF_EVEN))
-    except (InvalidOperation, OverflowError):
+    except (ArithmeticError, ValueError):  # decimal's signals (Overflow, InvalidOperation) are ArithmeticErrors
         return None
 
 
@@ -224,6 +265,184 @@ def assign_steps(iv: Intervals, t: npt.NDArray[np.int64]) -> npt.NDArray[np.int3
     return np.where((idx >= 0) & (t < ends[safe]), steps[safe], -1).astype(np.int32)
 
 
+# -- hostile input ---------------------------------------------------------------------------------------
+
+
+class _Guard:
+    """The file as the JSON parser reads it, checked before the parser sees a byte.
+
+    ``ijson``'s C backend crashes the interpreter on an integer over Python's 4,300-digit conversion limit,
+    raises ``decimal`` errors on huge exponents and keeps one prefix string per nesting level (a 60 KB file of
+    nested brackets took 2.2 GiB); the JSON decoder of :func:`_tail_keys` recurses per level. So each chunk is
+    scanned first, vectorized (strings and escapes, depth, digit runs, exponents, string lengths, size), and
+    cut before the first byte over a limit; the next read raises a :class:`ProducerError` naming the file and
+    where: the event's index (from ``events``, the events the parser has returned) and name, or the top-level
+    key. Also keeps the last :data:`_TAIL` bytes read (for :func:`_tail_keys`) and counts all.
+    """
+
+    def __init__(self, fh: IO[bytes], path: Path, max_bytes: int, events: Callable[[], int] | None = None) -> None:
+        self.fh, self.path, self.max_bytes, self.events = fh, path, max_bytes, events
+        self.tail, self.total = bytearray(), 0
+        self.depth, self.in_str, self.str_start, self.odd_backslashes = 0, False, 0, False
+        self.number = b""  # the number characters (translated) ending the last chunk, outside a string
+        self.bare: bool | None = None  # the top level is an array of events, not an object
+        self.top_key, self.event_start = "", 0
+        # (reason, offset, where): raised on the next read, once the parser has returned the events before it.
+        self.pending: tuple[str, int, str] | None = None
+
+    def read(self, n: int = -1) -> bytes:
+        if self.pending is not None:
+            raise self._refusal(self.pending)
+        data = self.fh.read(n)
+        if not data:
+            return data
+        base = self.total
+        self.total += len(data)
+        self.tail += data
+        if len(self.tail) > 2 * _TAIL:
+            del self.tail[:-_TAIL]
+        cut = self._scan(data, base)
+        if cut is None:
+            return data
+        if cut <= base and self.pending is not None:  # nothing before it (b"" would read as the end of file)
+            raise self._refusal(self.pending)
+        return data[:cut - base]
+
+    def _refusal(self, pending: tuple[str, int, str]) -> ProducerError:
+        """The error of a violation, once the parser has returned every event before it."""
+        reason, at, where = pending
+        if where.startswith("in traceEvents") and self.events is not None:
+            where = f"in traceEvents[{self.events()}]" + where.removeprefix("in traceEvents")
+        return ProducerError(f"{self.path.name}: refused: {reason}, {where}, at byte {at:,}")
+
+    def _scan(self, data: bytes, base: int) -> int | None:
+        """Advance the state over ``data`` (at offset ``base``); the offset of the first violation, if any."""
+        cls = np.frombuffer(data.translate(_CLASS), np.uint8)
+        pos = np.flatnonzero(cls)
+        kind = cls[pos]
+        if self.odd_backslashes or b"\\" in data:
+            pos, kind = self._unescape(pos, kind, len(data))
+        quote = kind == 1
+        inside = ((np.cumsum(quote) + self.in_str) & 1).astype(bool)  # after each special byte
+        delta = _DELTA[kind]
+        delta[inside] = 0  # brackets in strings
+        depth = np.cumsum(delta) + self.depth
+        qpos = pos[quote]
+        if self.bare is None and (opens := np.flatnonzero(delta > 0)).size:
+            self.bare = data[pos[opens[0]]] == 0x5B
+        found: list[tuple[int, str]] = []
+        if depth.size and int(depth.max()) > MAX_DEPTH:
+            found.append((base + int(pos[np.argmax(depth > MAX_DEPTH)]), f"nesting deeper than {MAX_DEPTH} levels"))
+        found += self._strings(qpos + base, base + len(data))
+        text = self.number + data.translate(_NUMERIC)
+        found += self._numbers(text, base - len(self.number), qpos)
+        if base + len(data) > self.max_bytes:
+            found.append((self.max_bytes, f"more than max_file_bytes={self.max_bytes:,} bytes (after decompression; "
+                                          f"raise it to import this file)"))
+        if found:
+            at, reason = min(found)
+            self.pending = (reason, at, self._where(at, base, pos, depth, delta))
+            return at
+        self._containers(base, pos, depth, delta, pos.size)
+        self.depth = int(depth[-1]) if depth.size else self.depth
+        if qpos.size:
+            self.in_str = bool((qpos.size + self.in_str) & 1)
+            self.str_start = base + int(qpos[-1])
+        # A longer run already broke a limit: this is enough to find one that goes on in the next chunk.
+        run = text[-(2 * MAX_NUMBER_DIGITS + 2 * MAX_EXPONENT_DIGITS + 8):]
+        self.number = b"" if self.in_str else run[len(run.rstrip(_NUMBER_CHARS)):]
+        return None
+
+    def _unescape(self, pos: npt.NDArray[np.intp], kind: npt.NDArray[np.uint8],
+                  size: int) -> tuple[npt.NDArray[np.intp], npt.NDArray[np.uint8]]:
+        """Drop backslashes and the bytes they escape (a run of backslashes of odd length escapes the next)."""
+        if self.odd_backslashes:  # the last chunk ended in an odd run: one backslash before this chunk
+            pos, kind = np.concatenate(([-1], pos)), np.concatenate(([2], kind)).astype(np.uint8)
+        slash = kind == 2
+        adjacent = np.concatenate(([False], np.diff(pos) == 1))
+        starts = slash & ~(adjacent & np.concatenate(([False], slash[:-1])))
+        first = np.flatnonzero(starts)
+        run = np.arange(pos.size) - first[np.maximum(np.cumsum(starts) - 1, 0)] + 1  # backslashes so far in a run
+        odd = slash & (run & 1).astype(bool)
+        escaped = np.concatenate(([False], odd[:-1] & adjacent[1:]))
+        self.odd_backslashes = bool(odd[-1] and pos[-1] == size - 1)
+        keep = ~slash & ~escaped
+        return pos[keep], kind[keep]
+
+    def _strings(self, quotes: npt.NDArray[np.intp], end: int) -> list[tuple[int, str]]:
+        """A string over :data:`MAX_STRING_BYTES` (``quotes``: this chunk's, absolute; ``end``: its end)."""
+        if self.in_str:
+            quotes = np.concatenate(([self.str_start], quotes))
+        opens, closes = quotes[0::2], quotes[1::2]
+        long = np.flatnonzero(closes - opens[:closes.size] > MAX_STRING_BYTES + 1)
+        if long.size:
+            start = int(opens[long[0]])
+        elif opens.size > closes.size and end - int(opens[-1]) > MAX_STRING_BYTES + 1:
+            start = int(opens[-1])
+        else:
+            return []
+        return [(start + MAX_STRING_BYTES + 1, f"a string longer than {MAX_STRING_BYTES:,} bytes")]
+
+    def _numbers(self, text: bytes, base: int, qpos: npt.NDArray[np.intp]) -> list[tuple[int, str]]:
+        """Digit runs and exponents over the limits outside strings: found in ``text`` (the carried number and
+        the chunk, translated; it starts at offset ``base``), then each match checked against the chunk's
+        quotes (inside a string, the search goes on after it)."""
+        shift = len(self.number)
+        out = []
+        for pattern, reason, exponent in _NUMBER_LIMITS:
+            at = text.find(pattern)
+            while at >= 0:
+                rel = at - shift
+                before = int(np.searchsorted(qpos, rel)) if rel >= 0 else 0
+                if rel < 0 or not (before + self.in_str) & 1:  # outside a string (a carried run always is)
+                    start = len(text[:at].rstrip(_NUMBER_CHARS))
+                    if not exponent or start < at:  # an exponent follows digits
+                        out.append((base + start, reason))
+                        break
+                    at = text.find(pattern, at + 1)
+                elif before < qpos.size:
+                    at = text.find(pattern, int(qpos[before]) + shift)
+                else:
+                    break
+        return out
+
+    def _containers(self, base: int, pos: npt.NDArray[np.intp], depth: npt.NDArray[np.int64],
+                    delta: npt.NDArray[np.int64], end: int) -> None:
+        """The top-level key and the start of the event of the opens among the first ``end`` special bytes."""
+        opened = delta[:end] > 0
+        if not self.bare and (top := np.flatnonzero(opened & (depth[:end] == 2))).size:
+            self.top_key = self._key_before(base + int(pos[top[-1]]))
+        if (event := np.flatnonzero(opened & (depth[:end] == (2 if self.bare else 3)))).size:
+            self.event_start = base + int(pos[event[-1]])
+
+    def _kept(self, start: int, end: int) -> bytes:
+        """The kept bytes from offset ``start`` (or the oldest kept) to ``end``."""
+        first = self.total - len(self.tail)
+        return bytes(self.tail[max(start - first, 0):max(end - first, 0)])
+
+    def _key_before(self, at: int) -> str:
+        """The object key written just before offset ``at`` ('' if none)."""
+        m = _KEY_BEFORE.search(self._kept(at - 512, at))
+        return m.group(1).decode("utf-8", "replace") if m else ""
+
+    def _where(self, at: int, base: int, pos: npt.NDArray[np.intp], depth: npt.NDArray[np.int64],
+               delta: npt.NDArray[np.int64]) -> str:
+        """Where offset ``at`` is: in traceEvents (with the event's name), a top-level key, the top level."""
+        before = int(np.searchsorted(pos, at - base))
+        self._containers(base, pos, depth, delta, before)
+        level = int(depth[before - 1]) if before else self.depth
+        if self.bare is None or level == 0:
+            where = "at the top level"
+        elif self.bare or (self.top_key == "traceEvents" and level >= 2):
+            where = "in traceEvents"
+            if level >= (2 if self.bare else 3):
+                m = _NAME.search(self._kept(self.event_start, at)) or _NAME.search(self._kept(at, at + 4096))
+                where += f" (name {m.group(1).decode('utf-8', 'replace')[:120]!r})" if m else ""
+        else:
+            where = f"in top-level key {self.top_key if level >= 2 else self._key_before(at)!r}"
+        return where
+
+
 # -- reading -------------------------------------------------------------------------------------------
 
 
@@ -237,7 +456,7 @@ def _fail(path: Path, reason: str, exc: BaseException | None = None) -> Producer
     return ProducerError(f"{path.name}: not a Kineto trace: {reason}" + (f" ({exc})" if exc else ""))
 
 
-def _head(path: Path) -> tuple[dict[str, Any], str]:
+def _head(path: Path, max_bytes: int) -> tuple[dict[str, Any], str]:
     """Top-level keys before ``traceEvents`` and the prefix of the events (``traceEvents.item`` or ``item``)."""
     state: dict[str, str] = {}
 
@@ -255,29 +474,16 @@ def _head(path: Path) -> tuple[dict[str, Any], str]:
 
     try:
         with _open(path) as fh:
-            meta = dict(_IJSON.kvitems(until_events(_IJSON.parse(fh)), ""))
+            meta = dict(_IJSON.kvitems(until_events(_IJSON.parse(_Guard(fh, path, max_bytes))), ""))
     except _READ_ERRORS as exc:
         raise _fail(path, "invalid JSON or compression", exc) from exc
+    except _VALUE_ERRORS as exc:
+        raise _fail(path, "unreadable value before traceEvents", exc) from exc
     if "events" not in state:
         raise _fail(path, "no traceEvents array")
     if not state["events"]:
         raise _fail(path, "traceEvents is not an array")
     return meta, state["events"]
-
-
-class _TailReader:
-    """File wrapper keeping the last :data:`_TAIL` bytes read and counting all."""
-
-    def __init__(self, fh: IO[bytes]) -> None:
-        self.fh, self.tail, self.total = fh, bytearray(), 0
-
-    def read(self, n: int = -1) -> bytes:
-        data = self.fh.read(n)
-        self.total += len(data)
-        self.tail += data
-        if len(self.tail) > 2 * _TAIL:
-            del self.tail[:-_TAIL]
-        return data
 
 
 def _tail_keys(data: bytes) -> dict[str, Any]:
@@ -309,7 +515,7 @@ def _members(text: str, pos: int, decoder: json.JSONDecoder) -> dict[str, Any] |
             if not isinstance(key, str) or not text.startswith(":", pos):
                 return None
             out[key], pos = decoder.raw_decode(text, _skip(text, pos + 1))
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
 
 
@@ -332,11 +538,13 @@ class _Collector:
         self.phases: list[Phase] = []
         self.buf: list[tuple[int, int, int, int]] = []
         self.n = self.max_lag = 0
+        self.seen = 0  # items of traceEvents so far
         self.first: int | None = None
         self.last_end: int | None = None
         self.watermark: int | None = None
 
     def event(self, e: Any) -> None:
+        self.seen += 1
         if type(e) is not dict:
             self.skipped["not_an_object"] += 1
             return
@@ -398,10 +606,12 @@ class _Collector:
         if m is None:
             self.phases.append(Phase(classify_phase(name), name, stream, start, dur, on_gpu))
             return
-        step = int(m.group(1))
-        if step >= 2**31:
+        digits = m.group(1)
+        if len(digits) > _MAX_STEP_DIGITS or int(digits) >= 2**31:
             self.skipped["invalid_step"] += 1
-        elif on_gpu:
+            return
+        step = int(digits)
+        if on_gpu:
             old = self.gpu_steps.get(step, (start, start + dur))
             self.gpu_steps[step] = (min(old[0], start), max(old[1], start + dur))
         elif step in self.cpu_steps:
@@ -442,19 +652,29 @@ class _Collector:
         return sorted(out, key=lambda s: s.start_ns)
 
 
-def parse_rank(path: Path, spill_dir: Path | None = None) -> RankTrace:
+def parse_rank(path: Path, spill_dir: Path | None = None, *, max_file_bytes: int = MAX_FILE_BYTES) -> RankTrace:
     """Read one rank's trace file in one streaming pass (see the module docstring).
+
+    Hostile or broken input is refused before the JSON parser sees it (see :class:`_Guard`): nesting deeper
+    than :data:`MAX_DEPTH`, more than :data:`MAX_NUMBER_DIGITS` digits in a row or :data:`MAX_EXPONENT_DIGITS`
+    exponent digits in a number, a string over :data:`MAX_STRING_BYTES`, more than ``max_file_bytes`` bytes
+    after decompression, a world size over :data:`MAX_WORLD_SIZE`, a rank not below it or not below the file's
+    ``distributedInfo.world_size``. Memory stays proportional to what is kept (distinct kernel names, steps,
+    phases), never to nesting or number size.
 
     Args:
         path: a Kineto ``.json`` or ``.json.gz`` file (gzip is detected by content).
         spill_dir: where to put the kernel spill file; default: a private temporary directory.
+        max_file_bytes: the most bytes the file may hold after decompression (default :data:`MAX_FILE_BYTES`).
 
     Raises:
-        ProducerError: the file is not a trace (bad JSON or gzip, no ``traceEvents`` array), or its rank is
-            unknown (neither ``distributedInfo.rank`` nor a number in the file name).
+        ProducerError: the file is not a trace (bad JSON or gzip, no ``traceEvents`` array), breaks one of the
+            limits above (the message names the file and the event: its index in ``traceEvents`` and its name,
+            or the top-level key), or its rank is unknown (neither ``distributedInfo.rank`` nor a number in the
+            file name).
     """
     path = Path(path)
-    meta, prefix = _head(path)
+    meta, prefix = _head(path, max_file_bytes)
     owned = Path(tempfile.mkdtemp(prefix="argus-kineto-")) if spill_dir is None else None
     with tempfile.NamedTemporaryFile("wb", dir=owned or spill_dir, suffix=".kernels", delete=False) as sp:
         spill = Path(sp.name)
@@ -462,18 +682,21 @@ def parse_rank(path: Path, spill_dir: Path | None = None) -> RankTrace:
         col = _Collector(spill)
         try:
             with _open(path) as fh:
-                reader = _TailReader(fh)
+                reader = _Guard(fh, path, max_file_bytes, lambda: col.seen)
                 for e in _IJSON.items(reader, prefix, buf_size=_CHUNK):
                     col.event(e)
             col.flush()
         except _READ_ERRORS as exc:
             raise _fail(path, "invalid JSON or compression", exc) from exc
+        except _VALUE_ERRORS as exc:
+            raise _fail(path, f"unreadable value at traceEvents[{col.seen}]", exc) from exc
         if prefix != "item":
             for key, value in _tail_keys(bytes(reader.tail[-_TAIL:])).items():
                 meta.setdefault(key, value)
             if "distributedInfo" not in meta and reader.total > _TAIL:
                 with _open(path) as fh:  # written before the last bytes: one more (C-level) scan
-                    meta["distributedInfo"] = next(iter(_IJSON.items(fh, "distributedInfo")), None)
+                    found = _IJSON.items(_Guard(fh, path, max_file_bytes), "distributedInfo")
+                    meta["distributedInfo"] = next(iter(found), None)
         trace = _build(path, meta, col, spill, owned)
         _kernel_spans(trace)
         return trace
@@ -487,19 +710,27 @@ def parse_rank(path: Path, spill_dir: Path | None = None) -> RankTrace:
 def _build(path: Path, meta: dict[str, Any], col: _Collector, spill: Path, owned: Path | None) -> RankTrace:
     info = meta.get("distributedInfo")
     info = info if isinstance(info, dict) else {}
-    rank = info.get("rank")
+    rank, source = info.get("rank"), "distributedInfo.rank"
     if type(rank) is not int or rank < 0:
-        rank = rank_from_name(path)
+        rank, source = rank_from_name(path), "the rank in the file name"
         if rank is None:
             raise ProducerError(f"{path.name}: no rank: neither distributedInfo.rank nor a rank number in the file "
                                 f"name (e.g. rank-1, rank1, worker3)")
     ws, pg, dev = info.get("world_size"), info.get("pg_config"), meta.get("deviceProperties")
+    ws = ws if type(ws) is int and ws > 0 else None
+    # A job's arrays (topology, per-rank state) are as long as its world: bound it before anything is built.
+    if ws is not None and ws > MAX_WORLD_SIZE:
+        raise ProducerError(f"{path.name}: refused: distributedInfo.world_size {ws:,} is over {MAX_WORLD_SIZE:,}")
+    # A rank from the file name is checked against the world of all files, by the importer.
+    if rank >= MAX_WORLD_SIZE or (ws is not None and source == "distributedInfo.rank" and rank >= ws):
+        limit = f"the largest world size {MAX_WORLD_SIZE:,}" if rank >= MAX_WORLD_SIZE else f"world_size {ws:,}"
+        raise ProducerError(f"{path.name}: refused: rank {rank:,} ({source}) is outside {limit}")
     pgs = list(pg.values()) if isinstance(pg, dict) else pg if isinstance(pg, list) else []
     device = dev[0].get("name") if isinstance(dev, list) and dev and isinstance(dev[0], dict) else None
     host, base = meta.get("host_name"), meta.get("baseTimeNanoseconds")
     base = base if type(base) is int and 0 <= base < _MAX_NS else 0
     return RankTrace(
-        path=path, rank=rank, world_size=ws if type(ws) is int and ws > 0 else None, base_ns=base,
+        path=path, rank=rank, world_size=ws, base_ns=base,
         pg_config=[g for g in pgs if isinstance(g, dict)], device=device if isinstance(device, str) else None,
         host=host if isinstance(host, str) else None, steps=col.step_spans(base),
         phases=[Phase(p.kind, p.name, p.stream, p.start_ns + base, p.dur_ns, p.on_gpu) for p in col.phases],

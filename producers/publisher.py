@@ -4,6 +4,11 @@
 record is dropped and counted. A daemon sender thread encodes records to Avro and hands them to an
 idempotent confluent-kafka producer (zstd/lz4, batched with a short linger). Kafka errors are counted
 and logged, never raised into the caller.
+
+The sender survives any exception of one record (its encoding, its hand-over to Kafka, a delivery callback):
+the record is dropped, counted (``encode_errors`` or ``failed``) and logged with its topic, key and rank. And
+``close(timeout_s)`` returns within about ``timeout_s`` whatever state the sender is in (dead, stuck on a full
+Kafka queue, behind a full record queue): a training process never hangs at exit on its publisher.
 """
 
 from __future__ import annotations
@@ -17,15 +22,18 @@ from typing import Any, Protocol
 
 from confluent_kafka import KafkaError, KafkaException, Message, Producer
 
-from argus.errors import ArgusError, ProducerError
+from argus.errors import ProducerError
+from argus.kafka_security import client_config
 from argus.settings import Settings
-from argus.topics import Topic
+from argus.topics import PARTITIONER, Topic
 
 __all__ = ["EncodableRecord", "Publisher", "PublisherStats"]
 
 log = logging.getLogger(__name__)
 
-_STOP = object()
+# Errors of one record that are logged one by one; beyond, one in _LOG_EVERY (a record type that never
+# encodes must not flood a training process's log).
+_LOG_FIRST, _LOG_EVERY = 10, 1000
 
 
 class EncodableRecord(Protocol):
@@ -52,20 +60,21 @@ class Publisher:
 
     Args:
         settings: bootstrap servers, topic prefix, queue bound and compression come from here.
-        extra_config: librdkafka settings that override the defaults.
+        extra_config: librdkafka settings that override the defaults (not the security ones, which come
+            from the ``kafka_*`` settings).
         sender: start the background sender thread (disable only in tests of the queue itself).
         lossless: when the queue is full, ``publish`` waits for room instead of dropping. For offline
             sources (the simulator, trace imports, replays) only; a training process keeps the default.
 
     Raises:
         ProducerError: the Kafka producer could not be created (bad configuration).
+        ConfigError: ``extra_config`` sets a security option.
     """
 
     def __init__(self, settings: Settings, extra_config: dict[str, Any] | None = None,
                  sender: bool = True, lossless: bool = False) -> None:
         self._settings = settings
         config: dict[str, Any] = {
-            "bootstrap.servers": settings.bootstrap_servers,
             "enable.idempotence": True,
             "acks": "all",
             "compression.type": settings.compression,
@@ -75,10 +84,12 @@ class Publisher:
             "queue.buffering.max.messages": max(10_000, settings.publisher_queue_max * 4),
             "queue.buffering.max.kbytes": 256 * 1024,
             "message.timeout.ms": 120_000,
+            "partitioner": PARTITIONER,  # as the workers' producers: one job, one partition number
         }
         config.update(extra_config or {})
         try:
-            self._producer = Producer(config)
+            # Brokers, TLS and SASL from the kafka_* settings, as every argus client (argus.kafka_security).
+            self._producer = Producer(client_config(settings, config))
         except KafkaException as exc:
             raise ProducerError(f"cannot create Kafka producer: {exc}") from exc
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=settings.publisher_queue_max)
@@ -87,6 +98,7 @@ class Publisher:
         self._delivered = self._failed = self._bytes = 0
         self._topics = {t: t.full(settings) for t in Topic}
         self._closed = False
+        self._stop = threading.Event()  # set by close(): the sender exits at its next record or poll
         self._lossless = lossless
         self._bytes_by_topic: dict[str, int] = {}
         self._thread: threading.Thread | None = None
@@ -97,13 +109,14 @@ class Publisher:
     def publish(self, topic: Topic, key: bytes, record: EncodableRecord) -> bool:
         """Queue ``record`` for ``topic`` under ``key``; never blocks, never raises.
 
-        Returns False (and counts a drop) when the queue is full or the publisher is closed.
+        Returns False (and counts a drop) when the queue is full or the publisher is closed. A lossless
+        publisher waits for room instead, as long as its sender thread is there to make some.
         """
         try:
             if self._closed:
                 raise queue.Full
             if self._lossless:
-                self._queue.put((topic, key, record))
+                self._put_waiting((topic, key, record))
             else:
                 self._queue.put_nowait((topic, key, record))
         except queue.Full:
@@ -117,21 +130,29 @@ class Publisher:
     def flush(self, timeout_s: float = 30.0) -> int:
         """Wait until queued records are delivered or ``timeout_s`` passes; returns records still pending."""
         deadline = time.monotonic() + timeout_s
-        while self._queue.unfinished_tasks and time.monotonic() < deadline:
+        while self._queue.unfinished_tasks and time.monotonic() < deadline and self._sending():
             time.sleep(0.005)
         remaining = max(0.0, deadline - time.monotonic())
-        return int(self._producer.flush(remaining)) + self._queue.unfinished_tasks
+        try:
+            in_kafka = int(self._producer.flush(remaining))
+        except Exception as exc:  # a delivery callback's error surfaces here: the caller is never raised into
+            log.error("flushing the Kafka producer failed: %s", exc)
+            in_kafka = len(self._producer)
+        return in_kafka + self._queue.unfinished_tasks
 
     def close(self, timeout_s: float = 30.0) -> PublisherStats:
-        """Flush, stop the sender thread and return the final counters. Idempotent."""
+        """Flush, stop the sender thread and return the final counters; returns within about ``timeout_s``,
+        whatever state the sender is in (records still queued then are given up and logged). Idempotent."""
         if not self._closed:
+            deadline = time.monotonic() + timeout_s
             pending = self.flush(timeout_s)
             if pending:
                 log.warning("publisher closed with %d records undelivered", pending)
             self._closed = True
+            self._stop.set()
             if self._thread is not None:
-                self._queue.put(_STOP)
-                self._thread.join(timeout=5)
+                # The sender checks the flag at least every 0.1 s; a put of a sentinel could block on a full queue.
+                self._thread.join(timeout=max(0.2, deadline - time.monotonic()))
         return self.stats()
 
     def stats(self) -> PublisherStats:
@@ -148,43 +169,83 @@ class Publisher:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _run(self) -> None:
+    def _sending(self) -> bool:
+        """Whether a sender thread is there to drain the queue."""
+        return self._thread is not None and self._thread.is_alive() and not self._stop.is_set()
+
+    def _put_waiting(self, item: tuple[Topic, bytes, EncodableRecord]) -> None:
+        """Lossless put: wait for room while the sender drains the queue (queue.Full once it cannot)."""
         while True:
+            try:
+                self._queue.put(item, timeout=0.1)
+                return
+            except queue.Full:
+                if self._closed or not self._sending():
+                    raise
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
             try:
                 item = self._queue.get(timeout=0.1)
             except queue.Empty:
-                self._producer.poll(0)
+                self._poll(0)
                 continue
             try:
-                if item is _STOP:
-                    return
                 self._send(*item)
+            except Exception as exc:  # the last line: whatever one record does, the sender goes on
+                self._count_error("failed", item, "could not be sent", exc)
             finally:
                 self._queue.task_done()
+
+    def _poll(self, timeout_s: float) -> None:
+        try:
+            self._producer.poll(timeout_s)
+        except Exception as exc:  # an exception of a delivery callback is re-raised by poll
+            log.error("polling the Kafka producer failed: %s", exc)
 
     def _send(self, topic: Topic, key: bytes, record: EncodableRecord) -> None:
         try:
             payload = record.encode()
             if not isinstance(payload, bytes):
                 raise TypeError(f"encode() returned {type(payload).__name__}, not bytes")
-        except (ArgusError, AttributeError, TypeError, ValueError) as exc:
-            with self._lock:
-                self._encode_errors += 1
-            log.error("record for topic %s key %r not encodable, dropped: %s", topic.value, key, exc)
+        except Exception as exc:  # any encoder bug or bad value (OverflowError, RecursionError, ...): drop it
+            self._count_error("encode_errors", (topic, key, record), "not encodable", exc)
             return
         while True:
             try:
                 self._producer.produce(self._topics[topic], payload, key, on_delivery=self._on_delivery)
                 break
             except BufferError:
-                # librdkafka's own queue is full: the sender thread (not the caller) waits for room.
-                self._producer.poll(0.05)
+                # librdkafka's own queue is full: the sender thread (not the caller) waits for room, until close.
+                if self._stop.is_set():
+                    self._count_error("failed", (topic, key, record), "not handed to Kafka before close",
+                                      BufferError("the Kafka producer queue is full"))
+                    return
+                self._poll(0.05)
             except KafkaException as exc:
-                with self._lock:
-                    self._failed += 1
-                log.error("produce to %s failed: %s", self._topics[topic], exc)
+                self._count_error("failed", (topic, key, record), "could not be produced", exc)
                 return
-        self._producer.poll(0)
+        self._poll(0)
+
+    def _count_error(self, counter: str, item: Any, what: str, exc: BaseException) -> None:
+        """Count a dropped record under ``counter`` and log it (its topic, key and rank), throttled."""
+        with self._lock:
+            if counter == "encode_errors":
+                self._encode_errors += 1
+                n = self._encode_errors
+            else:
+                self._failed += 1
+                n = self._failed
+        if n > _LOG_FIRST and n % _LOG_EVERY:
+            return
+        topic, key, record = item if isinstance(item, tuple) and len(item) == 3 else (None, None, item)
+        try:
+            rank = getattr(record, "rank", None)
+        except Exception:  # a hostile record's attribute may raise too
+            rank = None
+        name = topic.value if isinstance(topic, Topic) else str(topic)
+        log.error("record for topic %s (key %r, rank %s) %s, dropped (%s %d): %s: %s", name, key, rank, what,
+                  counter, n, type(exc).__name__, exc)
 
     def _on_delivery(self, err: KafkaError | None, msg: Message) -> None:
         with self._lock:

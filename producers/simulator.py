@@ -20,11 +20,22 @@ Phases of one step of one rank (names repeat: one entry per microbatch, layer or
 
 ``Step.wall_ns`` is the host's step time (including host stalls; the same on every rank), ``Step.gpu_ns``
 the span from the rank's first kernel start to its last kernel end in the step.
+
+**Pauses** (``JobSpec.pause_step`` / ``pause_ns``): a healthy job that stops for a checkpoint. A training loop
+saves between two traced steps (after step ``pause_step - 1``'s optimizer, before step ``pause_step`` begins),
+and every rank leaves the save together (the checkpoint's barrier), so the whole job pauses and resumes at
+once. The ranks' processes stay alive and their tracers' heartbeat threads keep publishing what the tracer
+knows: the last step begun, no phase open and no collective in flight (the save runs outside the tracer's
+step and phases, and its barrier and gathers are not traced collectives). No Step, PhaseBatch or kernel is
+produced meanwhile; each rank's pending kernels leave as a partial batch when the pause begins (the tracer's
+kernel thread publishes a partial batch after ``max_latency_s``, 1 s, at the latest), and the steps resume
+``pause_ns`` later with their usual timing (``Step.wall_ns`` does not include the pause: it is not in a step).
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
@@ -34,10 +45,11 @@ import numpy.typing as npt
 
 from argus.topics import Topic, job_key, rank_key
 from producers.faults import Fault, FaultSpec
-from producers.sim_timeline import Timeline
+from producers.sim_timeline import StepTimes, Timeline
 from producers.sim_workload import Cat, GradSync, build_programs
 from producers.topology import build_topology
 from schemas.records import (
+    Heartbeat,
     JobLifecycle,
     JobTopology,
     KernelBatch,
@@ -79,6 +91,12 @@ class JobSpec:
             (0.01: the fastest and slowest ranks differ by up to 1 %).
         grad_sync: DDP AllReduce or distributed-optimizer ReduceScatter/AllGather gradient sync.
         hosts_per_node: ranks per host.
+        heartbeat_interval_ns: liveness faults and pauses: event time between two heartbeats of a blocked
+            (or pausing) rank, ns.
+        pause_step: a checkpoint pause before this step (1 <= pause_step < steps; -1: none): every rank stops
+            after step ``pause_step - 1`` for ``pause_ns``, heartbeating outside any phase (see the module
+            docstring), then the job resumes.
+        pause_ns: length of the pause, ns (0: none).
     """
 
     job_id: str
@@ -97,8 +115,16 @@ class JobSpec:
     rank_spread: float = 0.01
     grad_sync: GradSync = GradSync.ALL_REDUCE
     hosts_per_node: int = 8
+    heartbeat_interval_ns: int = 2_000_000_000
+    pause_step: int = -1
+    pause_ns: int = 0
 
     def __post_init__(self) -> None:
+        if self.heartbeat_interval_ns <= 0:
+            raise ValueError(f"heartbeat_interval_ns must be > 0, got {self.heartbeat_interval_ns}")
+        if self.pause_ns < 0 or (self.pause_ns > 0 and not 1 <= self.pause_step < self.steps):
+            raise ValueError(f"a pause needs pause_ns >= 0 and 1 <= pause_step < steps, got pause_ns="
+                             f"{self.pause_ns}, pause_step={self.pause_step}, steps={self.steps}")
         if self.steps < 1 or self.step_time_ns <= 0:
             raise ValueError(f"steps and step_time_ns must be > 0, got {self.steps}, {self.step_time_ns}")
         if self.noise < 0 or not 0 <= self.rank_spread < 0.5:
@@ -108,6 +134,10 @@ class JobSpec:
     @property
     def world_size(self) -> int:
         return self.dp * self.tp * self.pp
+
+    def pauses_before(self, step: int) -> bool:
+        """Whether the job pauses (a checkpoint) between ``step - 1`` and ``step``."""
+        return self.pause_ns > 0 and step == self.pause_step
 
 
 def paper_case(fault: Fault, job_id: str | None = None, steps: int = 40, seed: int = 0) -> JobSpec:
@@ -182,7 +212,8 @@ class JobSimulator:
     Args:
         spec: the job.
         batch_events: kernel events per :class:`KernelBatch`: a rank's batch is emitted once it has this
-            many pending events (every batch but the last of a rank holds exactly this many).
+            many pending events (every batch but the last of a rank, and its partial one before a pause, holds
+            exactly this many).
     """
 
     def __init__(self, spec: JobSpec, batch_events: int = 4096) -> None:
@@ -216,6 +247,14 @@ class JobSimulator:
         self._started = False
         self._finished = False
         self._closed = False
+        #: Liveness faults: ranks that publish nothing any more, heartbeats of the current step, stop flag.
+        self._mute: set[int] = set()
+        self._heartbeats: list[Heartbeat] = []
+        self._stopped = False
+        #: Event time the injected hang (or silence) began, ns; ``None`` before it.
+        self.hang_start_ns: int | None = None
+        #: Event time the pause (``spec.pause_step``) began, ns; ``None`` before it (it lasts ``spec.pause_ns``).
+        self.pause_start_ns: int | None = None
 
     # -- setup ---------------------------------------------------------------------------------------
 
@@ -271,9 +310,20 @@ class JobSimulator:
         if self._started:
             raise RuntimeError("JobSimulator.steps() can run only once")
         self._started = True
+        f = self.spec.fault
         for step in range(self.spec.steps):
+            if f is not None and f.fault is Fault.CRASH and step >= f.onset_step:
+                self._stopped = True
+            if self._stopped:
+                break
             yield self._step(step)
         self._finished = True
+
+    @property
+    def stopped(self) -> bool:
+        """The job stopped early (crash, a hang that does not resume, a silent rank): no END follows."""
+        f = self.spec.fault
+        return self._stopped or (f is not None and f.fault in (Fault.CRASH, Fault.SILENT_RANK))
 
     def final_batches(self) -> list[KernelBatch]:
         """Each rank's last batch (``end_of_stream=True``, possibly empty); after :meth:`steps` is done."""
@@ -289,6 +339,8 @@ class JobSimulator:
         yield SimRecord(Topic.TOPOLOGY, job_key(jid), self.topology())
         yield SimRecord(Topic.LIFECYCLE, job_key(jid), self.start())
         for i, (steps, phases, batches) in enumerate(self.steps()):
+            for hb in self._heartbeats:
+                yield SimRecord(Topic.HEARTBEATS, job_key(jid), hb)
             for st in steps:
                 yield SimRecord(Topic.STEPS, job_key(jid), st)
             for ph in phases:
@@ -297,21 +349,39 @@ class JobSimulator:
                 yield SimRecord(Topic.KERNELS, rank_key(jid, kb.rank), kb)
             if progress is not None:
                 progress(i + 1, self.spec.steps)
+        if self.stopped:
+            return  # no end_of_stream batches, no END: the job died or hangs
         for kb in self.final_batches():
             yield SimRecord(Topic.KERNELS, rank_key(jid, kb.rank), kb)
         yield SimRecord(Topic.LIFECYCLE, job_key(jid), self.end())
 
     def run(self, publisher: PublisherLike, progress: Callable[[int, int], None] | None = None,
-            flush_timeout_s: float = 30.0) -> SimStats:
-        """Publish every record (see :meth:`records`) through ``publisher``, then flush it."""
+            flush_timeout_s: float = 30.0, realtime_heartbeats: bool = False, realtime: bool = False) -> SimStats:
+        """Publish every record (see :meth:`records`) through ``publisher``, then flush it.
+
+        With ``realtime_heartbeats`` the heartbeats of a hang (or a pause) are published at the wall-clock
+        pace of their event time (the publisher is flushed before each wait), so a live worker sees the hang
+        as it would happen; every other record is published as fast as it is generated. With ``realtime``
+        every record is: a step's records when the step ends (its Step's ``start_ns + wall_ns``), as live
+        ranks would publish them, and the heartbeats at their time."""
         counts = {t: 0 for t in Topic}
         events = dropped = 0
+        origin: tuple[float, int] | None = None
         log.info("simulating job %s: %d ranks x %d steps", self.spec.job_id, self.spec.world_size,
                  self.spec.steps)
         for rec in self.records(progress):
             counts[rec.topic] += 1
             if rec.topic is Topic.KERNELS:
                 events += len(rec.record)
+            at = _event_time(rec.record) if realtime or realtime_heartbeats else None
+            if at is not None and (realtime or isinstance(rec.record, Heartbeat)):
+                if origin is None:
+                    publisher.flush(flush_timeout_s)
+                    origin = (time.monotonic(), at)
+                wait = origin[0] + (at - origin[1]) / 1e9 - time.monotonic()
+                if wait > 0:
+                    publisher.flush(flush_timeout_s)
+                    time.sleep(wait)
             if not publisher.publish(rec.topic, rec.key, rec.record):
                 dropped += 1
         left = publisher.flush(flush_timeout_s)
@@ -328,6 +398,9 @@ class JobSimulator:
 
     def _step(self, step: int) -> StepRecords:
         spec, rng, fault = self.spec, self._rng, self.spec.fault
+        self._heartbeats = []
+        if spec.pauses_before(step):
+            self._pause(step)
         t0 = self._clock
         durs, gpu_start = [], []
         for s, base in enumerate(self._base):
@@ -343,6 +416,19 @@ class JobSimulator:
                     if lo <= r < lo + self._per_stage:
                         g[r - lo] += fault.stall_at(step)
             gpu_start.append(g)
+        if fault is not None and fault.fault is Fault.SILENT_RANK and step == fault.onset_step:
+            self._mute.update(fault.ranks)  # publishes nothing from this step on; the others complete it
+            self.hang_start_ns = t0
+        blocked = fault is not None and ((fault.fault is Fault.HANG and step == fault.onset_step)
+                                         or (fault.fault is Fault.SILENT_RANK and step == fault.onset_step + 1))
+        if blocked:
+            assert fault is not None
+            self._block(step, self._timeline.run([d.copy() for d in durs], [g.copy() for g in gpu_start]))
+            if not fault.resume:
+                self._stopped = True
+                return [], [], []
+            r = fault.ranks[0]
+            gpu_start[r // self._per_stage][r % self._per_stage] += fault.hang_ns  # late by the hang
         times = self._timeline.run(durs, gpu_start)
         nxt = times.end_ns + int(HOST_GAP_NS * np.exp(spec.noise * rng.standard_normal()))
         self._clock = nxt
@@ -363,6 +449,8 @@ class JobSimulator:
             groups, streams = (*p.phases.groups, _FB[2]), (*p.phases.streams, _FB[3])
             for j in range(self._per_stage):
                 rank = s * self._per_stage + j
+                if rank in self._mute:
+                    continue
                 steps.append(Step(spec.job_id, rank, step, t0, nxt - t0, int(last[j] - first[j])))
                 g0 = int(gpu_start[s][j])
                 phases.append(PhaseBatch(
@@ -373,7 +461,68 @@ class JobSimulator:
                 self._generated += len(p)
                 while self._pending_n[rank] >= self.batch_events:
                     batches.append(self._emit(rank, self.batch_events, end_of_stream=False))
+        if spec.pauses_before(step + 1):
+            # Idle through the pause: the tracer's kernel thread sends each rank's partial batch.
+            batches += [self._emit(r, self._pending_n[r], end_of_stream=False)
+                        for r in range(spec.world_size) if self._pending_n[r] and r not in self._mute]
         return steps, phases, batches
+
+    def _pause(self, step: int) -> None:
+        """The heartbeats of a checkpoint pause before ``step`` (see the module docstring): every publishing
+        rank heartbeats from the pause's start and every ``heartbeat_interval_ns`` for ``pause_ns``, in step
+        ``step - 1`` (the last begun) with no phase and no collective; the clock moves past the pause."""
+        spec, at = self.spec, self._clock
+        self.pause_start_ns = at
+        ticks = range(at, at + spec.pause_ns, spec.heartbeat_interval_ns)
+        self._heartbeats = [Heartbeat(spec.job_id, r, t, step - 1) for t in ticks for r in range(spec.world_size)
+                            if r not in self._mute]
+        self._clock = at + spec.pause_ns
+
+    def _block(self, step: int, times: StepTimes) -> None:
+        """The heartbeats of a hang in ``step`` (healthy timing ``times``): the fault's rank never enters
+        its first DP collective of the step, its DP peers block in it, every other rank waits at the step's
+        ``finish_grad_sync`` barrier (``forward-backward``, no collective); one heartbeat per rank on entry
+        and every ``heartbeat_interval_ns`` for the fault's ``hang_ns`` (muted ranks publish none)."""
+        fault, jid, per = self.spec.fault, self.spec.job_id, self._per_stage
+        assert fault is not None
+        hung = fault.ranks[0]
+        s, j = divmod(hung, per)
+        p, ph = self.programs[s], self.programs[s].phases
+        start, end = times.start[s], times.start[s] + times.dur[s]
+        dp_phases = [k for k in range(len(ph.names)) if ph.groups[k] is ParallelGroup.DP]
+        arrive = {k: start[:, int(ph.first[k])] for k in dp_phases}
+        k = min(dp_phases, key=lambda q: (int(arrive[q][j]), q))
+        seq = step * len(dp_phases) + sorted(dp_phases, key=lambda q: (int(arrive[q][j]), q)).index(k)
+        hang_at = int(arrive[k][j])
+        if self.hang_start_ns is None:
+            self.hang_start_ns = hang_at
+        # The innermost compute phase the hung rank is in.
+        ps, pe = start[j, p.phases.first], end[j, p.phases.last]
+        inside = [q for q in range(len(ph.names)) if ph.groups[q] is ParallelGroup.NONE and ps[q] <= hang_at < pe[q]]
+        q_in = min(inside, key=lambda q: (int(pe[q] - ps[q]), q)) if inside else None
+        hung_phase = (ph.names[q_in], ph.kinds[q_in]) if q_in is not None else ("backward", PhaseKind.BACKWARD)
+        topo = self._topology
+        gidx = topo.dp_group[topo.rank.index(hung)]
+        peers = {r for r, g in zip(topo.rank, topo.dp_group, strict=True) if g == gidx and r != hung}
+        until = hang_at + fault.hang_ns
+        ticks = list(range(hang_at, max(until, hang_at + 1), self.spec.heartbeat_interval_ns))
+        out: list[Heartbeat] = []
+        for r in range(self.spec.world_size):
+            if r in self._mute:
+                continue
+            arr = int(arrive[k][r % per]) if r in peers else hang_at
+            for t in sorted({*ticks, arr} if arr < until else set(ticks)):
+                if r == hung:
+                    out.append(Heartbeat(jid, r, t, step, hung_phase[0], hung_phase[1]))
+                elif r in peers and t >= arr:
+                    out.append(Heartbeat(jid, r, t, step, ph.names[k], ph.kinds[k], ph.kinds[k],
+                                         ParallelGroup.DP, gidx, seq, arr))
+                elif r in peers:
+                    out.append(Heartbeat(jid, r, t, step, hung_phase[0], hung_phase[1]))
+                else:
+                    out.append(Heartbeat(jid, r, t, step, _FB[1], _FB[0]))
+        out.sort(key=lambda hb: (hb.time_ns, hb.rank))
+        self._heartbeats += out  # after a pause's, if the job paused before this step
 
     def _emit(self, rank: int, n: int, *, end_of_stream: bool) -> KernelBatch:
         chunks = self._pending[rank]
@@ -393,6 +542,16 @@ class JobSimulator:
             name_idx=remap[idx], stream=cols[1][:n].astype(np.uint32), start_ns=cols[2][:n],
             duration_ns=cols[3][:n], step=cols[4][:n].astype(np.int32), host=self._topology.host[rank],
             end_of_stream=end_of_stream)
+
+
+def _event_time(record: Any) -> int | None:
+    """When a record is published live, ns since the epoch: a heartbeat's time, a step's end; ``None`` for the
+    rest (phases and kernels follow their step's Step records, topology and lifecycle records need no wait)."""
+    if isinstance(record, Heartbeat):
+        return record.time_ns
+    if isinstance(record, Step):
+        return record.start_ns + record.wall_ns
+    return None
 
 
 def simulate(spec: JobSpec, batch_events: int = 4096) -> Iterator[SimRecord]:

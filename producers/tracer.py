@@ -56,6 +56,7 @@ from argus.settings import Settings
 from argus.topics import Topic, job_key
 from producers.cuda_timing import EventPool, PhaseRec, StepRec, StepResolver, epoch_ns
 from producers.cupti_kernels import CuptiKernels, CuptiState, CuptiStatus, StepMarks
+from producers.heartbeat import HeartbeatThread, LiveState
 from producers.rank_registry import RankRegistry
 from producers.tracer_collectives import CollectiveMixin
 from producers.tracer_hooks import HookMixin
@@ -105,6 +106,9 @@ class TracerStats:
     kernel_events: int
     cupti: CuptiStatus
     cuda: bool
+    #: Heartbeats handed to the publisher / refused by its full queue.
+    heartbeats_published: int = 0
+    heartbeats_dropped: int = 0
 
 
 class _PhaseScope:
@@ -158,6 +162,8 @@ class Tracer(CollectiveMixin, HookMixin):
         reduce_counts: at :meth:`close`, sum the record counts of all ranks with one ``all_reduce`` when
             ``torch.distributed`` is initialized (every rank must then call :meth:`close`), so that END
             carries the job's totals; otherwise a multi-rank END carries no counts.
+        heartbeat: publish :class:`~schemas.records.Heartbeat` s from :meth:`start` to :meth:`close`, every
+            ``settings.heartbeat_interval_s`` seconds and on phase entry (see :mod:`producers.heartbeat`).
     """
 
     def __init__(self, settings: Settings | None, job_id: str, rank: int, world_size: int,
@@ -165,7 +171,7 @@ class Tracer(CollectiveMixin, HookMixin):
                  ep: int = 1, topology: JobTopology | None = None, cuda: bool | None = None, kernels: bool = True,
                  lifecycle: bool | None = None, registry: RankRegistry | bool | None = None,
                  max_pending_steps: int = 256, max_phases_per_step: int = 4096, max_events: int = 65_536,
-                 reduce_counts: bool = True, host: str | None = None) -> None:
+                 reduce_counts: bool = True, host: str | None = None, heartbeat: bool = True) -> None:
         if not job_id or rank < 0 or world_size < 1 or rank >= world_size:
             raise ValueError(f"invalid job_id {job_id!r}, rank {rank} or world_size {world_size}")
         self.job_id, self.rank, self.world_size = job_id, rank, world_size
@@ -210,6 +216,10 @@ class Tracer(CollectiveMixin, HookMixin):
         self._handles: list[Any] = []
         self._comm_streams: dict[tuple[int, int], Any] = {}
         self._started = self._closed = False
+        # Written by the training thread (a few attribute stores per phase), read by the heartbeat thread.
+        self._live = LiveState()
+        self._heartbeat = heartbeat
+        self._beat: HeartbeatThread | None = None
 
     # -- lifecycle -------------------------------------------------------------------------------------------
 
@@ -227,6 +237,7 @@ class Tracer(CollectiveMixin, HookMixin):
                 self._pool.put([self._pool.get() for _ in range(min(256, self._pool.capacity))])
             except Exception as exc:
                 self._error("event pool", exc)
+        topology: JobTopology | None = None
         try:
             topology = self._topology or self._build_topology()
             if self._lifecycle:
@@ -243,6 +254,13 @@ class Tracer(CollectiveMixin, HookMixin):
                 self._error("rank registry", exc)
         if self._kernels is not None:
             self._kernels.start()
+        if self._heartbeat:
+            try:
+                self._beat = HeartbeatThread(self.job_id, self.rank, self._live, self._publisher,
+                                             self.settings.heartbeat_interval_s, _group_index(topology, self.rank))
+                self._beat.start()
+            except Exception as exc:
+                self._error("heartbeat", exc)
         return self
 
     def close(self, timeout_s: float = 30.0) -> TracerStats:
@@ -251,6 +269,8 @@ class Tracer(CollectiveMixin, HookMixin):
         if self._closed:
             return self.stats()
         self._closed = True
+        if self._beat is not None:  # first: a closing rank is not a live one
+            self._beat.stop()
         if self._cur is not None:
             self._end_step()
         for h in self._handles:
@@ -301,7 +321,8 @@ class Tracer(CollectiveMixin, HookMixin):
             publish_dropped=r.publish_dropped, errors=self._errors + r.errors,
             kernel_events=self._kernels.events if self._kernels else 0,
             cupti=self._kernels.status if self._kernels else CuptiStatus(CuptiState.DISABLED, "kernels=False"),
-            cuda=self._cuda)
+            cuda=self._cuda, heartbeats_published=self._beat.published if self._beat else 0,
+            heartbeats_dropped=self._beat.dropped if self._beat else 0)
 
     @property
     def cupti_status(self) -> CuptiStatus:
@@ -343,6 +364,7 @@ class Tracer(CollectiveMixin, HookMixin):
                     ev.record()
             t0 = _perf()
             self._cur = StepRec(n, t0, ev)
+            self._live.begin_step(n)
             self._marks.mark(n, epoch_ns(t0))
             self._steps += 1
         except Exception as exc:
@@ -385,6 +407,7 @@ class Tracer(CollectiveMixin, HookMixin):
             else:
                 rec = PhaseRec(name, kind, group, -1, _perf())
             cur.phases.append(rec)
+            self._live.enter(rec)
             return rec
         except Exception as exc:
             self._error("phase begin", exc)
@@ -392,6 +415,7 @@ class Tracer(CollectiveMixin, HookMixin):
 
     def _close(self, rec: PhaseRec) -> None:
         try:
+            self._live.exit(rec)
             if rec.ev0 is not None and self._pool is not None:
                 s, rec.on = rec.on, None
                 ev = self._pool.get()
@@ -419,3 +443,12 @@ class Tracer(CollectiveMixin, HookMixin):
         if self._errors <= 10 or self._errors % 1000 == 0:
             log.warning("argus tracer (rank %s, pid %d): %s failed (%d errors so far): %s: %s",
                         getattr(self, "rank", "?"), os.getpid(), where, self._errors, type(exc).__name__, exc)
+
+
+def _group_index(topology: JobTopology | None, rank: int) -> dict[ParallelGroup, int]:
+    """Per group kind, the index of ``rank``'s group in ``topology`` (empty without one)."""
+    if topology is None or rank not in topology.rank:
+        return {}
+    i = topology.rank.index(rank)
+    return {ParallelGroup.DP: topology.dp_group[i], ParallelGroup.TP: topology.tp_group[i],
+            ParallelGroup.PP: topology.pp_group[i], ParallelGroup.EP: topology.ep_group[i]}

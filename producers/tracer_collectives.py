@@ -23,10 +23,12 @@ topology's host names (``all_gather_object`` at start) and the job's record tota
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from producers.cuda_timing import EventPool, PhaseOpener, StepRec
+from producers.heartbeat import LiveState
 from producers.topology import build_topology
 from schemas.records import JobTopology, ParallelGroup, PhaseKind
 
@@ -37,6 +39,8 @@ except ImportError:  # pragma: no cover
 torch: Any = _torch
 
 __all__ = ["CollectiveHandle", "CollectiveMixin", "default_name"]
+
+_perf = time.perf_counter_ns
 
 _SUFFIX = {
     PhaseKind.ALL_REDUCE: "allreduce", PhaseKind.REDUCE_SCATTER: "reduce-scatter",
@@ -97,6 +101,7 @@ class CollectiveMixin(PhaseOpener):
     _cur: StepRec | None
     _closed: bool
     _comm_streams: dict[tuple[int, int], Any]
+    _live: LiveState
     job_id: str
     world_size: int
     host: str
@@ -164,6 +169,9 @@ class CollectiveMixin(PhaseOpener):
         first: Any = tensors[0] if tensors else None
         if self._closed:
             return self._plain(launch, async_op)
+        live = self._live
+        # In flight from here until done (heartbeats): kind, group and this rank's sequence number in it.
+        live.issue(kind, pgroup, _perf())
         if self._pool is not None and self._cur is not None and bool(getattr(first, "is_cuda", False)):
             try:
                 cur = torch.cuda.current_stream(first.device)
@@ -175,6 +183,7 @@ class CollectiveMixin(PhaseOpener):
             with torch.cuda.stream(comm):
                 rec = self._open(label, kind, pgroup, comm)
                 work = launch()
+                live.coll_work = work  # the host does not wait: in flight until the work completes
                 _wait(work)  # device-side: the communication stream waits for the collective
                 if rec is not None:
                     self._close(rec)
@@ -191,11 +200,17 @@ class CollectiveMixin(PhaseOpener):
             return None
         rec = self._open(label, kind, pgroup, None, host=True)
         work = launch()
+        seq = live.coll_seq
         if async_op:
-            return CollectiveHandle(work, on_done=(lambda: self._close(rec)) if rec is not None else None)
+            def on_done() -> None:
+                if rec is not None:
+                    self._close(rec)
+                live.done(pgroup, seq)
+            return CollectiveHandle(work, on_done=on_done)
         _wait(work)
         if rec is not None:
             self._close(rec)
+        live.done(pgroup, seq)
         return None
 
     @staticmethod

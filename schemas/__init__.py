@@ -7,6 +7,7 @@ from schemas.codec import MAGIC, AvroCodec, available_schemas, codec
 from schemas.records import (
     DeadLetter,
     Finding,
+    Heartbeat,
     JobLifecycle,
     JobTopology,
     KernelBatch,
@@ -24,6 +25,7 @@ __all__ = [
     "AvroCodec",
     "DeadLetter",
     "Finding",
+    "Heartbeat",
     "JobLifecycle",
     "JobTopology",
     "KernelBatch",

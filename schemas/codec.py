@@ -60,7 +60,7 @@ class AvroCodec:
         buf.write(bytes((MAGIC, v)))
         try:
             fastavro.schemaless_writer(buf, self.versions[v], record, strict_allow_default=True)
-        except (ValueError, TypeError, KeyError, AttributeError) as exc:
+        except (ValueError, TypeError, KeyError, AttributeError, OverflowError) as exc:
             raise SchemaError(f"{self.name}.v{v}: record does not match schema: {exc}") from exc
         return buf.getvalue()
 
@@ -80,7 +80,8 @@ class AvroCodec:
         buf.seek(2)
         try:
             out = fastavro.schemaless_reader(buf, writer, self.versions[self.latest])
-        except (EOFError, ValueError, TypeError, IndexError, UnicodeDecodeError, OverflowError) as exc:
+        except (EOFError, ValueError, TypeError, IndexError, KeyError, UnicodeDecodeError, OverflowError,
+                MemoryError) as exc:
             raise SchemaError(f"{self.name}.v{v}: corrupt body: {exc}") from exc
         if buf.tell() != len(payload):
             raise SchemaError(f"{self.name}.v{v}: {len(payload) - buf.tell()} trailing bytes after the record")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Self
 
@@ -18,11 +19,14 @@ import numpy.typing as npt
 
 from argus.errors import SchemaError
 from schemas.codec import codec
+from schemas.column_packing import pack_column, unpack_column
 
 __all__ = [
+    "TIME_LIMIT_NS",
     "CpuStack",
     "DeadLetter",
     "Finding",
+    "Heartbeat",
     "JobLifecycle",
     "JobTopology",
     "KernelBatch",
@@ -35,6 +39,40 @@ __all__ = [
     "Record",
     "Step",
 ]
+
+#: Every event time and duration (``*_ns``) must satisfy ``|t| < TIME_LIMIT_NS`` (2^62 ns, about 146 years):
+#: far enough from the int64 limits that window ends and sums of a few values still fit in an Avro long.
+TIME_LIMIT_NS = 2**62
+_INT32 = (-(2**31), 2**31 - 1)
+_INT64 = (-(2**63), 2**63 - 1)
+#: A window is at most this long (2^61 ns), so ``window_start + length`` stays inside int64.
+_MAX_SPAN_NS = 2**61
+
+
+def _bounded(what: str, name: str, values: int | Iterable[int] | npt.NDArray[Any], lo: int, hi: int) -> None:
+    """Raise :class:`SchemaError` naming ``what`` and the field unless every value is in ``[lo, hi]``."""
+    if isinstance(values, np.ndarray):
+        if values.size and (int(values.min()) < lo or int(values.max()) > hi):
+            bad = int(values.min()) if int(values.min()) < lo else int(values.max())
+            raise SchemaError(f"{what}: {name} value {bad} outside [{lo}, {hi}]")
+        return
+    for v in (values,) if isinstance(values, int) else values:
+        if not lo <= v <= hi:
+            raise SchemaError(f"{what}: {name} value {v} outside [{lo}, {hi}]")
+
+
+def _times(what: str, name: str, values: int | Iterable[int] | npt.NDArray[Any]) -> None:
+    _bounded(what, name, values, -TIME_LIMIT_NS + 1, TIME_LIMIT_NS - 1)
+
+
+def _durations(what: str, name: str, values: int | Iterable[int] | npt.NDArray[Any]) -> None:
+    _bounded(what, name, values, 0, TIME_LIMIT_NS - 1)
+
+
+def _same_length(what: str, record: Any, names: Iterable[str], n: int, of: str) -> None:
+    for f in names:
+        if len(getattr(record, f)) != n:
+            raise SchemaError(f"{what}: column {f} has {len(getattr(record, f))} values, {of} is {n}")
 
 
 class PhaseKind(enum.Enum):
@@ -78,6 +116,8 @@ class LifecycleEvent(enum.Enum):
     END = "END"
     #: A detector part has published its final diagnosis of the job (schema v2).
     DIAGNOSED = "DIAGNOSED"
+    #: argus closed the job after an idle time without records (schema v4; ``reason``, ``last_step``).
+    ABANDONED = "ABANDONED"
 
 
 class Level(enum.Enum):
@@ -108,7 +148,11 @@ class Record:
             value = data[name]
             enum_type = hints.get(name)
             if enum_type is not None:
-                value = tuple(enum_type(v) for v in value) if isinstance(value, list) else enum_type(value)
+                if isinstance(value, list):
+                    # Avro already checked the symbols: a dict lookup per value (a phase batch has hundreds).
+                    value = tuple(map(enum_type._value2member_map_.__getitem__, value))
+                elif value is not None:  # a nullable enum (e.g. Heartbeat.collective) stays None
+                    value = enum_type(value)
             elif isinstance(value, list):
                 value = tuple(value)
             kwargs[name] = value
@@ -149,9 +193,18 @@ def _column(data: bytes, dtype: str, name: str) -> npt.NDArray[Any]:
     return arr
 
 
+def _narrow(values: npt.NDArray[np.int64], dtype: str, name: str) -> npt.NDArray[Any]:
+    """``values`` as ``dtype``; :class:`SchemaError` when one does not fit it."""
+    info = np.iinfo(np.dtype(dtype))
+    if values.size and (int(values.min()) < info.min or int(values.max()) > info.max):
+        bad = int(values.min()) if int(values.min()) < info.min else int(values.max())
+        raise SchemaError(f"column {name}: value {bad} outside {dtype} [{info.min}, {info.max}]")
+    return values.astype(dtype, copy=False)
+
+
 @dataclass(frozen=True, eq=False)
 class KernelBatch(Record):
-    """A columnar batch of kernel events of one rank; see ``schemas/kernel_batch.v1.avsc``."""
+    """A columnar batch of kernel events of one rank; see ``schemas/kernel_batch.v2.avsc`` (v1 still read)."""
 
     SCHEMA: ClassVar[str] = "kernel_batch"
     COLUMNS: ClassVar[dict[str, str]] = {
@@ -182,35 +235,54 @@ class KernelBatch(Record):
         return int(self.name_idx.shape[0])
 
     def to_avro(self) -> dict[str, Any]:
-        out = {
+        out: dict[str, Any] = {
             "job_id": self.job_id, "rank": self.rank, "host": self.host, "seq": self.seq,
             "names": list(self.names), "dropped": self.dropped, "end_of_stream": self.end_of_stream,
+            "packed": True,
         }
+        # Packing codes starts per stream: columns of different lengths cannot be written.
+        _same_length(f"kernel batch {self.job_id}/{self.rank} seq {self.seq}", self, self.COLUMNS, len(self),
+                     "the length of name_idx")
         for name in self.COLUMNS:
-            out[name] = getattr(self, name).tobytes()
+            out[name] = pack_column(getattr(self, name))
+        # A stream's kernels run one after the other: a start is coded as the gap after its predecessor's end.
+        out["start_ns"] = pack_column(self.start_ns, self.stream, self.duration_ns)
         return out
 
     @classmethod
     def from_avro(cls, data: dict[str, Any]) -> KernelBatch:
-        cols = {name: _column(data[name], dtype, name) for name, dtype in cls.COLUMNS.items()}
+        if not data.get("packed", False):  # written as v1: plain arrays
+            cols = {name: _column(data[name], dtype, name) for name, dtype in cls.COLUMNS.items()}
+        else:
+            cols = {name: _narrow(unpack_column(data[name], name), dtype, name)
+                    for name, dtype in cls.COLUMNS.items() if name != "start_ns"}
+            n = len(cols["name_idx"])
+            for name, col in cols.items():
+                if len(col) != n:
+                    raise SchemaError(f"kernel batch: column {name} has {len(col)} values, the length of name_idx "
+                                      f"is {n}")
+            cols["start_ns"] = unpack_column(data["start_ns"], "start_ns", cols["stream"].astype(np.int64),
+                                             cols["duration_ns"])
         return cls(
             job_id=data["job_id"], rank=data["rank"], seq=data["seq"], names=tuple(data["names"]),
             host=data["host"], dropped=data["dropped"], end_of_stream=data["end_of_stream"], **cols,
         )
 
     def check(self) -> None:
+        what = f"kernel batch {self.job_id}/{self.rank} seq {self.seq}"
         n = len(self)
-        for name in self.COLUMNS:
-            if getattr(self, name).shape[0] != n:
-                raise SchemaError(f"kernel batch {self.job_id}/{self.rank} seq {self.seq}: column {name} has "
-                                  f"{getattr(self, name).shape[0]} values, name_idx has {n}")
+        _same_length(what, self, self.COLUMNS, n, "the length of name_idx")
         if n and int(self.name_idx.max()) >= len(self.names):
-            raise SchemaError(f"kernel batch {self.job_id}/{self.rank} seq {self.seq}: name_idx "
-                              f"{int(self.name_idx.max())} outside the {len(self.names)}-name dictionary")
-        if n and int(self.duration_ns.min()) < 0:
-            raise SchemaError(f"kernel batch {self.job_id}/{self.rank} seq {self.seq}: negative duration_ns")
+            raise SchemaError(f"{what}: name_idx {int(self.name_idx.max())} outside the {len(self.names)}-name "
+                              "dictionary")
         if not self.job_id or self.rank < -1 or (self.rank == -1 and not self.is_job_end):
             raise SchemaError(f"kernel batch: invalid job_id {self.job_id!r} or rank {self.rank}")
+        _bounded(what, "rank", self.rank, -1, _INT32[1])
+        _bounded(what, "seq", self.seq, 0, _INT64[1])
+        _bounded(what, "dropped", self.dropped, 0, _INT64[1])
+        _times(what, "start_ns", self.start_ns)
+        _durations(what, "duration_ns", self.duration_ns)
+        _bounded(what, "step", self.step, -1, _INT32[1])
 
     @property
     def is_job_end(self) -> bool:
@@ -242,8 +314,13 @@ class Step(Record):
     gpu_ns: int | None = None
 
     def check(self) -> None:
-        if self.wall_ns < 0 or (self.gpu_ns is not None and self.gpu_ns < 0) or self.rank < 0:
-            raise SchemaError(f"step {self.job_id}/{self.rank}/{self.step}: negative duration or rank")
+        what = f"step {self.job_id}/{self.rank}/{self.step}"
+        _bounded(what, "rank", self.rank, 0, _INT32[1])
+        _bounded(what, "step", self.step, *_INT64)
+        _times(what, "start_ns", self.start_ns)
+        _durations(what, "wall_ns", self.wall_ns)
+        if self.gpu_ns is not None:
+            _durations(what, "gpu_ns", self.gpu_ns)
 
 
 @dataclass(frozen=True)
@@ -267,16 +344,25 @@ class PhaseBatch(Record):
         return {"kinds": PhaseKind, "groups": ParallelGroup}
 
     def check(self) -> None:
-        n = len(self.kinds)
-        if any(len(getattr(self, f)) != n for f in ("names", "groups", "streams", "start_ns", "duration_ns")):
-            raise SchemaError(f"phase batch {self.job_id}/{self.rank}/{self.step}: columns differ in length")
-        if any(d < 0 for d in self.duration_ns):
-            raise SchemaError(f"phase batch {self.job_id}/{self.rank}/{self.step}: negative duration_ns")
+        what = f"phase batch {self.job_id}/{self.rank}/{self.step}"
+        _same_length(what, self, ("names", "groups", "streams", "start_ns", "duration_ns"), len(self.kinds),
+                     "the number of kinds")
+        _bounded(what, "rank", self.rank, 0, _INT32[1])
+        _bounded(what, "step", self.step, *_INT64)
+        _bounded(what, "streams", self.streams, -1, _INT64[1])
+        _times(what, "start_ns", self.start_ns)
+        _durations(what, "duration_ns", self.duration_ns)
 
 
 @dataclass(frozen=True)
 class KernelSummary(Record):
-    """Cluster summaries of one (job, kernel, stream); see ``schemas/kernel_summary.v1.avsc``."""
+    """Cluster summaries of one (job, kernel, stream); see ``schemas/kernel_summary.v2.avsc``.
+
+    ``piece`` (per row, schema v2): which piece of its (rank, window) a row is, the position of the last
+    kernel message it summarizes. Rows of one (rank, window) with different pieces hold different events and
+    add up; equal pieces are copies (a re-summary after a restart), the one with more events complete.
+    Empty (v1): every row is piece 0 (:meth:`pieces`).
+    """
 
     SCHEMA: ClassVar[str] = "kernel_summary"
 
@@ -294,17 +380,34 @@ class KernelSummary(Record):
     cluster_min_ns: tuple[int, ...]
     cluster_max_ns: tuple[int, ...]
     cluster_sum_ns: tuple[int, ...]
+    piece: tuple[int, ...] = ()
+
+    def pieces(self) -> tuple[int, ...]:
+        """The piece of every row (0 for every row of a v1 summary)."""
+        return self.piece if self.piece else (0,) * len(self.rank)
 
     def check(self) -> None:
-        rows = len(self.rank)
-        if any(len(getattr(self, f)) != rows for f in ("window_start_ns", "window_end_ns", "n_events",
-                                                         "n_clusters")):
-            raise SchemaError(f"kernel summary {self.job_id}/{self.kernel}: row columns differ in length")
-        total = sum(self.n_clusters)
-        if any(len(getattr(self, f)) != total for f in ("cluster_count", "cluster_p50_ns", "cluster_p99_ns",
-                                                         "cluster_min_ns", "cluster_max_ns", "cluster_sum_ns")):
-            raise SchemaError(f"kernel summary {self.job_id}/{self.kernel}: cluster columns do not match "
-                              f"sum(n_clusters)={total}")
+        what = f"kernel summary {self.job_id}/{self.kernel}/{self.stream}"
+        if self.piece:
+            _same_length(what, self, ("piece",), len(self.rank), "the number of ranks")
+            _bounded(what, "piece", self.piece, 0, _INT64[1])
+        _same_length(what, self, ("window_start_ns", "window_end_ns", "n_events", "n_clusters"), len(self.rank),
+                     "the number of ranks")
+        _bounded(what, "rank", self.rank, 0, _INT32[1])
+        _bounded(what, "n_clusters", self.n_clusters, 0, _INT32[1])
+        _bounded(what, "stream", self.stream, 0, 2**32 - 1)
+        _times(what, "window_start_ns", self.window_start_ns)
+        for start, end in zip(self.window_start_ns, self.window_end_ns, strict=True):
+            if not start < end <= start + _MAX_SPAN_NS:
+                raise SchemaError(f"{what}: window [{start}, {end}) is empty or longer than 2^61 ns")
+        _bounded(what, "n_events", self.n_events, 0, _INT64[1])
+        _same_length(what, self, ("cluster_count", "cluster_p50_ns", "cluster_p99_ns", "cluster_min_ns",
+                                  "cluster_max_ns", "cluster_sum_ns"), sum(self.n_clusters), "sum(n_clusters)")
+        _bounded(what, "cluster_count", self.cluster_count, 0, _INT64[1])
+        for name in ("cluster_p50_ns", "cluster_p99_ns", "cluster_min_ns", "cluster_max_ns"):
+            _durations(what, name, getattr(self, name))
+        # A sum of many long durations may exceed 2^62; it must only stay a non-negative Avro long.
+        _bounded(what, "cluster_sum_ns", self.cluster_sum_ns, 0, _INT64[1])
 
 
 @dataclass(frozen=True)
@@ -328,14 +431,28 @@ class JobTopology(Record):
     ep_size: int = 1
 
     def check(self) -> None:
-        cols = ("rank", "host", "dp_group", "tp_group", "pp_group", "ep_group", "pp_stage")
-        if any(len(getattr(self, c)) != self.world_size for c in cols):
-            raise SchemaError(f"topology {self.job_id}: per-rank columns must have world_size={self.world_size}")
+        what = f"topology {self.job_id}"
+        for name in ("world_size", "dp_size", "tp_size", "pp_size", "ep_size"):
+            _bounded(what, name, getattr(self, name), 1, _INT32[1])
+        _same_length(what, self, ("rank", "host", "dp_group", "tp_group", "pp_group", "ep_group", "pp_stage"),
+                     self.world_size, "world_size")
+        _bounded(what, "rank", self.rank, 0, self.world_size - 1)
+        if len(set(self.rank)) != len(self.rank):
+            raise SchemaError(f"{what}: a rank is described twice")
+        for name in ("dp_group", "tp_group", "pp_group", "ep_group"):
+            _bounded(what, name, getattr(self, name), 0, _INT32[1])
+        _bounded(what, "pp_stage", self.pp_stage, 0, self.pp_size - 1)
 
 
 @dataclass(frozen=True)
 class JobLifecycle(Record):
-    """A job started or ended; see ``schemas/job_lifecycle.v1.avsc``."""
+    """A job started or ended, a detector part diagnosed it, or argus abandoned it; see
+    ``schemas/job_lifecycle.v4.avsc``.
+
+    ``finding_ids`` (DIAGNOSED, v3): the ids of the job's findings the part had published before it.
+    ``reason``, ``last_step`` (ABANDONED, v4): why argus closed the job after an idle time and the last step
+    number it had seen (-1 if none); messages of v1-v3 decode with ``""`` and ``-1``.
+    """
 
     SCHEMA: ClassVar[str] = "job_lifecycle"
 
@@ -348,10 +465,79 @@ class JobLifecycle(Record):
     steps: int | None = None
     phase_batches: int | None = None
     part: str = ""
+    finding_ids: tuple[str, ...] = ()
+    reason: str = ""
+    last_step: int = -1
 
     @classmethod
     def _enum_fields(cls) -> dict[str, type[enum.Enum]]:
         return {"event": LifecycleEvent}
+
+    def check(self) -> None:
+        what = f"lifecycle {self.job_id} {self.event.value}"
+        if not self.job_id:
+            raise SchemaError(f"{what}: empty job_id")
+        # DIAGNOSED records carry 0 when the detector part never learnt the job's size.
+        least = 0 if self.event is LifecycleEvent.DIAGNOSED else 1
+        _bounded(what, "world_size", self.world_size, least, _INT32[1])
+        _times(what, "time_ns", self.time_ns)
+        for name in ("kernel_events", "steps", "phase_batches"):
+            if getattr(self, name) is not None:
+                _bounded(what, name, getattr(self, name), 0, _INT64[1])
+        _bounded(what, "last_step", self.last_step, -1, _INT64[1])
+
+
+@dataclass(frozen=True)
+class Heartbeat(Record):
+    """Liveness of one rank: what it is doing now; see ``schemas/heartbeat.v1.avsc``.
+
+    Published by the rank-side tracer every ``Settings.heartbeat_interval_s`` seconds and on phase entry.
+
+    Attributes:
+        time_ns: when it was taken (event time, ns since the Unix epoch).
+        step: the last step the rank began (-1 before the first).
+        phase: the innermost phase entered and not exited (``""`` if none); ``phase_kind`` its kind (None).
+        collective: kind of the collective in flight (None if none), in ``group`` (NONE if none) number
+            ``group_index`` (-1 if unknown); ``seq`` its sequence number among this rank's collectives of that
+            group (-1 if none); ``in_flight_since_ns`` when it was issued (ns since the epoch, -1 if none).
+    """
+
+    SCHEMA: ClassVar[str] = "heartbeat"
+
+    job_id: str
+    rank: int
+    time_ns: int
+    step: int = -1
+    phase: str = ""
+    phase_kind: PhaseKind | None = None
+    collective: PhaseKind | None = None
+    group: ParallelGroup = ParallelGroup.NONE
+    group_index: int = -1
+    seq: int = -1
+    in_flight_since_ns: int = -1
+
+    @classmethod
+    def _enum_fields(cls) -> dict[str, type[enum.Enum]]:
+        return {"phase_kind": PhaseKind, "collective": PhaseKind, "group": ParallelGroup}
+
+    @property
+    def in_flight(self) -> bool:
+        """A collective is in flight (issued and not finished on the host)."""
+        return self.collective is not None
+
+    def check(self) -> None:
+        what = f"heartbeat {self.job_id}/{self.rank}"
+        if not self.job_id:
+            raise SchemaError(f"{what}: empty job_id")
+        _bounded(what, "rank", self.rank, 0, _INT32[1])
+        _times(what, "time_ns", self.time_ns)
+        _bounded(what, "step", self.step, -1, _INT64[1])
+        _bounded(what, "group_index", self.group_index, -1, _INT32[1])
+        _bounded(what, "seq", self.seq, -1, _INT64[1])
+        if self.in_flight_since_ns != -1:
+            _times(what, "in_flight_since_ns", self.in_flight_since_ns)
+        if self.collective is not None and not self.collective.is_collective:
+            raise SchemaError(f"{what}: collective {self.collective.value} is not a collective kind")
 
 
 @dataclass(frozen=True)
@@ -384,6 +570,14 @@ class Finding(Record):
     def _enum_fields(cls) -> dict[str, type[enum.Enum]]:
         return {"level": Level}
 
+    def check(self) -> None:
+        what = f"finding {self.finding_id} of {self.job_id}"
+        _bounded(what, "ranks", self.ranks, 0, _INT32[1])
+        _bounded(what, "steps", self.steps, *_INT64)
+        _times(what, "time_ns", self.time_ns)
+        if self.stream is not None:
+            _bounded(what, "stream", self.stream, *_INT64)
+
     @property
     def evidence(self) -> dict[str, Any]:
         return dict(json.loads(self.evidence_json))
@@ -404,6 +598,12 @@ class DeadLetter(Record):
     time_ns: int
     key: bytes | None = field(default=None)
 
+    def check(self) -> None:
+        what = f"dead letter {self.topic}[{self.partition}]@{self.offset}"
+        _bounded(what, "partition", self.partition, 0, _INT32[1])
+        _bounded(what, "offset", self.offset, -1, _INT64[1])
+        _times(what, "time_ns", self.time_ns)
+
 
 @dataclass(frozen=True)
 class CpuStack(Record):
@@ -422,6 +622,10 @@ class CpuStack(Record):
     def check(self) -> None:
         if not self.job_id or self.rank < 0 or self.pid <= 0:
             raise SchemaError(f"cpu stack {self.job_id!r}/{self.rank}: invalid job_id, rank or pid {self.pid}")
+        what = f"cpu stack {self.job_id}/{self.rank}"
+        _bounded(what, "rank", self.rank, 0, _INT32[1])
+        _bounded(what, "pid", self.pid, 1, _INT32[1])
+        _times(what, "time_ns", self.time_ns)
 
     @property
     def stacks(self) -> list[dict[str, Any]]:

@@ -3,7 +3,9 @@
 Both go through clickhouse-connect, so the code above this module does not care which. chDB locks its data
 directory to one process, and a process can open only one chDB directory: the sink process owns it and
 answers other processes' SQL through :mod:`sinks.query_server`. The client is not safe for concurrent use,
-so every call here holds one lock.
+so every call here holds one lock. :meth:`ClickHouseStore.reader` opens a second, read-only connection with
+its own lock and limits: chDB serves several connections of one process at once, so a long query on the
+reader does not hold up the sink's inserts.
 """
 
 from __future__ import annotations
@@ -17,16 +19,23 @@ from typing import Any
 
 import clickhouse_connect
 import pyarrow as pa
+from clickhouse_connect.driver.exceptions import OperationalError
 
 from argus.errors import SinkError
 from argus.settings import Settings
-from sinks.tables import TABLES, Table, rows_to_arrow
+from sinks.tables import Table, rows_to_arrow, schema_ddl
 
-__all__ = ["ClickHouseStore", "QueryResult"]
+__all__ = ["ClickHouseStore", "QueryResult", "is_transient"]
 
 log = logging.getLogger(__name__)
 
 _ROW_QUERY = re.compile(r"^\s*(\(|SELECT|WITH|SHOW|DESCRIBE|DESC|EXISTS|EXPLAIN)\b", re.IGNORECASE)
+_CODE = re.compile(r"\bCode: (\d+)")
+#: ClickHouse error codes that say nothing about the rows, so the same insert may pass later: unknown table or
+#: database (dropped under the sink; it recreates them), timeouts, too many queries, network, memory, read-only
+#: table, disk full, too many parts, replicas, cancelled, system and Keeper errors. Every other code is about
+#: the data.
+_TRANSIENT_CODES = frozenset({60, 81, 159, 160, 202, 209, 210, 241, 242, 243, 252, 285, 394, 425, 999})
 
 
 @dataclass(frozen=True)
@@ -48,19 +57,26 @@ class ClickHouseStore:
             sink's query endpoint, see ``argus sql``).
     """
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, client_settings: dict[str, Any] | None = None) -> None:
         self.settings = settings
         self.database = settings.clickhouse_database
         self._lock = threading.RLock()
+        #: Settings applied to every statement of this connection (in order; see :meth:`reader`).
+        self.client_settings = dict(client_settings or {})
+        if settings.clickhouse_cluster and "readonly" not in self.client_settings:
+            # Inserts go to Distributed tables, which by default queue the rows on the receiving server and
+            # forward them later: the sink would commit Kafka offsets for rows no shard holds yet (lost with
+            # that server's disk). Synchronous: an insert returns once every shard it touches took its rows.
+            self.client_settings = {"insert_distributed_sync": 1, **self.client_settings}
         path = settings.chdb_path
         try:
             if path is not None:
                 path.mkdir(parents=True, exist_ok=True)
-                self._client = clickhouse_connect.get_client(dsn=f"chdb://{path}")
+                self._client = clickhouse_connect.get_client(dsn=f"chdb://{path}", settings=self.client_settings)
             else:
                 self._client = clickhouse_connect.get_client(
                     dsn=settings.clickhouse_dsn, username=settings.clickhouse_user,
-                    password=settings.clickhouse_password.reveal(),
+                    password=settings.clickhouse_password.reveal(), settings=self.client_settings,
                 )
         except Exception as exc:
             msg = str(exc)
@@ -70,7 +86,20 @@ class ClickHouseStore:
                     f"`argus sql`, which uses the sink's endpoint on 127.0.0.1:{settings.query_port}") from exc
             raise SinkError(f"cannot connect to ClickHouse {settings.clickhouse_dsn}: {msg}") from exc
         self._is_chdb = path is not None
+        self.read_only = str(self.client_settings.get("readonly", "0")) != "0"
 
+    def reader(self, limits: dict[str, Any]) -> ClickHouseStore:
+        """A second connection to the same ClickHouse for other users' queries: ``readonly=1`` after
+        ``limits`` (ClickHouse settings such as ``max_execution_time`` in seconds, ``max_result_rows``), so a
+        query can change neither data nor the limits (``readonly=1`` refuses ``SETTINGS`` clauses).
+
+        It has its own client and lock: a long query there never waits on, or holds up, this store's inserts.
+
+        Raises:
+            SinkError: the connection or one of the settings was refused.
+        """
+        # readonly goes last: once it is set, the session refuses to change any other setting.
+        return ClickHouseStore(self.settings, {**limits, "readonly": 1}).with_database(self.database)
     def with_database(self, database: str) -> ClickHouseStore:
         """A view of this connection that uses another database (same client and lock).
 
@@ -85,20 +114,33 @@ class ClickHouseStore:
         return self._is_chdb
 
     def ensure_schema(self) -> None:
-        """Create the database and every argus table if missing (idempotent)."""
-        self.command(f"CREATE DATABASE IF NOT EXISTS `{self.database}`")
-        for table in TABLES.values():
-            self.command(table.ddl(self.database))
-            for sql in table.migrations(self.database):
-                self.command(sql)
+        """Create the database, every argus table and view if missing (idempotent), on the configured
+        ``clickhouse_cluster`` if one is set (:func:`sinks.tables.schema_ddl`).
+
+        Raises:
+            SinkError: ClickHouse refused a statement.
+            ConfigError: the database is no plain name while a cluster is set.
+        """
+        for sql in schema_ddl(self.database, self.settings.clickhouse_cluster):
+            self.command(sql)
 
     def insert(self, table: Table, rows: list[tuple[Any, ...]]) -> None:
-        """Insert ``rows`` into ``table`` as one Arrow block. Raises :class:`SinkError`."""
+        """Insert ``rows`` into ``table`` as one Arrow block.
+
+        Raises:
+            SinkError: the rows do not fit the table's types (e.g. an Int32 column given 2**31) or ClickHouse
+                refused the insert; :func:`is_transient` on it tells a retry from bad rows.
+        """
         if not rows:
             return
-        self.insert_arrow(table.name, rows_to_arrow(table, rows))
+        try:
+            data = rows_to_arrow(table, rows)
+        except Exception as exc:  # pyarrow raises ArrowInvalid, OverflowError, TypeError, ... per bad value
+            raise SinkError(f"rows for {table.name} do not fit its columns: {exc}") from exc
+        self.insert_arrow(table.name, data)
 
     def insert_arrow(self, table_name: str, data: pa.Table) -> None:
+        """Insert an Arrow table as it is. Raises :class:`SinkError`."""
         try:
             with self._lock:
                 self._client.insert_arrow(f"`{self.database}`.`{table_name}`", data)
@@ -116,7 +158,7 @@ class ClickHouseStore:
         """Run ``sql``; statements without a result (DDL, OPTIMIZE, ...) return no rows."""
         try:
             with self._lock:
-                if not _ROW_QUERY.match(sql):
+                if not self.read_only and not _ROW_QUERY.match(sql):
                     self._client.command(sql)
                     return QueryResult((), [])
                 res = self._client.query(sql)
@@ -130,6 +172,20 @@ class ClickHouseStore:
                 self._client.close()
             except Exception as exc:
                 log.debug("closing ClickHouse client: %s", exc)
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Whether a failed ClickHouse call may pass when retried unchanged (connection lost, timeout, memory,
+    too many parts), as opposed to bad rows or a bad statement. Looks through :class:`SinkError` wrappers."""
+    cause: BaseException | None = exc
+    while isinstance(cause, SinkError) and cause.__cause__ is not None:
+        cause = cause.__cause__
+    if cause is None or isinstance(cause, SinkError):
+        return False
+    code = _CODE.search(str(cause))
+    if code is not None:
+        return int(code.group(1)) in _TRANSIENT_CODES
+    return isinstance(cause, (OSError, OperationalError))
 
 
 def _plain(value: Any) -> Any:

@@ -22,7 +22,7 @@ from sinks.query_server import run_query
 #: Runs one SQL statement; defaults to :func:`sinks.query_server.run_query` on the settings.
 Query = Callable[[str], QueryResult]
 
-__all__ = ["diagnosis_complete", "fetch_findings", "wait_diagnosed"]
+__all__ = ["diagnosis_complete", "fetch_findings", "pending_reasons", "wait_diagnosed"]
 
 
 def _quote(value: str) -> str:
@@ -51,13 +51,57 @@ def fetch_findings(settings: Settings, job_id: str, query: Query | None = None) 
 
 
 def diagnosis_complete(settings: Settings, job_id: str, query: Query | None = None) -> bool:
-    """True once the job's END was processed by every detector part and their output is in ClickHouse:
-    the L1/L2 part and one L3 part per partition of the summaries topic."""
-    db = settings.clickhouse_database
+    """True once the job is diagnosed through to ClickHouse: every detector part wrote DIAGNOSED (the L1/L2
+    part and one L3 part per summaries partition), every finding those records list is stored, the job's END
+    (or, for a job that never ended, the worker's ABANDONED record) is stored, and the job's stored records add
+    up to its END's counts (an abandoned job has none; kernel events in summaries or dead letters, Step and
+    PhaseBatch records stored or dead-lettered; a count the END does not know is not checked).
+
+    The DIAGNOSED records travel on another topic than the findings and the records, so seeing them proves
+    nothing about the rest: each is checked in the store itself.
+    """
+    return not pending_reasons(settings, job_id, query)
+
+
+def pending_reasons(settings: Settings, job_id: str, query: Query | None = None) -> list[str]:
+    """What the job still waits for before :func:`diagnosis_complete` (empty when complete)."""
+    db, job = settings.clickhouse_database, _quote(job_id)
+    dead = f"`{db}`.dead_letters FINAL WHERE job_id = {job}"
     row = _runner(settings, query)(f"""
-        SELECT countIf(part = 'l1l2'), countIf(startsWith(part, 'l3/'))
-        FROM `{db}`.jobs FINAL WHERE job_id = {_quote(job_id)} AND event = 'DIAGNOSED'""").rows[0]
-    return int(row[0]) >= 1 and int(row[1]) >= settings.partitions
+        SELECT
+          (SELECT countIf(part = 'l1l2') FROM `{db}`.jobs FINAL WHERE job_id = {job} AND event = 'DIAGNOSED'),
+          (SELECT countIf(startsWith(part, 'l3/')) FROM `{db}`.jobs FINAL
+             WHERE job_id = {job} AND event = 'DIAGNOSED'),
+          (SELECT uniqExact(id) FROM `{db}`.jobs FINAL ARRAY JOIN finding_ids AS id
+             WHERE job_id = {job} AND event = 'DIAGNOSED'),
+          (SELECT count() FROM `{db}`.findings FINAL WHERE job_id = {job} AND finding_id IN (
+             SELECT id FROM `{db}`.jobs FINAL ARRAY JOIN finding_ids AS id
+             WHERE job_id = {job} AND event = 'DIAGNOSED')),
+          (SELECT count() FROM `{db}`.jobs FINAL WHERE job_id = {job} AND event IN ('END', 'ABANDONED')),
+          (SELECT max(kernel_events) FROM `{db}`.jobs FINAL WHERE job_id = {job} AND event = 'END'),
+          (SELECT max(steps) FROM `{db}`.jobs FINAL WHERE job_id = {job} AND event = 'END'),
+          (SELECT max(phase_batches) FROM `{db}`.jobs FINAL WHERE job_id = {job} AND event = 'END'),
+          (SELECT sum(n_events) FROM `{db}`.kernel_summaries FINAL WHERE job_id = {job}),
+          (SELECT sum(kernel_events) FROM {dead} AND endsWith(topic, 'kernels')),
+          (SELECT count() FROM `{db}`.steps FINAL WHERE job_id = {job}),
+          (SELECT uniqExact(partition, offset) FROM {dead} AND endsWith(topic, 'steps')),
+          (SELECT uniqExact(rank, step) FROM `{db}`.phases FINAL WHERE job_id = {job}),
+          (SELECT uniqExact(partition, offset) FROM {dead} AND endsWith(topic, 'phases'))""").rows[0]
+    (l1l2, l3, listed, stored, ended, want_events, want_steps, want_phases, events, dead_events, steps,
+     dead_steps, phases, dead_phases) = (None if v is None else int(v) for v in row)
+    why = []
+    if not l1l2 or (l3 or 0) < settings.partitions:
+        why.append(f"DIAGNOSED parts: l1l2 {l1l2 or 0}/1, l3 {l3 or 0}/{settings.partitions}")
+    if (stored or 0) < (listed or 0):
+        why.append(f"findings stored {stored or 0}/{listed}")
+    if not ended:
+        why.append("no END (or ABANDONED) stored")
+    for what, want, have in (("kernel events", want_events, (events or 0) + (dead_events or 0)),
+                             ("steps", want_steps, (steps or 0) + (dead_steps or 0)),
+                             ("phase batches", want_phases, (phases or 0) + (dead_phases or 0))):
+        if want is not None and have < want:
+            why.append(f"{what} stored {have}/{want}")
+    return why
 
 
 def wait_diagnosed(settings: Settings, job_id: str, timeout_s: float, query: Query | None = None) -> bool:

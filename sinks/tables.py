@@ -2,9 +2,20 @@
 
 Every table is a ``ReplacingMergeTree`` whose sorting key is the record's natural identity, so a record that
 Kafka re-delivers (at-least-once) replaces its earlier copy instead of doubling it. Query with ``FINAL``
-(or ``argMax``) to see the deduplicated view before background merges have run. ``kernel_summaries`` uses
-``n_events`` as its version: if a window is ever re-emitted from a partial replay, the complete one wins.
+(or ``argMax``) to see the deduplicated view before background merges have run.
+
+``kernel_summaries`` is keyed by (job, kernel, stream, rank, window, ``piece``) with ``n_events`` as its
+version. A piece is identified by the last kernel message it summarizes (:mod:`streams.windows`), so a
+re-summary of a window after a restart is the same piece and the complete copy (more events) wins, while
+events that arrived after their window was summarized (a broker outage, stragglers after a rank's end) are a
+further piece: pieces add up (``sum(n_events)``), and the view ``kernel_windows`` merges them per (rank,
+window) (clusters concatenated). A table created before pieces existed keeps its old sorting key (pieces
+then replace each other): drop it to upgrade.
 Times are Int64 nanoseconds since the Unix epoch (``*_ns``); ``*_time`` columns are readable aliases.
+
+On a ClickHouse cluster (``ARGUS_CLICKHOUSE_CLUSTER``) each table ``T`` is two: ``T_local``, a
+``ReplicatedReplacingMergeTree`` on every replica of every shard, and ``T``, a ``Distributed`` table over them
+that inserts and queries use unchanged (:func:`schema_ddl`; ``argus ddl`` prints the statements).
 """
 
 from __future__ import annotations
@@ -15,11 +26,13 @@ from typing import Any
 
 import pyarrow as pa
 
+from argus.settings import check_identifier
 from argus.topics import Topic
 from schemas.records import (
     CpuStack,
     DeadLetter,
     Finding,
+    Heartbeat,
     JobLifecycle,
     JobTopology,
     KernelBatch,
@@ -28,9 +41,12 @@ from schemas.records import (
     Step,
 )
 
-__all__ = ["TABLES", "TABLE_OF_TOPIC", "Table", "rows_to_arrow"]
+__all__ = ["LOCAL_SUFFIX", "PHASE_MARKER_IDX", "TABLES", "TABLE_OF_TOPIC", "VIEWS", "Table", "rows_to_arrow",
+           "schema_ddl"]
 
 _I64, _I32, _STR = pa.int64(), pa.int32(), pa.string()
+#: Suffix of the per-shard table behind each ``Distributed`` table on a cluster.
+LOCAL_SUFFIX = "_local"
 
 
 @dataclass(frozen=True)
@@ -45,16 +61,62 @@ class Table:
     aliases: tuple[str, ...] = ()
 
     def ddl(self, database: str) -> str:
-        cols = [f"`{n}` {t}" for n, t, _ in self.columns] + list(self.aliases)
+        """``CREATE TABLE IF NOT EXISTS`` of this table on one server (or the embedded chDB)."""
         engine = f"ReplacingMergeTree({self.version})" if self.version else "ReplacingMergeTree"
-        return (f"CREATE TABLE IF NOT EXISTS `{database}`.`{self.name}` ({', '.join(cols)}) "
+        return (f"CREATE TABLE IF NOT EXISTS `{database}`.`{self.name}` ({self._column_list()}) "
                 f"ENGINE = {engine} ORDER BY ({', '.join(self.order_by)})")
 
-    def migrations(self, database: str) -> list[str]:
+    def cluster_ddl(self, database: str, cluster: str) -> list[str]:
+        """``CREATE TABLE IF NOT EXISTS ... ON CLUSTER`` of this table on ``cluster``: first ``<name>_local``,
+        a ``ReplicatedReplacingMergeTree`` (Keeper path ``/clickhouse/tables/{shard}/<database>/<name>_local``,
+        replica ``{replica}``: the servers' macros) with this table's columns, version and sorting key, then
+        ``<name>``, a ``Distributed`` table over the local ones with the same columns, sharded by
+        :attr:`sharding_key`. Names are not checked here (see :func:`schema_ddl`)."""
+        local, on = self.name + LOCAL_SUFFIX, f" ON CLUSTER '{cluster}'"
+        replicated = f"'/clickhouse/tables/{{shard}}/{database}/{local}', '{{replica}}'"
+        if self.version:
+            replicated += f", {self.version}"
+        return [
+            f"CREATE TABLE IF NOT EXISTS `{database}`.`{local}`{on} ({self._column_list()}) "
+            f"ENGINE = ReplicatedReplacingMergeTree({replicated}) ORDER BY ({', '.join(self.order_by)})",
+            f"CREATE TABLE IF NOT EXISTS `{database}`.`{self.name}`{on} ({self._column_list()}) "
+            f"ENGINE = Distributed('{cluster}', '{database}', '{local}', {self.sharding_key})",
+        ]
+
+    @property
+    def sharding_key(self) -> str:
+        """The expression that picks a row's shard on a cluster: ``cityHash64(`job_id`, `rank`)`` for the
+        per-rank tables, ``cityHash64(`job_id`)`` for the other tables of a job (``jobs``, ``findings``), a
+        hash of the whole sorting key for ``dead_letters``."""
+        # ReplacingMergeTree replaces a row only by another in the same shard (merges and FINAL are per
+        # shard), so a re-delivered copy must land where its first copy did: the key may use sorting-key
+        # columns only. Within that, (job, rank) and not the job alone: a 10,240-rank job with 150 phases per
+        # rank and 200 ms steps writes 7.7 M phase rows/s (docs/scaling.md), far more than one shard takes,
+        # so a big job's rows spread over all shards, while each rank's rows stay together: FINAL, the
+        # per-rank merge of the view kernel_windows (grouped by job, kernel, stream, rank, window) and joins
+        # on (job_id, rank) between per-rank tables (steps, topology, ...) resolve shard-locally.
+        # dead_letters' job_id is parsed from a possibly broken message key and is not in its sorting key:
+        # it hashes its sorting key, which identifies the message.
+        cols = self.order_by
+        if "job_id" in cols:
+            cols = tuple(c for c in ("job_id", "rank") if c in cols)
+        return f"cityHash64({', '.join(f'`{c}`' for c in cols)})"
+
+    def migrations(self, database: str, cluster: str = "") -> list[str]:
         """``ADD COLUMN IF NOT EXISTS`` for every column, so tables created by an older argus gain new ones
-        (e.g. the findings' impact columns of schema v2); no-ops on current tables."""
-        return [f"ALTER TABLE `{database}`.`{self.name}` ADD COLUMN IF NOT EXISTS `{n}` {t}"
-                for n, t, _ in self.columns]
+        (e.g. the findings' impact columns of schema v2); no-ops on current tables.
+
+        On a ``cluster``: one ``ALTER ... ON CLUSTER`` per table (each is a round through Keeper to every
+        server), the ``_local`` tables first, then the ``Distributed`` one, whose columns must match."""
+        if not cluster:
+            return [f"ALTER TABLE `{database}`.`{self.name}` ADD COLUMN IF NOT EXISTS `{n}` {t}"
+                    for n, t, _ in self.columns]
+        adds = ", ".join(f"ADD COLUMN IF NOT EXISTS `{n}` {t}" for n, t, _ in self.columns)
+        return [f"ALTER TABLE `{database}`.`{name}` ON CLUSTER '{cluster}' {adds}"
+                for name in (self.name + LOCAL_SUFFIX, self.name)]
+
+    def _column_list(self) -> str:
+        return ", ".join([f"`{n}` {t}" for n, t, _ in self.columns] + list(self.aliases))
 
     @property
     def arrow_schema(self) -> pa.Schema:
@@ -73,20 +135,24 @@ def _step_rows(r: Step) -> Iterable[tuple[Any, ...]]:
 
 
 def _phase_rows(r: PhaseBatch) -> Iterable[tuple[Any, ...]]:
+    if not r.kinds:
+        # A rank's step without phases (an imported trace without annotations) is still a batch the job's END
+        # counts: one marker row, idx -1, so the store can tell it arrived (``findings --wait``).
+        yield (r.job_id, r.rank, r.step, PHASE_MARKER_IDX, "", "", "", -1, 0, 0)
     for i, (kind, name, group, stream, start, dur) in enumerate(
             zip(r.kinds, r.names, r.groups, r.streams, r.start_ns, r.duration_ns, strict=True)):
         yield (r.job_id, r.rank, r.step, i, kind.value, name, group.value, stream, start, dur)
 
 
 def _summary_rows(r: KernelSummary) -> Iterable[tuple[Any, ...]]:
-    at = 0
+    at, pieces = 0, r.pieces()
     for i, n in enumerate(r.n_clusters):
         sl = slice(at, at + n)
         at += n
         yield (r.job_id, r.kernel, r.stream, r.rank[i], r.window_start_ns[i], r.window_end_ns[i],
                r.n_events[i], n, list(r.cluster_count[sl]), list(r.cluster_p50_ns[sl]),
                list(r.cluster_p99_ns[sl]), list(r.cluster_min_ns[sl]), list(r.cluster_max_ns[sl]),
-               list(r.cluster_sum_ns[sl]))
+               list(r.cluster_sum_ns[sl]), pieces[i])
 
 
 def _topology_rows(r: JobTopology) -> Iterable[tuple[Any, ...]]:
@@ -97,7 +163,7 @@ def _topology_rows(r: JobTopology) -> Iterable[tuple[Any, ...]]:
 
 def _job_rows(r: JobLifecycle) -> Iterable[tuple[Any, ...]]:
     yield (r.job_id, r.event.value, r.part, r.time_ns, r.world_size, r.source, r.kernel_events, r.steps,
-           r.phase_batches)
+           r.phase_batches, list(r.finding_ids), r.reason, r.last_step)
 
 
 def _finding_rows(r: Finding) -> Iterable[tuple[Any, ...]]:
@@ -120,6 +186,13 @@ def _cpu_stack_rows(r: CpuStack) -> Iterable[tuple[Any, ...]]:
     yield (r.job_id, r.rank, r.finding_id, r.time_ns, r.host, r.pid, r.stacks_json)
 
 
+def _heartbeat_rows(r: Heartbeat) -> Iterable[tuple[Any, ...]]:
+    yield (r.job_id, r.rank, r.time_ns, r.step, r.phase, r.phase_kind.value if r.phase_kind else "",
+           r.collective.value if r.collective else "", r.group.value, r.group_index, r.seq, r.in_flight_since_ns)
+
+
+#: ``idx`` of the marker row of a PhaseBatch without phases (see ``_phase_rows``).
+PHASE_MARKER_IDX = -1
 _LC = "LowCardinality(String)"
 _A64 = "Array(Int64)"
 _AL = pa.list_(_I64)
@@ -138,8 +211,8 @@ TABLES: dict[str, Table] = {t.name: t for t in (
         ("window_start_ns", "Int64", _I64), ("window_end_ns", "Int64", _I64), ("n_events", "Int64", _I64),
         ("n_clusters", "Int32", _I32), ("cluster_count", _A64, _AL), ("cluster_p50_ns", _A64, _AL),
         ("cluster_p99_ns", _A64, _AL), ("cluster_min_ns", _A64, _AL), ("cluster_max_ns", _A64, _AL),
-        ("cluster_sum_ns", _A64, _AL)),
-          ("job_id", "kernel", "stream", "rank", "window_start_ns"), _summary_rows, version="n_events",
+        ("cluster_sum_ns", _A64, _AL), ("piece", "Int64", _I64)),
+          ("job_id", "kernel", "stream", "rank", "window_start_ns", "piece"), _summary_rows, version="n_events",
           aliases=("`window_start` DateTime64(9) ALIAS fromUnixTimestamp64Nano(window_start_ns)",)),
     Table("topology", (("job_id", _LC, _STR), ("rank", "Int32", _I32), ("host", _LC, _STR),
                        ("dp_group", "Int32", _I32), ("tp_group", "Int32", _I32), ("pp_group", "Int32", _I32),
@@ -149,7 +222,10 @@ TABLES: dict[str, Table] = {t.name: t for t in (
           ("job_id", "rank"), _topology_rows),
     Table("jobs", (("job_id", _LC, _STR), ("event", _LC, _STR), ("part", _LC, _STR), ("time_ns", "Int64", _I64),
                    ("world_size", "Int32", _I32), ("source", _LC, _STR), ("kernel_events", "Nullable(Int64)", _I64),
-                   ("steps", "Nullable(Int64)", _I64), ("phase_batches", "Nullable(Int64)", _I64)),
+                   ("steps", "Nullable(Int64)", _I64), ("phase_batches", "Nullable(Int64)", _I64),
+                   ("finding_ids", "Array(String)", pa.list_(_STR)),
+                   # ABANDONED: why argus closed the job, and the last step it had seen ('' and -1 otherwise).
+                   ("reason", "String", _STR), ("last_step", "Int64", _I64)),
           ("job_id", "event", "part"), _job_rows),
     Table("findings", (("job_id", _LC, _STR), ("finding_id", "String", _STR), ("level", _LC, _STR),
                        ("kind", _LC, _STR), ("ranks", "Array(Int32)", pa.list_(_I32)),
@@ -168,6 +244,13 @@ TABLES: dict[str, Table] = {t.name: t for t in (
                          ("stacks_json", "String", _STR)),
           ("job_id", "rank", "finding_id", "time_ns"), _cpu_stack_rows,
           aliases=("`time` DateTime64(9) ALIAS fromUnixTimestamp64Nano(time_ns)",)),
+    # Heartbeats: what each rank was doing when (``collective``/``phase_kind`` '' when none), for hang forensics.
+    Table("heartbeats", (("job_id", _LC, _STR), ("rank", "Int32", _I32), ("time_ns", "Int64", _I64),
+                         ("step", "Int64", _I64), ("phase", _LC, _STR), ("phase_kind", _LC, _STR),
+                         ("collective", _LC, _STR), ("grp", _LC, _STR), ("group_index", "Int32", _I32),
+                         ("seq", "Int64", _I64), ("in_flight_since_ns", "Int64", _I64)),
+          ("job_id", "rank", "time_ns"), _heartbeat_rows,
+          aliases=("`time` DateTime64(9) ALIAS fromUnixTimestamp64Nano(time_ns)",)),
 )}
 
 TABLE_OF_TOPIC: dict[Topic, Table] = {
@@ -179,5 +262,45 @@ TABLE_OF_TOPIC: dict[Topic, Table] = {
     Topic.FINDINGS: TABLES["findings"],
     Topic.DEAD_LETTER: TABLES["dead_letters"],
     Topic.STACKS: TABLES["cpu_stacks"],
+    Topic.HEARTBEATS: TABLES["heartbeats"],
 }
 
+
+
+_CLUSTER_COLUMNS = ("cluster_count", "cluster_p50_ns", "cluster_p99_ns", "cluster_min_ns", "cluster_max_ns",
+                    "cluster_sum_ns")
+
+#: Views over the tables, ``{name: SELECT}`` (``{db}`` is the database). ``kernel_windows``: one row per
+#: (job, kernel, stream, rank, window) with its pieces merged (events summed, clusters concatenated).
+VIEWS: dict[str, str] = {
+    "kernel_windows": (
+        "SELECT job_id, kernel, stream, rank, window_start_ns, any(window_end_ns) AS window_end_ns, "
+        "sum(n_events) AS n_events, count() AS pieces, sum(n_clusters) AS n_clusters, "
+        + ", ".join(f"groupArrayArray({c}) AS {c}" for c in _CLUSTER_COLUMNS)
+        + " FROM `{db}`.kernel_summaries FINAL GROUP BY job_id, kernel, stream, rank, window_start_ns"),
+}
+
+
+def schema_ddl(database: str, cluster: str = "") -> list[str]:
+    """Every statement that creates argus's schema in ``database``, in order (each idempotent: ``IF NOT
+    EXISTS``): the database, each table of :data:`TABLES` with its :meth:`Table.migrations`, each view.
+
+    ``cluster`` empty (default): one server or the embedded chDB. Otherwise everything ``ON CLUSTER
+    '<cluster>'``, tables as :meth:`Table.cluster_ddl`; views read the ``Distributed`` tables.
+
+    Raises:
+        ConfigError: ``cluster`` or, with a cluster, ``database`` is not a plain name (see
+            :func:`argus.settings.check_identifier`).
+    """
+    on = ""
+    if cluster:
+        check_identifier("clickhouse_cluster", cluster)
+        check_identifier("clickhouse_database", database)
+        on = f" ON CLUSTER '{cluster}'"
+    out = [f"CREATE DATABASE IF NOT EXISTS `{database}`{on}"]
+    for table in TABLES.values():
+        out += table.cluster_ddl(database, cluster) if cluster else [table.ddl(database)]
+        out += table.migrations(database, cluster)
+    out += [f"CREATE VIEW IF NOT EXISTS `{database}`.`{name}`{on} AS " + select.replace("{db}", database)
+            for name, select in VIEWS.items()]
+    return out

@@ -3,11 +3,13 @@
 Pure function, no Kafka. Each (job, rank, window)'s events are grouped by (kernel, stream) and clustered by
 KDE valleys on log-durations (:func:`detectors.cluster_by_group`, one vectorized pass per window); the
 summaries of all given windows are then regrouped by (job, kernel, stream), the key of the cross-rank
-comparison, into one :class:`KernelSummary` each.
+comparison, into one :class:`KernelSummary` each. :func:`summarize_isolated` does the same but sets aside
+the windows whose summaries cannot be made or fail their checks (so one bad window never blocks the rest).
 """
 
 from __future__ import annotations
 
+import logging
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -18,7 +20,9 @@ from detectors.kde_clusters import ClusterSet, KdeParams, cluster_by_group
 from schemas.records import KernelSummary
 from streams.windows import ClosedWindow
 
-__all__ = ["summarize_windows"]
+__all__ = ["summarize_isolated", "summarize_windows"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -28,17 +32,22 @@ class _Rows:
     end: list[int] = field(default_factory=list)
     n_events: list[int] = field(default_factory=list)
     n_clusters: list[int] = field(default_factory=list)
+    piece: list[int] = field(default_factory=list)
     clusters: list[ClusterSet] = field(default_factory=list)
 
 
 def summarize_windows(windows: Sequence[ClosedWindow], params: KdeParams | None = None) -> list[KernelSummary]:
-    """Summaries of ``windows``, one record per (job, kernel, stream), rows ordered by (rank, window).
+    """Summaries of ``windows``, one record per (job, kernel, stream), rows ordered by (rank, window, piece);
+    each row carries its window's ``piece``.
 
     Every event of every window is counted in exactly one cluster, so
     ``sum(n_events) == sum(len(w) for w in windows)``.
+
+    Raises:
+        SchemaError: a summary fails :meth:`KernelSummary.check` (e.g. a sum of durations beyond int64).
     """
     groups: defaultdict[tuple[str, str, int], _Rows] = defaultdict(_Rows)
-    for w in sorted(windows, key=lambda w: (w.job_id, w.rank, w.start_ns)):
+    for w in sorted(windows, key=lambda w: (w.job_id, w.rank, w.start_ns, w.piece)):
         if not len(w):
             continue
         gid = (w.kernel_id.astype(np.int64) << 32) | w.stream.astype(np.int64)
@@ -49,17 +58,39 @@ def summarize_windows(windows: Sequence[ClosedWindow], params: KdeParams | None 
             rows.end.append(w.end_ns)
             rows.n_events.append(cs.total_count)
             rows.n_clusters.append(len(cs))
+            rows.piece.append(w.piece)
             rows.clusters.append(cs)
     out = []
     for (job_id, kernel, stream), rows in sorted(groups.items()):
         def cat(col: str, rows: _Rows = rows) -> tuple[int, ...]:
             return tuple(np.concatenate([getattr(c, col) for c in rows.clusters]).tolist())
 
-        out.append(KernelSummary(
+        summary = KernelSummary(
             job_id=job_id, kernel=kernel, stream=stream, rank=tuple(rows.rank),
             window_start_ns=tuple(rows.start), window_end_ns=tuple(rows.end), n_events=tuple(rows.n_events),
             n_clusters=tuple(rows.n_clusters), cluster_count=cat("count"), cluster_p50_ns=cat("p50_ns"),
             cluster_p99_ns=cat("p99_ns"), cluster_min_ns=cat("min_ns"), cluster_max_ns=cat("max_ns"),
-            cluster_sum_ns=cat("sum_ns"),
-        ))
+            cluster_sum_ns=cat("sum_ns"), piece=tuple(rows.piece),
+        )
+        summary.check()
+        out.append(summary)
     return out
+
+
+def summarize_isolated(windows: Sequence[ClosedWindow], params: KdeParams | None = None
+                       ) -> tuple[list[KernelSummary], list[tuple[ClosedWindow, Exception]]]:
+    """Like :func:`summarize_windows`, but a window whose summaries raise (e.g. a cluster's sum of durations
+    beyond int64, which fails :meth:`KernelSummary.check`) is returned with its exception instead of failing
+    the others. The common case is one call; only on a failure is every window summarized alone."""
+    try:
+        return summarize_windows(windows, params), []
+    except Exception as exc:  # isolated below, window by window, to name the culprit
+        log.debug("summarizing %d windows together failed (%s); one by one", len(windows), exc)
+    out: list[KernelSummary] = []
+    failed: list[tuple[ClosedWindow, Exception]] = []
+    for w in windows:
+        try:
+            out.extend(summarize_windows([w], params))
+        except Exception as exc:  # any failure of one window is reported with that window
+            failed.append((w, exc))
+    return out, failed

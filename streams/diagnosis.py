@@ -19,22 +19,27 @@ and judges them once, when the job's summaries have all arrived.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from detectors.findings import DetectorResult, to_finding
+from detectors.findings import DetectorResult, finding_id, to_finding
 from detectors.impact import StepClock, impact_of, worth_raising
 from detectors.l1_iteration import IterationSeries, L1Kind, L1Params, L1Result, detect_l1
 from detectors.l2_phases import L2Params, L2Result, PhaseTable, detect_l2
-from detectors.l3_kernels import L3Params, detect_l3
+from detectors.l3_kernels import PIPELINE_SIDE, L3Kind, L3Params, L3Result, detect_l3
 from detectors.l3_ranks import KernelTotals, RankExcessParams, detect_rank_excess, detect_stage_excess
 from schemas.records import Finding, JobLifecycle, JobTopology, KernelSummary, ParallelGroup, PhaseBatch, Step
 
-__all__ = ["DiagnosisParams", "JobDiagnosis", "KernelDiagnosis", "LinkLedger", "RankDiagnosis", "drop_victims",
-           "judge", "straggler_ranks"]
+__all__ = ["CORROBORATES_ONLY", "DiagnosisParams", "JobDiagnosis", "KernelDiagnosis", "LinkLedger", "RankDiagnosis",
+           "corroborates_only", "drop_victims", "judge", "straggler_ranks"]
+
+#: Evidence key of a link result under the impact threshold: corroboration for the ledger, never published.
+CORROBORATES_ONLY = "corroborates_only"
 
 #: (level, kind) of findings that name a rank slow by its own work.
 _STRAGGLER_KINDS = frozenset({("L2", "compute_straggler"), ("L3", "rank_degraded")})
@@ -50,6 +55,9 @@ class DiagnosisParams:
     history_steps: int = 200
     #: Least delay a finding adds per step, as a fraction of the median step time, to be raised (1 %).
     min_impact_fraction: float = 0.01
+    #: An L3 window judged live raises findings at this multiple of ``min_impact_fraction``; at the job's
+    #: end every window is judged again at 1x (see :class:`KernelDiagnosis`).
+    live_impact_margin: float = 1.5
     l1: L1Params = field(default_factory=L1Params)
     l2: L2Params = field(default_factory=L2Params)
     l3: L3Params = field(default_factory=L3Params)
@@ -66,7 +74,17 @@ def judge(job_id: str, results: list[DetectorResult], time_ns: int, world_size: 
         impact = impact_of(res, world_size, steps)
         if worth_raising(impact, clock, min_fraction):
             out.append(to_finding(job_id, res, time_ns, impact))
+        elif isinstance(res, L3Result) and res.kind is L3Kind.LINK_DEGRADED:
+            # A degraded link slows every collective its group runs, the small ones too: too little to raise
+            # alone, such a result still corroborates the group's larger collectives (see LinkLedger).
+            weak = dataclasses.replace(res, evidence=res.evidence | {CORROBORATES_ONLY: True})
+            out.append(to_finding(job_id, weak, time_ns, impact))
     return out
+
+
+def corroborates_only(finding: Finding) -> bool:
+    """Whether ``finding`` is evidence for :class:`LinkLedger` only, never to be published."""
+    return CORROBORATES_ONLY in finding.evidence_json and bool(finding.evidence.get(CORROBORATES_ONLY))
 
 
 class JobDiagnosis:
@@ -104,8 +122,9 @@ class JobDiagnosis:
         elif isinstance(record, PhaseBatch):
             self.phases_seen += 1
             for kind, group, stream in zip(record.kinds, record.groups, record.streams, strict=True):
-                if kind.is_collective and stream >= 0 and group is not ParallelGroup.NONE:
-                    self.collective_groups.setdefault(stream, group)
+                if group is not ParallelGroup.NONE and stream >= 0 and stream not in self.collective_groups \
+                        and kind.is_collective:
+                    self.collective_groups[stream] = group
             self._phases[record.step][record.rank] = record
             self._maybe_complete(record.step)
         elif isinstance(record, JobTopology):
@@ -186,10 +205,14 @@ class JobDiagnosis:
 class KernelDiagnosis:
     """L3 state of one (job, kernel, stream): summary rows by window.
 
-    Compressors of different partitions progress at different speeds, so a window may still be missing
-    ranks when the next one begins. A window is judged live once every rank seen for this key has it and
-    the next window has begun, or once two later windows have begun; at the job's end every window is
-    judged, again if ranks arrived since its live judgement.
+    Compressors of different partitions progress at different speeds, and an import sends one rank after
+    another, so a window may be missing ranks long after the next one began. A window is judged live once
+    it is complete: every rank of the pipeline stages this key was seen on has it (the topology says which:
+    a stage's ranks run the same kernels). A partial window would compare the ranks that happen to be there
+    (ranks of one TP index alone look like a slow group). At the job's end every window is judged again,
+    against the job's final step time: live, only findings clear of the impact bar by
+    ``DiagnosisParams.live_impact_margin`` are raised, so what is raised does not depend on when a window
+    completed.
     """
 
     def __init__(self, job_id: str, kernel: str, stream: int, params: DiagnosisParams | None = None) -> None:
@@ -199,6 +222,8 @@ class KernelDiagnosis:
         self._ranks: dict[int, set[int]] = defaultdict(set)
         self._seen_ranks: set[int] = set()
         self._judged: dict[int, int] = {}  # window start -> number of ranks when judged
+        self._final_judged: dict[int, int] = {}  # the same, for the judgements at the job's end
+        self._expected_for: tuple[tuple[int, int], set[int]] = ((0, -1), set())
         self._emitted: set[str] = set()
 
     def add(self, summary: KernelSummary) -> None:
@@ -206,6 +231,20 @@ class KernelDiagnosis:
             self._windows[ws].append(_row(summary, i))
             self._ranks[ws].add(summary.rank[i])
             self._seen_ranks.add(summary.rank[i])
+
+    def _expected(self, topology: JobTopology) -> set[int]:
+        """The ranks of every pipeline stage this key was seen on (all ranks when the seen ones are unknown
+        to the topology)."""
+        key = (id(topology), len(self._seen_ranks))
+        if self._expected_for[0] != key:  # recomputed only when the topology or the seen ranks change
+            stage_of = dict(zip(topology.rank, topology.pp_stage, strict=True))
+            if not self._seen_ranks <= stage_of.keys():
+                ranks = set(topology.rank)
+            else:
+                stages = {stage_of[r] for r in self._seen_ranks}
+                ranks = {r for r, st in stage_of.items() if st in stages}
+            self._expected_for = (key, ranks)
+        return self._expected_for[1]
 
     def diagnose(self, topology: JobTopology | None, final: bool = False,
                  group_kind: ParallelGroup | None = None, clock: StepClock | None = None) -> list[Finding]:
@@ -219,23 +258,33 @@ class KernelDiagnosis:
             return []
         clock = clock or StepClock()
         world = topology.world_size if topology is not None else len(self._seen_ranks)
-        starts = sorted(self._windows)
+        expected = self._expected(topology) if topology is not None else self._seen_ranks
         ready = []
-        for i, ws in enumerate(starts):
+        for ws in sorted(self._windows):
             n = len(self._ranks[ws])
-            if self._judged.get(ws) == n:
+            if (self._final_judged if final else self._judged).get(ws) == n:
                 continue
-            later = len(starts) - 1 - i
-            if final or later >= 2 or (later == 1 and self._ranks[ws] >= self._seen_ranks):
+            # Live, the window's steps must be known too (a step began after it): its impact spreads its excess
+            # over them, and a restarted worker may see summaries before the steps they belong to.
+            known = bool(clock.starts_ns) and clock.starts_ns[-1] >= self._windows[ws][0].window_end_ns[0]
+            if final or (self._ranks[ws] >= expected and known):
                 ready.append(ws)
+        # A live judgement reads the step time known so far, which depends on when the window completed: only
+        # findings clear of the impact bar by a margin are raised live, the rest when every window is judged
+        # again against the job's final steps. So the same records give the same findings, however they came.
+        fraction = self.params.min_impact_fraction * (1.0 if final else self.params.live_impact_margin)
         new: list[Finding] = []
         for ws in ready:
             self._judged[ws] = len(self._ranks[ws])
+            if final:
+                self._final_judged[ws] = len(self._ranks[ws])
             rows = self._windows[ws]
             results: list[DetectorResult] = list(detect_l3(rows, topology, self.params.l3, group_kind))
-            for finding in judge(self.job_id, results, rows[0].window_end_ns[0], world, clock,
-                                 self.params.min_impact_fraction, (ws, rows[0].window_end_ns[0])):
-                if finding.finding_id not in self._emitted:
+            for finding in judge(self.job_id, results, rows[0].window_end_ns[0], world, clock, fraction,
+                                 (ws, rows[0].window_end_ns[0])):
+                if corroborates_only(finding):
+                    new.append(finding)
+                elif finding.finding_id not in self._emitted:
                     self._emitted.add(finding.finding_id)
                     new.append(finding)
         return new
@@ -247,31 +296,80 @@ class LinkLedger:
     with strong evidence (transfer ``strong_ratio``x slower than ``strong_groups`` or more groups of its kind).
 
     One collective alone can mislead: the ranks of one position in their groups (all of one TP index) can wait
-    in a collective of another kind for the others and look like a slow group of their own kind.
+    in a collective of another kind for the others and look like a slow group of their own kind. A pipeline
+    link seen one side per stream (:data:`~detectors.l3_kernels.PIPELINE_SIDE`) is named once both of its
+    ranks' sides are slow, and only while no straggler is known in the job.
     """
 
     def __init__(self, strong_ratio: float = 2.5, strong_groups: int = 4) -> None:
         self.strong_ratio, self.strong_groups = strong_ratio, strong_groups
         self._seen: dict[tuple[int, ...], dict[tuple[str, int], Finding]] = {}
         self._named: set[tuple[int, ...]] = set()
+        self._sides: dict[int, dict[int, Finding]] = {}  # pipeline -> stage -> that stage's side
+        self._stragglers: set[int] = set()  # ranks named slow by their own work, from the findings seen
 
     def filter(self, findings: list[Finding]) -> list[Finding]:
-        """``findings`` with link findings held back until corroborated (then each named group once)."""
+        """``findings`` with link findings held back until corroborated (then each named group once, by its
+        largest-impact finding) and corroboration-only findings (:func:`corroborates_only`) removed."""
         out = []
+        self._stragglers |= straggler_ranks(findings)
         for f in findings:
             if f.kind != "link_degraded" or f.level.value != "L3":
                 out.append(f)
                 continue
+            if f.evidence.get("group_kind") == PIPELINE_SIDE:
+                out += self._pair(f)
+                continue
             group = tuple(f.ranks)
             seen = self._seen.setdefault(group, {})
-            seen.setdefault((f.kernel or "", f.stream or 0), f)
-            ev = f.evidence
-            strong = (float(ev.get("transfer_ratio", 0.0)) >= self.strong_ratio
-                      and int(ev.get("groups_compared", 0)) >= self.strong_groups)
-            if group not in self._named and (len(seen) >= 2 or strong):
+            key = (f.kernel or "", f.stream or 0)
+            if key not in seen or corroborates_only(seen[key]):
+                seen[key] = f
+            raisable = [g for g in seen.values() if not corroborates_only(g)]
+            if group in self._named or not raisable:
+                continue
+            if len(seen) >= 2 or any(self._strong(g) for g in raisable):
                 self._named.add(group)
-                out.append(f)
+                out.append(max(raisable, key=lambda g: g.impact_ns))
         return out
+
+    def _pair(self, f: Finding) -> list[Finding]:
+        """A pipeline link from its two sides: one rank's transfers slow against its stage's peers on one
+        stream, and its neighbour's in the same pipeline on theirs. A rank waiting for a slow peer shows one
+        side only (the slow peer itself posts last and never waits), so one side is never named."""
+        ev = f.evidence
+        if self._stragglers:
+            # Waiting spreads from a straggler through every blocking group: up its pipeline, and through its
+            # stage's data-parallel peers into theirs; sides alone cannot tell a link from it.
+            return []
+        pipe, stage = int(ev["pp_group"]), int(ev["pp_stage"])
+        sides = self._sides.setdefault(pipe, {})
+        if stage not in sides or corroborates_only(sides[stage]):
+            sides[stage] = f
+        out = []
+        for other in (stage - 1, stage + 1):
+            g = sides.get(other)
+            if g is None or (corroborates_only(f) and corroborates_only(g)):
+                continue
+            ranks = tuple(sorted({*f.ranks, *g.ranks}))
+            if ranks in self._named:
+                continue
+            self._named.add(ranks)
+            top = max((x for x in (f, g) if not corroborates_only(x)), key=lambda x: x.impact_ns)
+            evidence = top.evidence | {"group_kind": "PP", "whole_group": True, "group": f"PP{pipe}",
+                                       "side_transfer_ratio": {str(x.ranks[0]): x.evidence.get("transfer_ratio")
+                                                               for x in (f, g)}}
+            evidence.pop("pp_stage", None)
+            out.append(dataclasses.replace(
+                top, ranks=ranks, evidence_json=json.dumps(evidence, sort_keys=True, separators=(",", ":")),
+                finding_id=finding_id(top.job_id, top.level.value, top.kind, ranks, top.phase, top.kernel, top.stream,
+                                      top.steps)))
+        return out
+
+    def _strong(self, f: Finding) -> bool:
+        ev = f.evidence
+        return (float(ev.get("transfer_ratio", 0.0)) >= self.strong_ratio
+                and int(ev.get("groups_compared", 0)) >= self.strong_groups)
 
 
 class RankDiagnosis:
@@ -293,6 +391,22 @@ class RankDiagnosis:
         totals.add(summary)
         self._ranks.update(summary.rank)
         self.last_time_ns = max(self.last_time_ns, *summary.window_end_ns, 0)
+
+    def totals(self) -> list[KernelTotals]:
+        """Its per-rank kernel totals (one L3 part's, shared with the part that judges the job)."""
+        return list(self._totals.values())
+
+    def add_totals(self, totals: Iterable[KernelTotals], last_time_ns: int) -> None:
+        """Add another part's per-rank kernel totals (sums per rank and kernel)."""
+        for t in totals:
+            mine = self._totals.get((t.kernel, t.stream))
+            if mine is None:
+                mine = self._totals[(t.kernel, t.stream)] = KernelTotals(t.kernel, t.stream)
+            for r, v in t.total_ns.items():
+                mine.total_ns[r] = mine.total_ns.get(r, 0.0) + v
+                mine.calls[r] = mine.calls.get(r, 0.0) + t.calls.get(r, 0.0)
+            self._ranks.update(t.total_ns)
+        self.last_time_ns = max(self.last_time_ns, last_time_ns)
 
     def diagnose(self, topology: JobTopology | None, clock: StepClock | None = None) -> list[Finding]:
         """The ranks slow across kernels, with their impact over the job's steps."""
@@ -328,13 +442,17 @@ def straggler_ranks(findings: list[Finding]) -> set[int]:
 
 
 def drop_victims(findings: list[Finding], stragglers: set[int]) -> list[Finding]:
-    """Keep L3 late-arrival findings only for ranks L2 named compute stragglers (``stragglers``).
+    """Keep L3 late-arrival findings only for ranks L2 named compute stragglers (``stragglers``), and drop
+    per-kernel findings of ranks already named stragglers.
 
     A member that reaches a collective last is late, not necessarily the cause: a rank sharing a blocking
     group (TP, PP or EP: collectives inside the layer) with a straggler waits for it there and reaches its
     *other* collectives late as well, and so does a pipeline stage waiting for another. A single (kernel,
     stream) cannot tell why; L2 (the phases of every group) and the compute kernels can, so an L3 late
-    arrival is only raised as corroboration of a straggler found there.
+    arrival is only raised as corroboration of a straggler found there. A straggler's slower kernels are
+    its finding's evidence already; raised one by one, the smallest of them would come and go with the
+    noise of their impact.
     """
     return [f for f in findings
-            if not (f.level.value == "L3" and f.kind == "compute_straggler" and not set(f.ranks) <= stragglers)]
+            if not (f.level.value == "L3" and f.kind == "compute_straggler" and not set(f.ranks) <= stragglers)
+            and not (f.level.value == "L3" and f.kind == "kernel_degraded" and set(f.ranks) <= stragglers)]

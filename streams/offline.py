@@ -91,7 +91,8 @@ def diagnose_records(records: Iterable[Record], settings: Settings | None = None
     """
     cfg = settings if settings is not None else Settings()
     p = params if params is not None else DiagnosisParams(min_impact_fraction=cfg.min_impact_fraction)
-    buffer = WindowBuffer(window_ns=cfg.window_ns, lateness_ns=cfg.allowed_lateness_ns)
+    buffer = WindowBuffer(window_ns=cfg.window_ns, lateness_ns=cfg.allowed_lateness_ns,
+                          max_skew_ns=cfg.max_event_skew_ns, max_names=cfg.max_kernel_names)
     jobs: dict[str, _Job] = {}
     done: dict[str, list[Finding]] = {}
 

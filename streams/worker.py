@@ -6,6 +6,7 @@ import logging
 
 from faust.worker import Worker
 
+from argus.heap_trim import start_heap_trimmer
 from argus.settings import Settings
 from streams.app import create_app
 
@@ -17,5 +18,6 @@ log = logging.getLogger(__name__)
 def run_worker(settings: Settings) -> None:
     """Run the Faust worker until SIGTERM/SIGINT. Topics must exist (``argus up`` or ``argus topics``)."""
     app = create_app(settings)
+    start_heap_trimmer()
     log.info("argus worker: app %s on %s", settings.app_id, settings.bootstrap_servers)
     Worker(app, loglevel=settings.log_level.lower(), quiet=True, redirect_stdouts=False).execute_from_commandline()

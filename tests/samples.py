@@ -8,10 +8,12 @@ from typing import Any
 import numpy as np
 
 from argus.topics import Topic
+from schemas.job_context import JobContext
 from schemas.records import (
     CpuStack,
     DeadLetter,
     Finding,
+    Heartbeat,
     JobLifecycle,
     JobTopology,
     KernelBatch,
@@ -56,6 +58,11 @@ def samples() -> dict[str, Record]:
         "cpu_stack": CpuStack("job-a", 5, "node0000", 4242, T0, "f1",
                               '[{"thread_id": 1, "thread_name": "MainThread", "owns_gil": true, "active": true, '
                               '"frames": [{"name": "train_step", "filename": "train.py", "line": 12}]}]'),
+        "heartbeat": Heartbeat("job-a", 5, T0, 7, "dp-allreduce", PhaseKind.ALL_REDUCE, PhaseKind.ALL_REDUCE,
+                               ParallelGroup.DP, 1, 42, T0 - 1_000_000),
+        "job_context": JobContext("job-a", "l3/1", T0, None, (7, 13), (ParallelGroup.NONE, ParallelGroup.DP), (5,),
+                                  (T0, T0 + 150_000_000), 150_000_000.0, True, ("gemm_kernel",), (7,), (2,), (0, 1),
+                                  (1.5e6, 1.6e6), (10.0, 10.0)),
     }
 
 

@@ -54,6 +54,10 @@ def chdb_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClickHouseS
 
 @pytest.fixture
 def settings(kafka: str, tmp_path: Path) -> Settings:
+    return fresh_settings(kafka, tmp_path)
+
+
+def fresh_settings(kafka: str, tmp_path: Path) -> Settings:
     """Settings of one test: its own topic prefix, consumer groups, database and ports."""
     tag = uuid.uuid4().hex[:8]
     s = Settings.load(

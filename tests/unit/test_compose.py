@@ -31,6 +31,17 @@ def test_compose_parses_and_names_existing_commands() -> None:
     assert services["clickhouse"]["image"].startswith("clickhouse/clickhouse-server:")
 
 
+def test_published_ports_bind_loopback_only() -> None:
+    services = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
+    published = [(name, p) for name, svc in services.items() for p in svc.get("ports", [])]
+    assert published  # ClickHouse's HTTP port at least, for `argus sql` from the host
+    for name, port in published:
+        if isinstance(port, dict):  # long syntax
+            assert port.get("host_ip") == "127.0.0.1", (name, port)
+        else:
+            assert str(port).startswith("127.0.0.1:"), (name, port)
+
+
 def test_dockerfile_copies_every_package() -> None:
     text = (ROOT / "Dockerfile").read_text()
     for pkg in ("argus", "producers", "streams", "sinks", "detectors", "schemas"):

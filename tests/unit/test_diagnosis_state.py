@@ -6,11 +6,12 @@ from __future__ import annotations
 import functools
 
 from argus.topics import Topic
+from detectors.impact import StepClock
 from producers.faults import Fault
 from producers.simulator import JobSimulator, SimRecord, paper_case
 from schemas.records import JobTopology, KernelSummary, LifecycleEvent, ParallelGroup
 from streams.compression import summarize_windows
-from streams.diagnosis import DiagnosisParams, JobDiagnosis, KernelDiagnosis
+from streams.diagnosis import DiagnosisParams, JobDiagnosis, KernelDiagnosis, _row
 from streams.windows import WindowBuffer
 
 
@@ -81,6 +82,37 @@ def test_kernel_windows_are_judged_when_complete_and_after_the_topology() -> Non
     assert found and {r for f in found for r in f.ranks} == {5}
     assert len({f.finding_id for f in found}) == len(found)
     assert state.diagnose(topo, final=True) == []  # every window judged with all its ranks
+
+
+def test_a_window_is_judged_live_only_once_every_rank_of_its_stages_has_it() -> None:
+    # An import sends one rank after another: a window with some ranks only must wait for the others (the
+    # ranks that happen to be there would be compared among themselves).
+    topo, summaries = _summaries()
+    rows = [_row(s, i) for s in summaries for i in range(len(s.rank))]
+    clock = StepClock((max(r.window_end_ns[0] for r in rows),), 1e9)  # a step began after every window
+    state = KernelDiagnosis("c1", summaries[0].kernel, summaries[0].stream)
+    first = {*sorted({r.rank[0] for r in rows})[: topo.world_size // 2], 5}
+    for r in rows:
+        if r.rank[0] in first:
+            state.add(r)
+    assert len({r.window_start_ns[0] for r in rows}) >= 3 and state.diagnose(topo, clock=clock) == []
+    for r in rows:
+        if r.rank[0] not in first:
+            state.add(r)
+    found = state.diagnose(topo, clock=clock)
+    assert found and {r for f in found for r in f.ranks} == {5}
+
+
+def test_a_window_is_judged_live_only_once_its_steps_are_known() -> None:
+    # A restarted worker may read summaries before the steps they belong to: their impact would be spread
+    # over the few steps known (and overstated), so the window waits for a step that began after it.
+    topo, summaries = _summaries()
+    state = KernelDiagnosis("c1", summaries[0].kernel, summaries[0].stream)
+    for s in summaries:
+        state.add(s)
+    first_end = min(e for s in summaries for e in s.window_end_ns)
+    assert state.diagnose(topo, clock=StepClock((first_end - 1,), 1e9)) == []
+    assert state.diagnose(topo, clock=StepClock((max(e for s in summaries for e in s.window_end_ns),), 1e9))
 
 
 def test_l3_late_arrivals_only_corroborate_l2_stragglers() -> None:

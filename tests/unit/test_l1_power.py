@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from detectors import L1Kind, L1Params, detect_l1
@@ -139,6 +139,13 @@ PROPERTY = settings(max_examples=60, deadline=None)
 @PROPERTY
 @given(n1=st.integers(5, 100), n2=st.integers(5, 100), shift=st.floats(1.06, 3.0), sigma=st.floats(0.0, 0.005),
        seed=st.integers(0, 2**31))
+# a +3.5 sigma draw at the last but one step, judged against the one step after it, was left out as a pause:
+# 4 kept steps after the onset, fewer than min_segment, and no finding
+@example(n1=75, n2=5, shift=2.0, sigma=0.00390625, seed=225414777)
+# the onset step, a +3.1 sigma draw, left out: the onset was reported one step late
+@example(n1=57, n2=8, shift=2.55, sigma=0.00148, seed=1775886387)
+# the last step before the onset, a -3 sigma draw in a short series (noise level underestimated), left out
+@example(n1=5, n2=7, shift=2.396, sigma=0.00218, seed=1372803650)
 def test_low_noise_regression_exact_with_its_cost(n1: int, n2: int, shift: float, sigma: float, seed: int) -> None:
     wall = BASE_NS * np.exp(sigma * np.random.default_rng(seed).standard_normal(n1 + n2))
     wall[n1:] *= shift

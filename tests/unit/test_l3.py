@@ -22,6 +22,7 @@ from detectors import (
     score_ranks,
     w1_to_reference,
 )
+from detectors.l3_kernels import PIPELINE_SIDE
 from producers.topology import build_topology
 from schemas.records import KernelSummary, Level
 
@@ -192,6 +193,16 @@ def test_partial_group_slow_collective_is_no_link() -> None:
     assert _found(p2p) == [(L3Kind.LINK_DEGRADED, (1, 5))] and p2p[0].evidence["group_kind"] == "PP"
 
 
+def test_a_pipeline_stream_with_one_side_gives_that_ranks_side() -> None:
+    # Sends to the next stage and receives from it on the stage-0 ranks' stream only: no whole pair.
+    topo = build_topology("j", dp=4, pp=2)
+    res = detect_l3([_summary(_ranks(4, {1: 2.5}), kernel="ncclDevKernel_SendRecv")], topo)
+    assert _found(res) == [(L3Kind.LINK_DEGRADED, (1,))]
+    ev = res[0].evidence
+    assert ev["group_kind"] == PIPELINE_SIDE and ev["pp_stage"] == 0 and not ev["whole_group"]
+    assert ev["pp_group"] == topo.pp_group[1]
+
+
 def test_collectives_without_topology() -> None:
     res = detect_l3([_summary(_ranks(8, {r: 10.0 for r in range(4, 8)}), kernel="ncclKernel_AllGather")])
     assert _found(res) == [(L3Kind.KERNEL_DEGRADED, (4, 5, 6, 7))]
@@ -240,3 +251,31 @@ def test_bad_input_raises() -> None:
                 {"collective_markers": ()}):
         with pytest.raises(DetectorError):
             L3Params(**bad)  # type: ignore[arg-type]
+
+
+def test_one_stray_call_in_a_small_cluster_is_no_slow_kernel() -> None:
+    # 24 calls per rank: a cluster's p99 is its slowest call, so one call x4.6 stretches rank 5's p99 alone.
+    ranks = _ranks(32, seed=3, count=24)
+    ranks[5] = (5, [(24, ranks[5][1][0][1], ranks[5][1][0][1] * 4.6)])
+    assert detect_l3([_summary(ranks)]) == []
+    # The same spread carried by a whole cluster of slow calls (a quarter of them) is found.
+    ranks[5] = (5, [(18, 1e6, 1.1e6), (6, 3.0e6, 3.3e6)])
+    assert _found(detect_l3([_summary(ranks)])) == [(L3Kind.KERNEL_DEGRADED, (5,))]
+
+
+def test_cluster_median_quantile_weights_clusters_by_calls() -> None:
+    from detectors.l3_kernels import cluster_median_quantile
+    from detectors.mixture import MixtureBatch
+
+    b = MixtureBatch(np.array([[90.0, 10.0], [50.0, 50.0]]), np.array([[1.0, 5.0], [5.0, 1.0]]),
+                     np.array([[2.0, 9.0], [6.0, 3.0]]))
+    assert cluster_median_quantile(b, 0.9).tolist() == [1.0, 5.0]
+    assert cluster_median_quantile(b, 0.95).tolist() == [5.0, 5.0]
+
+
+def test_stages_of_two_ranks_compare_a_kernel_every_rank_runs_job_wide() -> None:
+    topo = build_topology("j", dp=2, pp=4)  # two ranks per stage: x1.25 is within a pair's own gate
+    res = detect_l3([_summary(_ranks(8, {5: 1.25}))], topo)
+    assert _found(res) == [(L3Kind.KERNEL_DEGRADED, (5,))]
+    # A whole stage slow (both its ranks) is the stage detectors' to name, not two degraded kernels.
+    assert detect_l3([_summary(_ranks(8, {6: 1.25, 7: 1.25}))], topo) == []

@@ -109,3 +109,38 @@ def test_a_slow_stage_is_found_from_the_kernels_its_stages_share() -> None:
         for r in range(4):
             t.total_ns[r] *= 4.0
     assert detect_stage_excess(other, topo) == []
+
+
+@settings(max_examples=15, deadline=None)
+@given(seed=st.integers(0, 100_000), n=st.integers(65, 512), noise=st.floats(0.03, 0.10))
+def test_healthy_large_sets_name_nobody(seed: int, n: int, noise: float) -> None:
+    # The bar grows with the tests of a set (Bonferroni over its ranks and kernel subsets).
+    assert detect_rank_excess(_job(n, seed, noise, gemms=8, others=12, calls=(1, 1))) == []
+
+
+def test_a_small_set_is_held_to_the_bar_of_its_own_tests() -> None:
+    # Eight ranks, eight GEMMs of one call each: a few kernels bound a rank-based z, and the bar of eight
+    # ranks' tests finds what the bar of a large set (4.5) mostly misses.
+    found = fixed = 0
+    for seed in range(20):
+        totals = _job(8, seed, 0.15, {3: 1.3}, gemms=8, others=19, calls=(1, 1))
+        res = detect_rank_excess(totals)
+        assert {r.ranks for r in res} <= {(3,)}
+        found += bool(res)
+        fixed += bool(detect_rank_excess(totals, params=RankExcessParams(min_z=4.5)))
+    assert found >= 15 and fixed <= 6
+
+
+def test_stages_of_two_ranks_are_compared_job_wide_on_the_kernels_every_rank_runs() -> None:
+    topo = build_topology("j", dp=2, pp=4)  # two ranks per stage: neither is the other's deviant
+    totals = _job(8, 11, 0.08, {3: 1.3}, gemms=10, others=12, calls=(1, 1))
+    totals.append(KernelTotals("sm80_xmma_gemm_lm_head", 7, {6: 9e6, 7: 9.1e6}, {6: 1.0, 7: 1.0}))  # last stage only
+    res = detect_rank_excess(totals, topo)
+    assert [(r.ranks, r.evidence["partition"]) for r in res] == [((3,), -1)]
+    assert "sm80_xmma_gemm_lm_head@7" not in res[0].evidence["top_kernels_excess_ms"]
+
+
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 100_000), pp=st.sampled_from([2, 4, 8]), noise=st.floats(0.03, 0.10))
+def test_healthy_pipelines_of_small_stages_name_nobody(seed: int, pp: int, noise: float) -> None:
+    assert detect_rank_excess(_job(2 * pp, seed, noise), build_topology("j", dp=2, pp=pp)) == []

@@ -5,25 +5,39 @@ from __future__ import annotations
 import dataclasses
 import json
 
+from detectors.l3_kernels import PIPELINE_SIDE
 from producers.faults import Fault
 from producers.simulator import JobSimulator, paper_case
 from schemas.records import Finding, Level
-from streams.diagnosis import LinkLedger
+from streams.diagnosis import CORROBORATES_ONLY, LinkLedger
 from streams.offline import diagnose_records, finding_json
 
 
-def _link(ranks: tuple[int, ...], kernel: str, ratio: float, groups: int) -> Finding:
-    ev = json.dumps({"transfer_ratio": ratio, "groups_compared": groups})
+def _link(ranks: tuple[int, ...], kernel: str, ratio: float, groups: int, impact: float = 1.0,
+          weak: bool = False) -> Finding:
+    ev = json.dumps({"transfer_ratio": ratio, "groups_compared": groups} | ({CORROBORATES_ONLY: True} if weak else {}))
     return Finding(finding_id=f"{kernel}{ranks}", job_id="j", level=Level.L3, kind="link_degraded", ranks=ranks,
-                   steps=(), score=ratio, evidence_json=ev, time_ns=1, kernel=kernel, stream=20)
+                   steps=(), score=ratio, evidence_json=ev, time_ns=1, kernel=kernel, stream=20, impact_ns=impact)
 
 
 def test_links_need_two_collectives_or_strong_evidence() -> None:
     ledger = LinkLedger()
-    assert ledger.filter([_link((0, 1), "AllReduce", 1.6, 2)]) == []
-    assert [f.kernel for f in ledger.filter([_link((0, 1), "AllGather", 1.7, 2)])] == ["AllGather"]
+    assert ledger.filter([_link((0, 1), "AllReduce", 1.6, 2, impact=5.0)]) == []
+    # Named by its largest-impact collective, once the second collective agrees.
+    assert [f.kernel for f in ledger.filter([_link((0, 1), "AllGather", 1.7, 2)])] == ["AllReduce"]
     assert ledger.filter([_link((0, 1), "ReduceScatter", 1.7, 2)]) == []  # each group named once
     assert len(LinkLedger().filter([_link((2, 3), "AllReduce", 3.0, 4)])) == 1
+    other = _link((4, 5), "x", 1.0, 1)
+    assert LinkLedger().filter([dataclasses.replace(other, kind="kernel_degraded")])  # other kinds pass
+
+
+def test_links_under_the_impact_threshold_corroborate_but_are_never_published() -> None:
+    ledger = LinkLedger()
+    assert ledger.filter([_link((0, 1), "AllReduce_small", 1.6, 2, weak=True)]) == []
+    assert ledger.filter([_link((0, 1), "AllGather_small", 3.0, 8, weak=True)]) == []  # strong, but too small
+    named = ledger.filter([_link((0, 1), "AllReduce_big", 1.6, 2, impact=9.0)])
+    assert [f.kernel for f in named] == ["AllReduce_big"]
+    assert LinkLedger().filter([_link((2, 3), "a", 1.6, 2), _link((2, 3), "b", 1.6, 2, weak=True)])
     other = _link((4, 5), "x", 1.0, 1)
     assert LinkLedger().filter([dataclasses.replace(other, kind="kernel_degraded")])  # other kinds pass
 
@@ -36,3 +50,46 @@ def test_the_paper_case_runs_through_the_offline_pipeline_with_impacts() -> None
     out = finding_json(findings[0])
     assert {"impact_ns", "impact_ns_per_step", "evidence", "kind", "ranks"} <= out.keys()
     assert out["evidence"]["delay_ms_per_step"] > 0
+
+
+def _side(rank: int, stage: int, pipe: int = 3, weak: bool = False, impact: float = 1.0) -> Finding:
+    ev = {"transfer_ratio": 1.8, "groups_compared": 4, "group_kind": PIPELINE_SIDE, "pp_group": pipe,
+          "pp_stage": stage} | ({CORROBORATES_ONLY: True} if weak else {})
+    return Finding(finding_id=f"side{rank}", job_id="j", level=Level.L3, kind="link_degraded", ranks=(rank,),
+                   steps=(), score=1.8, evidence_json=json.dumps(ev), time_ns=1, kernel="SendRecv", stream=40 + stage,
+                   impact_ns=impact)
+
+
+def test_a_pipeline_link_is_named_from_both_of_its_sides() -> None:
+    ledger = LinkLedger()
+    assert ledger.filter([_side(1, 0)]) == []  # one side: a rank waiting for a slow peer looks like this
+    assert ledger.filter([_side(9, 3)]) == []  # not adjacent
+    assert ledger.filter([_side(6, 1, pipe=4)]) == []  # another pipeline
+    [named] = ledger.filter([_side(5, 1, impact=7.0)])
+    assert named.ranks == (1, 5) and named.impact_ns == 7.0 and named.evidence["group_kind"] == "PP"
+    assert named.finding_id != _side(5, 1).finding_id
+    assert ledger.filter([_side(5, 1), _side(1, 0)]) == []  # named once
+    weak = LinkLedger()
+    assert weak.filter([_side(1, 0, weak=True), _side(5, 1, weak=True)]) == []  # both under the impact rule
+    assert [f.ranks for f in weak.filter([_side(5, 1)])] == [(1, 5)]
+
+
+def test_pipeline_sides_are_not_paired_once_a_straggler_is_known() -> None:
+    ledger = LinkLedger()
+    straggler = Finding(finding_id="s", job_id="j", level=Level.L2, kind="compute_straggler", ranks=(93,), steps=(),
+                        score=2.0, evidence_json="{}", time_ns=1)
+    assert ledger.filter([straggler]) == [straggler]
+    assert ledger.filter([_side(1, 0), _side(5, 1)]) == []  # their waiting is the straggler's doing
+
+
+def test_a_named_stragglers_kernels_are_its_evidence_not_findings_of_their_own() -> None:
+    from streams.diagnosis import drop_victims
+
+    def l3(kind: str, ranks: tuple[int, ...]) -> Finding:
+        return Finding(finding_id=f"{kind}{ranks}", job_id="j", level=Level.L3, kind=kind, ranks=ranks, steps=(),
+                       score=1.0, evidence_json="{}", time_ns=1)
+
+    found = [l3("kernel_degraded", (5,)), l3("kernel_degraded", (6,)), l3("compute_straggler", (5,)),
+             l3("compute_straggler", (7,)), l3("rank_degraded", (5,))]
+    assert [(f.kind, f.ranks) for f in drop_victims(found, {5})] == [
+        ("kernel_degraded", (6,)), ("compute_straggler", (5,)), ("rank_degraded", (5,))]

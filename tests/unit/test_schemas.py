@@ -14,6 +14,7 @@ import pytest
 
 from argus.errors import SchemaError
 from schemas import available_schemas, codec
+from schemas.column_packing import HEADER_BYTES, PackMethod, pack_column
 from schemas.records import KernelBatch
 from tests.samples import kernel_batch, samples
 
@@ -64,11 +65,19 @@ def test_every_field_documented_with_unit(name: str) -> None:
                 assert re.search(r"nanosecond", f["doc"]), f"{path.name}: {f['name']} doc must give the unit"
 
 
-def test_kernel_columns_are_packed_little_endian() -> None:
+def test_kernel_columns_are_packed_and_v1_messages_still_decode() -> None:
     b = kernel_batch(n=4)
     avro = b.to_avro()
-    assert avro["start_ns"] == np.asarray(b.start_ns, dtype="<i8").tobytes()
-    assert len(avro["name_idx"]) == 4 * 4 and len(avro["step"]) == 4 * 4
+    assert avro["packed"] and avro["start_ns"][0] == PackMethod.GAP and avro["step"][0] == PackMethod.OFFSET
+    assert len(avro["name_idx"]) == HEADER_BYTES + 4 * avro["name_idx"][1]
+    # A v1 message (plain little-endian arrays, no ``packed`` field) reads as the same batch.
+    v1 = {k: v for k, v in avro.items() if k != "packed"}
+    v1.update({c: np.asarray(getattr(b, c), dtype=d).tobytes() for c, d in KernelBatch.COLUMNS.items()})
+    payload = codec("kernel_batch").encode(v1, version=1)
+    assert payload[1] == 1 and len(payload) > len(b.encode())
+    old = KernelBatch.decode(payload)
+    for c, d in KernelBatch.COLUMNS.items():
+        assert getattr(old, c).dtype == np.dtype(d) and np.array_equal(getattr(old, c), getattr(b, c))
 
 
 @pytest.mark.parametrize(
@@ -87,14 +96,17 @@ def test_malformed_payloads_raise_schema_error(payload: bytes, reason: str) -> N
 
 def test_semantic_checks() -> None:
     good = kernel_batch(n=4).to_avro()
-    bad = dict(good, duration_ns=np.array([1, 2, 3], dtype="<i8").tobytes())
+    bad = dict(good, duration_ns=pack_column([1, 2, 3]))
     with pytest.raises(SchemaError, match="column duration_ns"):
         KernelBatch.decode(codec("kernel_batch").encode(bad))
-    bad = dict(good, names=["only-one"], name_idx=np.array([0, 1, 0, 0], dtype="<u4").tobytes())
+    bad = dict(good, names=["only-one"], name_idx=pack_column([0, 1, 0, 0]))
     with pytest.raises(SchemaError, match="outside"):
         KernelBatch.decode(codec("kernel_batch").encode(bad))
-    bad = dict(good, duration_ns=np.array([1, -2, 3, 4], dtype="<i8").tobytes())
-    with pytest.raises(SchemaError, match="negative"):
+    bad = dict(good, name_idx=pack_column([0, 2**32, 0, 0]))
+    with pytest.raises(SchemaError, match="name_idx: value 4294967296 outside <u4"):
+        KernelBatch.decode(codec("kernel_batch").encode(bad))
+    bad = dict(good, duration_ns=pack_column([1, -2, 3, 4]))
+    with pytest.raises(SchemaError, match="duration_ns value -2 outside"):
         KernelBatch.decode(codec("kernel_batch").encode(bad))
     with pytest.raises(SchemaError, match="does not match"):
         codec("step").encode({"job_id": "x"})
@@ -116,3 +128,53 @@ def test_findings_written_with_schema_v1_still_decode_with_no_impact() -> None:
     v1 = {k: v for k, v in f.to_avro().items() if not k.startswith("impact")}
     old = Finding.decode(codec("finding").encode(v1, version=1))
     assert (old.impact_ns, old.impact_ns_per_step, old.ranks, old.kernel) == (0.0, 0.0, (3,), "gemm")
+
+
+def test_lifecycle_abandoned_round_trips_and_old_versions_decode_with_defaults() -> None:
+    """v4 adds ABANDONED with ``reason`` and ``last_step``; v1-v3 messages decode with ``""`` and ``-1``."""
+    from schemas.records import JobLifecycle, LifecycleEvent
+
+    ab = JobLifecycle("j", LifecycleEvent.ABANDONED, 5, 32, source="streams", reason="idle 600 s", last_step=41)
+    assert JobLifecycle.decode(ab.encode()) == ab
+    c = codec("job_lifecycle")
+    assert c.latest == 4
+    end = JobLifecycle("j", LifecycleEvent.END, 5, 32, steps=10)
+    for version in (1, 2, 3):
+        fields = {f["name"] for f in json.loads(available_schemas()["job_lifecycle"][version].read_text())["fields"]}
+        old = JobLifecycle.decode(c.encode({k: v for k, v in end.to_avro().items() if k in fields}, version=version))
+        steps = 10 if version > 1 else None  # v1 had no step count
+        assert (old.event, old.reason, old.last_step, old.steps) == (LifecycleEvent.END, "", -1, steps)
+    with pytest.raises(SchemaError):  # an older schema has no ABANDONED symbol
+        c.encode(ab.to_avro(), version=3)
+    with pytest.raises(SchemaError, match="last_step"):
+        JobLifecycle.decode(c.encode(dict(ab.to_avro(), last_step=-2)))
+
+
+def test_heartbeat_round_trip_idle_and_in_flight() -> None:
+    from schemas.records import Heartbeat, ParallelGroup, PhaseKind
+
+    idle = Heartbeat("j", 3, 10)
+    assert Heartbeat.decode(idle.encode()) == idle
+    assert (idle.step, idle.phase, idle.phase_kind, idle.collective, idle.seq, idle.in_flight_since_ns) == (
+        -1, "", None, None, -1, -1) and not idle.in_flight
+    busy = Heartbeat("j", 3, 10, 7, "dp-allreduce", PhaseKind.ALL_REDUCE, PhaseKind.ALL_REDUCE, ParallelGroup.DP,
+                     2, 9, 4)
+    assert Heartbeat.decode(busy.encode()) == busy and busy.in_flight
+    with pytest.raises(SchemaError, match="not a collective"):
+        Heartbeat("j", 3, 10, collective=PhaseKind.FORWARD).check()
+    with pytest.raises(SchemaError, match="seq"):
+        Heartbeat.decode(Heartbeat("j", 3, 10, seq=-2).encode())
+
+
+def test_heartbeats_are_stored_in_their_table() -> None:
+    from argus.topics import RECORD_OF, Topic
+    from schemas.records import Heartbeat
+    from sinks.tables import TABLE_OF_TOPIC, rows_to_arrow
+
+    table = TABLE_OF_TOPIC[Topic.HEARTBEATS]
+    assert RECORD_OF[Topic.HEARTBEATS] is Heartbeat and table.name == "heartbeats"
+    rows = list(table.rows(samples()["heartbeat"])) + list(table.rows(Heartbeat("j", 0, 1)))
+    arrow = rows_to_arrow(table, rows)
+    assert arrow.column("collective").to_pylist() == ["ALL_REDUCE", ""]
+    assert arrow.column("in_flight_since_ns").to_pylist()[1] == -1
+    assert table.order_by == ("job_id", "rank", "time_ns")

@@ -22,6 +22,11 @@ def test_precedence_argument_over_env_over_default() -> None:
         ({"ARGUS_CLICKHOUSE_DSN": "mysql://x"}, "clickhouse_dsn"),
         ({"ARGUS_COMPRESSION": "brotli"}, "compression"),
         ({"ARGUS_BOOTSTRAP_SERVERS": "localhost"}, "bootstrap_servers"),
+        ({"ARGUS_MAX_EVENT_SKEW_NS": "1000"}, "max_event_skew_ns"),
+        ({"ARGUS_MAX_EVENT_SKEW_NS": str(2**62)}, "max_event_skew_ns"),
+        ({"ARGUS_WINDOW_NS": str(2 * 86_400_000_000_000)}, "window_ns must be <="),
+        ({"ARGUS_MAX_KERNEL_NAMES": "0"}, "max_kernel_names"),
+        ({"ARGUS_L3_MAX_WINDOWS": "2"}, "l3_max_windows"),
     ],
 )
 def test_invalid_settings_fail_at_start(env: dict[str, str], match: str) -> None:
@@ -48,3 +53,11 @@ def test_chdb_path_and_env_round_trip(tmp_path: Path) -> None:
     again = Settings.load(env=s.to_env())
     assert again.chdb_path == s.chdb_path and again.window_ns == s.window_ns
     assert Settings.load(env={}, clickhouse_dsn="http://ch:8123").chdb_path is None
+
+
+def test_bounds_have_defaults_and_come_from_the_environment() -> None:
+    s = Settings.load(env={})
+    assert (s.max_event_skew_ns, s.max_kernel_names, s.l3_max_windows) == (3_600_000_000_000, 4096, 64)
+    s = Settings.load(env={"ARGUS_MAX_EVENT_SKEW_NS": "60000000000", "ARGUS_MAX_KERNEL_NAMES": "10",
+                           "ARGUS_L3_MAX_WINDOWS": "5"})
+    assert (s.max_event_skew_ns, s.max_kernel_names, s.l3_max_windows) == (60_000_000_000, 10, 5)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import re
+import time
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -25,7 +26,16 @@ from producers.sim_workload import (
 )
 from producers.simulator import JobSimulator, JobSpec, paper_case, simulate
 from producers.topology import build_topology
-from schemas.records import JobLifecycle, KernelBatch, LifecycleEvent, PhaseBatch, PhaseKind, Step
+from schemas.records import (
+    Heartbeat,
+    JobLifecycle,
+    KernelBatch,
+    LifecycleEvent,
+    ParallelGroup,
+    PhaseBatch,
+    PhaseKind,
+    Step,
+)
 from tests.samples import RecordingPublisher
 
 
@@ -329,3 +339,166 @@ def test_invalid_specs() -> None:
         JobSimulator(JobSpec("x", dp=1, step_time_ns=10_000))
     with pytest.raises(ValueError):
         JobSimulator(JobSpec("x", dp=1), batch_events=0)
+
+
+# -- liveness faults: hang, silent rank, crash ---------------------------------------------------------------
+
+
+def _liveness_records(fault: FaultSpec, steps: int = 8) -> tuple[JobSimulator, list[object]]:
+    spec = JobSpec("live", 8, tp=2, pp=2, steps=steps, fault=fault, heartbeat_interval_ns=250_000_000)
+    sim = JobSimulator(spec, batch_events=512)
+    return sim, [r.record for r in sim.records()]
+
+
+def test_hang_heartbeats_name_the_collective() -> None:
+    topo = build_topology("live", 8, 2, 2)
+    sim, recs = _liveness_records(FaultSpec.hang(topo, rank=5, step=4, hang_ns=1_000_000_000))
+    hbs = [r for r in recs if isinstance(r, Heartbeat)]
+    assert hbs and sim.hang_start_ns is not None
+    dp = topo.dp_group[topo.rank.index(5)]
+    peers = {r for r, g in zip(topo.rank, topo.dp_group, strict=True) if g == dp and r != 5}
+    assert {h.rank for h in hbs} == set(range(32))
+    # Peers that reach the collective before the hung rank would have start waiting earlier (on entry).
+    assert all(sim.hang_start_ns - 200_000_000 <= h.time_ns < sim.hang_start_ns + 1_000_000_000 for h in hbs)
+    hung = [h for h in hbs if h.rank == 5]
+    assert len(hung) == 4 and all(h.collective is None and h.step == 4 and h.phase for h in hung)
+    last = {h.rank: h for h in hbs}
+    for r in peers:
+        h = last[r]
+        assert h.collective is PhaseKind.ALL_REDUCE and h.group is ParallelGroup.DP and h.group_index == dp
+        assert h.step == 4 and h.seq == last[min(peers)].seq >= 0 and h.in_flight_since_ns >= 0
+    assert all(last[r].collective is None for r in range(32) if r not in peers)
+    # No step 4 before the hang's heartbeats; the job resumes: every step and END follow.
+    first_hb = recs.index(hbs[0])
+    assert not [r for r in recs[:first_hb] if isinstance(r, Step) and r.step >= 4]
+    steps = [r for r in recs if isinstance(r, Step)]
+    assert len(steps) == 32 * 8
+    assert isinstance(recs[-1], JobLifecycle) and recs[-1].event is LifecycleEvent.END
+    hung_step = next(s for s in steps if s.step == 4)
+    assert hung_step.wall_ns > 1_000_000_000
+
+
+def test_hang_without_resume_stops_without_end() -> None:
+    topo = build_topology("live", 8, 2, 2)
+    sim, recs = _liveness_records(FaultSpec.hang(topo, rank=5, step=4, hang_ns=500_000_000, resume=False))
+    assert sim.stopped
+    assert max(r.step for r in recs if isinstance(r, Step)) == 3
+    assert any(isinstance(r, Heartbeat) for r in recs)
+    assert not [r for r in recs if isinstance(r, JobLifecycle) and r.event is LifecycleEvent.END]
+    assert not [r for r in recs if isinstance(r, KernelBatch) and r.end_of_stream]
+
+
+def test_silent_rank_publishes_nothing_after_its_step() -> None:
+    topo = build_topology("live", 8, 2, 2)
+    _, recs = _liveness_records(FaultSpec.silent_rank(topo, rank=5, step=4, hang_ns=1_000_000_000))
+    mine = [r for r in recs if getattr(r, "rank", None) == 5]
+    assert mine and all(getattr(r, "step", 0) < 4 for r in mine if not isinstance(r, KernelBatch))
+    assert all(int(r.step.max()) < 4 for r in mine if isinstance(r, KernelBatch))
+    assert not [r for r in mine if isinstance(r, Heartbeat)]
+    steps = [r for r in recs if isinstance(r, Step)]
+    assert {s.rank for s in steps if s.step == 4} == set(range(32)) - {5}  # the others complete one step
+    assert not [s for s in steps if s.step > 4]
+    hbs = [r for r in recs if isinstance(r, Heartbeat)]
+    assert hbs and {h.step for h in hbs} == {5} and 5 not in {h.rank for h in hbs}
+    assert not [r for r in recs if isinstance(r, JobLifecycle) and r.event is LifecycleEvent.END]
+
+
+def test_crash_never_sends_end() -> None:
+    topo = build_topology("live", 8, 2, 2)
+    _, recs = _liveness_records(FaultSpec.crash(topo))
+    assert len([r for r in recs if isinstance(r, Step)]) == 32 * 8
+    assert not [r for r in recs if isinstance(r, JobLifecycle) and r.event is LifecycleEvent.END]
+    _, early = _liveness_records(FaultSpec.crash(topo, step=3))
+    assert max(r.step for r in early if isinstance(r, Step)) == 2
+    assert not [r for r in early if isinstance(r, Heartbeat)]
+
+
+def test_hang_needs_dp_peers() -> None:
+    with pytest.raises(ValueError):
+        FaultSpec.hang(build_topology("solo", 1, 2, 2), rank=1)
+
+
+# -- checkpoint pause -----------------------------------------------------------------------------------------
+
+
+def _pause_records(pause_ns: int, steps: int = 8, pause_step: int = 4) -> tuple[JobSimulator, list[object]]:
+    spec = JobSpec("ckpt", 8, tp=2, pp=2, steps=steps, heartbeat_interval_ns=250_000_000, pause_step=pause_step,
+                   pause_ns=pause_ns)
+    sim = JobSimulator(spec, batch_events=512)
+    return sim, [r.record for r in sim.records()]
+
+
+def test_checkpoint_pause_heartbeats_between_steps_then_resumes() -> None:
+    sim, recs = _pause_records(1_000_000_000)
+    hbs = [r for r in recs if isinstance(r, Heartbeat)]
+    at = sim.pause_start_ns
+    assert at is not None and sim.hang_start_ns is None and not sim.stopped
+    # Every rank heartbeats on entry and every interval: in the last step begun, outside any phase or collective.
+    assert len(hbs) == 32 * 4 and {h.rank for h in hbs} == set(range(32))
+    assert sorted({h.time_ns for h in hbs}) == [at + k * 250_000_000 for k in range(4)]
+    assert all(h.step == 3 and h.phase == "" and h.phase_kind is None and not h.in_flight for h in hbs)
+    # Before the heartbeats: every record of steps 0-3 (the partial kernel batches too), nothing of step 4 on.
+    first, last = recs.index(hbs[0]), recs.index(hbs[-1])
+    before, after = recs[:first], recs[last + 1:]
+    assert all(r.step <= 3 for r in before if isinstance(r, (Step, PhaseBatch)))
+    assert len([r for r in before if isinstance(r, Step)]) == 32 * 4
+    assert all(int(r.step.max()) <= 3 for r in before if isinstance(r, KernelBatch) and len(r))
+    assert all(int(r.step.min()) >= 4 for r in after if isinstance(r, KernelBatch) and len(r))
+    assert max(r.start_ns + r.wall_ns for r in before if isinstance(r, Step)) <= at
+    assert min(r.start_ns for r in after if isinstance(r, Step)) == at + 1_000_000_000
+    assert isinstance(recs[-1], JobLifecycle) and recs[-1].event is LifecycleEvent.END
+
+
+def test_checkpoint_pause_only_shifts_the_steps_after_it() -> None:
+    _, paused = _pause_records(1_000_000_000)
+    _, plain = _pause_records(0)
+    assert not [r for r in plain if isinstance(r, Heartbeat)]
+    a = [r for r in paused if isinstance(r, Step)]
+    b = [r for r in plain if isinstance(r, Step)]
+    shift = [1_000_000_000 if s.step >= 4 else 0 for s in b]
+    assert [(s.rank, s.step, s.start_ns, s.wall_ns, s.gpu_ns) for s in a] == \
+        [(s.rank, s.step, s.start_ns + d, s.wall_ns, s.gpu_ns) for s, d in zip(b, shift, strict=True)]
+    events = [sum(len(r) for r in recs if isinstance(r, KernelBatch)) for recs in (paused, plain)]
+    assert events[0] == events[1] == paused[-1].kernel_events  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("pause_step, pause_ns", [(0, 1), (8, 1), (-1, 1), (4, -1)])
+def test_invalid_pauses(pause_step: int, pause_ns: int) -> None:
+    with pytest.raises(ValueError):
+        JobSpec("x", dp=1, steps=8, pause_step=pause_step, pause_ns=pause_ns)
+
+
+def test_realtime_run_publishes_at_the_pace_of_event_time() -> None:
+    spec = JobSpec("rt", dp=1, steps=3, layers=1, microbatches=1, step_time_ns=50_000_000,
+                   heartbeat_interval_ns=50_000_000, pause_step=1, pause_ns=100_000_000)
+
+    class Clocked(RecordingPublisher):
+        def __init__(self) -> None:
+            super().__init__()
+            self.at: list[float] = []
+
+        def publish(self, topic: Topic, key: bytes, record: object) -> bool:
+            self.at.append(time.monotonic())
+            return super().publish(topic, key, record)
+
+    pub = Clocked()
+    JobSimulator(spec).run(pub, realtime=True)
+    recs = [r for _, _, r in pub.records]
+    steps = [(a, r) for a, r in zip(pub.at, recs, strict=True) if isinstance(r, Step)]
+    hbs = [(a, r) for a, r in zip(pub.at, recs, strict=True) if isinstance(r, Heartbeat)]
+    assert len(steps) == 3 and len(hbs) == 2
+    (a0, s0), *_ = steps
+    due = [(a, s.start_ns + s.wall_ns) for a, s in steps] + [(a, h.time_ns) for a, h in hbs]
+    for a, t in due:  # never early; late by at most scheduling noise
+        assert -0.005 <= (a - a0) - (t - s0.start_ns - s0.wall_ns) / 1e9 <= 0.25, (a - a0, t)
+
+
+def test_build_spec_takes_a_checkpoint_pause() -> None:
+    from argus.demo import build_spec
+    from argus.errors import ArgusError
+
+    spec = build_spec("j", 2, 2, 1, 20, "none", pause_step=8, pause_s=3.0)
+    assert spec.pauses_before(8) and spec.pause_ns == 3_000_000_000
+    assert build_spec("j", 2, 2, 1, 20, "none").pause_ns == 0
+    with pytest.raises(ArgusError, match="pause"):
+        build_spec("j", 2, 2, 1, 20, "none", pause_step=20, pause_s=3.0)

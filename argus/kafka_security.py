@@ -1,0 +1,121 @@
+"""Kafka client configuration from :class:`~argus.settings.Settings`: brokers, TLS and SASL, in one place.
+
+Every Kafka client of argus is built from here, so a cluster that needs TLS or SASL is reached by all of
+them alike: :func:`client_config` for confluent-kafka (the rank-side publisher, the sink's consumer and
+dead-letter producer, the stack collector, topic creation, the local broker's health probe) and
+:func:`faust_credentials` for the Faust/aiokafka stream worker.
+
+Settings (``ARGUS_KAFKA_*``): ``kafka_security_protocol`` (``PLAINTEXT``, ``SSL``, ``SASL_PLAINTEXT``,
+``SASL_SSL``), ``kafka_sasl_mechanism`` (``PLAIN``, ``SCRAM-SHA-256``, ``SCRAM-SHA-512``),
+``kafka_sasl_username``, ``kafka_sasl_password`` (a :class:`~argus.settings.Secret`, also from
+``ARGUS_KAFKA_SASL_PASSWORD_FILE``), ``kafka_ssl_ca_file`` and, for mutual TLS, ``kafka_ssl_cert_file`` and
+``kafka_ssl_key_file``. They are validated by :meth:`Settings.validate`.
+"""
+
+from __future__ import annotations
+
+import ssl
+from collections.abc import Mapping
+from typing import Any
+
+from argus.errors import ConfigError
+from argus.settings import Settings
+
+__all__ = ["AuthWatch", "client_config", "faust_credentials", "ssl_context"]
+
+
+def client_config(settings: Settings, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """A librdkafka (confluent-kafka) configuration: bootstrap servers and security, then ``extra``.
+
+    ``extra`` holds the client's own options (group, acks, sizes); it cannot turn security off, since a
+    security key in it raises :class:`ConfigError` rather than silently replacing the settings.
+    """
+    conf: dict[str, Any] = {
+        "bootstrap.servers": settings.bootstrap_servers,
+        "security.protocol": settings.kafka_security_protocol.lower(),
+    }
+    if settings.kafka_security_protocol.startswith("SASL_"):
+        conf["sasl.mechanism"] = settings.kafka_sasl_mechanism
+        conf["sasl.username"] = settings.kafka_sasl_username
+        conf["sasl.password"] = settings.kafka_sasl_password.reveal()
+    if settings.kafka_security_protocol.endswith("SSL"):
+        for key, value in (("ssl.ca.location", settings.kafka_ssl_ca_file),
+                           ("ssl.certificate.location", settings.kafka_ssl_cert_file),
+                           ("ssl.key.location", settings.kafka_ssl_key_file)):
+            if value:
+                conf[key] = value
+    for key in extra or {}:
+        if key.startswith(("security.", "sasl.", "ssl.")):
+            raise ConfigError(f"Kafka option {key!r} comes from the kafka_* settings, not from a client")
+    conf.update(extra or {})
+    return conf
+
+
+class AuthWatch:
+    """An ``error_cb`` for a confluent-kafka client that remembers the broker's refusal of the credentials,
+    so that a failed call can say so instead of librdkafka's "broker transport failure".
+
+    librdkafka reports errors through callbacks served by ``poll``: call the client's ``poll(0)`` before
+    reading :attr:`refused`.
+    """
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        #: librdkafka's text of the last authentication failure, or None.
+        self.refused: str | None = None
+
+    def __call__(self, err: Any) -> None:
+        from confluent_kafka import KafkaError
+
+        if err.code() == KafkaError._AUTHENTICATION:
+            self.refused = str(err.str())
+
+    def explain(self) -> str:
+        """What the broker refused, for an error message ("" when it refused nothing)."""
+        if self.refused is None:
+            return ""
+        s = self.settings
+        who = (f"SASL user {s.kafka_sasl_username!r} ({s.kafka_sasl_mechanism})"
+               if s.kafka_security_protocol.startswith("SASL_") else f"the {s.kafka_security_protocol} connection")
+        return (f"Kafka on {s.bootstrap_servers} refused {who}: {self.refused}; check the ARGUS_KAFKA_* "
+                "settings")
+
+
+def ssl_context(settings: Settings) -> ssl.SSLContext | None:
+    """The TLS context of the ``SSL``/``SASL_SSL`` protocols (server verified against ``kafka_ssl_ca_file``
+    or the system CAs, host name checked, client certificate loaded for mutual TLS); ``None`` without TLS.
+
+    Raises:
+        ConfigError: a CA, certificate or key file cannot be loaded.
+    """
+    if not settings.kafka_security_protocol.endswith("SSL"):
+        return None
+    try:
+        context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=settings.kafka_ssl_ca_file or None)
+        if settings.kafka_ssl_cert_file:
+            context.load_cert_chain(settings.kafka_ssl_cert_file, settings.kafka_ssl_key_file or None)
+    except (OSError, ssl.SSLError) as exc:
+        raise ConfigError(f"cannot load the Kafka TLS files: {exc}") from exc
+    return context
+
+
+def faust_credentials(settings: Settings) -> Any:
+    """Faust's ``broker_credentials`` for ``settings``: ``SASLCredentials`` (with the TLS context under
+    ``SASL_SSL``), ``SSLCredentials``, or ``None`` for ``PLAINTEXT``.
+
+    Faust is imported here, not at module level, so rank-side processes never load it.
+
+    Raises:
+        ConfigError: as :func:`ssl_context`.
+    """
+    import faust
+
+    protocol = settings.kafka_security_protocol
+    context = ssl_context(settings)
+    if protocol.startswith("SASL_"):
+        return faust.SASLCredentials(username=settings.kafka_sasl_username,
+                                     password=settings.kafka_sasl_password.reveal(),
+                                     mechanism=settings.kafka_sasl_mechanism, ssl_context=context)
+    if context is not None:
+        return faust.SSLCredentials(context)
+    return None

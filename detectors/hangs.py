@@ -1,0 +1,252 @@
+"""Hangs and silence of a job, from each rank's last heartbeat (or last step/phase): pure functions.
+
+Given per rank what it was last seen doing (:class:`RankLiveness`), the job's topology and *now* (event
+time), :func:`detect_hangs` says:
+
+* ``job_stalled`` (L1): no rank completed a step for ``max(stall_k × median step time, stall_floor_ns)``
+  (:meth:`HangParams.stall_bound_ns`); evidence ``last_completed_step``, ``seconds_stalled``.
+* ``rank_silent`` (L2): a rank whose last record is older than the silence bound (the stall bound, and at
+  least ``silent_heartbeats`` heartbeat intervals, so a rank between two heartbeats is not silent) while
+  other ranks still publish. When every rank is silent, the job is (``job_stalled`` with
+  ``all_ranks_silent``), not a rank.
+* ``hang_wavefront`` (L2), in a stalled job, per parallel group (DP, TP, PP, EP, by the topology's group
+  columns): the collective (kind, seq) most of the group's waiting members are in, the members waiting in
+  it (*victims*) and the members that never entered it or never finished an earlier one (*suspects*, the
+  finding's ranks). The *first* ranks of the wavefront (``first_ranks``) are the suspects that wait in no
+  collective at all (stuck in compute, or silent); when every suspect waits somewhere, the ones waiting
+  the longest.
+
+:func:`job_resumed` closes an episode (L1 ``job_resumed``, evidence ``seconds_stalled``). The caller (the
+stream) keeps the episode: when it began, and that it raised ``job_stalled`` once.
+
+Results are :class:`HangResult`; :func:`detectors.findings.to_finding` turns them into findings. Their
+``steps`` are stable while the episode lasts (the last completed step, or the step the group waits in), so
+a finding re-derived on every tick has the same id.
+"""
+
+from __future__ import annotations
+
+import enum
+import statistics
+from collections import Counter
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from schemas.records import Heartbeat, JobTopology, Level, ParallelGroup, PhaseKind
+
+__all__ = ["HangKind", "HangParams", "HangResult", "RankLiveness", "detect_hangs", "job_resumed"]
+
+_NS = 1e9
+_GROUP_COLUMNS = {ParallelGroup.DP: "dp_group", ParallelGroup.TP: "tp_group", ParallelGroup.PP: "pp_group",
+                  ParallelGroup.EP: "ep_group"}
+
+
+class HangKind(enum.Enum):
+    """Kinds of hang findings (their value is the finding's ``kind``)."""
+
+    JOB_STALLED = "job_stalled"
+    RANK_SILENT = "rank_silent"
+    HANG_WAVEFRONT = "hang_wavefront"
+    JOB_RESUMED = "job_resumed"
+
+
+_LEVEL = {HangKind.JOB_STALLED: Level.L1, HangKind.JOB_RESUMED: Level.L1, HangKind.RANK_SILENT: Level.L2,
+          HangKind.HANG_WAVEFRONT: Level.L2}
+
+
+@dataclass(frozen=True)
+class HangParams:
+    """Bounds of the hang detector.
+
+    Attributes:
+        stall_k: a job is stalled after this many median step times without a completed step (unitless).
+        stall_floor_ns: ... but never before this long, ns (steps of a few ms jitter by more than k of them).
+        heartbeat_interval_ns: the ranks' heartbeat interval, ns (``Settings.heartbeat_interval_s``).
+        silent_heartbeats: a rank is silent after at least this many heartbeat intervals without a record.
+    """
+
+    stall_k: float = 2.0
+    stall_floor_ns: int = 500_000_000
+    heartbeat_interval_ns: int = 2_000_000_000
+    silent_heartbeats: float = 3.0
+
+    def __post_init__(self) -> None:
+        if not self.stall_k > 0 or self.stall_floor_ns < 0 or self.heartbeat_interval_ns <= 0 \
+                or not self.silent_heartbeats > 0:
+            raise ValueError(f"invalid hang parameters: {self}")
+
+    def stall_bound_ns(self, median_step_ns: float) -> int:
+        """``max(stall_k × median_step_ns, stall_floor_ns)``, ns (the floor alone without a median)."""
+        m = median_step_ns if median_step_ns == median_step_ns and median_step_ns > 0 else 0.0
+        return max(int(self.stall_k * m), self.stall_floor_ns)
+
+    def silent_bound_ns(self, median_step_ns: float) -> int:
+        """How long without any record makes a rank silent, ns."""
+        return max(self.stall_bound_ns(median_step_ns), int(self.silent_heartbeats * self.heartbeat_interval_ns))
+
+
+@dataclass(frozen=True)
+class RankLiveness:
+    """What one rank was last seen doing.
+
+    Attributes:
+        rank: global rank.
+        last_seen_ns: event time of its newest record of any kind, ns since the Unix epoch.
+        step: the last step it began (-1 if unknown).
+        phase: the phase it was in ("" if none or unknown).
+        collective: kind of the collective it was in (None if none), in ``group`` number ``group_index``
+            (-1: its own group of that kind in the topology), ``seq`` its sequence number there (-1 unknown).
+        in_flight_since_ns: when that collective was issued, ns since the epoch (-1 if none).
+    """
+
+    rank: int
+    last_seen_ns: int
+    step: int = -1
+    phase: str = ""
+    collective: PhaseKind | None = None
+    group: ParallelGroup = ParallelGroup.NONE
+    group_index: int = -1
+    seq: int = -1
+    in_flight_since_ns: int = -1
+
+    @classmethod
+    def from_heartbeat(cls, hb: Heartbeat, last_seen_ns: int | None = None) -> RankLiveness:
+        """From a heartbeat (``last_seen_ns`` defaults to its time)."""
+        return cls(hb.rank, hb.time_ns if last_seen_ns is None else last_seen_ns, hb.step, hb.phase,
+                   hb.collective, hb.group, hb.group_index, hb.seq, hb.in_flight_since_ns)
+
+    @property
+    def waiting(self) -> bool:
+        return self.collective is not None
+
+    def state(self) -> dict[str, Any]:
+        """Its evidence: step, phase, collective, group, seq."""
+        return {"rank": self.rank, "step": self.step, "phase": self.phase,
+                "collective": self.collective.value if self.collective else "", "group": self.group.value,
+                "seq": self.seq}
+
+
+@dataclass(frozen=True)
+class HangResult:
+    """One hang finding: ``ranks`` (named ranks: silent ones, or a group's suspects; empty for the job),
+    ``steps`` (stable while the episode lasts), unitless ``score`` (time stalled over the stall bound, or
+    silence over the silence bound), ``phase`` (the phase a group waits in), ``evidence`` (units in keys)."""
+
+    kind: HangKind
+    ranks: tuple[int, ...]
+    steps: tuple[int, ...]
+    score: float
+    phase: str | None = None
+    evidence: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def level(self) -> Level:
+        return _LEVEL[self.kind]
+
+
+def detect_hangs(ranks: Mapping[int, RankLiveness] | Iterable[RankLiveness], topology: JobTopology, now_ns: int,
+                 last_progress_ns: int, last_completed_step: int, median_step_ns: float,
+                 params: HangParams | None = None, silence_now_ns: int | None = None) -> list[HangResult]:
+    """Stall, silent ranks and the hang wavefront of a job at ``now_ns`` (see the module docstring).
+
+    Args:
+        ranks: each rank's liveness (ranks never seen are not judged: they may not have started).
+        topology: the job's parallel groups.
+        now_ns: event time of the judgement, ns since the epoch.
+        last_progress_ns: when a rank last completed a step (or the job started), ns since the epoch.
+        last_completed_step: the newest step any rank completed (-1 if none).
+        median_step_ns: recent median step time, ns (NaN or 0 if unknown: the floor alone applies).
+        silence_now_ns: the time silence is measured at (default ``now_ns``): the clock of the stream that
+            carries every rank's records in one order (heartbeats), so ranks are never compared across
+            topics read at different paces.
+    """
+    p = params or HangParams()
+    live = dict(ranks) if isinstance(ranks, Mapping) else {r.rank: r for r in ranks}
+    if not live:
+        return []
+    bound, silent_bound = p.stall_bound_ns(median_step_ns), p.silent_bound_ns(median_step_ns)
+    stalled_ns = now_ns - last_progress_ns
+    quiet_now = now_ns if silence_now_ns is None else silence_now_ns
+    silent = sorted(r for r, s in live.items() if quiet_now - s.last_seen_ns >= silent_bound)
+    all_silent = len(silent) == len(live)
+    out: list[HangResult] = []
+    if stalled_ns >= bound:
+        out.append(HangResult(HangKind.JOB_STALLED, (), (last_completed_step,), stalled_ns / bound, None, {
+            "last_completed_step": last_completed_step, "seconds_stalled": stalled_ns / _NS,
+            "stall_bound_s": bound / _NS, "all_ranks_silent": all_silent,
+            "median_step_ms": median_step_ns / 1e6 if median_step_ns == median_step_ns else None}))
+    if not all_silent:
+        for r in silent:
+            s = live[r]
+            gap = quiet_now - s.last_seen_ns
+            out.append(HangResult(HangKind.RANK_SILENT, (r,), (s.step,), gap / silent_bound, s.phase or None, {
+                "seconds_silent": gap / _NS, "silent_bound_s": silent_bound / _NS, "last_step": s.step,
+                "last_phase": s.phase, "collective": s.collective.value if s.collective else "",
+                "ranks_publishing": len(live) - len(silent)}))
+    if stalled_ns >= bound:
+        out += _wavefront(live, topology, set(silent), stalled_ns / _NS, stalled_ns / bound)
+    return out
+
+
+def job_resumed(stalled_since_ns: int, resumed_at_ns: int, step: int) -> HangResult:
+    """The end of a stall episode that began at ``stalled_since_ns`` (the last progress before it) and ended
+    at ``resumed_at_ns`` (the first completed step after it, at ``step``); times ns since the epoch."""
+    duration = max(0, resumed_at_ns - stalled_since_ns)
+    return HangResult(HangKind.JOB_RESUMED, (), (step,), duration / _NS, None, {
+        "seconds_stalled": duration / _NS, "resumed_step": step})
+
+
+def _wavefront(live: dict[int, RankLiveness], topo: JobTopology, silent: set[int], seconds: float,
+               score: float) -> list[HangResult]:
+    index = {r: i for i, r in enumerate(topo.rank)}
+    found: list[tuple[ParallelGroup, int, tuple[PhaseKind, int], list[int], list[int]]] = []
+    for group, column in _GROUP_COLUMNS.items():
+        members: dict[int, list[int]] = {}
+        for r, i in index.items():
+            members.setdefault(getattr(topo, column)[i], []).append(r)
+        for gidx, ranks in sorted(members.items()):
+            if len(ranks) < 2:
+                continue
+            waiting = [r for r in ranks if r in live and _in(live[r], group, gidx)]
+            if not waiting:
+                continue
+            # The collective the group waits in: the one most of its waiting members are in (ties: the later).
+            counts = Counter((live[r].collective, live[r].seq) for r in waiting)
+            (kind, seq), _ = max(counts.items(), key=lambda kv: (kv[1], kv[0][1]))
+            assert kind is not None
+            victims = sorted(r for r in waiting if (live[r].collective, live[r].seq) == (kind, seq))
+            suspects = sorted(r for r in ranks if r not in victims)
+            if suspects:
+                found.append((group, gidx, (kind, seq), victims, suspects))
+    if not found:
+        return []
+    victims_anywhere = {r for *_, v, _ in found for r in v}
+    all_suspects = sorted({r for *_, s in found for r in s})
+    # The head of the wavefront: suspects not waiting in any collective (in compute, or silent); else, in a
+    # cycle of waits, those waiting the longest.
+    first = [r for r in all_suspects if r in silent or r not in live or not live[r].waiting]
+    if not first:
+        oldest = min(live[r].in_flight_since_ns for r in all_suspects)
+        first = [r for r in all_suspects if live[r].in_flight_since_ns == oldest]
+    out = []
+    for group, gidx, (kind, seq), victims, suspects in found:
+        steps = [live[r].step for r in victims]
+        step = statistics.median_low(steps)
+        phases = Counter(live[r].phase for r in victims)
+        phase = max(phases.items(), key=lambda kv: (kv[1], kv[0]))[0] or None
+        out.append(HangResult(HangKind.HANG_WAVEFRONT, tuple(suspects), (step,), score, phase, {
+            "group": group.value, "group_index": gidx, "collective": kind.value, "seq": seq, "step": step,
+            "phase": phase or "", "victims": victims, "suspects": suspects,
+            "first_ranks": [r for r in first if r in suspects] or first,
+            "first_of_wavefront": any(r in first for r in suspects),
+            "suspects_also_waiting": sorted(r for r in suspects if r in victims_anywhere),
+            "suspect_states": [live[r].state() | {"silent": r in silent} if r in live
+                               else {"rank": r, "silent": True} for r in suspects],
+            "seconds_stalled": seconds}))
+    return out
+
+
+def _in(s: RankLiveness, group: ParallelGroup, gidx: int) -> bool:
+    """Whether ``s`` waits in a collective of ``group`` number ``gidx`` (-1 in the record: its own)."""
+    return s.collective is not None and s.group is group and s.group_index in (-1, gidx)

@@ -1,0 +1,106 @@
+"""L2's comparison of ranks within their groups, one phase at a time, every group of the phase at once
+(:mod:`detectors.l2_phases` describes what is compared and why).
+
+A phase's ranks are sorted by group; the groups of one size form a ``groups x members`` array and every
+statistic (leave-one-out medians, medians, MADs, CVs) is taken along its rows, the same values a loop over
+the groups gives (ten thousand ranks make thousands of TP or PP groups per phase).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import numpy.typing as npt
+
+from detectors.l2_groups import loo_median_rows
+from schemas.records import PhaseKind
+
+if TYPE_CHECKING:
+    from detectors.l2_phases import L2Params
+
+__all__ = ["Flag", "compare_rows", "phase_flags"]
+
+F64 = npt.NDArray[np.float64]
+I64 = npt.NDArray[np.int64]
+_MAD_SCALE = 1.4826
+# A member this many times shorter than its peers' median arrived late: its group's long collectives are
+# explained (the same 2x rule as L3's link check).
+_LATE_EXPLAINS = 2.0
+
+
+@dataclass
+class Flag:
+    """One rank's phase judged elevated (or, for a collective, short) against its group's other members."""
+
+    rank: int
+    phase: str
+    kind: PhaseKind
+    ratio: float
+    z: float | None
+    value_ns: float
+    peers_ns: float
+    cv: float
+    group: str
+    late_fraction: float = 0.0
+    waited_fraction: float = 0.0
+    #: Per step: time beyond the peers' median (compute), or lateness (collectives), ns.
+    excess_ns: float = 0.0
+
+
+def compare_rows(value: F64, p: L2Params, collective: bool) -> tuple[F64, F64, F64, F64, npt.NDArray[np.bool_]]:
+    """Each row of ``value`` one group's members: ratio to and z against the peers' median, that median, the
+    group's CV (one per row) and the hits (see :func:`detectors.l2_phases.detect_l2`)."""
+    peers = loo_median_rows(value)
+    med = np.median(value, axis=1, keepdims=True)
+    scale = np.maximum(np.median(np.abs(value - med), axis=1, keepdims=True) * _MAD_SCALE, p.mad_floor * peers)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        z = (value - peers) / scale
+        ratio = value / peers
+        mean = value.mean(axis=1)
+        cv = np.where(mean > 0, value.std(axis=1) / mean, 0.0)
+    use_z = value.shape[1] >= 3
+    if collective:  # only short members (late arrivals); long ones waited or arrived early
+        hit = (ratio <= 1.0 / _LATE_EXPLAINS) & ((z <= -p.min_z) if use_z else True)
+    else:
+        hit = (ratio >= p.min_elevation) & ((z >= p.min_z) if use_z else True)
+    return ratio, z, peers, cv, hit
+
+
+def phase_flags(name: str, kind: PhaseKind, label: str, column: I64, has: npt.NDArray[np.bool_], per_step: F64,
+                occ: F64, longest: F64, in_blocking: F64, rank: I64, p: L2Params) -> list[Flag]:
+    """The flags of one phase: its ranks (``has``) compared within their groups (``column``: each rank's
+    group); ``per_step``, ``occ``, ``longest`` and ``in_blocking`` per rank (see ``detect_l2``), ``rank`` the
+    topology's ranks. In the order of a loop over the groups (ascending) and their members (by position)."""
+    collective = kind.is_collective
+    pos = np.flatnonzero(has)
+    group = column[pos]
+    order = np.lexsort((pos, group))
+    pos, group = pos[order], group[order]
+    uniq, first, size = np.unique(group, return_index=True, return_counts=True)
+    found: list[tuple[int, int, Flag]] = []
+    for n in np.unique(size).tolist():
+        if n < 2:
+            continue
+        rows = np.flatnonzero(size == n)
+        members = pos[first[rows][:, None] + np.arange(n)]
+        value, rate = per_step[members], occ[members]
+        top = rate.max(axis=1, keepdims=True)
+        per_occurrence = (top - rate.min(axis=1, keepdims=True)) > 0.01 * top
+        with np.errstate(invalid="ignore", divide="ignore"):
+            value = np.where(per_occurrence, value / rate, value)
+        ratio, z, peers, cv, hit = compare_rows(value, p, collective)
+        late_ns = (peers - value) * np.where(per_occurrence, rate, 1.0)
+        late = late_ns / np.maximum(longest[members], 1.0)
+        blocked = in_blocking[members]
+        waited = (blocked - loo_median_rows(blocked)) / np.maximum(late_ns, 1.0)
+        for g, i in zip(*np.nonzero(hit), strict=True):
+            zi = float(z[g, i]) if n >= 3 and math.isfinite(float(z[g, i])) else None
+            excess = float(late_ns[g, i]) if collective else float(-late_ns[g, i])
+            found.append((int(rows[g]), int(i), Flag(
+                int(rank[members[g, i]]), name, kind, float(ratio[g, i]), zi, float(value[g, i]), float(peers[g, i]),
+                float(cv[g]), f"{label}{int(uniq[rows[g]])}", float(late[g, i]), float(waited[g, i]), excess)))
+    found.sort(key=lambda t: (t[0], t[1]))
+    return [f for _, _, f in found]

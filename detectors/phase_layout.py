@@ -1,0 +1,193 @@
+"""Phase layouts of :class:`~schemas.records.PhaseBatch` records, and their per-phase sums for many batches
+at once (what :meth:`detectors.l2_phases.PhaseTable.from_batches` builds its rows from).
+
+The batches of one rank and step share their layout (the names, kinds and groups of its phases) with many
+others: every rank of one (TP index, pipeline stage) runs the same phases. :class:`PhaseLayout` holds what a
+layout maps to (phase ids, which columns sum into which id, which phases nest blocking collectives), and its
+``sums`` / ``nested`` take the columns of all batches of the layout as one ``batches x phases`` array.
+
+Everything is integer nanoseconds (int64), exact: the per-id sums and the overlaps of compute phases with
+blocking collectives are the same integers as a per-batch float evaluation (exact below 2**53 ns), which
+batches whose times or sums reach 2**52 ns keep (:func:`nested_one`).
+"""
+
+from __future__ import annotations
+
+import functools
+import struct
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from operator import attrgetter
+
+import numpy as np
+import numpy.typing as npt
+
+from argus.errors import DetectorError
+from schemas.records import ParallelGroup, PhaseBatch, PhaseKind
+
+__all__ = ["BLOCKING_GROUPS", "COMPUTE_KINDS", "PhaseLayout", "nested_one"]
+
+F64 = npt.NDArray[np.float64]
+I64 = npt.NDArray[np.int64]
+COMPUTE_KINDS = frozenset({PhaseKind.FORWARD, PhaseKind.BACKWARD, PhaseKind.OPTIMIZER})
+#: Group kinds whose collectives block the compute stream where they sit inside a compute phase (Megatron's
+#: TP all-reduce between GEMMs, the MoE all-to-all, pipeline send/receive); DP gradient buckets overlap the
+#: backward instead. Their time inside a phase is waiting or transfer, not the phase's own work.
+BLOCKING_GROUPS = frozenset({ParallelGroup.TP, ParallelGroup.EP, ParallelGroup.PP})
+#: Relative times (ns) below this are exact in float64 (2**52): the batched integer overlap applies.
+_EXACT_NS = 1 << 52
+#: Above this many (phase, collective) pairs per compute phase whose ranges meet, overlaps go by coverage.
+_MAX_PAIRS_PER_PHASE = 6
+
+
+@dataclass(frozen=True, eq=False)
+class PhaseLayout:
+    """What one (names, kinds, groups) layout of a PhaseBatch maps to: phase ids (sorted), for each column
+    the position of its id (``inverse``), occurrences per id (``counts``), the columns in id order (``order``)
+    with each id's first position there (``bounds``), and the columns of its compute phases (``outer``) and
+    blocking collectives (``block``); both empty when nothing nests."""
+
+    kinds: tuple[PhaseKind, ...]
+    groups: tuple[ParallelGroup, ...]
+    ids: I64
+    inverse: I64
+    counts: I64
+    order: I64
+    bounds: I64
+    outer: I64
+    block: I64
+
+    @classmethod
+    def of(cls, b: PhaseBatch, keys: dict[tuple[str, PhaseKind, ParallelGroup], int]) -> PhaseLayout:
+        """``b``'s layout; new (name, kind, group) entries are added to ``keys``."""
+        if not len(b.names) == len(b.kinds) == len(b.groups) == len(b.duration_ns) == len(b.start_ns):
+            raise DetectorError(f"phase batch {b.job_id}/{b.rank}/{b.step}: columns differ in length")
+        triples = zip(b.names, b.kinds, b.groups, strict=True)
+        ids = np.array([keys.setdefault(k, len(keys)) for k in triples], dtype=np.int64)
+        uniq, inv = np.unique(ids, return_inverse=True)
+        counts = np.bincount(inv).astype(np.int64)
+        outer = np.flatnonzero([k in COMPUTE_KINDS for k in b.kinds])
+        block = np.flatnonzero([k.is_collective and g in BLOCKING_GROUPS for k, g in zip(b.kinds, b.groups,
+                                                                                  strict=True)])
+        return cls(b.kinds, b.groups, uniq, inv, counts, np.argsort(inv, kind="stable"),
+                   np.cumsum(counts) - counts, outer if block.size else block, block)
+
+    def columns(self, batches: Sequence[PhaseBatch], field: str) -> I64:
+        """One int64 column array of ``batches`` (all of this layout): ``batches x phases``."""
+        width = self.inverse.size
+        cols = list(map(attrgetter(field), batches))
+        if cols and not min(map(len, cols)) == width == max(map(len, cols)):
+            raise DetectorError(f"phase batches of one layout differ in the length of {field}")
+        # Packing each row's ints into bytes is the fastest way from tuples of Python ints to int64 (faster than
+        # np.fromiter over all of them); a value outside int64 raises as it would there.
+        pack = _packer(width)
+        try:
+            packed = b"".join([pack(*row) for row in cols])
+        except struct.error as exc:
+            raise DetectorError(f"phase batch {field}: {exc}") from exc
+        out: I64 = np.frombuffer(packed, dtype="<i8").astype(np.int64, copy=False).reshape(len(batches), width)
+        return out
+
+    def sums(self, values: I64) -> I64:
+        """Per row of ``values`` (``batches x phases``, ns), the sum per phase id: ``batches x ids``."""
+        if values.size and int(np.abs(values).max()) * values.shape[1] >= _EXACT_NS:
+            # Sums beyond float64's integers: the per-batch float sums, as ever.
+            return np.stack([_float_sums(row.astype(np.float64), self) for row in values])
+        out: I64 = np.add.reduceat(values[:, self.order], self.bounds, axis=1)
+        return out
+
+    def nested_sums(self, start: I64, duration: I64) -> I64:
+        """Per batch and phase id, the overlap (ns) of its compute phases with the batch's blocking
+        collectives, each capped at the phase's duration, summed (0 for other ids): ``batches x ids``."""
+        rows = duration.shape[0]
+        if self.block.size == 0 or self.outer.size == 0 or rows == 0:
+            return np.zeros((rows, self.ids.size), dtype=np.int64)
+        base = start.min(axis=1, keepdims=True)
+        s_o, d_o = start[:, self.outer] - base, duration[:, self.outer]
+        e_o = s_o + np.maximum(d_o, 0)
+        # A collective of negative length overlaps nothing (as the pairwise minimum/maximum has it).
+        s_c = start[:, self.block] - base
+        e_c = s_c + np.maximum(duration[:, self.block], 0)
+        span = max(int(e_o.max()), int(e_c.max())) + 1
+        if span * (rows + 1) >= _EXACT_NS or int(np.abs(duration).max()) * duration.shape[1] >= _EXACT_NS:
+            # Times beyond float64's integers: the per-batch float evaluation, as ever.
+            return np.stack([_float_sums(nested_one(start[i], duration[i].astype(np.float64), self), self)
+                             for i in range(rows)])
+        nested = np.zeros(duration.shape, dtype=np.int64)
+        nested[:, self.outer] = np.minimum(_overlaps(s_o, e_o, s_c, e_c, span), d_o)
+        return self.sums(nested)
+
+
+@functools.lru_cache(maxsize=64)
+def _packer(width: int) -> Callable[..., bytes]:
+    """``pack(*ints)``: ``width`` ints as little-endian int64 bytes."""
+    return struct.Struct(f"<{width}q").pack
+
+
+def _float_sums(values: F64, lay: PhaseLayout) -> I64:
+    out: I64 = np.rint(np.bincount(lay.inverse, weights=values, minlength=lay.ids.size)).astype(np.int64)
+    return out
+
+
+def _overlaps(s_o: I64, e_o: I64, s_c: I64, e_c: I64, span: int) -> I64:
+    """Per row, each interval ``[s_o, e_o)``'s summed overlap with the intervals ``[s_c, e_c)`` (ns, exact).
+
+    Batches of one layout run their phases at nearly the same offsets from their step's start, so most
+    pairs of a phase and a collective overlap in no row: only the pairs whose ranges over all rows meet are
+    evaluated. Where too many meet (rows with very different timelines), by coverage (:class:`_Coverage`)."""
+    meets = (np.maximum(s_o.min(axis=0)[:, None], s_c.min(axis=0)[None, :])
+             < np.minimum(e_o.max(axis=0)[:, None], e_c.max(axis=0)[None, :]))
+    po, pc = np.nonzero(meets)  # pairs grouped by phase (row-major)
+    if po.size > _MAX_PAIRS_PER_PHASE * s_o.shape[1]:
+        covered = _Coverage(s_c, e_c, span)
+        out: I64 = covered.at(e_o) - covered.at(s_o)
+        return out
+    out = np.zeros(s_o.shape, dtype=np.int64)
+    if po.size == 0:
+        return out
+    ov = np.minimum(e_o[:, po], e_c[:, pc])
+    ov -= np.maximum(s_o[:, po], s_c[:, pc])
+    np.maximum(ov, 0, out=ov)
+    phases, first = np.unique(po, return_index=True)
+    out[:, phases] = np.add.reduceat(ov, first, axis=1)
+    return out
+
+
+class _Coverage:
+    """Per row, ``C(x) = sum over intervals [s, e) of |[s, e) ∩ (-inf, x)|``: the time the row's intervals
+    cover before ``x``, with multiplicity. The overlap of ``[a, b)`` (``a <= b``) with them all is
+    ``C(b) - C(a)``. Rows are searched at once: row ``r``'s values are offset by ``r * span``."""
+
+    def __init__(self, s: I64, e: I64, span: int) -> None:
+        rows, m = s.shape
+        self._m, self._span = m, span
+        self._off = (np.arange(rows, dtype=np.int64) * span)[:, None]
+        self._s, self._e = np.sort(s, axis=1), np.sort(e, axis=1)
+        zero = np.zeros((rows, 1), dtype=np.int64)
+        self._ps = np.concatenate([zero, np.cumsum(self._s, axis=1)], axis=1)
+        self._pe = np.concatenate([zero, np.cumsum(self._e, axis=1)], axis=1)
+        self._flat_s, self._flat_e = (self._s + self._off).ravel(), (self._e + self._off).ravel()
+
+    def at(self, x: I64) -> I64:
+        """``C(x)`` for ``x`` of shape ``rows x n`` (times in ``[0, span)``), exact in int64."""
+        rows = np.arange(x.shape[0])[:, None]
+        key = x + self._off
+        n_s = np.searchsorted(self._flat_s, key, side="right") - rows * self._m  # starts <= x
+        n_e = np.searchsorted(self._flat_e, key, side="right") - rows * self._m  # ends <= x
+        out: I64 = (n_s * x - self._ps[rows, n_s]) - (n_e * x - self._pe[rows, n_e])
+        return out
+
+
+def nested_one(start_ns: Sequence[int] | I64, dur: F64, lay: PhaseLayout) -> F64:
+    """Per phase of one batch: its overlap with the batch's blocking collectives, capped at its duration
+    (float ns, the pairwise evaluation)."""
+    out = np.zeros(dur.size)
+    if lay.block.size == 0:
+        return out
+    start = np.asarray(start_ns, dtype=np.int64)
+    start = (start - start.min()).astype(np.float64)  # epoch nanoseconds exceed float64's integer precision
+    s_o, e_o = start[lay.outer], start[lay.outer] + dur[lay.outer]
+    s_c, e_c = start[lay.block], start[lay.block] + dur[lay.block]
+    overlap = np.minimum(e_o[:, None], e_c[None, :]) - np.maximum(s_o[:, None], s_c[None, :])
+    out[lay.outer] = np.minimum(np.clip(overlap, 0.0, None).sum(axis=1), dur[lay.outer])
+    return out

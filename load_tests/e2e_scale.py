@@ -1,0 +1,134 @@
+"""End to end at scale: one simulated 1,024-rank job through the real local stack.
+
+``python load_tests/e2e_scale.py [--dp 32 --tp 8 --pp 4] [--steps 20]`` starts a private stack (``argus up``
+with its own home, ports, topics and groups, as :mod:`load_tests.soak` does), publishes one simulated job of
+``dp x tp x pp`` ranks (``producers.simulator``; one layer per stage and 4 microbatches to keep the kernels
+per step modest, a compute straggler on rank 5 from the middle of the job), and waits until the job is
+diagnosed through to ClickHouse (``findings --wait``: every part's DIAGNOSED, every finding and record
+stored). The worker's resident memory is sampled every ``--sample-s`` seconds meanwhile.
+
+Prints one JSON line: ranks, steps, kernel events, step and phase records, publish seconds, kernel events/s
+from the first publish to the job being diagnosed (``e2e_events_per_s``: diagnosis included), seconds from
+the job's END (its publication) to the job being diagnosed (``end_to_diagnosed_s``), the worker's RSS
+(start, peak, end, MB), the findings (level, kind, ranks) and ``named_slow_rank`` (whether rank 5 is named). Budgets:
+``BUDGET_END_TO_DIAGNOSED_S`` and the worker's peak RSS ``BUDGET_WORKER_PEAK_MB``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from detection_eval import PrivateStack
+from soak import _pid, rss_mb
+
+from argus.settings import Settings
+from producers.faults import Fault, FaultSpec
+from producers.publisher import Publisher
+from producers.simulator import JobSimulator, JobSpec
+from schemas.records import JobLifecycle, KernelBatch, LifecycleEvent, PhaseBatch, Step
+
+#: Most seconds from the job's END to its diagnosis stored (1,024 ranks, this 2-core machine).
+BUDGET_END_TO_DIAGNOSED_S = 120.0
+#: Most resident memory of the worker while it holds the job (MB).
+BUDGET_WORKER_PEAK_MB = 1500.0
+
+
+def _say(msg: str) -> None:
+    sys.stderr.write(f"[e2e {time.strftime('%H:%M:%S')}] {msg}\n")
+    sys.stderr.flush()
+
+
+def run(dp: int, tp: int, pp: int, steps: int, sample_s: float) -> dict[str, Any]:
+    work = Path(tempfile.mkdtemp(prefix="argus-e2e-"))
+    stack = PrivateStack(work / "home", partitions=4)
+    stack.up()
+    os.environ.update({k: v for k, v in stack.env.items() if k.startswith("ARGUS_")})
+    settings = Settings.load()
+    job = f"e2e-{dp * tp * pp}"
+    spec = JobSpec(job, dp=dp, tp=tp, pp=pp, steps=steps, layers=1, microbatches=4,
+                   fault=FaultSpec(Fault.COMPUTE_STRAGGLER, ranks=(5,), onset_step=steps // 2,
+                                    attention_factor=1.5, mlp_factor=1.5))
+    samples: list[tuple[float, float]] = []
+    stop = threading.Event()
+    t0 = time.monotonic()
+
+    def sample() -> None:
+        while not stop.is_set():
+            pid = _pid(stack.home, "worker")
+            mb = rss_mb(pid) if pid else None
+            if mb is not None:
+                samples.append((time.monotonic() - t0, mb))
+            stop.wait(sample_s)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    counts = {"kernel_events": 0, "step_records": 0, "phase_batches": 0}
+    try:
+        _say(f"publishing {job}: {spec.world_size} ranks x {steps} steps")
+        with Publisher(settings, lossless=True) as pub:
+            for rec in JobSimulator(spec, batch_events=settings.publisher_batch_events).records():
+                r = rec.record
+                if isinstance(r, KernelBatch):
+                    counts["kernel_events"] += len(r)
+                elif isinstance(r, Step):
+                    counts["step_records"] += 1
+                elif isinstance(r, PhaseBatch):
+                    counts["phase_batches"] += 1
+                pub.publish(rec.topic, rec.key, r)
+                if isinstance(r, JobLifecycle) and r.event is LifecycleEvent.END:
+                    pub.flush(120)
+                    end_at = time.monotonic()
+        published_s = end_at - t0
+        _say(f"published in {published_s:.1f} s; waiting for the diagnosis")
+        res = stack.argus("findings", "--job", job, "--wait", "900", "--json", timeout=960)
+        diagnosed_at = time.monotonic()
+        findings = json.loads(res.stdout) if res.returncode == 0 else []
+        if res.returncode != 0:
+            _say(f"findings --wait failed: {res.stderr[-500:]}")
+    finally:
+        stop.set()
+        sampler.join(5)
+        stack.down()
+    mbs = [m for _, m in samples]
+    out: dict[str, Any] = {
+        "benchmark": "e2e_scale", "ranks": spec.world_size, "topology": f"DP {dp} x TP {tp} x PP {pp}", "steps": steps,
+        **counts, "publish_s": round(published_s, 1),
+        "e2e_events_per_s": round(counts["kernel_events"] / (diagnosed_at - t0)),
+        "end_to_diagnosed_s": round(diagnosed_at - end_at, 1),
+        "worker_rss_mb": {"start": round(mbs[0], 1) if mbs else None, "peak": round(max(mbs), 1) if mbs else None,
+                          "end": round(mbs[-1], 1) if mbs else None, "samples": len(mbs)},
+        "findings": [(f["level"], f["kind"], f["ranks"]) for f in findings],
+        "named_slow_rank": any(5 in f["ranks"] for f in findings if f["level"] in ("L2", "L3")),
+        "budgets": {"end_to_diagnosed_s": BUDGET_END_TO_DIAGNOSED_S, "worker_peak_mb": BUDGET_WORKER_PEAK_MB},
+    }
+    out["within_budget"] = (res.returncode == 0 and out["end_to_diagnosed_s"] <= BUDGET_END_TO_DIAGNOSED_S
+                            and bool(mbs) and max(mbs) <= BUDGET_WORKER_PEAK_MB)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dp", type=int, default=32)
+    ap.add_argument("--tp", type=int, default=8)
+    ap.add_argument("--pp", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--sample-s", type=float, default=2.0)
+    args = ap.parse_args(argv)
+    out = run(args.dp, args.tp, args.pp, args.steps, args.sample_s)
+    sys.stdout.write(json.dumps(out) + "\n")
+    return 0 if out["within_budget"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,464 @@
+"""Benchmark: cost of the pure diagnosis core (L1, L2, L3) per window / per step at 1,024 to 10,240 ranks.
+
+No Kafka, no worker: the detectors are called in-process on inputs shaped as the stream agents feed them
+(:mod:`streams.diagnosis`), for a job of TP 8 x PP 4 x DP ``ranks / 32`` (:func:`producers.topology.
+build_topology`) with one slow rank (the report says what each detector found, so the inputs are seen to
+be judged, not skipped). Inputs are generated with numpy (fixed seeds) before any timing. Every timing is
+``time.perf_counter`` wall time, after ``gc.collect()``, repeated; the median is reported (``*_ms`` in
+milliseconds, ``*_bytes`` in bytes, ``*_mib`` in MiB).
+
+What is timed, per rank count:
+
+* **L3** (budget: ``BUDGET_L3_MS`` per (kernel, window)). One event-time window of one (job, kernel, stream)
+  as :class:`~streams.diagnosis.KernelDiagnosis` passes it to :func:`~detectors.l3_kernels.detect_l3`: a list
+  of one-row :class:`~schemas.records.KernelSummary` (one per rank, ordered by rank), each row with two
+  clusters (a bimodal kernel, realistic counts for a 10 s window), the topology, default ``L3Params`` and
+  ``group_kind=None`` (the stream's group not known: every group kind is tried, the worst case). Two kernels:
+  a compute GEMM (stream 7; the slow rank's second mode 1.3x slower) and a TP all-reduce
+  ``ncclDevKernel_AllReduce_Sum_bf16_RING_LL`` (stream 17; the slow rank arrives last in its TP group: its
+  collective is the bare transfer, 1.3x shorter than a healthy member's, and its TP peers wait, 6x longer).
+  ``ms_per_window`` = one ``detect_l3`` call. One untimed warm-up call first. Also reported, not budgeted:
+
+  - ``ingest_ms_per_window``: the worker's per-row bookkeeping (``streams.diagnosis_agents.
+    _BoundedKernelDiagnosis.add``) of the window's rank rows, one run;
+  - ``detect_peak_mib``: the tracemalloc peak (numpy temporaries included) of one ``detect_l3`` call;
+  - ``state_bytes_per_rank_window_row``: tracemalloc bytes a ``KernelDiagnosis`` retains per (rank, window)
+    row of its (job, kernel, stream) after taking decoded copies (as read from Kafka) of up to 1,024 rows;
+    ``worker_state_bytes_per_rank_window_row`` the same for the worker's ``_BoundedKernelDiagnosis``, and
+    ``worker_state_mib_per_window`` that x ranks (the worker keeps up to ``l3_max_windows``, 64, windows).
+
+* **L2** (budget: ``BUDGET_L2_MS`` per step). ``N = --l2-steps`` complete steps of every rank's
+  :class:`~schemas.records.PhaseBatch` (the simulator's per-stage phase layout, ~150 phases per batch,
+  durations jittered per rank; the slow rank's compute phases 1.6x longer). Timed as
+  :meth:`streams.diagnosis.JobDiagnosis.diagnose` does it: ``PhaseTable.from_batches`` over the N x ranks
+  batches (``table_ms_per_step``) plus ``detect_l2`` over that table (``detect_ms_per_run``), divided by N:
+  ``ms_per_step`` = cost per step judged once. The live worker re-judges the last ``history_steps`` (200) steps
+  every ``detect_every`` (5) new steps, so ``live_ms_per_step_est`` = (``table_ms_per_step`` x 200 +
+  ``detect_ms_per_run``) / 5 estimates its steady-state cost per step added (table cost linear in steps,
+  detection cost taken at N steps: a lower bound); ``state_bytes_per_rank_step`` is the tracemalloc size of
+  one decoded PhaseBatch, ``history_state_gib_est`` that x ranks x 200 (what ``JobDiagnosis`` keeps).
+
+* **L1** (budget: ``BUDGET_L1_MS`` per step). ``N = --l1-steps`` steps (a 10 % regression from the middle):
+  ``IterationSeries.from_arrays`` over one (step, wall, gpu) entry per (rank, step) (the reduction to the
+  job's series: max over ranks, ``reduce_ms_per_step``) plus ``detect_l1`` over the series
+  (``detect_ms_per_run``), divided by N: ``ms_per_step``.
+
+* ``job_diagnosis`` (not budgeted): the whole L1 + L2 state of the stream, ``JobDiagnosis.add`` of every Step
+  and PhaseBatch of the L2 steps plus one ``diagnose()``, divided by N (per-record Python bookkeeping
+  included).
+
+``peak_rss_mib`` is ``ru_maxrss`` of the process (inputs included), ``peak_rss_mib_after`` the same after
+each rank count. Budgets apply at every rank count measured (they are stated for 10,240; cost grows with the
+ranks). Prints one JSON line; exits 1 when a budget is missed (``over_budget`` lists which).
+
+Run: .venv/bin/python load_tests/scale_diagnosis.py [--ranks 1024,4096,10240] [--repeats 5] [--l2-steps 10]
+     [--l1-steps 200] [--quick] [--profile]
+``--quick``: 1,024 ranks only, 3 repeats (a fast check). ``--profile``: after the run, cProfile of one
+``detect_l3`` call per kernel at the largest rank count, top 15 functions by cumulative time, on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import gc
+import json
+import pstats
+import resource
+import statistics
+import sys
+import time
+import tracemalloc
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import numpy as np
+import numpy.typing as npt
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from detectors.l1_iteration import IterationSeries, L1Result, detect_l1  # noqa: E402
+from detectors.l2_phases import L2Params, L2Result, PhaseTable, detect_l2  # noqa: E402
+from detectors.l3_kernels import L3Params, L3Result, detect_l3  # noqa: E402
+from producers.sim_workload import K_ALL_REDUCE, K_GEMM  # noqa: E402
+from producers.simulator import DEFAULT_START_NS, JobSimulator, JobSpec  # noqa: E402
+from producers.topology import build_topology  # noqa: E402
+from schemas.records import JobTopology, KernelSummary, PhaseBatch, PhaseKind, Step  # noqa: E402
+from streams.diagnosis import DiagnosisParams, JobDiagnosis, KernelDiagnosis  # noqa: E402
+
+#: Budgets (issue 10, "Scale to 10,240 ranks per job"), milliseconds.
+BUDGET_L3_MS = 100.0  # per (kernel, window), compute and collective alike
+BUDGET_L2_MS = 50.0  # per step
+BUDGET_L1_MS = 1.0  # per step
+
+TP, PP = 8, 4
+SEED = 20260
+WINDOW_NS = 10_000_000_000  # the default ARGUS_WINDOW_NS
+WINDOW_START_NS = DEFAULT_START_NS
+COMPUTE_STREAM, COLLECTIVE_STREAM = 7, 17
+#: Per (rank, 10 s window): the GEMM's two shapes (p50 us, calls) and the TP all-reduce's two message sizes.
+GEMM_MODES = ((200.0, 480), (600.0, 320))
+ALL_REDUCE_MODES = ((90.0, 2400), (350.0, 800))
+_COMPUTE_KINDS = frozenset({PhaseKind.FORWARD, PhaseKind.BACKWARD, PhaseKind.OPTIMIZER})
+
+F64 = npt.NDArray[np.float64]
+T = TypeVar("T")
+
+
+def _timed(fn: Callable[[], T], repeats: int, warmup: bool = False) -> tuple[float, list[float], T]:
+    """Median ms of ``repeats`` calls of ``fn`` (after ``gc.collect()`` each), all runs in ms, last result."""
+    if warmup:
+        fn()
+    runs: list[float] = []
+    out: T | None = None
+    for _ in range(repeats):
+        gc.collect()
+        t0 = time.perf_counter()
+        out = fn()
+        runs.append((time.perf_counter() - t0) * 1e3)
+    assert out is not None
+    return statistics.median(runs), runs, out
+
+
+def _r(x: float, digits: int = 3) -> float:
+    return round(float(x), digits)
+
+
+def _rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux: KiB
+
+
+def _found(results: Sequence[L1Result | L2Result | L3Result]) -> list[str]:
+    """``kind:ranks`` of each result (ranks cut to 8), for the report."""
+    out = []
+    for res in results:
+        ranks = list(getattr(res, "ranks", ()) or getattr(res, "steps", ()))
+        more = "..." if len(ranks) > 8 else ""
+        out.append(f"{res.kind.value}:{','.join(map(str, ranks[:8]))}{more}")
+    return out
+
+
+def slow_rank_of(n_ranks: int) -> int:
+    """The slow rank: TP index 5 of the 4th DP replica (the last if fewer) of pipeline stage 1."""
+    dp = n_ranks // (TP * PP)
+    return n_ranks // PP + min(3, dp - 1) * TP + 5
+
+
+# -- L3 inputs ---------------------------------------------------------------------------------------------
+
+def kernel_rows(job_id: str, kernel: str, stream: int, n_ranks: int, modes: tuple[tuple[float, int], ...],
+                rng: np.random.Generator, scale: dict[int, F64]) -> list[KernelSummary]:
+    """One window's rows of one (kernel, stream): a one-row KernelSummary per rank (ordered by rank) with one
+    cluster per mode, as :class:`KernelDiagnosis` keeps them; ``scale``: per rank, a factor per mode."""
+    k = len(modes)
+    p50_base = np.array([m[0] * 1e3 for m in modes])
+    calls = np.broadcast_to(np.array([m[1] for m in modes], dtype=np.int64), (n_ranks, k))
+    speed = np.exp(rng.normal(0.0, 0.01, (n_ranks, 1)))  # benign per-rank spread (~1 %)
+    p50 = p50_base[None, :] * speed * np.exp(rng.normal(0.0, 0.004, (n_ranks, k)))
+    for rank, factor in scale.items():
+        p50[rank] *= factor
+    p99 = p50 * np.exp(np.abs(rng.normal(0.12, 0.02, (n_ranks, k))))
+    cols = [calls, p50, p99, p50 * 0.95, p99 * 1.05, calls * p50 * 1.01]
+    c, q50, q99, lo, hi, total = (np.rint(a).astype(np.int64).tolist() for a in cols)
+    n_events = calls.sum(axis=1).tolist()
+    ws, we = (WINDOW_START_NS,), (WINDOW_START_NS + WINDOW_NS,)
+    return [KernelSummary(job_id, kernel, stream, (r,), ws, we, (n_events[r],), (k,), tuple(c[r]), tuple(q50[r]),
+                          tuple(q99[r]), tuple(lo[r]), tuple(hi[r]), tuple(total[r])) for r in range(n_ranks)]
+
+
+def l3_inputs(job_id: str, topo: JobTopology, seed: int) -> dict[str, list[KernelSummary]]:
+    """The GEMM's and the TP all-reduce's rows of one window (see the module docstring)."""
+    n, slow = topo.world_size, slow_rank_of(topo.world_size)
+    tp_peers = [r for r in range(n) if topo.tp_group[r] == topo.tp_group[slow] and r != slow]
+    specs = {
+        "compute": (K_GEMM, COMPUTE_STREAM, GEMM_MODES, {slow: np.array([1.0, 1.3])}),
+        # A collective ends together on every member: a healthy member's time is the transfer plus some
+        # waiting (x1.3 here), the last arrival's the transfer alone; the slow rank arrives last in its TP
+        # group, whose other members wait for it (x6).
+        "collective": (K_ALL_REDUCE, COLLECTIVE_STREAM, ALL_REDUCE_MODES,
+                       {slow: np.full(2, 1 / 1.3)} | {r: np.full(2, 6.0) for r in tp_peers}),
+    }
+    return {name: kernel_rows(job_id, kernel, stream, n, modes, np.random.default_rng(seed + i), scale)
+            for i, (name, (kernel, stream, modes, scale)) in enumerate(specs.items())}
+
+
+def state_bytes_per_row(rows: Sequence[KernelSummary], make: Callable[[], KernelDiagnosis]) -> float:
+    """Tracemalloc bytes per row that a fresh ``make()`` state retains after taking decoded copies of
+    ``rows`` (fresh tuples and ints, as read from Kafka) one by one."""
+    payloads = [r.encode() for r in rows]
+    state = make()
+    gc.collect()
+    tracemalloc.start()
+    base = tracemalloc.get_traced_memory()[0]
+    for p in payloads:
+        state.add(KernelSummary.decode(p))
+    gc.collect()
+    size = tracemalloc.get_traced_memory()[0] - base
+    tracemalloc.stop()
+    del state
+    return size / len(payloads)
+
+
+def measure_l3(rows: list[KernelSummary], topo: JobTopology, repeats: int) -> dict[str, Any]:
+    from streams.diagnosis_agents import _BoundedKernelDiagnosis  # imports faust: only when needed
+
+    params = L3Params()
+    med, runs, found = _timed(lambda: detect_l3(rows, topo, params, None), repeats, warmup=True)
+    gc.collect()
+    tracemalloc.start()
+    detect_l3(rows, topo, params, None)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    first = rows[0]
+    key = (first.job_id, first.kernel, first.stream)
+    # The worker's per-row bookkeeping of one window (each add re-sorts the window's rows).
+    worker = _BoundedKernelDiagnosis(*key, DiagnosisParams(), 64)
+    gc.collect()
+    t0 = time.perf_counter()
+    for row in rows:
+        worker.add(row)
+    ingest_ms = (time.perf_counter() - t0) * 1e3
+    del worker
+    sample = rows[:1024]
+    pure = state_bytes_per_row(sample, lambda: KernelDiagnosis(*key))
+    bounded = state_bytes_per_row(sample, lambda: _BoundedKernelDiagnosis(*key, DiagnosisParams(), 64))
+    return {
+        "kernel": first.kernel, "stream": first.stream, "clusters_per_row": first.n_clusters[0],
+        "ms_per_window": _r(med), "runs_ms": [_r(x, 2) for x in runs],
+        "ingest_ms_per_window": _r(ingest_ms), "detect_peak_mib": _r(peak / 2**20, 1),
+        "state_bytes_per_rank_window_row": round(pure),
+        "worker_state_bytes_per_rank_window_row": round(bounded),
+        "worker_state_mib_per_window": _r(bounded * len(rows) / 2**20, 2),
+        "found": _found(found),
+    }
+
+
+# -- L2 inputs ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _Template:
+    """One (TP index, stage)'s phase layout of one step: columns of its PhaseBatch, offsets from the step."""
+
+    kinds: tuple[PhaseKind, ...]
+    names: tuple[str, ...]
+    groups: tuple[Any, ...]
+    streams: tuple[int, ...]
+    offset_ns: npt.NDArray[np.int64]
+    duration_ns: F64
+    compute: npt.NDArray[np.bool_]
+
+
+def phase_templates(seed: int) -> tuple[list[_Template], int]:
+    """The simulator's phases of one step of a TP x PP job (DP 1), per rank (= TP index + TP * stage), and
+    the step's wall time (ns)."""
+    sim = JobSimulator(JobSpec("scale-template", dp=1, tp=TP, pp=PP, steps=1, seed=seed), batch_events=1 << 40)
+    steps, phases, _ = next(iter(sim.steps()))
+    by_rank = {b.rank: b for b in phases}
+    out = []
+    for r in range(TP * PP):
+        b = by_rank[r]
+        out.append(_Template(b.kinds, b.names, b.groups, b.streams,
+                             np.asarray(b.start_ns, dtype=np.int64) - steps[0].start_ns,
+                             np.asarray(b.duration_ns, dtype=np.float64),
+                             np.array([k in _COMPUTE_KINDS for k in b.kinds], dtype=bool)))
+    return out, int(steps[0].wall_ns)
+
+
+def phase_inputs(job_id: str, topo: JobTopology, n_steps: int, seed: int,
+                 templates: list[_Template], step_ns: int) -> tuple[list[list[Step]], list[list[PhaseBatch]]]:
+    """Per step, every rank's Step and PhaseBatch (durations jittered 2 % per phase; the slow rank's compute
+    phases 1.6x). Starts are shared by the ranks of one template in one step (one tuple)."""
+    rng = np.random.default_rng(seed)
+    n = topo.world_size
+    slow = slow_rank_of(n)
+    tpl_of = np.asarray(topo.rank) % TP + TP * np.asarray(topo.pp_stage)
+    members = [np.flatnonzero(tpl_of == t) for t in range(len(templates))]
+    steps: list[list[Step]] = []
+    batches: list[list[PhaseBatch]] = []
+    for s in range(n_steps):
+        t0 = WINDOW_START_NS + s * step_ns
+        gpu = (step_ns * 0.98 * np.exp(rng.normal(0.0, 0.005, n))).astype(np.int64).tolist()
+        steps.append([Step(job_id, r, s, t0, step_ns, gpu[r]) for r in range(n)])
+        row: list[PhaseBatch | None] = [None] * n
+        for t, tpl in enumerate(templates):
+            ranks = members[t]
+            dur = tpl.duration_ns[None, :] * np.exp(rng.normal(0.0, 0.02, (ranks.size, tpl.duration_ns.size)))
+            hit = np.flatnonzero(ranks == slow)
+            if hit.size:
+                dur[hit[0], tpl.compute] *= 1.6
+            starts = tuple((tpl.offset_ns + t0).tolist())
+            for r, d in zip(ranks.tolist(), np.maximum(np.rint(dur), 1).astype(np.int64).tolist(), strict=True):
+                row[r] = PhaseBatch(job_id, r, s, tpl.kinds, tpl.names, tpl.groups, tpl.streams, starts, tuple(d))
+        batches.append([b for b in row if b is not None])
+    return steps, batches
+
+
+def phase_batch_bytes(batches: list[PhaseBatch]) -> float:
+    """Tracemalloc bytes of one decoded PhaseBatch (mean over ``batches``), as the worker holds it."""
+    payloads = [b.encode() for b in batches]
+    gc.collect()
+    tracemalloc.start()
+    base = tracemalloc.get_traced_memory()[0]
+    decoded = [PhaseBatch.decode(p) for p in payloads]
+    size = tracemalloc.get_traced_memory()[0] - base
+    tracemalloc.stop()
+    del decoded
+    return size / len(payloads)
+
+
+def measure_l2(topo: JobTopology, batches: list[list[PhaseBatch]], repeats: int) -> dict[str, Any]:
+    flat = [b for step in batches for b in step]
+    n_steps = len(batches)
+    params = L2Params()
+    table_runs, detect_runs = [], []
+    found: list[L2Result] = []
+    for _ in range(repeats):
+        gc.collect()
+        t0 = time.perf_counter()
+        table = PhaseTable.from_batches(flat)
+        t1 = time.perf_counter()
+        found = detect_l2(table, topo, params)
+        t2 = time.perf_counter()
+        table_runs.append((t1 - t0) * 1e3)
+        detect_runs.append((t2 - t1) * 1e3)
+        del table
+    totals = [a + b for a, b in zip(table_runs, detect_runs, strict=True)]
+    table_ms, detect_ms = statistics.median(table_runs), statistics.median(detect_runs)
+    jd = DiagnosisParams()
+    bytes_per = phase_batch_bytes(flat[:64])
+    return {
+        "steps": n_steps, "phases_per_batch": len(flat[0].kinds),
+        "ms_per_step": _r(statistics.median(totals) / n_steps),
+        "runs_ms_per_step": [_r(x / n_steps, 2) for x in totals],
+        "table_ms_per_step": _r(table_ms / n_steps), "detect_ms_per_run": _r(detect_ms),
+        "detect_ms_per_step": _r(detect_ms / n_steps),
+        "live_ms_per_step_est": _r((table_ms / n_steps * jd.history_steps + detect_ms) / jd.detect_every),
+        "state_bytes_per_rank_step": round(bytes_per),
+        "history_state_gib_est": _r(bytes_per * topo.world_size * jd.history_steps / 2**30, 2),
+        "found": _found(found),
+    }
+
+
+def measure_job_diagnosis(topo: JobTopology, steps: list[list[Step]], batches: list[list[PhaseBatch]],
+                          repeats: int) -> dict[str, Any]:
+    def run() -> int:
+        jd = JobDiagnosis(topo.job_id)
+        jd.add(topo)
+        for step_recs, batch_recs in zip(steps, batches, strict=True):
+            for rec in step_recs:
+                jd.add(rec)
+            for b in batch_recs:
+                jd.add(b)
+        return len(jd.diagnose())
+
+    med, runs, n_findings = _timed(run, repeats)
+    return {"ms_per_step": _r(med / len(steps)), "runs_ms_per_step": [_r(x / len(steps), 2) for x in runs],
+            "findings": n_findings}
+
+
+# -- L1 ----------------------------------------------------------------------------------------------------
+
+def measure_l1(n_ranks: int, n_steps: int, seed: int, repeats: int) -> dict[str, Any]:
+    rng = np.random.default_rng(seed)
+    wall = 2e8 * np.exp(rng.normal(0.0, 0.03, n_steps))
+    wall[n_steps // 2:] *= 1.10  # a 10 % regression from the middle
+    step = np.repeat(np.arange(n_steps, dtype=np.int64), n_ranks)
+    wall_rs = np.repeat(wall, n_ranks)  # the host step time is the same on every rank
+    gpu_rs = wall_rs * 0.98 * np.exp(rng.normal(0.0, 0.005, wall_rs.size))
+    reduce_ms, reduce_runs, series = _timed(lambda: IterationSeries.from_arrays(step, wall_rs, gpu_rs), repeats,
+                                            warmup=True)
+    detect_ms, detect_runs, found = _timed(lambda: detect_l1(series), repeats, warmup=True)
+    totals = [a + b for a, b in zip(reduce_runs, detect_runs, strict=True)]
+    return {
+        "steps": n_steps, "ms_per_step": _r(statistics.median(totals) / n_steps, 4),
+        "reduce_ms_per_step": _r(reduce_ms / n_steps, 4), "detect_ms_per_run": _r(detect_ms),
+        "detect_ms_per_step": _r(detect_ms / n_steps, 4), "found": _found(found),
+    }
+
+
+# -- main --------------------------------------------------------------------------------------------------
+
+def profile_l3(inputs: dict[str, list[KernelSummary]], topo: JobTopology, top: int = 15) -> None:
+    """cProfile of one ``detect_l3`` call per kernel; the top functions by cumulative time, on stderr."""
+    params = L3Params()
+    for name, rows in inputs.items():
+        detect_l3(rows, topo, params, None)  # warm
+        prof = cProfile.Profile()
+        prof.enable()
+        detect_l3(rows, topo, params, None)
+        prof.disable()
+        sys.stderr.write(f"\n== cProfile: detect_l3 {name} ({rows[0].kernel[:40]}), {topo.world_size} ranks ==\n")
+        pstats.Stats(prof, stream=sys.stderr).sort_stats("cumulative").print_stats(top)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    ap.add_argument("--ranks", default="1024,4096,10240", help="comma-separated rank counts (multiples of 32)")
+    ap.add_argument("--repeats", type=int, default=5, help="timed runs per measurement (L2: at most 3)")
+    ap.add_argument("--l2-steps", type=int, default=10, help="steps of phase batches judged by L2")
+    ap.add_argument("--l1-steps", type=int, default=200, help="steps of the L1 series")
+    ap.add_argument("--quick", action="store_true", help="1,024 ranks, 3 repeats")
+    ap.add_argument("--profile", action="store_true", help="cProfile detect_l3 at the largest rank count (stderr)")
+    args = ap.parse_args(argv)
+    ranks = [1024] if args.quick else sorted({int(x) for x in args.ranks.split(",") if x.strip()})
+    repeats = 3 if args.quick else max(1, args.repeats)
+    heavy = min(repeats, 3)
+    if any(n < 2 * TP * PP or n % (TP * PP) for n in ranks) or args.l2_steps < 3 or args.l1_steps < 20:
+        ap.error(f"ranks must be multiples of {TP * PP} and >= {2 * TP * PP} (TP {TP} x PP {PP} x DP >= 2), "
+                 "--l2-steps >= 3, --l1-steps >= 20")
+
+    templates, step_ns = phase_templates(SEED)
+    results: dict[str, Any] = {}
+    over: list[str] = []
+    last_l3: tuple[dict[str, list[KernelSummary]], JobTopology] | None = None
+    for n in ranks:
+        t_gen = time.perf_counter()
+        job_id = f"scale-{n}"
+        topo = build_topology(job_id, n // (TP * PP), TP, PP)
+        l3_in = l3_inputs(job_id, topo, SEED)
+        steps, batches = phase_inputs(job_id, topo, args.l2_steps, SEED + 7, templates, step_ns)
+        gen_s = time.perf_counter() - t_gen
+        entry: dict[str, Any] = {
+            "topology": f"DP {topo.dp_size} x TP {TP} x PP {PP}", "slow_rank": slow_rank_of(n),
+            "input_generation_s": _r(gen_s, 2),
+            "l3": {name: measure_l3(rows, topo, repeats) for name, rows in l3_in.items()},
+            "l2": measure_l2(topo, batches, heavy),
+            "l1": measure_l1(n, args.l1_steps, SEED + 11, repeats),
+            "job_diagnosis": measure_job_diagnosis(topo, steps, batches, heavy),
+        }
+        del steps, batches
+        gc.collect()
+        entry["peak_rss_mib_after"] = _r(_rss_mib(), 1)
+        results[str(n)] = entry
+        for name, res in entry["l3"].items():
+            if res["ms_per_window"] > BUDGET_L3_MS:
+                over.append(f"L3 {name} at {n} ranks: {res['ms_per_window']} ms/window > {BUDGET_L3_MS}")
+        if entry["l2"]["ms_per_step"] > BUDGET_L2_MS:
+            over.append(f"L2 at {n} ranks: {entry['l2']['ms_per_step']} ms/step > {BUDGET_L2_MS}")
+        if entry["l1"]["ms_per_step"] > BUDGET_L1_MS:
+            over.append(f"L1 at {n} ranks: {entry['l1']['ms_per_step']} ms/step > {BUDGET_L1_MS}")
+        last_l3 = (l3_in, topo)
+
+    result = {
+        "benchmark": "scale_diagnosis",
+        "ranks": ranks, "repeats": repeats, "l2_repeats": heavy, "seed": SEED,
+        "l2_steps": args.l2_steps, "l1_steps": args.l1_steps, "window_ns": WINDOW_NS,
+        "results": results,
+        "peak_rss_mib": _r(_rss_mib(), 1),
+        "budgets": {"l3_ms_per_kernel_window": BUDGET_L3_MS, "l2_ms_per_step": BUDGET_L2_MS,
+                    "l1_ms_per_step": BUDGET_L1_MS, "stated_at_ranks": 10240},
+        "over_budget": over,
+        "within_budget": not over,
+    }
+    sys.stdout.write(json.dumps(result) + "\n")
+    sys.stdout.flush()
+    if args.profile and last_l3 is not None:
+        profile_l3(*last_l3)
+    return 0 if not over else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

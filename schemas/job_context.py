@@ -1,0 +1,60 @@
+"""The :class:`JobContext` record: what one stream worker knows of a job that others need (see
+``schemas/job_context.v1.avsc``)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import ClassVar
+
+from argus.errors import SchemaError
+from schemas.records import ParallelGroup, Record, _bounded, _same_length, _times
+
+__all__ = ["CONTEXT_JOB_PART", "JobContext"]
+
+#: The part of the job agent's context; L3 parts are ``l3/<p>``.
+CONTEXT_JOB_PART = "job"
+
+
+@dataclass(frozen=True)
+class JobContext(Record):
+    """One part of a job's shared context. Times in integer nanoseconds since the Unix epoch."""
+
+    SCHEMA: ClassVar[str] = "job_context"
+
+    job_id: str
+    part: str
+    time_ns: int
+    topology: bytes | None = None
+    group_streams: tuple[int, ...] = ()
+    group_kinds: tuple[ParallelGroup, ...] = ()
+    stragglers: tuple[int, ...] = ()
+    step_starts_ns: tuple[int, ...] = ()
+    median_step_ns: float = 0.0
+    final: bool = False
+    totals_kernel: tuple[str, ...] = ()
+    totals_stream: tuple[int, ...] = ()
+    totals_rows: tuple[int, ...] = ()
+    totals_rank: tuple[int, ...] = ()
+    totals_ns: tuple[float, ...] = ()
+    totals_calls: tuple[float, ...] = ()
+
+    @classmethod
+    def _enum_fields(cls) -> dict[str, type[enum.Enum]]:
+        return {"group_kinds": ParallelGroup}
+
+    def check(self) -> None:
+        what = f"job context {self.job_id}/{self.part}"
+        if not self.job_id or not (self.part == CONTEXT_JOB_PART or self.part.startswith("l3/")):
+            raise SchemaError(f"{what}: invalid job_id or part")
+        _times(what, "time_ns", self.time_ns)
+        _times(what, "step_starts_ns", self.step_starts_ns)
+        _same_length(what, self, ("group_kinds",), len(self.group_streams), "the number of group_streams")
+        _same_length(what, self, ("totals_stream", "totals_rows"), len(self.totals_kernel),
+                     "the number of totals_kernel")
+        _bounded(what, "totals_rows", self.totals_rows, 0, 2**31 - 1)
+        _same_length(what, self, ("totals_ns", "totals_calls"), len(self.totals_rank), "the number of totals_rank")
+        if sum(self.totals_rows) != len(self.totals_rank):
+            raise SchemaError(f"{what}: totals_rows add up to {sum(self.totals_rows)}, not {len(self.totals_rank)}")
+        _bounded(what, "stragglers", self.stragglers, 0, 2**31 - 1)
+        _bounded(what, "totals_rank", self.totals_rank, 0, 2**31 - 1)

@@ -1,0 +1,118 @@
+"""kill -9 of the worker, the sink and the broker in the middle of a 32-rank job (issue 8, "Live faults").
+
+Each process is killed twice in one job: while the job publishes (after step 8 of 40, publishing goes on
+while it is down) and, once the supervisor has brought it back and the job is published, while the job is
+processed (the job's diagnosis is not complete yet). Nobody runs ``argus up`` in between: the supervisor
+restarts it. Against a clean run of the same job (same records, another job id, published the same way): the
+same steps, phases and summarized kernel events per window (``FINAL``), no duplicate rows surviving
+``FINAL``, nothing dead-lettered, and the same findings (ids computed under one job name). A second clean
+run checks the baseline itself: the same job twice without faults must store and find the same.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+import uuid
+from typing import Any
+
+import pytest
+
+from tests.faults.conftest import (
+    DP,
+    PP,
+    STEPS,
+    TP,
+    FaultStack,
+    JobRun,
+    publish_job,
+    wait_complete,
+    window_mismatches,
+)
+
+pytestmark = [pytest.mark.faults, pytest.mark.timeout(1200)]
+
+#: Checked facts: equal to the clean run's, and the duplicates that survive FINAL (must be 0).
+_EQUAL = ("steps", "phases", "kernel_events", "windows", "dead_letters", "dead_letter_events", "finding_ids")
+_DUPLICATES = ("step_duplicates", "phase_duplicates", "finding_duplicates")
+
+
+def _compare(stack: FaultStack, run: JobRun, clean: JobRun, expect: dict[str, Any], what: str,
+             extra: dict[str, Any] | None = None) -> None:
+    """Wait for ``run`` to be diagnosed, then assert it stored exactly what the clean run stored: every check
+    is reported (a JSON line on stdout and in the message), then all must hold."""
+    diagnosed, facts = wait_complete(stack, run.job, expect)
+    mismatched_windows, events_off = window_mismatches(stack, run.job, clean.job)
+    report: dict[str, Any] = {"test": what, "job": run.job, "clean_job": clean.job, **(extra or {}),
+                              "diagnosed": diagnosed, "windows_differing": mismatched_windows,
+                              "window_events_off": events_off}
+    for key in (*_EQUAL, *_DUPLICATES, "steps_raw", "summary_rows", "findings"):
+        if key != "finding_ids":
+            report[key] = [expect[key], facts[key]]  # [clean, this run]
+    report["findings_only_clean"] = sorted(set(expect["findings_brief"]) - set(facts["findings_brief"]))
+    report["findings_only_here"] = sorted(set(facts["findings_brief"]) - set(expect["findings_brief"]))
+    print(json.dumps(report))
+    failed = [k for k in _EQUAL if facts[k] != expect[k]] + [k for k in _DUPLICATES if facts[k] != 0]
+    if mismatched_windows:
+        failed.append("per-window kernel events")
+    if not diagnosed:
+        failed.append("diagnosed (the findings --wait condition)")
+    assert not failed, f"{what}: {', '.join(failed)} differ from the clean run:\n{json.dumps(report, indent=1)}"
+
+
+def test_clean_run_is_complete_and_exact(clean_run: tuple[JobRun, dict[str, Any]]) -> None:
+    run, facts = clean_run
+    print(json.dumps({"test": "clean", "job": run.job, "published_kernel_events": run.kernel_events,
+                      **{k: v for k, v in facts.items() if k != "finding_ids"}}))
+    assert facts["steps"] == run.steps == DP * TP * PP * STEPS
+    assert facts["kernel_events"] == run.kernel_events
+    assert facts["phases"] > 0 and facts["windows"] > 0
+    assert facts["dead_letters"] == 0
+    assert all(facts[k] == 0 for k in _DUPLICATES), facts
+    assert facts["findings"] > 0, "case1 (a compute straggler) must be found"
+
+
+def test_second_clean_run_is_identical(fault_stack: FaultStack, clean_run: tuple[JobRun, dict[str, Any]]) -> None:
+    """Without faults, the same job again gives the same store and findings: a difference under kill -9 below
+    is the fault's, not the diagnosis' own nondeterminism."""
+    clean, expect = clean_run
+    run = publish_job(fault_stack, f"again-{uuid.uuid4().hex[:6]}")
+    _compare(fault_stack, run, clean, expect, "clean-again")
+
+
+@pytest.mark.parametrize("victim", ["worker", "sink", "kafka"])
+def test_kill9_while_publishing_and_while_processing(victim: str, fault_stack: FaultStack,
+                                                     clean_run: tuple[JobRun, dict[str, Any]]) -> None:
+    clean, expect = clean_run
+    stack = fault_stack
+    stack.wait_all_healthy()  # the previous test's restarts are over
+    before = stack.status()[victim]
+    assert before["supervised"], f"{victim} is not supervised: {before}"
+    kills: list[dict[str, Any]] = []
+
+    def kill() -> None:
+        pid = stack.pid(victim)
+        assert pid is not None, f"no running {victim} to kill"
+        os.kill(pid, signal.SIGKILL)
+        kills.append({"pid": pid, "at": time.monotonic()})
+
+    t0 = time.monotonic()
+    run = publish_job(stack, f"{victim}-{uuid.uuid4().hex[:6]}", on_step={8: kill})  # 1: while it publishes
+    published_s = time.monotonic() - t0
+    back = stack.wait_back(victim, kills[0]["pid"])
+    outage_s = time.monotonic() - kills[0]["at"]
+    kill()  # 2: while it is processed
+    parts_diagnosed = stack.sql(f"SELECT count() FROM `{stack.settings.clickhouse_database}`.jobs FINAL "
+                                f"WHERE job_id = '{run.job}' AND event = 'DIAGNOSED'")[0][0]
+    stack.wait_back(victim, back)
+    after = stack.status()[victim]
+    # The supervisor brought it back twice, without anyone running `argus up`, and says so.
+    assert after["restarts"] == before["restarts"] + 2 and after["state"] == "running", after
+    assert after["last_exit"] is not None and after["last_exit"]["signal"] == "SIGKILL", after
+    # The second kill hit a job still being processed (not every detector part had diagnosed it).
+    assert parts_diagnosed < 1 + stack.settings.partitions, parts_diagnosed
+    _compare(stack, run, clean, expect, f"kill9-{victim}",
+             {"publish_s": round(published_s, 1), "first_outage_s": round(outage_s, 1),
+              "restarts": [before["restarts"], after["restarts"]], "last_exit": after["last_exit"]})

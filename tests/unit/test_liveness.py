@@ -1,0 +1,175 @@
+"""Liveness on the stream with a fake worker clock: a job ages by the wall clock only when nothing arrives;
+a hang is named from heartbeats (stall, wavefront with the suspect), the next completed step closes the
+episode with ``job_resumed``, a rank that stops while its peers go on is silent, a healthy job raises nothing."""
+
+from __future__ import annotations
+
+from detectors.hangs import HangKind, HangParams
+from producers.topology import build_topology
+from schemas.records import Heartbeat, ParallelGroup, PhaseBatch, PhaseKind, Step
+from streams.liveness import JobLiveness
+
+T0 = 1_767_225_600_000_000_000
+STEP = 100_000_000  # 100 ms steps
+P = HangParams(stall_k=2.0, stall_floor_ns=100_000_000, heartbeat_interval_ns=100_000_000, silent_heartbeats=3)
+
+
+def _steps(live: JobLiveness, ranks: range, step: int, clock: float) -> list[HangKind]:
+    out = []
+    for r in ranks:
+        out += [x.kind for x in live.observe(Step("j", r, step, T0 + step * STEP, STEP, STEP), clock)]
+    return out
+
+
+def test_healthy_job_is_judged_on_event_time_and_raises_nothing() -> None:
+    topo = build_topology("j", 4, 2, 1)
+    live = JobLiveness("j", P)
+    clock = 100.0
+    for step in range(10):
+        assert _steps(live, range(8), step, clock) == []
+        clock += 0.1
+        assert live.judge(topo, STEP, clock) == []
+    # The worker clock only adds the time since the newest event time advanced.
+    assert live.now_ns(clock) == T0 + 10 * STEP + 100_000_000
+
+
+def test_hang_is_named_then_closed_by_the_next_step() -> None:
+    topo = build_topology("j", 4, 2, 1)  # DP 4 x TP 2
+    live = JobLiveness("j", P)
+    clock = 50.0
+    for step in range(5):
+        _steps(live, range(8), step, clock)
+        clock += 0.1
+    hang_at = T0 + 5 * STEP
+    hung = 3
+    dp = topo.dp_group[topo.rank.index(hung)]
+    for r, g in zip(topo.rank, topo.dp_group, strict=True):
+        if r == hung:
+            hb = Heartbeat("j", r, hang_at + 10_000_000, 5, "backward", PhaseKind.BACKWARD)
+        elif g == dp:
+            hb = Heartbeat("j", r, hang_at + 10_000_000, 5, "dp-allreduce", PhaseKind.ALL_REDUCE, PhaseKind.ALL_REDUCE,
+                           ParallelGroup.DP, g, 7, hang_at)
+        else:
+            hb = Heartbeat("j", r, hang_at + 10_000_000, 5, "forward", PhaseKind.FORWARD)
+        live.observe(hb, clock)
+    assert live.judge(topo, STEP, clock) == []  # just now: not stalled yet
+    # Heartbeats keep coming (the ranks are alive, blocked): event time advances, no step completes.
+    for i in range(1, 4):
+        for r in range(8):
+            old = live.ranks[r]
+            live.observe(Heartbeat("j", r, hang_at + i * STEP, 5, old.phase, None, old.collective, old.group,
+                                   old.group_index, old.seq, old.in_flight_since_ns), clock + i * 0.1)
+    found = live.judge(topo, STEP, clock + 0.3)
+    kinds = [f.kind for f in found]
+    assert HangKind.JOB_STALLED in kinds and HangKind.RANK_SILENT not in kinds
+    wave = [f for f in found if f.kind is HangKind.HANG_WAVEFRONT and f.evidence["group"] == "DP"]
+    assert len(wave) == 1 and wave[0].ranks == (hung,) and wave[0].evidence["first_ranks"] == [hung]
+    assert live.stalled_since_ns == T0 + 5 * STEP
+    # The job resumes: the next completed step closes the episode.
+    resumed = live.observe(Step("j", 0, 5, T0 + 5 * STEP, 8 * STEP, 8 * STEP), clock + 1.0)
+    assert [r.kind for r in resumed] == [HangKind.JOB_RESUMED]
+    assert abs(resumed[0].evidence["seconds_stalled"] - 0.8) < 1e-9 and live.stalled_since_ns is None
+    assert live.observe(Step("j", 1, 5, T0 + 5 * STEP, 8 * STEP, 8 * STEP), clock + 1.0) == []
+
+
+def test_quiet_job_ages_by_the_worker_clock_and_a_silent_rank_is_named() -> None:
+    topo = build_topology("j", 2, 1, 1)
+    live = JobLiveness("j", P)
+    clock = 10.0
+    _steps(live, range(2), 0, clock)
+    # Nothing arrives: after the stall bound on the worker clock, the whole job is stalled (all silent).
+    found = live.judge(topo, STEP, clock + 0.5)
+    assert [f.kind for f in found] == [HangKind.JOB_STALLED] and found[0].evidence["all_ranks_silent"]
+    # Rank 0 goes on, rank 1 stops: rank 1 is silent (and the episode closes at rank 0's next step).
+    live2 = JobLiveness("j", P)
+    _steps(live2, range(2), 0, clock)
+    for step in range(1, 8):
+        live2.observe(Step("j", 0, step, T0 + step * STEP, STEP, STEP), clock + step * 0.1)
+    found = live2.judge(topo, STEP, clock + 0.8)
+    silent = [f for f in found if f.kind is HangKind.RANK_SILENT]
+    assert len(silent) == 1 and silent[0].ranks == (1,)
+
+
+def test_phases_read_ahead_of_steps_are_progress_not_a_stall() -> None:
+    """The steps and phases topics are read independently: phases of later steps arriving before their
+    Step records are completions too, so the job is not stalled."""
+    topo = build_topology("j", 2, 1, 1)
+    live = JobLiveness("j", P)
+    for step in range(20):
+        for r in range(2):
+            live.observe(PhaseBatch("j", r, step, (PhaseKind.FORWARD,), ("forward",), (ParallelGroup.NONE,), (-1,),
+                                    (T0 + step * STEP,), (STEP,)), 5.0)
+    _steps(live, range(2), 0, 5.0)  # the Step records lag far behind
+    assert live.judge(topo, STEP, 5.05) == []
+    assert live.last_completed_step == 19
+
+
+def test_a_producer_slower_than_its_event_time_is_not_stalled_between_steps() -> None:
+    """Steps of 100 ms event time arriving one per worker second (a simulator on a busy machine): the quiet
+    time counts at that pace, so a second between steps is no stall; ten quiet seconds are."""
+    topo = build_topology("j", 2, 1, 1)
+    live = JobLiveness("j", P)
+    for step in range(10):
+        _steps(live, range(2), step, 10.0 + step)
+    assert live.pace(STEP) == 0.1
+    assert live.judge(topo, STEP, 19.0 + 1.5) == []
+    assert [f.kind for f in live.judge(topo, STEP, 19.0 + 10.5)] == [HangKind.JOB_STALLED]
+
+
+def test_a_job_is_alive_only_while_its_heartbeats_arrive() -> None:
+    # With nothing arriving (a broker outage, every rank gone) silence is no evidence of a hang.
+    live = JobLiveness("j")
+    assert not live.alive(10.0, 6.0)  # never heard a heartbeat
+    live.heartbeat_at = 5.0
+    assert live.alive(10.0, 6.0) and not live.alive(12.0, 6.0)
+
+
+def test_ranks_are_not_silent_when_steps_are_read_ahead_of_heartbeats() -> None:
+    """A checkpoint pause read with a backlog: half the ranks' resumed steps arrive before the heartbeats
+    the others sent during the pause. Silence is measured on the heartbeats' clock: nobody is silent."""
+    topo = build_topology("j", 4, 2, 1)
+    live = JobLiveness("j", P)
+    clock = 10.0
+    for step in range(5):
+        _steps(live, range(8), step, clock)
+        for r in range(8):
+            live.observe(Heartbeat("j", r, T0 + step * STEP + STEP // 2, step, "forward", PhaseKind.FORWARD), clock)
+        clock += 0.1
+    pause = 10 * STEP  # a checkpoint of 1 s between steps 4 and 5
+    for r in range(4):  # ranks 0-3 resumed: their step 5 is read, the others' pause heartbeats are not yet
+        live.observe(Step("j", r, 5, T0 + 5 * STEP + pause, STEP, STEP), clock)
+    found = live.judge(topo, STEP, clock)
+    assert not any(f.kind is HangKind.RANK_SILENT for f in found), found
+
+
+def test_heartbeats_ahead_of_the_steps_topic_are_no_stall() -> None:
+    """Heartbeats say the ranks began step 9 while the steps read so far end at 3: the steps are late, not
+    stalled -- until that lasts twice the stall bound (a Step lost, not late)."""
+    topo = build_topology("j", 4, 2, 1)
+    live = JobLiveness("j", P)
+    clock = 10.0
+    for step in range(4):
+        _steps(live, range(8), step, clock)
+        clock += 0.1
+    for i in range(5):
+        for r in range(8):
+            live.observe(Heartbeat("j", r, T0 + (9 + i) * STEP, 9, "forward", PhaseKind.FORWARD), clock)
+    assert live.judge(topo, STEP, clock) == []
+    clock += 2 * P.stall_bound_ns(STEP) / 1e9 + 0.01
+    assert live.judge(topo, STEP, clock)  # the lag persisted: judged (stalled)
+
+
+def test_a_lull_after_the_last_heartbeat_is_no_stall() -> None:
+    """Heartbeats came (a checkpoint pause), then steps again, then a lull in the records on their way:
+    without a heartbeat sent after the last completed step nothing shows the ranks stuck."""
+    topo = build_topology("j", 2, 1, 1)
+    live = JobLiveness("j", P)
+    _steps(live, range(2), 0, 10.0)
+    for r in range(2):
+        live.observe(Heartbeat("j", r, T0 + STEP + STEP // 2, 1, "", None), 10.0)
+    for step in range(1, 4):
+        _steps(live, range(2), step, 10.0 + step * 0.1)
+    assert live.judge(topo, STEP, 10.3 + 1.0) == []
+    for r in range(2):  # the ranks heartbeat on, stuck in step 4: now it is a stall
+        live.observe(Heartbeat("j", r, T0 + 4 * STEP + STEP // 2, 4, "forward", PhaseKind.FORWARD), 11.3)
+    assert [f.kind for f in live.judge(topo, STEP, 11.3 + 1.0)] == [HangKind.JOB_STALLED]
