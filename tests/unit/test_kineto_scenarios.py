@@ -245,6 +245,15 @@ def test_truth_per_class() -> None:
     assert seen == set(FAULT_CLASSES)
 
 
+def test_job_regression_under_five_percent_is_optional() -> None:
+    scn = dataclasses.replace(SMALL, fault="job_regression", magnitude=1.1, onset=4, steps=10)
+    entry = {"kinds": ["step_regression"], "ranks": [], "steps": None, "onset": scn.first_step + 4}
+    small = expected_findings(scn, iteration_us=[100.0] * 4 + [104.0] * 6)
+    assert small["expected"] == [] and small["optional"] == [entry]
+    large = expected_findings(scn, iteration_us=[100.0] * 4 + [106.0] * 6)
+    assert large["expected"] == [entry] and large["optional"] == []
+
+
 def test_truth_json_holds_the_scenario(tmp_path: Path) -> None:
     scn = dataclasses.replace(SMALL, fault="job_regression", magnitude=1.3, onset=4, steps=10)
     write_scenario(scn, tmp_path)
