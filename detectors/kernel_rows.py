@@ -20,7 +20,7 @@ from argus.errors import DetectorError
 from detectors.mixture import MixtureBatch
 from schemas.records import KernelSummary
 
-__all__ = ["merge_rows", "one_key", "window_end"]
+__all__ = ["merge_rows", "one_key", "row_floors", "window_end"]
 
 F64 = npt.NDArray[np.float64]
 I64 = npt.NDArray[np.int64]
@@ -71,6 +71,53 @@ def merge_rows(summaries: Sequence[KernelSummary], min_events: int) -> tuple[I64
                                    n_owners=int(ok.sum()))
     total: F64 = np.bincount(idx, weights=t, minlength=ranks.size)[ok].astype(np.float64)
     return ranks[ok].astype(np.int64), batch, total
+
+
+def row_floors(summaries: Sequence[KernelSummary], ranks: I64, share: float = 0.3, level: float = 0.75) -> F64:
+    """Per rank of ``ranks`` (ns): how fast the rank's fast calls of the kernel were. Per row (a window, or a
+    piece of one), the shortest call of the cluster that holds the row's ``share`` quantile call (clusters in
+    duration order, weighted by their calls); over the rank's rows, their ``level`` quantile (the higher
+    value where it falls between rows). A rank without rows gets NaN.
+
+    The cluster of a low quantile rather than the row's very fastest call: that one may be a lone outlier,
+    or come from before a change that holds in most of the row (from an onset on) -- calls whose shortest
+    call moved with the change no longer share a cluster with the earlier ones.
+    """
+    cols = {f: list(map(attrgetter(f), summaries))
+            for f in ("rank", "n_clusters", "cluster_count", "cluster_p50_ns", "cluster_min_ns")}
+    row_rank = _flat(cols["rank"], np.int64)
+    per_row = _flat(cols["n_clusters"], np.int64)
+    count, p50, low = (_flat(cols[f], np.float64) for f in ("cluster_count", "cluster_p50_ns", "cluster_min_ns"))
+    out = np.full(ranks.size, np.nan)
+    if row_rank.size == 0 or not (low.size == p50.size == count.size == int(per_row.sum())):
+        return out
+    owner = np.repeat(np.arange(row_rank.size), per_row)
+    keep = count > 0
+    owner, count, p50, low = owner[keep], count[keep], p50[keep], low[keep]
+    if owner.size == 0:
+        return out
+    order = np.lexsort((p50, owner))
+    owner, count, low = owner[order], count[order], low[order]
+    cum = np.cumsum(count)
+    start = np.r_[0, np.flatnonzero(np.diff(owner)) + 1]
+    rows = owner[start]
+    before = np.r_[0.0, cum[start[1:] - 1]]
+    total = np.r_[cum[start[1:] - 1], cum[-1]] - before
+    # Per row: the first cluster whose running count reaches share x the row's calls.
+    target = np.repeat(before + share * total, np.diff(np.r_[start, owner.size]))
+    reached = np.flatnonzero(cum >= target - 1e-9)
+    first = np.searchsorted(reached, start)
+    pick = reached[np.minimum(first, reached.size - 1)]
+    fastest = low[pick]
+    row_rank = row_rank[rows]
+    order = np.lexsort((fastest, row_rank))
+    row_rank, fastest = row_rank[order], fastest[order]
+    uniq, first_row, n = np.unique(row_rank, return_index=True, return_counts=True)
+    value = fastest[first_row + np.ceil(level * (n - 1)).astype(np.int64)]
+    pos = np.searchsorted(uniq, ranks)
+    hit = (pos < uniq.size) & (uniq[np.minimum(pos, uniq.size - 1)] == ranks)
+    out[hit] = value[pos[hit]]
+    return out
 
 
 def _flat(columns: list[Any], dtype: type[np.generic]) -> npt.NDArray[Any]:

@@ -61,7 +61,7 @@ import numpy.typing as npt
 
 from argus.errors import DetectorError
 from detectors.kernel_modes import ReferenceModes, mode_quantiles, reference_modes
-from detectors.kernel_rows import merge_rows, one_key, window_end
+from detectors.kernel_rows import merge_rows, one_key, row_floors, window_end
 from detectors.l2_groups import loo_median, loo_median_rows
 from detectors.mixture import MixtureBatch, geometric_grid, mixture_cdf
 from schemas.records import JobTopology, KernelSummary, Level, ParallelGroup
@@ -96,6 +96,8 @@ _SPREAD_SET = 4
 _SAME_CALLS = 0.02
 #: Floor of the spread of groups' log transfer times in the link test (5 %).
 _LINK_MAD_FLOOR = 0.05
+#: A pipeline side is a link only when its fastest calls are this much slower than its stage peers' too.
+_SIDE_FLOOR_RATIO = 1.2
 
 
 class L3Kind(enum.Enum):
@@ -296,7 +298,7 @@ def detect_l3(summaries: Sequence[KernelSummary], topology: JobTopology | None =
     base = {"window_end_ns": window_end(summaries), "n_ranks": int(ranks.size),
             "collective": collective}
     if collective:
-        return _collective(first, ranks, batch, total, topology, p, base, group_kind)
+        return _collective(summaries, ranks, batch, total, topology, p, base, group_kind)
     return _compute(first, ranks, batch, total, topology, p, base)
 
 
@@ -482,7 +484,8 @@ def _pipeline_sides(pp_group: I64, stage: I64) -> list[tuple[str, int, I64]]:
 
 
 def _links(s: KernelSummary, ranks: I64, batch: MixtureBatch, sc: RankScores, groups: list[tuple[str, int, I64]],
-           stage: I64, p: L3Params, base: dict[str, Any], explained: npt.NDArray[np.bool_]) -> list[L3Result]:
+           stage: I64, p: L3Params, base: dict[str, Any], explained: npt.NDArray[np.bool_],
+           floors: F64) -> list[L3Result]:
     """Degraded links: groups whose *fastest* member is slow in some mode of the kernel, against the fastest
     members of the other groups of their kind.
 
@@ -491,6 +494,13 @@ def _links(s: KernelSummary, ranks: I64, batch: MixtureBatch, sc: RankScores, gr
     A late peer (a straggler, or ranks held up elsewhere) leaves that untouched -- waiting is never a link --
     while a degraded link slows it on every member. Larger groups first; a group of already explained
     ranks is skipped (the smaller groups inside a degraded one).
+
+    A pipeline side (one rank's transfers with its neighbour stage, :data:`PIPELINE_SIDE`) has no last
+    arrival of its own. Each of its calls ends together with the neighbour's, so where this rank posted last
+    its time is the pure transfer: waiting (a bubble, or held up by a slow stage anywhere in the pipeline,
+    in either direction) lengthens the other calls only, while a degraded link slows every call. A side is
+    therefore slow only if its fastest calls (``floors``, :func:`~detectors.kernel_rows.row_floors`) are
+    slower than its stage peers' too.
     """
     modes = reference_modes(sc.reference, sc.grid)
     q = mode_quantiles(sc.cdf, sc.grid, modes.mid)
@@ -523,6 +533,13 @@ def _links(s: KernelSummary, ranks: I64, batch: MixtureBatch, sc: RankScores, gr
         # Beyond a plausible slowdown of a transfer it is waiting: a group made only of ranks that wait in a
         # collective of another kind (all of one TP index, waiting for the others) looks "slow" by far more.
         hit &= lr <= math.log(p.link_max_ratio)
+        if kind == PIPELINE_SIDE:
+            fl = np.log(np.array([np.nanmin(floors[rows]) if np.isfinite(floors[rows]).any() else np.nan
+                                  for _, rows in same]))
+            known = np.isfinite(fl)
+            if known.sum() >= 2:
+                floor_ref = float(np.median(np.sort(fl[known])[: (int(known.sum()) + 1) // 2]))
+                hit &= ~(np.nan_to_num(fl - floor_ref, nan=0.0) < math.log(_SIDE_FLOOR_RATIO))[:, None]
         if 2 * int(hit.any(axis=1).sum()) > n:
             continue  # most groups slow: the whole job's network or load, not one group's link
         for i in np.flatnonzero(hit.any(axis=1)).tolist():
@@ -552,8 +569,10 @@ def _faster_half(lg: F64) -> F64:
     return out
 
 
-def _collective(s: KernelSummary, ranks: I64, batch: MixtureBatch, total: F64, topology: JobTopology | None,
-                p: L3Params, base: dict[str, Any], group_kind: ParallelGroup | None = None) -> list[L3Result]:
+def _collective(summaries: Sequence[KernelSummary], ranks: I64, batch: MixtureBatch, total: F64,
+                topology: JobTopology | None, p: L3Params, base: dict[str, Any],
+                group_kind: ParallelGroup | None = None) -> list[L3Result]:
+    s = summaries[0]
     sc = score_ranks(batch, p.grid_points, p.mode_log_gap)
     slow, p50_ratio, healthy = _slow_ranks(sc, p.collective_min_score, p.collective_p50_ratio, p)
     p50 = sc.primary_p50_ns
@@ -565,7 +584,9 @@ def _collective(s: KernelSummary, ranks: I64, batch: MixtureBatch, total: F64, t
     if topology is not None:
         stage_of = dict(zip(topology.rank, topology.pp_stage, strict=True))
         stage = np.array([stage_of[r] for r in ranks.tolist()], dtype=np.int64)
-        results = _links(s, ranks, batch, sc, groups, stage, p, base, explained)
+        floors = (row_floors(summaries, ranks) if any(kind == PIPELINE_SIDE for kind, _, _ in groups)
+                  else np.full(ranks.size, np.nan))
+        results = _links(s, ranks, batch, sc, groups, stage, p, base, explained, floors)
     late: list[tuple[float, str, int, int, I64, float]] = []
     whole = [grp for grp in groups if grp[0] != PIPELINE_SIDE]  # a rank alone has no peers to be late for
     for size in sorted({rows.size for _, _, rows in whole}, reverse=True):  # larger groups explain first

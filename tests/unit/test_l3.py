@@ -22,6 +22,7 @@ from detectors import (
     score_ranks,
     w1_to_reference,
 )
+from detectors.kernel_rows import row_floors
 from detectors.l3_kernels import PIPELINE_SIDE
 from producers.topology import build_topology
 from schemas.records import KernelSummary, Level
@@ -201,6 +202,26 @@ def test_a_pipeline_stream_with_one_side_gives_that_ranks_side() -> None:
     ev = res[0].evidence
     assert ev["group_kind"] == PIPELINE_SIDE and ev["pp_stage"] == 0 and not ev["whole_group"]
     assert ev["pp_group"] == topo.pp_group[1]
+
+
+def test_a_pipeline_side_that_waits_keeps_its_transfer_floor_and_is_no_link() -> None:
+    # Rank 1 waits in half of its calls (its neighbour stage posts late): typical calls 2.5x longer, while the
+    # calls where rank 1 posted last take the transfer alone, as on its peers.
+    topo = build_topology("j", dp=4, pp=2)
+    rows = _ranks(4)
+    rows[1] = (1, [(50, 1e6, 1.1e6), (50, 4e6, 6e6)])
+    waiting = _summary(rows, kernel="ncclDevKernel_SendRecv")
+    assert detect_l3([waiting], topo) == []
+    slow = _summary(_ranks(4, {1: 2.5}), kernel="ncclDevKernel_SendRecv")  # every call slower: the link
+    assert _found(detect_l3([slow], topo)) == [(L3Kind.LINK_DEGRADED, (1,))]
+
+
+def test_row_floors_follow_the_fastest_calls_of_each_piece() -> None:
+    # Rank 0: four pieces, the last three after an onset (fastest call x2); rank 1 steady; rank 2 absent.
+    rows = [(0, [(10, 1e6, 2e6)])] + [(0, [(10, 2e6, 4e6)])] * 3 + [(1, [(5, 1e6, 1.5e6), (5, 3e6, 4e6)])] * 2
+    floors = row_floors([_summary(rows)], np.array([0, 1, 2]))
+    assert floors[0] == 2e6 and floors[1] == 1e6 and np.isnan(floors[2])
+    assert np.isnan(row_floors([], np.array([0]))).all()
 
 
 def test_collectives_without_topology() -> None:
