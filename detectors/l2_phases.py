@@ -33,7 +33,12 @@ step, and if under half of that lateness is time its blocking collectives took b
 late because it waited in a TP all-reduce, for a degraded link or a late TP partner, is no straggler). A
 rank that shares a TP, PP or EP group with a compute straggler is a victim (it waited for it, e.g. in a
 blocking TP collective) and is not named for arriving late, nor is a late arrival sharing one with a
-victim (e.g. the victim's next pipeline stage), and so on. A *long* collective is never a finding here:
+victim (e.g. the victim's next pipeline stage), and so on. The same holds for a late arrival whose lateness
+is its own (under a fifth of it spent waiting in blocking collectives): late arrivals sharing a blocking
+group with it that did wait there are its victims (a straggler's pipeline neighbour, held up in its
+receive, reaches its DP all-reduce late too). Reductions over a group that spans pipeline stages (the PP
+group, other than its sends and receives) name no late arrival: the schedule decides which stage comes
+last. A *long* collective is never a finding here:
 within a group it means the member arrived early, and a degraded link slows all members of the group
 alike, which only a comparison across groups shows (L3). An elevated host phase (a kind other than
 compute or collective, e.g. DATA_LOADER) is a :attr:`L2Kind.PHASE_STRAGGLER`.
@@ -75,6 +80,8 @@ _COMPUTE = COMPUTE_KINDS
 # A late arrival that spent this fraction of its lateness in its own blocking collectives (more than its peers
 # did) waited there, for a degraded link or a late TP partner: it is no straggler.
 _WAITED_EXPLAINS = 0.5
+# A late arrival that spent under this fraction of its lateness waiting in blocking collectives is late of itself.
+_WAITED_OWN = 0.2
 # Among members of one blocking group flagged alike, one this much more elevated than the next is the cause.
 _STANDS_OUT = 1.3
 
@@ -295,6 +302,10 @@ def detect_l2(phases: PhaseTable, topology: JobTopology, params: L2Params | None
         kind, gkind = phases.kinds[k], phases.groups[k]
         collective = kind.is_collective
         gkind = gkind if collective else ParallelGroup.DP
+        if collective and gkind is ParallelGroup.PP and kind is not PhaseKind.SEND_RECV:
+            # A reduction over a group that spans the pipeline's stages: which stage reaches it last is the
+            # schedule's doing (the first stage ends its backward last), not a late member.
+            continue
         column = np.asarray(getattr(topology, _GROUP_COLUMN[gkind]))
         target = short_flags if collective else compute_flags if kind in _COMPUTE else host_flags
         target += phase_flags(phases.names[k], kind, gkind.value, column, n_steps[:, k] > 0, per_step[:, k],
@@ -331,6 +342,11 @@ def _stragglers(compute: list[Flag], short: list[Flag], host: list[Flag], topolo
                    and f.waited_fraction < _WAITED_EXPLAINS for f in fs)
 
     late = {r for r, fs in shorts.items() if r in slow or (r not in victims and named_late(fs))}
+    # A late arrival whose lateness is its own (it hardly waited in blocking collectives) held up the ranks
+    # it shares a blocking group with: those that arrived late *because* they waited there are its victims
+    # (a pipeline neighbour of a straggler reaches its DP all-reduce late too).
+    own = {r for r in late - slow if min(f.waited_fraction for f in shorts[r]) < _WAITED_OWN}
+    late -= waiting_victims(slow | own, {r for r in late - slow - own}, topology)
     together = _waited_together({r: fs[0].ratio for r, fs in by_rank.items()}, topology)
     together |= _waited_together({r: 1.0 / fs[0].ratio for r, fs in shorts.items() if r not in by_rank}, topology)
     slow -= together

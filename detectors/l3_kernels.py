@@ -126,7 +126,9 @@ class L3Params:
     ``p50_ratio``: primary p50 over the lower-half median that flags a rank [3.0].
     ``collective_p50_ratio``: the same for collectives, above healthy waiting spread [4.0].
     ``short_ratio``: group peers' median p50 over a member's that names it a late arrival [5.0].
-    ``min_events``: ranks with fewer events of the kernel are left out [10]. ``min_ranks``: fewest ranks
+    ``min_events``: ranks with fewer events of the kernel are left out [10]; for a collective
+    ``collective_min_events`` [5] (its groups are judged together: a DP all-reduce runs once a step, and a
+    window of a few steps still holds it on every member). ``min_ranks``: fewest ranks
     to compare [2]. ``grid_points``: points of the shared CDF grid [512]. ``mode_log_gap``: gap in
     ``ln(ns)`` between component p50s that separates modes in :func:`primary_p50` [0.3].
     ``compute_scope``: compare compute kernels per pipeline stage or across the job [STAGE].
@@ -148,6 +150,7 @@ class L3Params:
     collective_p50_ratio: float = 4.0
     short_ratio: float = 5.0
     min_events: int = 10
+    collective_min_events: int = 5
     min_ranks: int = 2
     grid_points: int = 512
     mode_log_gap: float = 0.3
@@ -169,7 +172,7 @@ class L3Params:
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 1.0):
                 raise DetectorError(f"{name} must be finite and > 1, got {value}")
-        if self.min_events < 1 or self.min_ranks < 2 or self.grid_points < 16:
+        if self.min_events < 1 or self.collective_min_events < 1 or self.min_ranks < 2 or self.grid_points < 16:
             raise DetectorError("need min_events >= 1, min_ranks >= 2 and grid_points >= 16")
         if not (math.isfinite(self.mode_log_gap) and self.mode_log_gap > 0.0) or not self.collective_markers:
             raise DetectorError("mode_log_gap must be finite and > 0, collective_markers non-empty")
@@ -289,12 +292,12 @@ def detect_l3(summaries: Sequence[KernelSummary], topology: JobTopology | None =
     first = summaries[0]
     if not one_key(summaries):
         raise DetectorError("detect_l3 needs the summaries of exactly one (job, kernel, stream)")
-    ranks, batch, total = merge_rows(summaries, p.min_events)
+    collective = is_collective(first.kernel, p.collective_markers)
+    ranks, batch, total = merge_rows(summaries, p.collective_min_events if collective else p.min_events)
     if batch is None or ranks.size < p.min_ranks:
         return []
     if topology is not None and not set(topology.rank).issuperset(ranks.tolist()):
         raise DetectorError(f"ranks {sorted(set(ranks.tolist()) - set(topology.rank))[:5]} are not in topology")
-    collective = is_collective(first.kernel, p.collective_markers)
     base = {"window_end_ns": window_end(summaries), "n_ranks": int(ranks.size),
             "collective": collective}
     if collective:
@@ -518,7 +521,7 @@ def _links(s: KernelSummary, ranks: I64, batch: MixtureBatch, sc: RankScores, gr
             for key in [key for key in roles if key[0] == kind]:
                 del roles[key]
             roles[(kind, -1)] = pooled
-    for (kind, _), same in roles.items():
+    for (kind, role_stage), same in roles.items():
         if len(same) < 2:
             continue  # one group spans the comparison: nothing to compare its transfer with
         lg = np.log(np.stack([q[rows].min(axis=0) for _, rows in same]))
@@ -528,6 +531,13 @@ def _links(s: KernelSummary, ranks: I64, batch: MixtureBatch, sc: RankScores, gr
         if n >= 4:
             mad = _MAD_SCALE * np.median(np.abs(lg - np.median(lg, axis=0)), axis=0)
             hit = (lr >= math.log(p.link_ratio)) & (lr >= p.link_z * np.maximum(mad, _LINK_MAD_FLOOR))
+        elif (base.get("group_known") and kind in ("DP", "TP") and role_stage >= 0
+              and min(rows.size for _, rows in same) >= _SPREAD_SET):
+            # Reductions of groups the trace named, of 4+ members each, in one stage (stages move other
+            # sizes): a reduction ends together on every member, so each group's fastest member is its last
+            # arrival, a pure transfer however its members arrived, and two or three groups compare like
+            # many. (An all-to-all is sends and receives: a member's part ends on its own.)
+            hit = lr >= math.log(p.link_ratio)
         else:
             hit = lr >= math.log(max(p.link_ratio, _SMALL_LINK_RATIO))
         # Beyond a plausible slowdown of a transfer it is waiting: a group made only of ranks that wait in a
@@ -573,6 +583,8 @@ def _collective(summaries: Sequence[KernelSummary], ranks: I64, batch: MixtureBa
                 topology: JobTopology | None, p: L3Params, base: dict[str, Any],
                 group_kind: ParallelGroup | None = None) -> list[L3Result]:
     s = summaries[0]
+    # Whether the collective's group is known (its phases named it), or inferred here from each grouping.
+    base = {**base, "group_known": group_kind is not None and group_kind is not ParallelGroup.NONE}
     sc = score_ranks(batch, p.grid_points, p.mode_log_gap)
     slow, p50_ratio, healthy = _slow_ranks(sc, p.collective_min_score, p.collective_p50_ratio, p)
     p50 = sc.primary_p50_ns

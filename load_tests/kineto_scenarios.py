@@ -299,6 +299,9 @@ class Scenario:
     absolute_ts: bool = False
     extra_pgs: bool = False
     nccl_stream_base: int = 20
+    #: NCCL kernels name their process group in their args (PyTorch 2.3+: ``Process Group Name``,
+    #: ``Process Group Description``, ``Process Group Ranks``, ``Group size``).
+    pg_args: bool = False
 
     @property
     def world(self) -> int:
@@ -370,6 +373,9 @@ class Scenario:
             if kw["schedule"] == "1f1b":
                 kw["microbatches"] = max(kw["microbatches"], pp)
         scn = _fit_budget(cls(**kw), min_steps)
+        # Drawn on its own stream, so that every other draw of a seed is what it was before the field existed.
+        own = np.random.default_rng([seed, 11]) if seed is not None else rng
+        scn = dataclasses.replace(scn, pg_args=bool(own.random() < 0.5))
         return _draw_fault(scn, rng)
 
 
@@ -1453,10 +1459,30 @@ def _spans(keys: I64, lo: I64, hi: I64) -> tuple[I64, I64, I64]:
     return uk, a, b
 
 
+def _stream_pg_args(scn: Scenario, r: int, pgs: list[dict[str, Any]]) -> dict[int, str]:
+    """Per NCCL stream of rank ``r``: the process-group args PyTorch 2.3+ writes into its kernels (a JSON
+    fragment), from the rank's ``pg_config`` entries ``pgs``."""
+    base = scn.nccl_stream_base
+    kinds = {base: ("tp", "TENSOR_MODEL_PARALLEL_GROUP"), base + 4: ("dp", "DATA_PARALLEL_GROUP"),
+             base + 8: ("ep", "EXPERT_MODEL_PARALLEL_GROUP"), base + 12: ("pp", "PIPELINE_MODEL_PARALLEL_GROUP"),
+             base + 16: ("pp", "PIPELINE_MODEL_PARALLEL_GROUP"), base + 20: ("mp", "MODEL_PARALLEL_GROUP")}
+    out = {}
+    for stream, (kind, desc) in kinds.items():
+        if kind == "ep" and not scn.moe:
+            continue
+        ranks = _group_of(scn, kind, r)
+        name = next((str(g["pg_name"]) for g in pgs if g["pg_desc"] == desc), f"{kind}{min(ranks)}")
+        out[stream] = (f'"Process Group Name":"{name}","Process Group Description":"{desc}",'
+                       f'"Process Group Ranks":"{ranks}","Group size":{len(ranks)},')
+    return out
+
+
 def _rank_events(tl: Timeline, r: int, idx: npt.NDArray[np.intp], base_ns: int, pid: int,
-                 rng: np.random.Generator, name_json: list[str]) -> list[str]:
-    """One rank's trace events as JSON texts; ``idx``: its kernels in ``tl``, by start time."""
+                 rng: np.random.Generator, name_json: list[str], pgs: list[dict[str, Any]]) -> list[str]:
+    """One rank's trace events as JSON texts; ``idx``: its kernels in ``tl``, by start time; ``pgs``: its
+    ``pg_config`` entries."""
     scn = tl.scn
+    pg_args = _stream_pg_args(scn, r, pgs) if scn.pg_args else {}
     dev = r % GPUS_PER_NODE
     tid = pid
     start = np.rint(tl.start[idx] * 1000).astype(np.int64)
@@ -1531,7 +1557,8 @@ def _rank_events(tl: Timeline, r: int, idx: npt.NDArray[np.intp], base_ns: int, 
         if c == _CAT_KERNEL:
             ev.append(f'{{"ph":"X","cat":"kernel","name":{name_json[names[i]]},"pid":{dev},"tid":{streams[i]},'
                       f'"ts":{s_ts[i]},"dur":{d_ts[i]},"args":{{"External id":{ext[i]},"queued":0,"device":{dev},'
-                      f'"context":1,"stream":{streams[i]},"correlation":{corr[i]},{tl.args[argid[i]]}}}}}')
+                      f'"context":1,"stream":{streams[i]},"correlation":{corr[i]},{pg_args.get(streams[i], "")}'
+                      f'{tl.args[argid[i]]}}}}}')
         else:
             nbytes = int(dur[i]) * (20 if c == _CAT_MEMCPY else 800)
             gbps = nbytes / max(int(dur[i]), 1)
@@ -1595,7 +1622,7 @@ def write_scenario(scn: Scenario, out_dir: Path, timeline: Timeline | None = Non
         tail: dict[str, Any] = {"traceName": f"/tmp/trace/rank-{r}.pt.trace.json", "displayTimeUnit": "ms"}
         if not scn.absolute_ts:
             tail["baseTimeNanoseconds"] = base_ns
-        ev = _rank_events(tl, r, order[bounds[r]:bounds[r + 1]], base_ns, int(pids[r]), rng, name_json)
+        ev = _rank_events(tl, r, order[bounds[r]:bounds[r + 1]], base_ns, int(pids[r]), rng, name_json, pgs)
         text = (json.dumps(head)[:-1] + ',\n  "traceEvents": [\n  ' + ",\n  ".join(ev) + "\n  ],\n"
                 + json.dumps(tail)[1:] + "\n")
         path = traces / f"rank-{r}.pt.trace.json"

@@ -45,6 +45,7 @@ import numpy as np
 from argus.errors import ConfigError, ProducerError
 from argus.settings import Settings
 from argus.topics import Topic, job_key, rank_key
+from producers.kineto_groups import MEGATRON_GROUPS, PhaseGroups
 from producers.kineto_parse import MAX_FILE_BYTES, Phase, RankTrace, assign_steps, parse_rank
 from producers.topology import build_topology, groups_of
 from schemas.records import (
@@ -59,19 +60,14 @@ from schemas.records import (
 )
 
 __all__ = ["ALIGN_THRESHOLD_NS", "ImportReport", "PublisherLike", "find_traces", "import_kineto", "kernel_batches",
-           "parse_topology", "rank_records", "read_trace", "step_records", "topology_from_pg_config"]
+           "parse_topology", "rank_records", "read_trace", "step_records", "topology_from_pg_config",
+           "with_stream_groups"]
 
 log = logging.getLogger(__name__)
 
 #: Skew of first step starts beyond which ranks are aligned by default (10 ms).
 ALIGN_THRESHOLD_NS = 10_000_000
 _SUFFIXES = (".json", ".json.gz")
-_MEGATRON = {
-    "TENSOR_MODEL_PARALLEL_GROUP": ParallelGroup.TP,
-    "DATA_PARALLEL_GROUP": ParallelGroup.DP,
-    "PIPELINE_MODEL_PARALLEL_GROUP": ParallelGroup.PP,
-    "EXPERT_MODEL_PARALLEL_GROUP": ParallelGroup.EP,
-}
 _COLUMN = {ParallelGroup.DP: "dp_group", ParallelGroup.TP: "tp_group", ParallelGroup.PP: "pp_group",
            ParallelGroup.EP: "ep_group"}
 
@@ -119,10 +115,37 @@ class ImportReport:
     messages: tuple[str, ...]
 
 
-def step_records(trace: RankTrace, job_id: str, shift_ns: int = 0) -> list[tuple[Step | None, PhaseBatch]]:
+def with_stream_groups(topo: JobTopology, traces: Iterable[RankTrace], messages: list[str]) -> JobTopology:
+    """``topo`` with the collective streams whose NCCL kernels named their process group
+    (:attr:`~producers.kineto_parse.RankTrace.stream_pgs`): a stream whose group is of one kind on every rank
+    that names it; a stream named as different kinds by different ranks is left out (and said in
+    ``messages``)."""
+    groups = PhaseGroups(topo)
+    kinds: dict[int, set[ParallelGroup]] = {}
+    for t in traces:
+        for stream, pg in t.stream_pgs.items():
+            kinds.setdefault(stream, set()).add(groups.stream_group(t.rank, pg))
+    known = {st: next(iter(ks)) for st, ks in sorted(kinds.items()) if len(ks) == 1 and ParallelGroup.NONE not in ks}
+    mixed = sorted(st for st, ks in kinds.items() if len(ks - {ParallelGroup.NONE}) > 1)
+    if mixed:
+        messages.append(f"streams {mixed[:8]} carry collectives of different groups on different ranks: "
+                        f"their group is not published")
+    if known:
+        messages.append("collective streams by process group: "
+                        + ", ".join(f"{st}={g.value}" for st, g in known.items()))
+    return dataclasses.replace(topo, collective_streams=tuple(known), collective_groups=tuple(known.values()))
+
+
+def step_records(trace: RankTrace, job_id: str, shift_ns: int = 0,
+                 groups: PhaseGroups | None = None) -> list[tuple[Step | None, PhaseBatch]]:
     """Per step of one rank, ascending: its Step and its PhaseBatch (empty when the step has no phases: the
     detectors count a step complete once every rank sent both). Phases outside every step go to step -1,
-    which has no Step. ``shift_ns`` is added to every time (clock alignment)."""
+    which has no Step. ``shift_ns`` is added to every time (clock alignment). With ``groups`` (the job's
+    :class:`~producers.kineto_groups.PhaseGroups`), sends and receives between pipeline stages or inside
+    expert groups are named by their role and carry their group, and collectives on a stream whose NCCL
+    kernels name their process group carry that group; other phases have group NONE."""
+    on_stream = ({st: groups.stream_group(trace.rank, pg) for st, pg in trace.stream_pgs.items()}
+                 if groups is not None else {})
     starts = np.array([p.start_ns for p in trace.phases], dtype=np.int64)
     steps = np.where(np.array([p.on_gpu for p in trace.phases], dtype=bool),
                      assign_steps(trace.intervals(gpu=True), starts), assign_steps(trace.intervals(gpu=False), starts))
@@ -133,11 +156,14 @@ def step_records(trace: RankTrace, job_id: str, shift_ns: int = 0) -> list[tuple
     out: list[tuple[Step | None, PhaseBatch]] = []
     for step, ps in sorted(by_step.items()):
         s = spans.get(step)
+        named = ([groups.phase(trace.rank, p.name, p.kind, on_stream.get(p.stream, ParallelGroup.NONE)
+                               if p.on_gpu else ParallelGroup.NONE) for p in ps] if groups is not None
+                 else [(p.name, ParallelGroup.NONE) for p in ps])
         rec = None if s is None else Step(
             job_id, trace.rank, step, s.start_ns + shift_ns, s.dur_ns,
             None if s.kernel_start_ns is None or s.kernel_end_ns is None else s.kernel_end_ns - s.kernel_start_ns)
-        out.append((rec, PhaseBatch(job_id, trace.rank, step, tuple(p.kind for p in ps), tuple(p.name for p in ps),
-                                    tuple(ParallelGroup.NONE for _ in ps), tuple(p.stream for p in ps),
+        out.append((rec, PhaseBatch(job_id, trace.rank, step, tuple(p.kind for p in ps), tuple(n for n, _ in named),
+                                    tuple(g for _, g in named), tuple(p.stream for p in ps),
                                     tuple(p.start_ns + shift_ns for p in ps), tuple(p.dur_ns for p in ps))))
     return out
 
@@ -225,7 +251,7 @@ def topology_from_pg_config(job_id: str, world_size: int, pg_configs: Iterable[M
     """
     by_members: dict[ParallelGroup, dict[frozenset[int], tuple[int, ...]]] = {}
     for pg in pg_configs:
-        kind = _MEGATRON.get(str(pg.get("pg_desc", "")).strip().upper())
+        kind = MEGATRON_GROUPS.get(str(pg.get("pg_desc", "")).strip().upper())
         ranks = pg.get("ranks")
         if kind is None or not isinstance(ranks, list) or not ranks:
             continue
@@ -364,6 +390,7 @@ def import_kineto(settings: Settings, directory: Path, job_id: str, topology: st
             if t.host:
                 hosts[t.rank] = t.host
         topo = dataclasses.replace(topo, host=tuple(hosts))
+        topo = with_stream_groups(topo, traces, messages)
         offsets, from_steps = _clock_offsets(traces, messages)
         skew = max(offsets.values()) - min(offsets.values()) if offsets else 0
         aligned = bool(offsets) and (align_clocks if align_clocks is not None
@@ -474,8 +501,9 @@ def _publish(pub: Any, job_id: str, topo: JobTopology, traces: list[RankTrace], 
     send(Topic.LIFECYCLE, job_key(job_id),
          JobLifecycle(job_id, LifecycleEvent.START, t_start, topo.world_size, source="kineto-import"))
     # Steps and phases (small, in memory) as a live job would send them: step by step, all ranks.
+    groups = PhaseGroups(topo)
     per_step = sorted(((ph.step, ph.rank, st, ph) for t in traces
-                       for st, ph in step_records(t, job_id, shifts.get(t.rank, 0))), key=lambda x: x[:2])
+                       for st, ph in step_records(t, job_id, shifts.get(t.rank, 0), groups)), key=lambda x: x[:2])
     for _, _, st, ph in per_step:
         if st is not None:
             send(Topic.STEPS, job_key(job_id), st)

@@ -57,8 +57,8 @@ from argus.errors import ProducerError
 from schemas.records import PhaseKind
 
 __all__ = ["GPU_CATEGORIES", "MAX_DEPTH", "MAX_EXPONENT_DIGITS", "MAX_FILE_BYTES", "MAX_NUMBER_DIGITS",
-           "MAX_STRING_BYTES", "MAX_WORLD_SIZE", "Phase", "RankTrace", "StepSpan", "classify_phase", "parse_rank",
-           "rank_from_name", "to_ns"]
+           "MAX_STRING_BYTES", "MAX_WORLD_SIZE", "Phase", "RankTrace", "StepSpan", "StreamPG", "classify_phase",
+           "parse_rank", "rank_from_name", "stream_pg", "to_ns"]
 
 #: Event categories imported as kernel events (compared lower-case).
 GPU_CATEGORIES = frozenset({"kernel", "gpu_memcpy", "gpu_memset"})
@@ -68,6 +68,9 @@ _MAX_STEP_DIGITS = 10  # steps are int32; int() of a longer run is wasted work (
 _RANK_RE = re.compile(r"(?:rank|worker)[-_]?(\d+)", re.IGNORECASE)
 _SPILL = np.dtype([("name", "<u4"), ("stream", "<u4"), ("start", "<i8"), ("dur", "<i8")])
 _SPILL_ROWS = 16_384
+#: Streams per file whose process group is kept, and the longest ``Process Group Ranks`` text read.
+_MAX_PG_STREAMS = 1024
+_MAX_PG_TEXT = 1 << 20
 _CHUNK = 256 * 1024
 _TAIL = 1024 * 1024
 _MAX_NS = 2**62
@@ -191,6 +194,32 @@ class Phase:
     on_gpu: bool
 
 
+@dataclass(frozen=True)
+class StreamPG:
+    """The process group a stream's collectives ran in, as the trace's kernel args name it."""
+
+    name: str
+    desc: str
+    #: Global ranks of the group; empty where the trace does not list them.
+    ranks: tuple[int, ...]
+
+
+def stream_pg(args: dict[str, Any]) -> StreamPG | None:
+    """The :class:`StreamPG` in a kernel's ``args``, or None where there is none (or it does not parse)."""
+    name, desc, ranks = args.get("Process Group Name"), args.get("Process Group Description"), \
+        args.get("Process Group Ranks")
+    if not isinstance(name, str | int) and not isinstance(desc, str):
+        return None
+    members: tuple[int, ...] = ()
+    if isinstance(ranks, str) and len(ranks) <= _MAX_PG_TEXT:
+        items = ranks.strip().strip("[]").split(",")
+        if all(x.strip().isdigit() and len(x.strip()) < 10 for x in items if x.strip()):
+            members = tuple(int(x) for x in items if x.strip())
+    elif isinstance(ranks, list) and len(ranks) <= MAX_WORLD_SIZE and all(type(x) is int for x in ranks):
+        members = tuple(ranks)
+    return StreamPG(str(name)[:64] if name is not None else "", desc[:128] if isinstance(desc, str) else "", members)
+
+
 @dataclass
 class RankTrace:
     """What :func:`parse_rank` read from one file (absolute ns times); kernels wait in a spill file.
@@ -215,6 +244,9 @@ class RankTrace:
     last_kernel_end_ns: int | None = None
     #: Largest lag of a kernel start behind an earlier kernel start, in file order.
     max_lag_ns: int = 0
+    #: Per CUDA stream: the process group its first NCCL kernel named in its args (PyTorch 2.3+ traces:
+    #: ``Process Group Name``, ``Process Group Description``, ``Process Group Ranks``), if any.
+    stream_pgs: dict[int, StreamPG] = field(default_factory=dict)
     spill: Path | None = field(default=None, repr=False)
     owned_dir: Path | None = field(default=None, repr=False)
 
@@ -542,6 +574,7 @@ class _Collector:
         self.first: int | None = None
         self.last_end: int | None = None
         self.watermark: int | None = None
+        self.stream_pgs: dict[int, StreamPG] = {}
 
     def event(self, e: Any) -> None:
         self.seen += 1
@@ -575,6 +608,11 @@ class _Collector:
             self.skipped[reason] += 1
         elif kind == "gpu":
             self._kernel(name, stream or 0, start, dur)
+            if stream is not None and stream not in self.stream_pgs and len(self.stream_pgs) < _MAX_PG_STREAMS \
+                    and type(args) is dict and "Process Group Name" in args:
+                pg = stream_pg(args)
+                if pg is not None:
+                    self.stream_pgs[stream] = pg
         else:
             self._annotation(name, on_gpu, stream if on_gpu and stream is not None else -1, start, dur)
 
@@ -737,6 +775,7 @@ def _build(path: Path, meta: dict[str, Any], col: _Collector, spill: Path, owned
         kernel_events=col.n, names=col.names, streams=dict(col.streams), skipped=col.skipped,
         first_kernel_ns=None if col.first is None else col.first + base,
         last_kernel_end_ns=None if col.last_end is None else col.last_end + base, max_lag_ns=col.max_lag,
+        stream_pgs=col.stream_pgs,
         spill=spill, owned_dir=owned)
 
 

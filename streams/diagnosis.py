@@ -130,6 +130,9 @@ class JobDiagnosis:
         elif isinstance(record, JobTopology):
             self.topology = record
             self.world_size = record.world_size
+            for stream, group in record.stream_groups().items():  # the topology's word beats a phase's guess
+                if group is not ParallelGroup.NONE:
+                    self.collective_groups[stream] = group
             for step in sorted(self._steps):
                 self._maybe_complete(step)
         elif isinstance(record, JobLifecycle):
@@ -292,11 +295,13 @@ class KernelDiagnosis:
 
 class LinkLedger:
     """Job-level check of degraded-link findings: a group's link is named once its evidence holds in two
-    collectives ((kernel, stream) pairs: a degraded link slows every collective its group runs), or in one
-    with strong evidence (transfer ``strong_ratio``x slower than ``strong_groups`` or more groups of its kind).
+    collectives ((kernel, stream) pairs: a degraded link slows every collective its group runs), in one whose
+    group is known (the trace named the process group of the stream: ``group_known``), or in one with strong
+    evidence (transfer ``strong_ratio``x slower than ``strong_groups`` or more groups of its kind).
 
-    One collective alone can mislead: the ranks of one position in their groups (all of one TP index) can wait
-    in a collective of another kind for the others and look like a slow group of their own kind. A pipeline
+    One collective of a group inferred from durations alone can mislead: the ranks of one position in their
+    groups (all of one TP index) can wait in a collective of another kind for the others and look like a slow
+    group of their own kind. A pipeline
     link seen one side per stream (:data:`~detectors.l3_kernels.PIPELINE_SIDE`) is named once both of its
     ranks' sides are slow, and only while no straggler is known in the job.
     """
@@ -328,7 +333,7 @@ class LinkLedger:
             raisable = [g for g in seen.values() if not corroborates_only(g)]
             if group in self._named or not raisable:
                 continue
-            if len(seen) >= 2 or any(self._strong(g) for g in raisable):
+            if len(seen) >= 2 or any(self._strong(g) or g.evidence.get("group_known") for g in raisable):
                 self._named.add(group)
                 out.append(max(raisable, key=lambda g: g.impact_ns))
         return out

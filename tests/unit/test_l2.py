@@ -266,3 +266,36 @@ def test_bad_input_raises() -> None:
                 {"stage_ratio": 0.5}, {"min_steps": 0}, {"min_late_fraction": -0.1}):
         with pytest.raises(DetectorError):
             L2Params(**bad)  # type: ignore[arg-type]
+
+
+def test_pipeline_neighbour_late_because_it_waited_is_the_late_ranks_victim() -> None:
+    # DP 2 x PP 2: stage 0 = ranks 0, 1; stage 1 = ranks 2, 3; pipelines {0, 2} and {1, 3}. Rank 2 is 250 ms
+    # late of itself (outside any phase); rank 0 waits 100 ms longer for its gradients and starts its
+    # backward later, so it reaches its DP all-reduce 250 ms late too, with only 40 % of that spent waiting.
+    topo = build_topology("j", dp=2, pp=2)
+    arrive = {0: 10 + 100 + 150 + 100, 1: 10 + 100, 2: 200 + 250, 3: 200}
+
+    def phases(rank: int, step: int) -> list[Phase]:
+        peer = rank ^ 1
+        ar = 4 + max(arrive[rank], arrive[peer]) - arrive[rank]
+        if rank < 2:
+            recv = 10 + (100 if rank == 0 else 0)
+            return [(PhaseKind.SEND_RECV, "nccl:recv next", PP, recv * MS), (B, "backward", NONE, 100 * MS),
+                    (PhaseKind.ALL_REDUCE, "dp-allreduce", DP, ar * MS)]
+        return [(F, "forward", NONE, 200 * MS), (PhaseKind.SEND_RECV, "nccl:send prev", PP, 10 * MS),
+                (PhaseKind.ALL_REDUCE, "dp-allreduce", DP, ar * MS)]
+
+    res = detect_l2(_job(topo, 5, phases), topo)
+    assert [(r.kind, r.ranks) for r in res] == [(L2Kind.COMPUTE_STRAGGLER, (2,))]
+
+
+def test_a_reduction_across_pipeline_stages_names_no_late_stage() -> None:
+    # The first stage ends its backward last: the later stages wait for it in a PP-wide all-reduce.
+    topo = build_topology("j", dp=2, pp=2)
+
+    def phases(rank: int, step: int) -> list[Phase]:
+        wait = 4 if rank < 2 else 300
+        return [(F, "forward", NONE, 100 * MS), (B, "backward", NONE, 200 * MS),
+                (PhaseKind.ALL_REDUCE, "grad-norm", PP, wait * MS)]
+
+    assert detect_l2(_job(topo, 5, phases), topo) == []

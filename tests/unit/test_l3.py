@@ -25,7 +25,7 @@ from detectors import (
 from detectors.kernel_rows import row_floors
 from detectors.l3_kernels import PIPELINE_SIDE
 from producers.topology import build_topology
-from schemas.records import KernelSummary, Level
+from schemas.records import KernelSummary, Level, ParallelGroup
 
 PROPERTY = settings(max_examples=40, deadline=None)
 GEMM = "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n"
@@ -300,3 +300,15 @@ def test_stages_of_two_ranks_compare_a_kernel_every_rank_runs_job_wide() -> None
     assert _found(res) == [(L3Kind.KERNEL_DEGRADED, (5,))]
     # A whole stage slow (both its ranks) is the stage detectors' to name, not two degraded kernels.
     assert detect_l3([_summary(_ranks(8, {6: 1.25, 7: 1.25}))], topo) == []
+
+
+def test_two_named_groups_of_many_members_compare_like_many() -> None:
+    # DP 8 x TP 2: two DP groups of 8 (the even and the odd ranks); the odd ranks' DP link is 1.6x slower.
+    topo = build_topology("j", dp=8, tp=2)
+    slow = {r: 1.6 for r in range(1, 16, 2)}
+    summary = _summary(_ranks(16, slow), kernel=AR)
+    # The trace named the stream's process group: each group's fastest member is a pure transfer.
+    res = detect_l3([summary], topo, group_kind=ParallelGroup.DP)
+    assert _found(res) == [(L3Kind.LINK_DEGRADED, tuple(range(1, 16, 2)))] and res[0].evidence["group_known"]
+    # Inferred from durations alone, two groups need a larger gap.
+    assert detect_l3([summary], topo) == []

@@ -14,8 +14,9 @@ from streams.offline import diagnose_records, finding_json
 
 
 def _link(ranks: tuple[int, ...], kernel: str, ratio: float, groups: int, impact: float = 1.0,
-          weak: bool = False) -> Finding:
-    ev = json.dumps({"transfer_ratio": ratio, "groups_compared": groups} | ({CORROBORATES_ONLY: True} if weak else {}))
+          weak: bool = False, known: bool = False) -> Finding:
+    ev = json.dumps({"transfer_ratio": ratio, "groups_compared": groups, "group_known": known}
+                    | ({CORROBORATES_ONLY: True} if weak else {}))
     return Finding(finding_id=f"{kernel}{ranks}", job_id="j", level=Level.L3, kind="link_degraded", ranks=ranks,
                    steps=(), score=ratio, evidence_json=ev, time_ns=1, kernel=kernel, stream=20, impact_ns=impact)
 
@@ -27,6 +28,8 @@ def test_links_need_two_collectives_or_strong_evidence() -> None:
     assert [f.kernel for f in ledger.filter([_link((0, 1), "AllGather", 1.7, 2)])] == ["AllReduce"]
     assert ledger.filter([_link((0, 1), "ReduceScatter", 1.7, 2)]) == []  # each group named once
     assert len(LinkLedger().filter([_link((2, 3), "AllReduce", 3.0, 4)])) == 1
+    # One collective is enough where the trace named the stream's process group.
+    assert len(LinkLedger().filter([_link((6, 7), "AllReduce", 1.6, 2, known=True)])) == 1
     other = _link((4, 5), "x", 1.0, 1)
     assert LinkLedger().filter([dataclasses.replace(other, kind="kernel_degraded")])  # other kinds pass
 
@@ -38,6 +41,8 @@ def test_links_under_the_impact_threshold_corroborate_but_are_never_published() 
     named = ledger.filter([_link((0, 1), "AllReduce_big", 1.6, 2, impact=9.0)])
     assert [f.kernel for f in named] == ["AllReduce_big"]
     assert LinkLedger().filter([_link((2, 3), "a", 1.6, 2), _link((2, 3), "b", 1.6, 2, weak=True)])
+    # One collective is enough where the trace named the stream's process group.
+    assert len(LinkLedger().filter([_link((6, 7), "AllReduce", 1.6, 2, known=True)])) == 1
     other = _link((4, 5), "x", 1.0, 1)
     assert LinkLedger().filter([dataclasses.replace(other, kind="kernel_degraded")])  # other kinds pass
 

@@ -1,0 +1,102 @@
+"""The parallel group of each collective phase in a torch.profiler trace, and role names for transfers.
+
+Two things in a trace tell which group a communication phase ran in:
+
+* **Point-to-point names.** PyTorch's NCCL process group annotates a send as ``nccl:send A->B`` and a
+  receive as ``nccl:recv A<-B`` (``A`` the rank itself, ``B`` its peer; ranks global, or local to the process
+  group the operation ran in -- a pipeline group's local rank is the stage). Peers compare phases by name and
+  every rank has other peers, so ``nccl:recv 8<-0`` on rank 8 and ``nccl:recv 9<-1`` on rank 9 would never
+  meet. A transfer between adjacent stages of one pipeline becomes ``nccl:send next`` / ``nccl:recv prev``
+  (and so on) in the PP group, one inside an expert group ``nccl:send ep`` in the EP group: one name on every
+  rank of a stage, and a group kind that tells the diagnosis the rank *waited* there rather than worked.
+* **Process groups of NCCL kernels.** PyTorch 2.3+ writes ``Process Group Name``, ``Description`` and
+  ``Ranks`` into each NCCL kernel's args (:class:`~producers.kineto_parse.StreamPG`, one per stream). The
+  group is identified by its Megatron description (``pg_config``) or by its ranks, as one of the rank's
+  DP/TP/PP/EP groups of the job topology; every collective phase on that stream (the ``gpu_user_annotation``
+  ``nccl:all_reduce`` PyTorch puts around the kernel) carries it, and so the detectors learn which group
+  each collective stream serves instead of guessing it from durations.
+
+Anything else keeps its name and group NONE.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+
+from producers.kineto_parse import StreamPG
+from schemas.records import JobTopology, ParallelGroup, PhaseKind
+
+__all__ = ["MEGATRON_GROUPS", "PhaseGroups"]
+
+_P2P = re.compile(r"^nccl:(send|recv)\s*(\d+)\s*(?:->|<-)\s*(\d+)\s*$")
+#: Megatron's process-group descriptions (``pg_config`` ``pg_desc``) of the groups argus compares in.
+MEGATRON_GROUPS: Mapping[str, ParallelGroup] = {
+    "TENSOR_MODEL_PARALLEL_GROUP": ParallelGroup.TP,
+    "DATA_PARALLEL_GROUP": ParallelGroup.DP,
+    "PIPELINE_MODEL_PARALLEL_GROUP": ParallelGroup.PP,
+    "EXPERT_MODEL_PARALLEL_GROUP": ParallelGroup.EP,
+}
+_COLUMNS = ((ParallelGroup.DP, "dp_group"), (ParallelGroup.TP, "tp_group"), (ParallelGroup.PP, "pp_group"),
+            (ParallelGroup.EP, "ep_group"))
+
+
+class PhaseGroups:
+    """Names and groups of one job's communication phases (see the module docstring)."""
+
+    def __init__(self, topology: JobTopology) -> None:
+        self._pos = {r: i for i, r in enumerate(topology.rank)}
+        self._topo = topology
+        self._stages: dict[int, set[int]] = {}
+        self._members: dict[tuple[ParallelGroup, int], frozenset[int]] = {}
+        for kind, col in _COLUMNS:
+            found: dict[int, set[int]] = {}
+            for r, g in zip(topology.rank, getattr(topology, col), strict=True):
+                found.setdefault(g, set()).add(r)
+            for g, members in found.items():
+                self._members[(kind, g)] = frozenset(members)
+        for g, s in zip(topology.pp_group, topology.pp_stage, strict=True):
+            self._stages.setdefault(g, set()).add(s)
+
+    def stream_group(self, rank: int, pg: StreamPG) -> ParallelGroup:
+        """The kind of ``rank``'s group that ``pg`` is: by its Megatron description, else by its ranks (the
+        first kind whose group of ``rank`` has exactly those members); NONE when neither tells."""
+        by_desc = MEGATRON_GROUPS.get(pg.desc.strip().upper())
+        if by_desc is not None:
+            return by_desc
+        i = self._pos.get(rank)
+        if i is None or len(pg.ranks) < 2:
+            return ParallelGroup.NONE
+        members = frozenset(pg.ranks)
+        for kind, col in _COLUMNS:
+            if self._members.get((kind, getattr(self._topo, col)[i])) == members:
+                return kind
+        return ParallelGroup.NONE
+
+    def phase(self, rank: int, name: str, kind: PhaseKind, stream_group: ParallelGroup) -> tuple[str, ParallelGroup]:
+        """The name and group kind of ``rank``'s phase ``name`` of ``kind``; ``stream_group``: the group of the
+        stream it ran on (:meth:`stream_group`, NONE if unknown or on the host)."""
+        m = _P2P.match(name)
+        if m is not None:
+            renamed = self._p2p(rank, m.group(1), int(m.group(2)), int(m.group(3)))
+            if renamed is not None:
+                return renamed
+        if kind.is_collective and stream_group is not ParallelGroup.NONE:
+            return name, stream_group
+        return name, ParallelGroup.NONE
+
+    def _p2p(self, rank: int, op: str, a: int, b: int) -> tuple[str, ParallelGroup] | None:
+        i = self._pos.get(rank)
+        if i is None:
+            return None
+        t = self._topo
+        stage, pipe = t.pp_stage[i], t.pp_group[i]
+        if a == rank and b in self._pos:  # global ranks
+            j = self._pos[b]
+            if t.pp_group[j] == pipe and abs(t.pp_stage[j] - stage) == 1:
+                return f"nccl:{op} {'next' if t.pp_stage[j] > stage else 'prev'}", ParallelGroup.PP
+            if t.ep_size > 1 and t.ep_group[j] == t.ep_group[i]:
+                return f"nccl:{op} ep", ParallelGroup.EP
+        if a == stage and abs(b - stage) == 1 and b in self._stages.get(pipe, set()):  # the pipeline group's ranks
+            return f"nccl:{op} {'next' if b > stage else 'prev'}", ParallelGroup.PP
+        return None
