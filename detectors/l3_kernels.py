@@ -126,9 +126,9 @@ class L3Params:
     ``p50_ratio``: primary p50 over the lower-half median that flags a rank [3.0].
     ``collective_p50_ratio``: the same for collectives, above healthy waiting spread [4.0].
     ``short_ratio``: group peers' median p50 over a member's that names it a late arrival [5.0].
-    ``min_events``: ranks with fewer events of the kernel are left out [10]; for a collective
-    ``collective_min_events`` [5] (its groups are judged together: a DP all-reduce runs once a step, and a
-    window of a few steps still holds it on every member). ``min_ranks``: fewest ranks
+    ``min_events``: ranks with fewer events of the kernel are left out [10]; for a collective whose group
+    is known (``group_kind``) ``collective_min_events`` [5] (its groups are judged together: a DP all-reduce
+    runs once a step, and a window of a few steps still holds it on every member). ``min_ranks``: fewest ranks
     to compare [2]. ``grid_points``: points of the shared CDF grid [512]. ``mode_log_gap``: gap in
     ``ln(ns)`` between component p50s that separates modes in :func:`primary_p50` [0.3].
     ``compute_scope``: compare compute kernels per pipeline stage or across the job [STAGE].
@@ -293,7 +293,10 @@ def detect_l3(summaries: Sequence[KernelSummary], topology: JobTopology | None =
     if not one_key(summaries):
         raise DetectorError("detect_l3 needs the summaries of exactly one (job, kernel, stream)")
     collective = is_collective(first.kernel, p.collective_markers)
-    ranks, batch, total = merge_rows(summaries, p.collective_min_events if collective else p.min_events)
+    # Few calls of a collective are judged only in the group the trace named: read in every grouping, a
+    # handful of calls per member is too little to tell waiting from a slow group.
+    named = group_kind is not None and group_kind is not ParallelGroup.NONE
+    ranks, batch, total = merge_rows(summaries, p.collective_min_events if collective and named else p.min_events)
     if batch is None or ranks.size < p.min_ranks:
         return []
     if topology is not None and not set(topology.rank).issuperset(ranks.tolist()):

@@ -312,3 +312,13 @@ def test_two_named_groups_of_many_members_compare_like_many() -> None:
     assert _found(res) == [(L3Kind.LINK_DEGRADED, tuple(range(1, 16, 2)))] and res[0].evidence["group_known"]
     # Inferred from durations alone, two groups need a larger gap.
     assert detect_l3([summary], topo) == []
+
+
+def test_a_collective_with_few_calls_is_judged_only_in_its_named_group() -> None:
+    # Six calls per rank (a DP all-reduce in a six-step window): enough in the group the trace named, too few
+    # to tell waiting from a slow group when every grouping is tried.
+    topo = build_topology("j", dp=8, tp=2)
+    summary = _summary(_ranks(16, {r: 3.0 for r in range(1, 16, 2)}, count=6), kernel=AR)
+    assert _found(detect_l3([summary], topo, group_kind=ParallelGroup.DP)) == [
+        (L3Kind.LINK_DEGRADED, tuple(range(1, 16, 2)))]
+    assert detect_l3([summary], topo) == []
