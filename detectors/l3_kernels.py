@@ -301,9 +301,12 @@ def detect_l3(summaries: Sequence[KernelSummary], topology: JobTopology | None =
         return []
     if topology is not None and not set(topology.rank).issuperset(ranks.tolist()):
         raise DetectorError(f"ranks {sorted(set(ranks.tolist()) - set(topology.rank))[:5]} are not in topology")
-    base = {"window_end_ns": window_end(summaries), "n_ranks": int(ranks.size),
-            "collective": collective}
+    # ``group_known``: the collective's group is known (its phases or the topology named it), or each
+    # grouping is tried.
+    base: dict[str, Any] = {"window_end_ns": window_end(summaries), "n_ranks": int(ranks.size),
+                            "collective": collective}
     if collective:
+        base["group_known"] = named
         return _collective(summaries, ranks, batch, total, topology, p, base, group_kind)
     return _compute(first, ranks, batch, total, topology, p, base)
 
@@ -546,13 +549,11 @@ def _links(s: KernelSummary, ranks: I64, batch: MixtureBatch, sc: RankScores, gr
         # Beyond a plausible slowdown of a transfer it is waiting: a group made only of ranks that wait in a
         # collective of another kind (all of one TP index, waiting for the others) looks "slow" by far more.
         hit &= lr <= math.log(p.link_max_ratio)
-        if kind == PIPELINE_SIDE:
-            fl = np.log(np.array([np.nanmin(floors[rows]) if np.isfinite(floors[rows]).any() else np.nan
-                                  for _, rows in same]))
+        if kind == PIPELINE_SIDE:  # a side is one rank
+            fl = np.log(np.array([floors[rows[0]] for _, rows in same]))
             known = np.isfinite(fl)
-            if known.sum() >= 2:
-                floor_ref = float(np.median(np.sort(fl[known])[: (int(known.sum()) + 1) // 2]))
-                hit &= ~(np.nan_to_num(fl - floor_ref, nan=0.0) < math.log(_SIDE_FLOOR_RATIO))[:, None]
+            if known.sum() >= 2:  # a side without a floor (NaN) is no link
+                hit &= (fl - _faster_half(fl[known][:, None])[0] >= math.log(_SIDE_FLOOR_RATIO))[:, None]
         if 2 * int(hit.any(axis=1).sum()) > n:
             continue  # most groups slow: the whole job's network or load, not one group's link
         for i in np.flatnonzero(hit.any(axis=1)).tolist():
@@ -586,8 +587,6 @@ def _collective(summaries: Sequence[KernelSummary], ranks: I64, batch: MixtureBa
                 topology: JobTopology | None, p: L3Params, base: dict[str, Any],
                 group_kind: ParallelGroup | None = None) -> list[L3Result]:
     s = summaries[0]
-    # Whether the collective's group is known (its phases named it), or inferred here from each grouping.
-    base = {**base, "group_known": group_kind is not None and group_kind is not ParallelGroup.NONE}
     sc = score_ranks(batch, p.grid_points, p.mode_log_gap)
     slow, p50_ratio, healthy = _slow_ranks(sc, p.collective_min_score, p.collective_p50_ratio, p)
     p50 = sc.primary_p50_ns

@@ -45,7 +45,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -62,6 +61,8 @@ sys.path.insert(0, str(ROOT))
 from argus.local_kafka import LocalKafka  # noqa: E402
 from argus.settings import Settings  # noqa: E402
 from argus.topics import ensure_topics  # noqa: E402
+from load_tests.detection_eval import free_port  # noqa: E402
+from load_tests.soak import rss_mb  # noqa: E402
 from producers.publisher import Publisher  # noqa: E402
 from producers.simulator import DEFAULT_START_NS, JobSimulator, JobSpec  # noqa: E402
 from schemas.records import JobLifecycle, KernelBatch, LifecycleEvent  # noqa: E402
@@ -79,34 +80,6 @@ KERNEL_BATCH = 32
 def _say(msg: str) -> None:
     sys.stderr.write(f"[abandoned_memory {time.strftime('%H:%M:%S')}] {msg}\n")
     sys.stderr.flush()
-
-
-def _free_port(pair: bool = False) -> int:
-    """A free loopback port (with ``pair``, the next one is free too: the local broker's controller)."""
-    for _ in range(200):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = int(s.getsockname()[1])
-        if not pair:
-            return port
-        with socket.socket() as s2:
-            try:
-                s2.bind(("127.0.0.1", port + 1))
-            except OSError:
-                continue
-        return port
-    raise RuntimeError("no free port pair")
-
-
-def rss_mb(pid: int) -> float | None:
-    """Resident memory of ``pid`` in MB, None when it is gone."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024.0
-    except OSError:
-        return None
-    return None
 
 
 def _stats(port: int) -> dict[str, Any] | None:
@@ -192,9 +165,9 @@ def settled_rss(pid: int, samples: int = 5, every_s: float = 1.0) -> float:
 def run(jobs: int, warmup: int, idle_s: float, rate: float = 6.0, n_rounds: int = 1) -> dict[str, Any]:
     tag = uuid.uuid4().hex[:6]
     home = Path(tempfile.mkdtemp(prefix="argus-abandoned-"))
-    settings = Settings.load(env={}, home=home, bootstrap_servers=f"127.0.0.1:{_free_port(pair=True)}",
+    settings = Settings.load(env={}, home=home, bootstrap_servers=f"127.0.0.1:{free_port(pair=True)}",
                              topic_prefix=f"abm{tag}.", app_id=f"abm-{tag}", partitions=4,
-                             worker_web_port=_free_port(), session_timeout_s=6, job_idle_timeout_s=idle_s,
+                             worker_web_port=free_port(), session_timeout_s=6, job_idle_timeout_s=idle_s,
                              window_ns=1_000_000_000, allowed_lateness_ns=500_000_000, publisher_batch_events=1024)
     t_start = time.monotonic()
     broker = LocalKafka(settings)

@@ -94,7 +94,7 @@ def generate(seed: int, fault: str, max_ranks: int, parent: str) -> dict[str, An
 # -- the private stack -------------------------------------------------------------------------------------
 
 
-def _free_port(pair: bool = False) -> int:
+def free_port(pair: bool = False) -> int:
     """A free loopback port (with ``pair``, the next one is free too: the local broker's controller)."""
     for _ in range(200):
         with socket.socket() as s:
@@ -118,8 +118,8 @@ class PrivateStack:
         tag = uuid.uuid4().hex[:8]
         self.home = home
         self.env = {**os.environ,
-                    "ARGUS_HOME": str(home), "ARGUS_BOOTSTRAP_SERVERS": f"127.0.0.1:{_free_port(pair=True)}",
-                    "ARGUS_QUERY_PORT": str(_free_port()), "ARGUS_WORKER_WEB_PORT": str(_free_port()),
+                    "ARGUS_HOME": str(home), "ARGUS_BOOTSTRAP_SERVERS": f"127.0.0.1:{free_port(pair=True)}",
+                    "ARGUS_QUERY_PORT": str(free_port()), "ARGUS_WORKER_WEB_PORT": str(free_port()),
                     "ARGUS_TOPIC_PREFIX": f"eval{tag}.", "ARGUS_APP_ID": f"argus-eval-{tag}",
                     "ARGUS_SINK_GROUP": f"argus-eval-sink-{tag}", "ARGUS_PARTITIONS": str(partitions),
                     "ARGUS_CLICKHOUSE_DSN": f"chdb://{home / 'chdb'}"}

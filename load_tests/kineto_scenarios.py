@@ -77,6 +77,8 @@ KIND_CLASS = {"compute_straggler": "rank", "kernel_degraded": "rank", "rank_degr
 MAX_KERNEL_EVENTS = 300_000
 GPUS_PER_NODE = 8
 COMPUTE_STREAM = 7
+#: Each NCCL communicator's stream, as an offset from the scenario's ``nccl_stream_base``.
+NCCL_STREAMS = {"tp": 0, "dp": 4, "ep": 8, "pp_prev": 12, "pp_next": 16, "mp": 20}
 
 # -- kernel names -----------------------------------------------------------------------------------------
 
@@ -923,9 +925,7 @@ class _Sim:
         self.rank_step = self.rng.lognormal(0.0, sig / 5, (scn.steps, w))
         self.step_shared = self.rng.lognormal(0.0, sig / 4, scn.steps)
         self.t = np.zeros(w)
-        base = scn.nccl_stream_base
-        self.streams = {"tp": base, "dp": base + 4, "ep": base + 8, "pp_prev": base + 12, "pp_next": base + 16,
-                        "mp": base + 20}
+        self.streams = {kind: scn.nccl_stream_base + off for kind, off in NCCL_STREAMS.items()}
         self.free = {k: np.zeros(w) for k in self.streams}
         self.blocks: list[tuple[I64, I64, F64, F64]] = []  # (ranks, meta rows [n, 8], start, dur)
         self.chunk_id = 0
@@ -1459,17 +1459,20 @@ def _spans(keys: I64, lo: I64, hi: I64) -> tuple[I64, I64, I64]:
     return uk, a, b
 
 
+#: Megatron's description of each process-group kind (``pg_config``), as the generator names them.
+_PG_DESC = {"tp": "TENSOR_MODEL_PARALLEL_GROUP", "dp": "DATA_PARALLEL_GROUP", "ep": "EXPERT_MODEL_PARALLEL_GROUP",
+            "pp": "PIPELINE_MODEL_PARALLEL_GROUP", "mp": "MODEL_PARALLEL_GROUP"}
+
+
 def _stream_pg_args(scn: Scenario, r: int, pgs: list[dict[str, Any]]) -> dict[int, str]:
     """Per NCCL stream of rank ``r``: the process-group args PyTorch 2.3+ writes into its kernels (a JSON
     fragment), from the rank's ``pg_config`` entries ``pgs``."""
-    base = scn.nccl_stream_base
-    kinds = {base: ("tp", "TENSOR_MODEL_PARALLEL_GROUP"), base + 4: ("dp", "DATA_PARALLEL_GROUP"),
-             base + 8: ("ep", "EXPERT_MODEL_PARALLEL_GROUP"), base + 12: ("pp", "PIPELINE_MODEL_PARALLEL_GROUP"),
-             base + 16: ("pp", "PIPELINE_MODEL_PARALLEL_GROUP"), base + 20: ("mp", "MODEL_PARALLEL_GROUP")}
     out = {}
-    for stream, (kind, desc) in kinds.items():
+    for stream_kind, off in NCCL_STREAMS.items():
+        kind = "pp" if stream_kind.startswith("pp_") else stream_kind
         if kind == "ep" and not scn.moe:
             continue
+        stream, desc = scn.nccl_stream_base + off, _PG_DESC[kind]
         ranks = _group_of(scn, kind, r)
         name = next((str(g["pg_name"]) for g in pgs if g["pg_desc"] == desc), f"{kind}{min(ranks)}")
         out[stream] = (f'"Process Group Name":"{name}","Process Group Description":"{desc}",'
@@ -1543,7 +1546,8 @@ def _rank_events(tl: Timeline, r: int, idx: npt.NDArray[np.intp], base_ns: int, 
         for i in np.flatnonzero(coll >= 0).tolist():
             kind_s = Timeline.COLL_KINDS[coll[i]]
             if kind_s in ("send", "recv"):
-                other = r + scn.stage_size if streams[i] == scn.nccl_stream_base + 16 else r - scn.stage_size
+                nxt = scn.nccl_stream_base + NCCL_STREAMS["pp_next"]
+                other = r + scn.stage_size if streams[i] == nxt else r - scn.stage_size
                 nm = f"nccl:send {r}->{other}" if kind_s == "send" else f"nccl:recv {r}<-{other}"
             else:
                 nm = _NCCL_ANN[kind_s]

@@ -133,7 +133,7 @@ def with_stream_groups(topo: JobTopology, traces: Iterable[RankTrace], messages:
     if known:
         messages.append("collective streams by process group: "
                         + ", ".join(f"{st}={g.value}" for st, g in known.items()))
-    return dataclasses.replace(topo, collective_streams=tuple(known), collective_groups=tuple(known.values()))
+    return dataclasses.replace(topo, group_streams=tuple(known), group_kinds=tuple(known.values()))
 
 
 def step_records(trace: RankTrace, job_id: str, shift_ns: int = 0,

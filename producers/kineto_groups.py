@@ -25,6 +25,7 @@ import re
 from collections.abc import Mapping
 
 from producers.kineto_parse import StreamPG
+from producers.topology import groups_of
 from schemas.records import JobTopology, ParallelGroup, PhaseKind
 
 __all__ = ["MEGATRON_GROUPS", "PhaseGroups"]
@@ -37,26 +38,23 @@ MEGATRON_GROUPS: Mapping[str, ParallelGroup] = {
     "PIPELINE_MODEL_PARALLEL_GROUP": ParallelGroup.PP,
     "EXPERT_MODEL_PARALLEL_GROUP": ParallelGroup.EP,
 }
-_COLUMNS = ((ParallelGroup.DP, "dp_group"), (ParallelGroup.TP, "tp_group"), (ParallelGroup.PP, "pp_group"),
-            (ParallelGroup.EP, "ep_group"))
+
+_KINDS = (ParallelGroup.DP, ParallelGroup.TP, ParallelGroup.PP, ParallelGroup.EP)
 
 
 class PhaseGroups:
     """Names and groups of one job's communication phases (see the module docstring)."""
 
     def __init__(self, topology: JobTopology) -> None:
-        self._pos = {r: i for i, r in enumerate(topology.rank)}
-        self._topo = topology
-        self._stages: dict[int, set[int]] = {}
-        self._members: dict[tuple[ParallelGroup, int], frozenset[int]] = {}
-        for kind, col in _COLUMNS:
-            found: dict[int, set[int]] = {}
-            for r, g in zip(topology.rank, getattr(topology, col), strict=True):
-                found.setdefault(g, set()).add(r)
-            for g, members in found.items():
-                self._members[(kind, g)] = frozenset(members)
-        for g, s in zip(topology.pp_group, topology.pp_stage, strict=True):
-            self._stages.setdefault(g, set()).add(s)
+        self._stage = dict(zip(topology.rank, topology.pp_stage, strict=True))
+        #: (kind, rank) -> the members of the rank's group of that kind.
+        self._group: dict[tuple[ParallelGroup, int], frozenset[int]] = {}
+        for kind in _KINDS:
+            for members in groups_of(topology, kind).values():
+                group = frozenset(members)
+                for r in members:
+                    self._group[(kind, r)] = group
+        self._ep = topology.ep_size > 1
 
     def stream_group(self, rank: int, pg: StreamPG) -> ParallelGroup:
         """The kind of ``rank``'s group that ``pg`` is: by its Megatron description, else by its ranks (the
@@ -64,14 +62,10 @@ class PhaseGroups:
         by_desc = MEGATRON_GROUPS.get(pg.desc.strip().upper())
         if by_desc is not None:
             return by_desc
-        i = self._pos.get(rank)
-        if i is None or len(pg.ranks) < 2:
+        if rank not in self._stage or len(pg.ranks) < 2:
             return ParallelGroup.NONE
         members = frozenset(pg.ranks)
-        for kind, col in _COLUMNS:
-            if self._members.get((kind, getattr(self._topo, col)[i])) == members:
-                return kind
-        return ParallelGroup.NONE
+        return next((kind for kind in _KINDS if self._group.get((kind, rank)) == members), ParallelGroup.NONE)
 
     def phase(self, rank: int, name: str, kind: PhaseKind, stream_group: ParallelGroup) -> tuple[str, ParallelGroup]:
         """The name and group kind of ``rank``'s phase ``name`` of ``kind``; ``stream_group``: the group of the
@@ -86,17 +80,15 @@ class PhaseGroups:
         return name, ParallelGroup.NONE
 
     def _p2p(self, rank: int, op: str, a: int, b: int) -> tuple[str, ParallelGroup] | None:
-        i = self._pos.get(rank)
-        if i is None:
+        stage = self._stage.get(rank)
+        if stage is None:
             return None
-        t = self._topo
-        stage, pipe = t.pp_stage[i], t.pp_group[i]
-        if a == rank and b in self._pos:  # global ranks
-            j = self._pos[b]
-            if t.pp_group[j] == pipe and abs(t.pp_stage[j] - stage) == 1:
-                return f"nccl:{op} {'next' if t.pp_stage[j] > stage else 'prev'}", ParallelGroup.PP
-            if t.ep_size > 1 and t.ep_group[j] == t.ep_group[i]:
+        pipe = self._group[(ParallelGroup.PP, rank)]
+        if a == rank and b in self._stage:  # global ranks
+            if b in pipe and abs(self._stage[b] - stage) == 1:
+                return f"nccl:{op} {'next' if self._stage[b] > stage else 'prev'}", ParallelGroup.PP
+            if self._ep and b in self._group[(ParallelGroup.EP, rank)]:
                 return f"nccl:{op} ep", ParallelGroup.EP
-        if a == stage and abs(b - stage) == 1 and b in self._stages.get(pipe, set()):  # the pipeline group's ranks
+        if a == stage and abs(b - stage) == 1 and any(self._stage[r] == b for r in pipe):  # the pipeline's ranks
             return f"nccl:{op} {'next' if b > stage else 'prev'}", ParallelGroup.PP
         return None

@@ -414,7 +414,7 @@ class KernelSummary(Record):
 class JobTopology(Record):
     """Parallel-group membership of every rank; see ``schemas/job_topology.v2.avsc``.
 
-    ``collective_streams`` / ``collective_groups`` (v2): CUDA streams known to carry the collectives of one
+    ``group_streams`` / ``group_kinds`` (v2): CUDA streams known to carry the collectives of one
     parallel group (e.g. from the process groups a trace's NCCL kernels name), position by position; v1
     messages decode with both empty.
     """
@@ -434,21 +434,21 @@ class JobTopology(Record):
     ep_group: tuple[int, ...]
     pp_stage: tuple[int, ...]
     ep_size: int = 1
-    collective_streams: tuple[int, ...] = ()
-    collective_groups: tuple[ParallelGroup, ...] = ()
+    group_streams: tuple[int, ...] = ()
+    group_kinds: tuple[ParallelGroup, ...] = ()
 
     @classmethod
     def _enum_fields(cls) -> dict[str, type[enum.Enum]]:
-        return {"collective_groups": ParallelGroup}
+        return {"group_kinds": ParallelGroup}
 
     def stream_groups(self) -> dict[int, ParallelGroup]:
-        """``collective_streams`` mapped to their ``collective_groups``."""
-        return dict(zip(self.collective_streams, self.collective_groups, strict=True))
+        """``group_streams`` mapped to their ``group_kinds``."""
+        return dict(zip(self.group_streams, self.group_kinds, strict=True))
 
     def check(self) -> None:
         what = f"topology {self.job_id}"
-        _same_length(what, self, ("collective_groups",), len(self.collective_streams), "collective_streams")
-        _bounded(what, "collective_streams", self.collective_streams, 0, _INT64[1])
+        _same_length(what, self, ("group_kinds",), len(self.group_streams), "group_streams")
+        _bounded(what, "group_streams", self.group_streams, 0, _INT64[1])
         for name in ("world_size", "dp_size", "tp_size", "pp_size", "ep_size"):
             _bounded(what, name, getattr(self, name), 1, _INT32[1])
         _same_length(what, self, ("rank", "host", "dp_group", "tp_group", "pp_group", "ep_group", "pp_stage"),

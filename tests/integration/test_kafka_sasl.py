@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import stat
 import uuid
 from collections.abc import Iterator
@@ -25,6 +24,7 @@ from argus.errors import ArgusError, KafkaLocalError
 from argus.local_kafka import LocalKafka, fetch_jars
 from argus.settings import Secret, Settings
 from argus.topics import Topic, ensure_topics
+from load_tests.detection_eval import free_port
 from producers.publisher import Publisher
 from producers.simulator import JobSimulator, JobSpec
 from sinks.clickhouse import ClickHouseStore
@@ -40,21 +40,6 @@ USER = "argus-it"
 PASSWORD = 'pa,ss"w\\ord é ' + uuid.uuid4().hex[:8]
 
 
-def _free_port_pair() -> int:
-    """A port p with p and p + 1 free (the broker's client and controller listeners)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = int(s.getsockname()[1])
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port + 1))
-            except OSError:
-                continue
-        return port
-    raise RuntimeError("no two free consecutive ports")
-
-
 def _sasl_settings(home: Path, port: int, **overrides: object) -> Settings:
     values: dict[str, object] = {
         "home": home, "bootstrap_servers": f"127.0.0.1:{port}", "kafka_security_protocol": "SASL_PLAINTEXT",
@@ -68,7 +53,7 @@ def _sasl_settings(home: Path, port: int, **overrides: object) -> Settings:
 @pytest.fixture(scope="module")
 def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalKafka]:
     home = tmp_path_factory.mktemp("sasl-home")
-    kafka = LocalKafka(_sasl_settings(home, _free_port_pair()))
+    kafka = LocalKafka(_sasl_settings(home, free_port(pair=True)))
     kafka.start(timeout_s=120)
     try:
         yield kafka
@@ -82,7 +67,7 @@ def test_every_client_authenticates_with_scram(broker: LocalKafka, chdb_store: C
     tag = uuid.uuid4().hex[:8]
     settings = broker.settings.replace(
         topic_prefix=f"s{tag}.", app_id=f"argus-sasl-{tag}", sink_group=f"sink-{tag}",
-        clickhouse_database=f"sasl_{tag}", session_timeout_s=6.0, worker_web_port=_free_port_pair(), home=tmp_path,
+        clickhouse_database=f"sasl_{tag}", session_timeout_s=6.0, worker_web_port=free_port(pair=True), home=tmp_path,
         window_ns=1_000_000_000, allowed_lateness_ns=500_000_000, publisher_batch_events=1024)
     assert len(ensure_topics(settings)) == len(Topic) + 1
 
