@@ -138,15 +138,48 @@ def _cmd_simulate(settings: Settings, args: argparse.Namespace) -> int:
 
 def _cmd_demo(settings: Settings, args: argparse.Namespace) -> int:
     from argus.demo import run_demo
+    from argus.progress import Meter
 
-    report = run_demo(settings, fault=args.fault, steps=args.steps, progress=_progress, timeout_s=args.timeout)
+    with Meter("publishing the job", total=args.steps, unit="step") as meter:
+        report = run_demo(settings, fault=args.fault, steps=args.steps, progress=meter.say, timeout_s=args.timeout,
+                          advance=meter)
     _out(json.dumps(report, indent=2) if args.json else report["text"])
     return 0 if report["complete"] else 1
+
+
+def _finding_rows(findings: Sequence[dict[str, Any]]) -> list[tuple[Any, ...]]:
+    return [(f"{f['impact_ns'] / 1e9:.3f}", f["level"], f["kind"], ",".join(map(str, f["ranks"])) or "-",
+             f["phase"] or f["kernel"] or "-", ",".join(map(str, f["steps"])) or "-", f"{f['score']:.2f}")
+            for f in findings]
+
+
+_FINDING_COLUMNS = ("impact_gpu_s", "level", "kind", "ranks", "phase/kernel", "steps", "score")
+
+
+def _cmd_follow(settings: Settings, args: argparse.Namespace) -> int:
+    from sinks.findings_feed import follow_findings
+
+    if not args.json:
+        sys.stderr.write(f"following findings{' of job ' + args.job if args.job else ''} on "
+                         f"{settings.topic('findings')} (Ctrl-C stops)\n")
+    for f in follow_findings(settings, args.job, from_beginning=args.from_beginning,
+                             idle_timeout_s=args.idle_timeout):
+        if args.json:
+            _out(json.dumps(f))
+        else:
+            [row] = _finding_rows([f])
+            _out(f"{f['job']}  " + "  ".join(f"{c}={v}" for c, v in zip(_FINDING_COLUMNS, row, strict=True)))
+    return 0
 
 
 def _cmd_findings(settings: Settings, args: argparse.Namespace) -> int:
     from sinks.findings_query import fetch_findings, pending_reasons, wait_diagnosed
 
+    if args.follow:
+        return _cmd_follow(settings, args)
+    if not args.job:
+        sys.stderr.write("argus: findings needs --job (or --follow for every job)\n")
+        return 2
     complete = True
     if args.wait:
         complete = wait_diagnosed(settings, args.job, args.wait)
@@ -163,18 +196,59 @@ def _cmd_findings(settings: Settings, args: argparse.Namespace) -> int:
     elif not findings:
         _out(f"no findings for job {args.job}")
     else:
-        rows = [(f"{f['impact_ns'] / 1e9:.3f}", f["level"], f["kind"], ",".join(map(str, f["ranks"])) or "-",
-                 f["phase"] or f["kernel"] or "-", ",".join(map(str, f["steps"])) or "-", f"{f['score']:.2f}")
-                for f in findings]
-        _out(_table(("impact_gpu_s", "level", "kind", "ranks", "phase/kernel", "steps", "score"), rows))
+        _out(_table(_FINDING_COLUMNS, _finding_rows(findings)))
     return 0 if complete else 4
 
 
+def _cmd_replay(settings: Settings, args: argparse.Namespace) -> int:
+    from argus.progress import Meter
+    from argus.replay import parse_time_ms, replay_job
+
+    from_ms = parse_time_ms(args.from_time) if args.from_time else None
+    to_ms = parse_time_ms(args.to_time) if args.to_time else None
+    with Meter("reading retained records", unit="msg") as meter:
+        res = replay_job(settings, args.job, args.into, from_ms, to_ms, timeout_s=args.timeout,
+                         progress=meter.say, advance=meter)
+    if args.json:
+        _out(json.dumps(res.as_dict(), indent=2))
+        return 0 if res.complete else 4
+    d = res.diff
+    _out(f"replay of job {res.job_id} into namespace {res.namespace} (topics {res.settings.topic_prefix}*, "
+         f"database {res.settings.clickhouse_database}): {len(res.live)} live finding(s), "
+         f"{len(res.replayed)} replayed" + ("" if res.complete else " (replayed diagnosis INCOMPLETE)"))
+    versions = {f.get("detector_version") or "?" for f in res.live}, {f["detector_version"] for f in res.replayed}
+    _out(f"detectors: live {', '.join(sorted(versions[0])) or '-'}; replay {', '.join(sorted(versions[1])) or '-'}")
+    if d.identical:
+        _out(f"findings identical ({d.same})")
+    for tag, group in (("- live only  ", d.only_live), ("+ replay only", d.only_replay)):
+        for f in group:
+            _out(f"{tag} " + "  ".join(map(str, _finding_rows([f])[0])))
+    for a, b in d.changed:
+        _out("~ changed     " + "  ".join(map(str, _finding_rows([a])[0]))
+             + f"  ->  impact {b['impact_ns'] / 1e9:.3f} score {b['score']:.2f}")
+    return 0 if res.complete else 4
+
+
 def _cmd_import_kineto(settings: Settings, args: argparse.Namespace) -> int:
+    from argus.progress import Meter
     from producers.kineto import import_kineto
 
-    report = import_kineto(settings, args.directory, args.job, topology=args.topology, progress=_progress)
+    with Meter("importing: ranks parsed, then published", unit="rank") as meter:
+        report = import_kineto(settings, args.directory, args.job, topology=args.topology,
+                               progress=meter.say, advance=meter)
     _out(json.dumps(dataclasses.asdict(report), default=str, indent=2))
+    return 0
+
+
+def _cmd_report(settings: Settings, args: argparse.Namespace) -> int:
+    from argus.report import build_report
+
+    drawn = build_report(settings, args.job, args.out)
+    if args.json:
+        _out(json.dumps(drawn, default=str, indent=2))
+    else:
+        _out(f"wrote {drawn['path']} ({drawn['bytes'] / 1e6:.1f} MB): {', '.join(drawn['plots'])}; "
+             f"{drawn['findings']} finding(s), {drawn['ranks_shown']} of {drawn['ranks']} ranks shown")
     return 0
 
 
@@ -258,8 +332,15 @@ def _parser() -> argparse.ArgumentParser:
                    help="a checkpoint pause: every rank stops before step S (heartbeats only), then goes on")
     s.add_argument("--pause-s", type=float, default=5.0, metavar="SECONDS", help="length of the --pause-step pause")
     s.set_defaults(fn=_cmd_simulate)
-    s = sub.add_parser("findings", help="the diagnosis of a job (JSON contract with --json)")
-    s.add_argument("--job", required=True)
+    s = sub.add_parser("findings", help="the diagnosis of a job (JSON contract with --json), or --follow "
+                                        "findings as they arrive")
+    s.add_argument("--job", default=None, help="the job (required unless --follow)")
+    s.add_argument("--follow", action="store_true",
+                   help="print findings as they arrive on the diagnosis topic (one JSON object per line with "
+                        "--json), from now or --from-beginning, until Ctrl-C")
+    s.add_argument("--from-beginning", action="store_true", help="--follow: start at the oldest retained finding")
+    s.add_argument("--idle-timeout", type=float, default=None, metavar="SECONDS",
+                   help="--follow: stop after this long without a finding")
     s.add_argument("--wait", type=float, default=0.0, metavar="SECONDS",
                    help="block until the job is diagnosed through to ClickHouse: every detector part done, its "
                         "findings and the END's record counts stored (exit 4 on timeout)")
@@ -270,6 +351,23 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--job", required=True)
     s.add_argument("--topology", default=None, help="dp=N,tp=N,pp=N when the traces carry no pg_config")
     s.set_defaults(fn=_cmd_import_kineto)
+    s = sub.add_parser("replay", help="diagnose a retained job again with the current detectors into a "
+                                      "namespace of its own, and diff its findings against the stored ones")
+    s.add_argument("--job", required=True)
+    s.add_argument("--into", default=None, metavar="NAMESPACE",
+                   help="namespace of the replay's topics and ClickHouse database (default replay_<UTC time>)")
+    s.add_argument("--from-time", default=None, metavar="T",
+                   help="only records published from T (ISO 8601, or seconds since the epoch)")
+    s.add_argument("--to-time", default=None, metavar="T", help="only records published until T")
+    s.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the replayed diagnosis")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(fn=_cmd_replay)
+    s = sub.add_parser("report", help="write one self-contained HTML page of a job: iteration time, per-rank "
+                                      "heat maps of phases and kernels, the suspect kernel's clusters, findings")
+    s.add_argument("--job", required=True)
+    s.add_argument("--out", type=Path, default=Path("report.html"))
+    s.add_argument("--json", action="store_true", help="print what was drawn as JSON")
+    s.set_defaults(fn=_cmd_report)
     s = sub.add_parser("demo", help="start the stack, simulate a 32-rank job with a fault, report")
     s.add_argument("--fault", choices=faults[1:], default="case1")
     s.add_argument("--steps", type=int, default=40)

@@ -71,13 +71,20 @@ def build_spec(job_id: str, dp: int, tp: int, pp: int, steps: int, fault: str, s
         raise ArgusError(f"job spec: {exc}") from exc
 
 
-def _publish(settings: Settings, spec: JobSpec, progress: Progress) -> tuple[SimStats, dict[str, int]]:
+def _publish(settings: Settings, spec: JobSpec, progress: Progress,
+             advance: Callable[[int, int | None], None] | None = None) -> tuple[SimStats, dict[str, int]]:
     sim = JobSimulator(spec, batch_events=settings.publisher_batch_events)
+
+    def stepped(done: int, total: int) -> None:
+        if advance is not None:
+            advance(done, total)
+        elif done % 10 == 0 or done == total:
+            progress(f"simulated step {done}/{total}")
+
     with Publisher(settings, lossless=True) as pub:
         # A hang's heartbeats go out at the pace of their event time, as a live job's would.
         live = (spec.fault is not None and spec.fault.liveness) or spec.pause_ns > 0
-        stats = sim.run(pub, progress=lambda done, total: progress(f"simulated step {done}/{total}")
-                        if done % 10 == 0 or done == total else None, realtime_heartbeats=live)
+        stats = sim.run(pub, progress=stepped, realtime_heartbeats=live)
         pstats = pub.close()
     if pstats.failed or pstats.dropped:
         raise ArgusError(f"publishing failed: {pstats.failed} undelivered, {pstats.dropped} dropped")
@@ -125,8 +132,9 @@ def wait_processed(settings: Settings, job_id: str, kernel_events: int, steps: i
 
 
 def run_demo(settings: Settings, fault: str = "case1", steps: int = 40, progress: Progress | None = None,
-             timeout_s: float = 300.0) -> dict[str, Any]:
-    """Start the stack, publish a 32-rank job (DP 8 × TP 2 × PP 2) with ``fault``, wait, report."""
+             timeout_s: float = 300.0, advance: Callable[[int, int | None], None] | None = None) -> dict[str, Any]:
+    """Start the stack, publish a 32-rank job (DP 8 × TP 2 × PP 2) with ``fault``, wait, report.
+    ``advance(done, total)``: steps published (a progress bar)."""
     from argus.stack import Stack
 
     say = progress or (lambda _m: None)
@@ -137,7 +145,7 @@ def run_demo(settings: Settings, fault: str = "case1", steps: int = 40, progress
     job_id = f"demo-{fault}-{time.strftime('%Y%m%d-%H%M%S')}"
     spec = build_spec(job_id, 8, 2, 2, steps, fault)
     say(f"publishing {job_id}: {spec.world_size} ranks x {steps} steps, fault {fault} ({FAULTS[fault].name})")
-    stats, sizes = _publish(settings, spec, say)
+    stats, sizes = _publish(settings, spec, say, advance)
     counts = wait_processed(settings, job_id, stats.kernel_events, stats.steps, timeout_s, say)
     summary_bytes = (stack.worker_stats() or {}).get("summary_bytes_out", 0) - before
     say("waiting for the diagnosis (L1 iteration time, L2 phases per parallel group, L3 kernels)")

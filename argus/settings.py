@@ -99,8 +99,20 @@ class Settings:
     clickhouse_cluster: str = ""
     #: Loopback port on which the sink process answers SQL for the embedded chDB it owns.
     query_port: int = 18124
-    #: Port of the Faust worker's web server (health checks).
+    #: Port of the Faust worker's web server: ``/health``, ``/stats`` (JSON) and ``/metrics`` (Prometheus).
     worker_web_port: int = 16066
+    #: Interface the metrics endpoints bind: the worker's web server (all its pages), the sink's and the
+    #: publisher's ``/metrics`` servers. Default ``127.0.0.1`` (loopback only); ``0.0.0.0`` (or ``::``) for a
+    #: Prometheus on another host or container, behind a firewall. The local supervisor checks the worker's
+    #: health on 127.0.0.1, which ``0.0.0.0`` includes.
+    metrics_host: str = "127.0.0.1"
+    #: Port of the sink process's Prometheus ``/metrics`` server on ``metrics_host`` (default 16067; 0: off).
+    sink_metrics_port: int = 16067
+    #: Rank side, opt-in: base port of each training process's publisher ``/metrics`` server on
+    #: ``metrics_host`` (default 0: off). A process serves on this port plus its ``LOCAL_RANK`` (environment,
+    #: as torchrun sets it; 0 when unset), so the ranks of one host get distinct ports: leave room for
+    #: ``nproc_per_node`` ports. A port that cannot be bound is logged and skipped; training goes on.
+    publisher_metrics_port: int = 0
     #: Faust application id (consumer group of the stream worker).
     app_id: str = "argus-streams"
     #: Consumer group of the ClickHouse sink.
@@ -215,6 +227,12 @@ class Settings:
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        for name in ("query_port", "worker_web_port", "sink_metrics_port", "publisher_metrics_port"):
+            if not 0 <= getattr(self, name) <= 65535:
+                raise ConfigError(f"{name} must be a port in 0..65535, got {getattr(self, name)!r}")
+        if not self.metrics_host or any(c in self.metrics_host for c in " /[]@") or "://" in self.metrics_host:
+            raise ConfigError(f"metrics_host must be a host name or IP address (e.g. 127.0.0.1 or 0.0.0.0), "
+                              f"got {self.metrics_host!r}")
         if not 0 < self.heartbeat_interval_s <= 3600:
             raise ConfigError(f"heartbeat_interval_s must be in (0, 3600], got {self.heartbeat_interval_s!r}")
         if self.allowed_lateness_ns < 0:

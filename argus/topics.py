@@ -10,6 +10,7 @@ logical topic      key                             record                  why t
 ``topology``       ``<job>``                       JobTopology             compacted per job
 ``lifecycle``      ``<job>``                       JobLifecycle            start/end of a job
 ``findings``       ``<job>``                       Finding                 the diagnosis output
+``findings.json``  ``<job>``                       JSON object             the same, for any Kafka tool
 ``stacks``         ``<job>/<rank>``                CpuStack                py-spy dumps for findings
 ``heartbeats``     ``<job>``                       Heartbeat               all ranks of a job meet (hangs)
 ``deadletter``     the rejected message's key      DeadLetter              nothing is lost silently
@@ -64,6 +65,9 @@ class Topic(enum.Enum):
     TOPOLOGY = "topology"
     LIFECYCLE = "lifecycle"
     FINDINGS = "findings"
+    #: Each finding again as one JSON object (the ``argus findings --json`` contract), UTF-8, no framing:
+    #: readable by kcat, kafka-console-consumer or any client without argus's Avro schemas.
+    FINDINGS_JSON = "findings.json"
     DEAD_LETTER = "deadletter"
     STACKS = "stacks"
     HEARTBEATS = "heartbeats"

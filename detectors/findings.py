@@ -32,7 +32,7 @@ from detectors.l2_phases import L2Result
 from detectors.l3_kernels import L3Result
 from schemas.records import Finding
 
-__all__ = ["DetectorResult", "finding_id", "to_finding", "to_findings"]
+__all__ = ["DetectorResult", "finding_id", "finding_json", "to_finding", "to_findings"]
 
 #: Any detector's result.
 DetectorResult = L1Result | L2Result | L3Result
@@ -86,6 +86,16 @@ def to_finding(job_id: str, result: DetectorResult | HangResult, time_ns: int, i
 def to_findings(job_id: str, results: Iterable[DetectorResult | HangResult], time_ns: int) -> list[Finding]:
     """:func:`to_finding` of each result, in order."""
     return [to_finding(job_id, r, time_ns) for r in results]
+
+
+def finding_json(f: Finding) -> dict[str, Any]:
+    """A finding as the ``argus findings --json`` contract writes it (see :mod:`sinks.findings_query`): also
+    the message body of the JSON findings topic."""
+    return {"job": f.job_id, "level": f.level.value, "kind": f.kind, "ranks": list(f.ranks), "phase": f.phase,
+            "kernel": f.kernel, "stream": f.stream, "steps": list(f.steps), "score": f.score,
+            "evidence": json.loads(f.evidence_json), "time_ns": f.time_ns,
+            "impact_ns_per_step": f.impact_ns_per_step, "impact_ns": f.impact_ns,
+            "detector_version": f.detector_version}
 
 
 def _jsonable(value: Any) -> Any:

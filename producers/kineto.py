@@ -342,7 +342,8 @@ def _clock_offsets(traces: list[RankTrace], messages: list[str]) -> tuple[dict[i
 def import_kineto(settings: Settings, directory: Path, job_id: str, topology: str | None = None,
                   batch_events: int | None = None, progress: Callable[[str], None] | None = None,
                   publisher: PublisherLike | None = None, align_clocks: bool | None = None, *,
-                  max_file_bytes: int = MAX_FILE_BYTES) -> ImportReport:
+                  max_file_bytes: int = MAX_FILE_BYTES,
+                  advance: Callable[[int, int | None], None] | None = None) -> ImportReport:
     """Import the Kineto traces under ``directory`` (one file per rank) as job ``job_id``.
 
     Args:
@@ -358,6 +359,8 @@ def import_kineto(settings: Settings, directory: Path, job_id: str, topology: st
             None: only when the skew exceeds :data:`ALIGN_THRESHOLD_NS`.
         max_file_bytes: the most bytes one rank's file may hold after decompression (default
             :data:`~producers.kineto_parse.MAX_FILE_BYTES`, 2 GiB).
+        advance: called as ``advance(done, total)`` with rank files parsed plus ranks published, of twice
+            the number of files (a progress bar).
 
     Raises:
         ProducerError: a file is not a trace or is refused as hostile (too deep, too long a number or string,
@@ -374,6 +377,7 @@ def import_kineto(settings: Settings, directory: Path, job_id: str, topology: st
     if batch < 1:
         raise ProducerError(f"batch_events must be >= 1, got {batch}")
     files = find_traces(directory)
+    tick = advance or (lambda _done, _total: None)
     messages: list[str] = []
     with tempfile.TemporaryDirectory(prefix="argus-kineto-") as spill, contextlib.ExitStack() as stack:
         traces: list[RankTrace] = []
@@ -382,6 +386,7 @@ def import_kineto(settings: Settings, directory: Path, job_id: str, topology: st
             traces.append(trace)
             say(f"[{i + 1}/{len(files)}] {path.name}: rank {trace.rank}, {trace.kernel_events:,} kernel events, "
                 f"{len(trace.steps)} steps, {len(trace.phases)} phases")
+            tick(i + 1, 2 * len(files))
         traces.sort(key=lambda t: t.rank)
         world, traced = _check_ranks(traces, messages)
         topo, source = _resolve_topology(job_id, world, traces, topology, messages)
@@ -412,7 +417,8 @@ def import_kineto(settings: Settings, directory: Path, job_id: str, topology: st
             pub = Publisher(settings, lossless=True)
         failed = 0
         try:
-            counts = _publish(pub, job_id, topo, traces, shifts, batch, say)
+            counts = _publish(pub, job_id, topo, traces, shifts, batch, say,
+                              lambda k: tick(len(files) + k, 2 * len(files)))
         finally:
             if own:
                 stats = pub.close()
@@ -484,7 +490,7 @@ def _ranges(ranks: list[int]) -> str:
 
 
 def _publish(pub: Any, job_id: str, topo: JobTopology, traces: list[RankTrace], shifts: dict[int, int],
-             batch: int, say: Callable[[str], None]) -> Counter[str]:
+             batch: int, say: Callable[[str], None], published: Callable[[int], None]) -> Counter[str]:
     counts: Counter[str] = Counter()
 
     def send(topic: Topic, key: bytes, record: Record) -> None:
@@ -510,12 +516,13 @@ def _publish(pub: Any, job_id: str, topo: JobTopology, traces: list[RankTrace], 
             counts["steps"] += 1
         send(Topic.PHASES, job_key(job_id), ph)
         counts["phase_batches"] += 1
-    for t in traces:
+    for done, t in enumerate(traces, 1):
         for kb in kernel_batches(t, job_id, batch, shifts.get(t.rank, 0), host=topo.host[t.rank]):
             send(Topic.KERNELS, rank_key(job_id, t.rank), kb)
             counts["kernels"] += len(kb)
             counts["batches"] += 1
         say(f"rank {t.rank}: {t.kernel_events:,} kernel events published")
+        published(done)
     send(Topic.LIFECYCLE, job_key(job_id),
          JobLifecycle(job_id, LifecycleEvent.END, max(ends, default=t_start), topo.world_size,
                       source="kineto-import", kernel_events=counts["kernels"], steps=counts["steps"],

@@ -9,6 +9,10 @@ The sender survives any exception of one record (its encoding, its hand-over to 
 the record is dropped, counted (``encode_errors`` or ``failed``) and logged with its topic, key and rank. And
 ``close(timeout_s)`` returns within about ``timeout_s`` whatever state the sender is in (dead, stuck on a full
 Kafka queue, behind a full record queue): a training process never hangs at exit on its publisher.
+
+Opt-in metrics: with ``publisher_metrics_port`` set (``ARGUS_PUBLISHER_METRICS_PORT``), the publisher serves
+its counters for Prometheus on ``metrics_host``, port ``publisher_metrics_port + LOCAL_RANK``, from a daemon
+thread (see :mod:`producers.publisher_metrics`); a port that cannot be bound is logged, never raised.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from confluent_kafka import KafkaError, KafkaException, Message, Producer
 
@@ -26,6 +30,9 @@ from argus.errors import ProducerError
 from argus.kafka_security import client_config
 from argus.settings import Settings
 from argus.topics import PARTITIONER, Topic
+
+if TYPE_CHECKING:
+    from argus.metrics import MetricsServer
 
 __all__ = ["EncodableRecord", "Publisher", "PublisherStats"]
 
@@ -105,6 +112,9 @@ class Publisher:
         if sender:
             self._thread = threading.Thread(target=self._run, name="argus-publisher", daemon=True)
             self._thread.start()
+        self._metrics: MetricsServer | None = None
+        if settings.publisher_metrics_port > 0:
+            self._metrics = self._start_metrics()
 
     def publish(self, topic: Topic, key: bytes, record: EncodableRecord) -> bool:
         """Queue ``record`` for ``topic`` under ``key``; never blocks, never raises.
@@ -153,6 +163,7 @@ class Publisher:
             if self._thread is not None:
                 # The sender checks the flag at least every 0.1 s; a put of a sentinel could block on a full queue.
                 self._thread.join(timeout=max(0.2, deadline - time.monotonic()))
+            self._stop_metrics()
         return self.stats()
 
     def stats(self) -> PublisherStats:
@@ -162,6 +173,40 @@ class Publisher:
                 delivered=self._delivered, failed=self._failed, bytes_sent=self._bytes,
                 queued=self._queue.qsize(), bytes_by_topic=dict(self._bytes_by_topic),
             )
+
+    @property
+    def queue_capacity(self) -> int:
+        """The bound of the record queue (``publisher_queue_max``)."""
+        return self._queue.maxsize
+
+    @property
+    def metrics_url(self) -> str | None:
+        """Where this publisher's metrics are served, or ``None`` (off, or the port could not be bound)."""
+        return self._metrics.url if self._metrics is not None else None
+
+    def kafka_queued(self) -> int:
+        """Messages handed to the Kafka producer and not delivered yet (0 if it cannot tell)."""
+        try:
+            return len(self._producer)
+        except Exception:  # a closed or broken producer: metrics never raise
+            return 0
+
+    def _start_metrics(self) -> MetricsServer | None:
+        try:
+            from producers.publisher_metrics import start_publisher_metrics
+
+            return start_publisher_metrics(self._settings, self)
+        except Exception as exc:  # metrics must never cost the training process anything but a log line
+            log.warning("publisher metrics not started: %s: %s", type(exc).__name__, exc)
+            return None
+
+    def _stop_metrics(self) -> None:
+        server, self._metrics = self._metrics, None
+        if server is not None:
+            try:
+                server.stop()
+            except Exception as exc:
+                log.warning("stopping the publisher metrics server failed: %s", exc)
 
     def __enter__(self) -> Publisher:
         return self

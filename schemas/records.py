@@ -559,11 +559,13 @@ class Heartbeat(Record):
 
 @dataclass(frozen=True)
 class Finding(Record):
-    """A diagnosis; see ``schemas/finding.v2.avsc``.
+    """A diagnosis; see ``schemas/finding.v3.avsc``.
 
     ``impact_ns_per_step``: GPU time (ns) the whole job loses per affected step because of it (the delay it
     adds to the iteration times the ranks that wait); ``impact_ns``: that over all affected steps. Both 0
-    when unknown (findings written with schema v1).
+    when unknown (findings written with schema v1). ``detector_version``: the detectors that made it
+    (``<package version>+<hash of their parameters and code>``, see ``streams.diagnosis.detector_version``);
+    '' when unknown (schemas v1 and v2). It does not enter ``finding_id``.
     """
 
     SCHEMA: ClassVar[str] = "finding"
@@ -582,6 +584,7 @@ class Finding(Record):
     stream: int | None = None
     impact_ns_per_step: float = 0.0
     impact_ns: float = 0.0
+    detector_version: str = ""
 
     @classmethod
     def _enum_fields(cls) -> dict[str, type[enum.Enum]]:

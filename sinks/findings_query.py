@@ -3,7 +3,8 @@
 Each finding is a JSON object with at least ``job``, ``level`` ("L1" | "L2" | "L3"), ``kind``, ``ranks`` (list
 of int; empty for job-wide findings), ``phase``, ``kernel``, ``stream`` (or null), ``steps`` (list of int),
 ``score``, ``evidence`` (object), ``impact_ns_per_step`` and ``impact_ns`` (GPU time the job lost, ns; 0 for
-findings written before schema v2). Keep these keys stable: other tools parse them. Findings come ordered by
+findings written before schema v2), ``time_ns`` and ``detector_version`` (the detectors that made it; '' before
+schema v3). Keep these keys stable: other tools parse them. Findings come ordered by
 ``impact_ns``, largest first: what a user acts on.
 """
 
@@ -38,15 +39,17 @@ def fetch_findings(settings: Settings, job_id: str, query: Query | None = None) 
     db = settings.clickhouse_database
     res = _runner(settings, query)(f"""
         SELECT job_id, level, kind, ranks, phase, kernel, stream, steps, score, evidence_json, time_ns,
-               impact_ns_per_step, impact_ns
+               impact_ns_per_step, impact_ns, detector_version
         FROM `{db}`.findings FINAL WHERE job_id = {_quote(job_id)}
         ORDER BY impact_ns DESC, level, kind, steps, ranks, phase, kernel""")
     out = []
-    for job, level, kind, ranks, phase, kernel, stream, steps, score, evidence, time_ns, per_step, total in res.rows:
+    for (job, level, kind, ranks, phase, kernel, stream, steps, score, evidence, time_ns, per_step, total,
+         version) in res.rows:
         out.append({"job": job, "level": level, "kind": kind, "ranks": [int(r) for r in ranks],
                     "phase": phase, "kernel": kernel, "stream": None if stream is None else int(stream),
                     "steps": [int(s) for s in steps], "score": float(score), "evidence": json.loads(evidence),
-                    "time_ns": int(time_ns), "impact_ns_per_step": float(per_step), "impact_ns": float(total)})
+                    "time_ns": int(time_ns), "impact_ns_per_step": float(per_step), "impact_ns": float(total),
+                    "detector_version": version})
     return out
 
 

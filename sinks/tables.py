@@ -168,7 +168,7 @@ def _job_rows(r: JobLifecycle) -> Iterable[tuple[Any, ...]]:
 
 def _finding_rows(r: Finding) -> Iterable[tuple[Any, ...]]:
     yield (r.job_id, r.finding_id, r.level.value, r.kind, list(r.ranks), r.phase, r.kernel, r.stream,
-           list(r.steps), r.score, r.evidence_json, r.time_ns, r.impact_ns_per_step, r.impact_ns)
+           list(r.steps), r.score, r.evidence_json, r.time_ns, r.impact_ns_per_step, r.impact_ns, r.detector_version)
 
 
 def _dead_letter_rows(r: DeadLetter) -> Iterable[tuple[Any, ...]]:
@@ -232,7 +232,8 @@ TABLES: dict[str, Table] = {t.name: t for t in (
                        ("phase", "Nullable(String)", _STR), ("kernel", "Nullable(String)", _STR),
                        ("stream", "Nullable(Int64)", _I64), ("steps", _A64, _AL), ("score", "Float64", pa.float64()),
                        ("evidence_json", "String", _STR), ("time_ns", "Int64", _I64),
-                       ("impact_ns_per_step", "Float64", pa.float64()), ("impact_ns", "Float64", pa.float64())),
+                       ("impact_ns_per_step", "Float64", pa.float64()), ("impact_ns", "Float64", pa.float64()),
+                       ("detector_version", _LC, _STR)),
           ("job_id", "finding_id"), _finding_rows),
     Table("dead_letters", (("topic", _LC, _STR), ("partition", "Int32", _I32), ("offset", "Int64", _I64),
                            ("stage", _LC, _STR), ("job_id", _LC, _STR), ("key", "Nullable(String)", pa.binary()),

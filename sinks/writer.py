@@ -5,11 +5,14 @@ yet committed; the tables' ReplacingMergeTree keys (see :mod:`sinks.tables`) tur
 into replacements, so nothing is lost and nothing doubles. A message that does not decode, or whose rows a
 table refuses, goes to the dead-letter topic with the reason and the rest of its batch is stored; a
 transient ClickHouse failure, or a dead letter the broker does not take, rewinds and retries the batch.
+The sink process (:func:`serve`) exports its counters for Prometheus on ``metrics_host:sink_metrics_port``
+(default ``127.0.0.1:16067``; see :mod:`sinks.metrics`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import threading
 import time
@@ -21,6 +24,7 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Produ
 
 from argus.errors import ArgusError, SchemaError, SinkError
 from argus.kafka_security import client_config
+from argus.metrics import Histogram
 from argus.settings import Settings
 from argus.topics import PARTITIONER, RECORD_OF, Topic
 from schemas.records import DeadLetter
@@ -43,6 +47,8 @@ _INSERT_RETRY_DELAYS_S = (0.25, 1.0, 4.0)
 _BATCH_BACKOFF_MAX_S = 10.0
 #: How long a batch waits for its dead letters to be acknowledged by the broker, seconds.
 _DEAD_LETTER_FLUSH_S = 30.0
+#: How often the consumer reports its statistics (the lag per partition of the metrics), milliseconds.
+_STATS_INTERVAL_MS = 5000
 
 
 @dataclass
@@ -52,9 +58,17 @@ class SinkStats:
     messages: int = 0
     rows: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     dead_lettered: int = 0
+    #: Batches that failed (rewound to be retried).
     insert_failures: int = 0
     commits: int = 0
     last_commit_ns: int = 0
+    #: Batches consumed (non-empty polls), whether stored or rewound.
+    batches: int = 0
+    #: Seconds per successful insert into each table (one per table per batch, more when a refused insert is
+    #: split to find the bad messages).
+    insert_latency_s: dict[str, Histogram] = field(default_factory=dict)
+    #: Findings stored, per level and kind: ``{level: {kind: count}}``.
+    findings: dict[str, dict[str, int]] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         return {"messages": self.messages, "rows": dict(self.rows), "dead_lettered": self.dead_lettered,
@@ -91,15 +105,21 @@ class SinkWriter:
         self._topics = {t.full(settings): t for t in TABLE_OF_TOPIC}
         self._refused: list[str] = []
         self._failed_batches = 0
+        self._lag: dict[tuple[str, str], float] = {}
+        consumer_config: dict[str, Any] = {
+            "group.id": group or settings.sink_group,
+            "enable.auto.commit": False,
+            "auto.offset.reset": "earliest",
+            "session.timeout.ms": int(settings.session_timeout_s * 1000),
+            "heartbeat.interval.ms": max(500, int(settings.session_timeout_s * 1000) // 5),
+            "max.partition.fetch.bytes": _FETCH_MAX_BYTES,
+        }
+        if settings.sink_metrics_port > 0:
+            # librdkafka's statistics (lag per partition) arrive in consume(), on the sink's own thread: a
+            # scrape never calls into the consumer, which could wait for the sink thread's consume().
+            consumer_config.update({"statistics.interval.ms": _STATS_INTERVAL_MS, "stats_cb": self._on_stats})
         try:
-            self._consumer = Consumer(client_config(settings, {
-                "group.id": group or settings.sink_group,
-                "enable.auto.commit": False,
-                "auto.offset.reset": "earliest",
-                "session.timeout.ms": int(settings.session_timeout_s * 1000),
-                "heartbeat.interval.ms": max(500, int(settings.session_timeout_s * 1000) // 5),
-                "max.partition.fetch.bytes": _FETCH_MAX_BYTES,
-            }))
+            self._consumer = Consumer(client_config(settings, consumer_config))
             # A dead letter wraps a message of up to a fetch's size, so it needs more than the 1 MB default.
             self._dlq = Producer(client_config(settings, {
                 "enable.idempotence": True, "compression.type": settings.compression, "linger.ms": 5,
@@ -115,6 +135,7 @@ class SinkWriter:
                                       timeout=self.settings.sink_flush_ms / 1000)
         if not msgs:
             return 0
+        self.stats.batches += 1
         first: dict[tuple[str, int], int] = {}
         self._refused.clear()
         try:
@@ -200,11 +221,40 @@ class SinkWriter:
             self._insert(table, pending[mid:])
             return
         self.stats.rows[table.name] += len(rows)
+        if table.name == "findings":
+            self._count_findings(table, rows)
+
+    def _count_findings(self, table: Table, rows: list[tuple[Any, ...]]) -> None:
+        names = [c[0] for c in table.columns]
+        level, kind = names.index("level"), names.index("kind")
+        for r in rows:
+            by_kind = self.stats.findings.setdefault(str(r[level]), {})
+            by_kind[str(r[kind])] = by_kind.get(str(r[kind]), 0) + 1
+
+    def consumer_lag(self) -> dict[tuple[str, str], float]:
+        """``{(topic, partition): high-water offset - committed offset}`` of the partitions assigned to this
+        sink, as librdkafka last reported them (every 5 s, with ``sink_metrics_port`` set; empty otherwise):
+        messages not stored yet. Safe to call from any thread (a metrics scrape)."""
+        return self._lag
+
+    def _on_stats(self, raw: str) -> None:
+        """librdkafka's statistics callback (in ``consume``, on the sink's thread): keep the lag per partition."""
+        try:
+            stats = json.loads(raw)
+            lag: dict[tuple[str, str], float] = {}
+            for topic, t in (stats.get("topics") or {}).items():
+                for part, p in (t.get("partitions") or {}).items():
+                    n = p.get("consumer_lag", -1)
+                    if int(part) >= 0 and n >= 0 and p.get("fetch_state") not in ("none", "stopped"):
+                        lag[(topic, str(part))] = float(n)
+            self._lag = lag  # replaced whole: a scrape reads one report or the next
+        except Exception as exc:  # statistics never stop the sink
+            log.debug("consumer statistics not understood: %s", exc)
 
     def _insert_retrying(self, table: Table, rows: list[tuple[Any, ...]]) -> None:
         for attempt, delay in enumerate(_INSERT_RETRY_DELAYS_S, start=1):
             try:
-                self.store.insert(table, rows)
+                self._timed_insert(table, rows)
                 return
             except SinkError as exc:
                 if not is_transient(exc):
@@ -216,7 +266,15 @@ class SinkWriter:
                 self.store.ensure_schema()  # a dropped table or database is recreated, as at start-up
             except SinkError as exc:
                 log.debug("schema check before retry failed: %s", exc)
-        self.store.insert(table, rows)  # the last attempt: its error goes to the caller
+        self._timed_insert(table, rows)  # the last attempt: its error goes to the caller
+
+    def _timed_insert(self, table: Table, rows: list[tuple[Any, ...]]) -> None:
+        t0 = time.perf_counter()
+        self.store.insert(table, rows)
+        hist = self.stats.insert_latency_s.get(table.name)
+        if hist is None:
+            hist = self.stats.insert_latency_s[table.name] = Histogram()
+        hist.observe(time.perf_counter() - t0)
 
     def _dead_letter(self, msg: Message, reason: str) -> None:
         """Queue ``msg`` for the dead-letter topic. Raises :class:`SinkError` when it cannot be queued."""
@@ -263,6 +321,7 @@ def serve(settings: Settings) -> None:
     import signal
 
     from argus.heap_trim import start_heap_trimmer
+    from sinks.metrics import start_sink_metrics
     from sinks.query_server import QueryServer
 
     store = ClickHouseStore(settings)
@@ -275,11 +334,14 @@ def serve(settings: Settings) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     server.start()
+    metrics = start_sink_metrics(settings, writer)  # None when sink_metrics_port is 0 or cannot be bound
     try:
         while not stop.is_set():
             writer.poll_once()
             health["stats"] = writer.stats.as_dict()
     finally:
+        if metrics is not None:
+            metrics.stop()
         writer.close()
         server.stop()
         store.close()

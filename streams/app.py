@@ -21,7 +21,9 @@ from its kernels). A job the diagnosis agents hold was abandoned by them long be
 Summaries are sent without waiting for the broker: the windows' messages are acked by a task once their
 summaries are delivered (at most :data:`MAX_DELIVERIES_IN_FLIGHT` such tasks), so the agent reads on instead
 of idling a round trip per closed window; a job-end marker waits for every summary sent before it.
-Run it with ``argus worker``.
+Run it with ``argus worker``. Its web server (``metrics_host:worker_web_port``) answers ``/health``, ``/stats``
+(the counters as JSON) and ``/metrics`` (the same counters for Prometheus, read at scrape time: see
+:mod:`streams.metrics`).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from faust.types import EventT
 
 from argus.errors import DeadLetterError, SchemaError
 from argus.kafka_security import faust_credentials
+from argus.metrics import CONTENT_TYPE, exposition
 from argus.settings import Settings
 from argus.topics import Topic, job_key, kernel_key
 from detectors.kde_clusters import KdeParams
@@ -47,6 +50,7 @@ from schemas.records import JobLifecycle, KernelBatch, KernelSummary, LifecycleE
 from streams.compression import summarize_isolated
 from streams.diagnosis_agents import DeadLetters, failure_reason, install_diagnosis, summary_end_marker
 from streams.idle import IdleJobs, QuietClock
+from streams.metrics import WorkerCollector, worker_registry
 from streams.windows import ClosedWindow, WindowBuffer
 
 __all__ = ["CompressionStats", "create_app"]
@@ -106,7 +110,7 @@ def create_app(settings: Settings) -> faust.App:
         value_serializer="raw",
         topic_partitions=settings.partitions,
         topic_allow_declare=False,
-        web_host="127.0.0.1",
+        web_host=settings.metrics_host,  # the web server's /health, /stats and /metrics (loopback by default)
         web_port=settings.worker_web_port,
         web_in_thread=False,
         broker_session_timeout=settings.session_timeout_s,
@@ -365,5 +369,15 @@ def create_app(settings: Settings) -> faust.App:
                          "assigned_partitions": len(app.consumer.assignment()),
                          "diagnosis": dataclasses.asdict(diagnosis)})
 
+    # Read at scrape time only: the agents keep their counters as before, a scrape adds nothing per event.
+    registry = worker_registry(WorkerCollector(stats, diagnosis, open_windows=lambda: buffer.open_windows,
+                                               pending_messages=lambda: len(pending), consumer=lambda: app.consumer,
+                                               topics={t.full(settings) for t in Topic}))
+
+    @app.page("/metrics")
+    async def metrics_page(web: Any, request: Any) -> Any:
+        return web.bytes(exposition(registry), headers={"Content-Type": CONTENT_TYPE})
+
     app.argus_stats = stats  # type: ignore[attr-defined]
+    app.argus_metrics = registry  # type: ignore[attr-defined]
     return app

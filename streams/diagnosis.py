@@ -19,14 +19,19 @@ and judges them once, when the job's summaries have all arrived.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import hashlib
+import importlib.metadata
 import json
 import math
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
+from argus.settings import Settings
 from detectors.findings import DetectorResult, finding_id, to_finding
 from detectors.impact import StepClock, impact_of, worth_raising
 from detectors.l1_iteration import IterationSeries, L1Kind, L1Params, L1Result, detect_l1
@@ -36,7 +41,7 @@ from detectors.l3_ranks import KernelTotals, RankExcessParams, detect_rank_exces
 from schemas.records import Finding, JobLifecycle, JobTopology, KernelSummary, ParallelGroup, PhaseBatch, Step
 
 __all__ = ["CORROBORATES_ONLY", "DiagnosisParams", "JobDiagnosis", "KernelDiagnosis", "LinkLedger", "RankDiagnosis",
-           "corroborates_only", "drop_victims", "judge", "straggler_ranks"]
+           "corroborates_only", "detector_version", "drop_victims", "judge", "straggler_ranks"]
 
 #: Evidence key of a link result under the impact threshold: corroboration for the ledger, never published.
 CORROBORATES_ONLY = "corroborates_only"
@@ -62,6 +67,45 @@ class DiagnosisParams:
     l2: L2Params = field(default_factory=L2Params)
     l3: L3Params = field(default_factory=L3Params)
     ranks: RankExcessParams = field(default_factory=RankExcessParams)
+
+
+#: Settings that change what the compressor and the detectors find (they enter :func:`detector_version`).
+_DETECTOR_SETTINGS = ("window_ns", "allowed_lateness_ns", "max_event_skew_ns", "max_kernel_names", "l3_max_windows",
+                      "kde_grid_points", "kde_min_samples", "kde_min_log_gap", "min_impact_fraction")
+#: The code that decides findings: every detector, and the windowing, compression and judging around them.
+_DETECTOR_CODE = ("detectors", "streams/windows.py", "streams/compression.py", "streams/diagnosis.py")
+
+
+def detector_version(params: DiagnosisParams, settings: Settings) -> str:
+    """``<package version>+<12 hex digits>``: the detectors that make a finding, stamped on it.
+
+    The hex digits are a SHA-256 of the detector parameters (``params`` and the settings that shape windows,
+    compression and the impact threshold) and of the detectors' source code, so a replay whose detectors or
+    parameters differ from the live run's is told apart from it, and one with the same detectors is not.
+    """
+    knobs = {"params": dataclasses.asdict(params), "settings": {n: getattr(settings, n) for n in _DETECTOR_SETTINGS}}
+    digest = hashlib.sha256(json.dumps(knobs, sort_keys=True, default=str).encode())
+    digest.update(_code_digest())
+    return f"{_package_version()}+{digest.hexdigest()[:12]}"
+
+
+@functools.cache
+def _code_digest() -> bytes:
+    root = Path(__file__).resolve().parent.parent
+    h = hashlib.sha256()
+    for entry in _DETECTOR_CODE:
+        path = root / entry
+        for src in sorted(path.rglob("*.py")) if path.is_dir() else [path]:
+            h.update(src.relative_to(root).as_posix().encode() + b"\0" + src.read_bytes() + b"\0")
+    return h.digest()
+
+
+@functools.cache
+def _package_version() -> str:
+    try:
+        return importlib.metadata.version("argus-failslow")
+    except importlib.metadata.PackageNotFoundError:
+        return "0+unknown"
 
 
 def judge(job_id: str, results: list[DetectorResult], time_ns: int, world_size: int, clock: StepClock,

@@ -64,6 +64,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
+import json
 import logging
 import time
 from collections import OrderedDict, defaultdict
@@ -77,9 +78,10 @@ from faust.types import EventT
 
 from argus.errors import DeadLetterError, RejectedRecordError, SchemaError
 from argus.kafka_security import client_config
+from argus.metrics import DELAY_BUCKETS_S, Histogram
 from argus.settings import Settings
 from argus.topics import RECORD_OF, Topic, job_key, key_partition
-from detectors.findings import to_finding
+from detectors.findings import finding_json, to_finding
 from detectors.hangs import HangParams, HangResult
 from detectors.impact import Impact, StepClock
 from schemas.job_context import CONTEXT_JOB_PART, JobContext
@@ -102,6 +104,7 @@ from streams.diagnosis import (
     KernelDiagnosis,
     LinkLedger,
     RankDiagnosis,
+    detector_version,
     drop_victims,
     straggler_ranks,
 )
@@ -163,6 +166,14 @@ class DiagnosisStats:
     jobs: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     #: Jobs with diagnosis context here (topology, steps, stragglers, ...): running or not fully diagnosed.
     context_jobs: int = 0
+    #: Findings published, per level and kind: ``{level: {kind: count}}`` (for ``/metrics``).
+    findings_by_kind: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
+    #: Seconds from a job's END record read here to its DIAGNOSED ``l1l2`` written (``l1l2``), and to every
+    #: part of the job DIAGNOSED (``job``: when ``argus findings --wait`` returns).
+    diagnosis_latency_s: dict[str, Histogram] = dataclasses.field(
+        default_factory=lambda: {"l1l2": Histogram(), "job": Histogram()})
+    #: Seconds from each finding's event time (``time_ns``, the ranks' clocks) to its publication here.
+    finding_delay_s: Histogram = dataclasses.field(default_factory=lambda: Histogram(DELAY_BUCKETS_S))
 
 
 #: Most jobs listed in :attr:`DiagnosisStats.jobs` (the counts cover all of them).
@@ -481,6 +492,8 @@ def install_diagnosis(app: faust.App, settings: Settings, params: DiagnosisParam
     job_input = app.topic(*names, key_type=bytes, value_type=bytes)
     summaries = app.topic(Topic.SUMMARIES.full(settings), key_type=bytes, value_type=bytes)
     findings_topic = app.topic(Topic.FINDINGS.full(settings), key_type=bytes, value_type=bytes)
+    findings_json_topic = app.topic(Topic.FINDINGS_JSON.full(settings), key_type=bytes, value_type=bytes)
+    version = detector_version(params, settings)
     lifecycle = app.topic(Topic.LIFECYCLE.full(settings), key_type=bytes, value_type=bytes)
     if dead is None:
         dead = DeadLetters(app.topic(Topic.DEAD_LETTER.full(settings), key_type=bytes, value_type=bytes))
@@ -508,6 +521,8 @@ def install_diagnosis(app: faust.App, settings: Settings, params: DiagnosisParam
     links: _Recent[LinkLedger] = _Recent(max_jobs)
     # Ids of the findings published per job: a state rebuilt after a failure finds them again.
     published: _Recent[set[str]] = _Recent(max_jobs)
+    # Worker-clock time each job's END was read here, until every part of it is DIAGNOSED (diagnosis latency).
+    end_read: _Recent[float] = _Recent(max_jobs)
     # DIAGNOSED parts per job (read at start, then live): what a restart must not diagnose live again.
     diagnosed_parts: _Recent[set[str]] = _Recent(max_jobs)
     # (kind, rank, step) of the Step/PhaseBatch records taken per running job (copies are acked, not added),
@@ -577,15 +592,23 @@ def install_diagnosis(app: faust.App, settings: Settings, params: DiagnosisParam
             findings = links[job_id].filter(findings)
             stragglers[job_id] = stragglers.get(job_id, set()) | straggler_ranks(findings)
             seen = published.get(job_id) or set()
-            findings = [f for f in findings if f.finding_id not in seen]
+            findings = [dataclasses.replace(f, detector_version=version) for f in findings
+                        if f.finding_id not in seen]
             published[job_id] = seen | {f.finding_id for f in findings}
         futs = [await findings_topic.send(key=job_key(f.job_id), value=f.encode(), force=True) for f in findings]
+        futs += [await findings_json_topic.send(key=job_key(f.job_id), force=True,
+                                                value=json.dumps(finding_json(f), sort_keys=True).encode())
+                 for f in findings]
         for fut in futs:
             await fut
         if findings:
             stats.findings += len(findings)
             stats.last_finding_ns = time.time_ns()
             for f in findings:
+                by_kind = stats.findings_by_kind.setdefault(f.level.value, {})
+                by_kind[f.kind] = by_kind.get(f.kind, 0) + 1
+                if f.time_ns > 0:
+                    stats.finding_delay_s.observe(max(0.0, (stats.last_finding_ns - f.time_ns) / 1e9))
                 log.info("finding %s %s job=%s ranks=%s phase=%s kernel=%s steps=%s score=%.2f", f.level.value,
                          f.kind, f.job_id, list(f.ranks), f.phase, f.kernel, list(f.steps), f.score)
 
@@ -596,6 +619,8 @@ def install_diagnosis(app: faust.App, settings: Settings, params: DiagnosisParam
         fut = await lifecycle.send(key=job_key(job_id), value=rec.encode(), force=True)
         await fut
         diagnosed_parts[job_id] = diagnosed_parts.get(job_id, set()) | {part}
+        if part == "l1l2" and job_id in end_read:
+            stats.diagnosis_latency_s["l1l2"].observe(time.monotonic() - end_read[job_id])
         maybe_release(job_id)
 
     def remote(job_id: str) -> JobContext | None:
@@ -672,6 +697,9 @@ def install_diagnosis(app: faust.App, settings: Settings, params: DiagnosisParam
         if job_id in finished_at:
             release(job_id)
         if job_id not in jobs and is_diagnosed(job_id, "l1l2"):
+            started = end_read.pop(job_id, None)
+            if started is not None:
+                stats.diagnosis_latency_s["job"].observe(time.monotonic() - started)
             # Every part is diagnosed: nothing judges the job again here (copies are acked by finished_here and
             # the DIAGNOSED parts), so its context goes too -- a long-lived worker keeps no state per past job.
             for d in (topologies, stream_groups, stragglers, clocks, final_clocks, links, published, parts_done,
@@ -765,6 +793,9 @@ def install_diagnosis(app: faust.App, settings: Settings, params: DiagnosisParam
             await finish(rec.job_id, rec.time_ns)
             return
         admit_job_record(rec, job.world_size if job is not None else None)
+        if (isinstance(rec, JobLifecycle) and rec.event is LifecycleEvent.END and rec.job_id not in end_read
+                and not is_diagnosed(rec.job_id, "l1l2")):
+            end_read[rec.job_id] = time.monotonic()
         activity.touch(rec.job_id, quiet.read(time.monotonic()))
         if isinstance(rec, Step | PhaseBatch):
             last_steps[rec.job_id] = max(last_steps.get(rec.job_id, -1), rec.step)

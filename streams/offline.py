@@ -11,13 +11,14 @@ torch.profiler/Kineto traces, like ``argus import-kineto`` followed by ``argus f
 
 from __future__ import annotations
 
-import json
+import dataclasses
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 from argus.settings import Settings
 from argus.topics import Topic
+from detectors.findings import finding_json
 from schemas.records import (
     Finding,
     JobLifecycle,
@@ -36,6 +37,7 @@ from streams.diagnosis import (
     KernelDiagnosis,
     LinkLedger,
     RankDiagnosis,
+    detector_version,
     drop_victims,
     straggler_ranks,
 )
@@ -87,7 +89,8 @@ def diagnose_records(records: Iterable[Record], settings: Settings | None = None
     """Every job's findings from its records (any mix of jobs; in the order a topic would hold them).
 
     A job is finished by its END record, or, without one, when the records run out. ``settings`` gives the
-    window, lateness and compression parameters and the impact threshold (defaults: ``Settings()``).
+    window, lateness and compression parameters and the impact threshold (defaults: ``Settings()``). Findings
+    carry their :func:`~streams.diagnosis.detector_version`, as the stream agents stamp them.
     """
     cfg = settings if settings is not None else Settings()
     p = params if params is not None else DiagnosisParams(min_impact_fraction=cfg.min_impact_fraction)
@@ -126,15 +129,8 @@ def diagnose_records(records: Iterable[Record], settings: Settings | None = None
     for job_id in list(jobs):
         emit(job_id, buffer.flush_job(job_id))
         done[job_id] = jobs.pop(job_id).finish()
-    return done
-
-
-def finding_json(f: Finding) -> dict[str, Any]:
-    """A finding as the ``argus findings --json`` contract writes it."""
-    return {"job": f.job_id, "level": f.level.value, "kind": f.kind, "ranks": list(f.ranks), "phase": f.phase,
-            "kernel": f.kernel, "stream": f.stream, "steps": list(f.steps), "score": f.score,
-            "evidence": json.loads(f.evidence_json), "time_ns": f.time_ns,
-            "impact_ns_per_step": f.impact_ns_per_step, "impact_ns": f.impact_ns}
+    version = detector_version(p, cfg)
+    return {job_id: [dataclasses.replace(f, detector_version=version) for f in found] for job_id, found in done.items()}
 
 
 def diagnose_traces(directory: Path, job_id: str, topology: str | None = None,

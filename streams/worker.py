@@ -19,5 +19,6 @@ def run_worker(settings: Settings) -> None:
     """Run the Faust worker until SIGTERM/SIGINT. Topics must exist (``argus up`` or ``argus topics``)."""
     app = create_app(settings)
     start_heap_trimmer()
-    log.info("argus worker: app %s on %s", settings.app_id, settings.bootstrap_servers)
+    log.info("argus worker: app %s on %s; metrics on http://%s:%d/metrics", settings.app_id,
+             settings.bootstrap_servers, settings.metrics_host, settings.worker_web_port)
     Worker(app, loglevel=settings.log_level.lower(), quiet=True, redirect_stdouts=False).execute_from_commandline()

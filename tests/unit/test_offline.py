@@ -98,3 +98,23 @@ def test_a_named_stragglers_kernels_are_its_evidence_not_findings_of_their_own()
              l3("compute_straggler", (7,)), l3("rank_degraded", (5,))]
     assert [(f.kind, f.ranks) for f in drop_victims(found, {5})] == [
         ("kernel_degraded", (6,)), ("compute_straggler", (5,)), ("rank_degraded", (5,))]
+
+
+def test_findings_carry_the_version_of_the_detectors_that_made_them() -> None:
+    from argus.settings import Settings
+    from streams.diagnosis import DiagnosisParams, detector_version
+
+    cfg = Settings()
+    records = [r.record for r in JobSimulator(paper_case(Fault.COMPUTE_STRAGGLER)).records()]
+    [(_job, findings)] = diagnose_records(records, cfg).items()
+    version = detector_version(DiagnosisParams(min_impact_fraction=cfg.min_impact_fraction), cfg)
+    assert findings and {f.detector_version for f in findings} == {version}
+    assert finding_json(findings[0])["detector_version"] == version
+    package, digest = version.split("+")
+    assert package and len(digest) == 12 and int(digest, 16) >= 0
+    # Same detectors, same version; other parameters or settings that shape the findings, another one.
+    assert detector_version(DiagnosisParams(min_impact_fraction=0.01), Settings()) == version
+    assert detector_version(DiagnosisParams(min_impact_fraction=0.02), cfg) != version
+    assert detector_version(DiagnosisParams(), cfg.replace(window_ns=5_000_000_000)) != version
+    # Settings that do not touch the diagnosis leave it alone.
+    assert detector_version(DiagnosisParams(), cfg.replace(sink_flush_ms=900)) == version

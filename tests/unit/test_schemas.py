@@ -117,17 +117,22 @@ def test_trailing_bytes_rejected() -> None:
         KernelBatch.decode(kernel_batch().encode() + b"\x00")
 
 
-def test_findings_written_with_schema_v1_still_decode_with_no_impact() -> None:
+def test_findings_of_older_schemas_decode_with_no_impact_and_no_detector_version() -> None:
     from schemas.codec import codec
     from schemas.records import Finding, Level
 
     f = Finding(finding_id="x", job_id="j", level=Level.L3, kind="kernel_degraded", ranks=(3,), steps=(),
                 score=0.4, evidence_json="{}", time_ns=5, kernel="gemm", stream=7, impact_ns_per_step=8.0,
-                impact_ns=80.0)
-    assert Finding.decode(f.encode()) == f  # written with the newest (v2)
-    v1 = {k: v for k, v in f.to_avro().items() if not k.startswith("impact")}
+                impact_ns=80.0, detector_version="0.1.0+0123456789ab")
+    assert codec("finding").latest == 3
+    assert Finding.decode(f.encode()) == f  # written with the newest (v3)
+    v2 = {k: v for k, v in f.to_avro().items() if k != "detector_version"}
+    old2 = Finding.decode(codec("finding").encode(v2, version=2))
+    assert (old2.impact_ns, old2.detector_version) == (80.0, "")
+    v1 = {k: v for k, v in v2.items() if not k.startswith("impact")}
     old = Finding.decode(codec("finding").encode(v1, version=1))
     assert (old.impact_ns, old.impact_ns_per_step, old.ranks, old.kernel) == (0.0, 0.0, (3,), "gemm")
+    assert old.detector_version == ""
 
 
 def test_lifecycle_abandoned_round_trips_and_old_versions_decode_with_defaults() -> None:
