@@ -252,6 +252,24 @@ def _cmd_report(settings: Settings, args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_export_trace(settings: Settings, args: argparse.Namespace) -> int:
+    from argus.progress import Meter
+    from argus.trace_export import export_trace
+
+    ranks = sorted({*([] if args.rank is None else [args.rank]), *(args.ranks or [])})
+    with Meter("reading retained kernel batches", unit="msg") as meter:
+        done = export_trace(settings, args.job, ranks, args.from_step, args.to_step, args.out, progress=meter,
+                            kernels="summaries" if args.summaries_only else "auto")
+    if args.json:
+        _out(json.dumps(done, default=str, indent=2))
+    else:
+        events = ", ".join(f"{k} {v:,}" for k, v in done["events"].items())
+        _out(f"wrote {done['path']} ({done['bytes']:,} B): {events}; kernels from "
+             + ", ".join(f"rank {r}: {src}" for r, src in sorted(done["kernel_source"].items()))
+             + "; open it at https://ui.perfetto.dev")
+    return 0
+
+
 def _cmd_ddl(settings: Settings, args: argparse.Namespace) -> int:
     from sinks.tables import schema_ddl
 
@@ -368,6 +386,18 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--out", type=Path, default=Path("report.html"))
     s.add_argument("--json", action="store_true", help="print what was drawn as JSON")
     s.set_defaults(fn=_cmd_report)
+    s = sub.add_parser("export-trace", help="a Chrome/Perfetto trace of chosen ranks and steps (steps, phases, "
+                                            "collectives, kernels per stream, findings), for ui.perfetto.dev")
+    s.add_argument("--job", required=True)
+    s.add_argument("--rank", type=int, default=None, help="a rank to export")
+    s.add_argument("--ranks", type=int, nargs="+", default=None, metavar="R", help="more ranks to export")
+    s.add_argument("--from-step", type=int, required=True)
+    s.add_argument("--to-step", type=int, required=True)
+    s.add_argument("--out", type=Path, required=True, help="trace.json, or trace.json.gz for gzip")
+    s.add_argument("--summaries-only", action="store_true",
+                   help="kernel activity from the per-window summaries only (do not read the kernels topic)")
+    s.add_argument("--json", action="store_true", help="print what was written as JSON")
+    s.set_defaults(fn=_cmd_export_trace)
     s = sub.add_parser("demo", help="start the stack, simulate a 32-rank job with a fault, report")
     s.add_argument("--fault", choices=faults[1:], default="case1")
     s.add_argument("--steps", type=int, default=40)

@@ -17,6 +17,7 @@ __all__ = [
     "SchemaError",
     "SinkError",
     "StreamError",
+    "TraceExportError",
 ]
 
 
@@ -60,3 +61,8 @@ class DetectorError(ArgusError):
 
 class KafkaLocalError(ArgusError):
     """The project-managed local Apache Kafka could not be fetched, formatted or started."""
+
+
+class TraceExportError(ArgusError):
+    """``argus export-trace`` was asked for data the store does not hold (no such job, ranks or steps, an empty
+    step range) or could not write its output."""

@@ -99,7 +99,7 @@ def _poison(settings: Settings, job_id: str, world: int, pub: Publisher, raw: An
 
 
 def run(minutes: float, job_every_s: float, crash_every: int, poison_every: int, sample_s: float,
-        seed: int) -> dict[str, Any]:
+        seed: int, samples_out: Path | None = None) -> dict[str, Any]:
     from confluent_kafka import Producer
 
     rng = random.Random(seed)
@@ -110,6 +110,9 @@ def run(minutes: float, job_every_s: float, crash_every: int, poison_every: int,
     settings = Settings.load()
     raw = Producer({"bootstrap.servers": settings.bootstrap_servers})
     samples: dict[str, list[tuple[float, float]]] = {"worker": [], "sink": []}
+    # What the worker holds by design at each sample (messages of open jobs, open windows): memory that comes
+    # and goes with the jobs in flight, not a leak.
+    held: list[tuple[float, dict[str, int]]] = []
     sent = crashed = poisoned = poison_msgs = events = 0
     jobs: list[str] = []
     t0 = time.monotonic()
@@ -123,6 +126,7 @@ def run(minutes: float, job_every_s: float, crash_every: int, poison_every: int,
                     mb = rss_mb(pid) if pid else None
                     if mb is not None:
                         samples[svc].append((now - t0, mb))
+                held.append((now - t0, _held_state(stack)))
                 next_sample += sample_s
             if now >= next_job:
                 sent += 1
@@ -161,6 +165,8 @@ def run(minutes: float, job_every_s: float, crash_every: int, poison_every: int,
     finally:
         stack.down()
     slopes = {svc: slope_mb_per_h(s) for svc, s in samples.items()}
+    if samples_out is not None:
+        samples_out.write_text(json.dumps({"rss_mb": samples, "held": held}))
     out: dict[str, Any] = {
         "minutes": round(wall / 60.0, 1), "jobs": sent, "crashed_jobs": crashed, "jobs_with_poison": poisoned,
         "poison_messages": poison_msgs, "jobs_diagnosed": diagnosed, "kernel_events": events,
@@ -174,6 +180,21 @@ def run(minutes: float, job_every_s: float, crash_every: int, poison_every: int,
     out["budgets_ok"] = (all(v is not None and v <= RSS_SLOPE_BUDGET_MB_PER_H for v in slopes.values())
                          and dead is not None and dead >= poison_msgs)
     return out
+
+
+def _held_state(stack: PrivateStack) -> dict[str, int]:
+    """The worker's open jobs, held messages and open windows (from its ``/stats``), -1 when it does not answer."""
+    import urllib.request
+
+    try:
+        port = stack.env["ARGUS_WORKER_WEB_PORT"]
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/stats", timeout=2) as r:
+            doc = json.loads(r.read())
+        diag = doc.get("diagnosis") or {}
+        return {"open_jobs": int(diag.get("open_jobs", 0)), "held_messages": int(diag.get("held_messages", 0)),
+                "open_windows": int(doc.get("open_windows", 0)), "pending": int(doc.get("pending_messages", 0))}
+    except (OSError, ValueError, KeyError):
+        return {"open_jobs": -1, "held_messages": -1, "open_windows": -1, "pending": -1}
 
 
 def _spec(job: str, dp: int, tp: int, pp: int, steps: int, fault: str, seed: int) -> Any:
@@ -218,12 +239,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--poison-every", type=int, default=4, help="every n-th job carries poison (0: none)")
     ap.add_argument("--sample-s", type=float, default=10.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--samples-out", type=Path, default=None,
+                    help="write every RSS sample and the worker's held state at each to this JSON file")
     args = ap.parse_args(argv)
     # A soak started in the background ignores SIGINT; SIGTERM stops it through the same path, so its
     # private stack is taken down either way.
     signal.signal(signal.SIGTERM, _interrupt)
     signal.signal(signal.SIGINT, _interrupt)
-    out = run(args.minutes, args.job_every_s, args.crash_every, args.poison_every, args.sample_s, args.seed)
+    out = run(args.minutes, args.job_every_s, args.crash_every, args.poison_every, args.sample_s, args.seed,
+              args.samples_out)
     sys.stdout.write(json.dumps(out) + "\n")
     return 0 if out["budgets_ok"] else 1
 
