@@ -56,7 +56,7 @@ from argus.report_data import (
 )
 from argus.settings import Settings
 from detectors.l3_kernels import is_collective
-from sinks.clickhouse import ClickHouseStore, QueryResult
+from sinks.clickhouse import ClickHouseStore, QueryResult, sql_string
 from sinks.findings_query import fetch_findings
 from sinks.query_server import endpoint_healthy, run_query
 
@@ -74,9 +74,6 @@ _CSP = ("default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inlin
 _PLOT_CONFIG = {"displaylogo": False, "responsive": True, "modeBarButtonsToRemove": ["lasso2d", "select2d"]}
 _RED, _BLUE, _GREY = "#c0392b", "#2c6fbb", "#8a8f98"
 
-
-def _quote(value: str) -> str:
-    return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
 def _ints(values: Sequence[int]) -> str:
@@ -128,7 +125,7 @@ def _collect_phases(run: Query, db: str, job: str, sel: RankSelection) -> HeatMa
     if not top:
         return None
     phases = sorted(((str(n), str(k), float(m), int(i)) for n, k, m, i, _ in top), key=lambda p: (p[3], p[0]))
-    names = ", ".join(_quote(p[0]) for p in phases)
+    names = ", ".join(sql_string(p[0]) for p in phases)
     cells = run(f"""
         SELECT rank, name, quantileExact(0.5)(d), count()
         FROM ({per.format(extra=f'AND rank IN ({_ints(sel.shown)}) AND name IN ({names})')})
@@ -149,11 +146,11 @@ def _collect_kernels(run: Query, db: str, job: str, data: ReportData, all_ranks:
     if l3 is not None and l3["stream"] is not None and (l3["kernel"], l3["stream"]) not in {k for k, _ in kernels}:
         extra = run(f"""
             SELECT sum(arraySum(cluster_sum_ns)) FROM `{db}`.kernel_summaries FINAL WHERE job_id = {job}
-            AND kernel = {_quote(l3['kernel'])} AND stream = {int(l3['stream'])}""").rows
+            AND kernel = {sql_string(l3['kernel'])} AND stream = {int(l3['stream'])}""").rows
         kernels.append(((l3["kernel"], int(l3["stream"])), float(extra[0][0] or 0)))
     groups = 1 + (max(stages.values()) if stages else 0)
     ranks = sorted(set(data.selection.shown) | set(even_sample(list(all_ranks), REFERENCE_SAMPLE * min(groups, 4))))
-    keys = ", ".join(f"({_quote(k)}, {s})" for (k, s), _ in kernels)
+    keys = ", ".join(f"({sql_string(k)}, {s})" for (k, s), _ in kernels)
     rows = run(f"""
         SELECT kernel, stream, rank, groupArray(c), groupArray(p50), groupArray(p99) FROM (
           SELECT kernel, stream, rank, round(log(p50_) * 20) AS b, sum(c_) AS c,
@@ -183,7 +180,7 @@ def collect(settings: Settings, job_id: str, query: Query | None = None) -> Repo
     """Read what the report of ``job_id`` draws. Raises :class:`ArgusError` when nothing of the job is stored
     (and :class:`~argus.errors.SinkError`, one, when the store cannot be read)."""
     run: Query = query if query is not None else (lambda sql: run_query(settings, sql))
-    db, job = settings.clickhouse_database, _quote(job_id)
+    db, job = settings.clickhouse_database, sql_string(job_id)
     findings = fetch_findings(settings, job_id, run)
     ranks = sorted(int(r) for (r,) in run(f"""
         SELECT DISTINCT rank FROM (

@@ -24,6 +24,7 @@ import numpy as np
 
 from argus.errors import DetectorError
 from detectors.mixture import MixtureBatch, geometric_grid, mixture_cdf
+from sinks.clickhouse import sql_string
 
 __all__ = [
     "LABEL_CHARS",
@@ -488,7 +489,7 @@ def drill_commands(job_id: str, database: str, findings: Sequence[Mapping[str, A
                     f"argus export-trace --job {job} --rank {rank} --from-step {a} --to-step {b} "
                     f"--out trace-{_file_part(job_id)}-r{rank}-s{a}.json.gz"))
     out.append(("Every finding with its evidence (JSON contract)", f"argus findings --job {job} --json"))
-    lit = "'" + job_id.replace("\\", "\\\\").replace("'", "\\'") + "'"
+    lit = sql_string(job_id)
     db = database if database.isidentifier() else f"`{database}`"
     a, b = _step_range(findings[0], first_step, last_step) if findings else (first_step, min(last_step, first_step + 4))
     out.append((f"The slowest rank-steps of steps {a}\u2013{b}",
@@ -496,7 +497,7 @@ def drill_commands(job_id: str, database: str, findings: Sequence[Mapping[str, A
                     f"AND step BETWEEN {a} AND {b} ORDER BY wall_ms DESC LIMIT 20")))
     kernel = next((f.get("kernel") for f in findings if f.get("kernel")), None)
     if kernel is not None:
-        klit = "'" + str(kernel).replace("\\", "\\\\").replace("'", "\\'") + "'"
+        klit = sql_string(str(kernel))
         out.append(("Per-rank windows of the top suspect kernel",
                     sql("SELECT rank, count() AS windows, sum(n_events) AS launches, sum(arraySum(cluster_sum_ns)) "
                         f"/ 1e6 AS gpu_ms FROM {db}.kernel_windows WHERE job_id = {lit} AND kernel = {klit} "

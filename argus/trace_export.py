@@ -49,7 +49,7 @@ from argus.kafka_security import client_config
 from argus.settings import Settings
 from argus.topics import Topic, key_partition, rank_key
 from schemas.records import KernelBatch, PhaseKind
-from sinks.clickhouse import QueryResult
+from sinks.clickhouse import QueryResult, sql_string
 from sinks.query_server import run_query
 
 __all__ = ["KERNEL_SOURCES", "MAX_KERNEL_EVENTS", "export_trace"]
@@ -156,9 +156,6 @@ def _write_rank(writer: _Writer, src: _Source, rank: int, host: str, steps: list
     return "none"
 
 
-def _quote(value: str) -> str:
-    return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
-
 
 def _ranges(values: Iterable[int]) -> str:
     """``0-7, 9`` of a set of ints."""
@@ -175,7 +172,7 @@ class _Source:
     """The job's rows in ClickHouse (every query ``FINAL``: the deduplicated view)."""
 
     def __init__(self, run: Query, database: str, job_id: str) -> None:
-        self.run, self.db, self.job = run, database, _quote(job_id)
+        self.run, self.db, self.job = run, database, sql_string(job_id)
         self.job_id = job_id
 
     def _where(self, table: str) -> str:

@@ -25,7 +25,7 @@ from argus.errors import SinkError
 from argus.settings import Settings
 from sinks.tables import Table, rows_to_arrow, schema_ddl
 
-__all__ = ["ClickHouseStore", "QueryResult", "is_transient"]
+__all__ = ["ClickHouseStore", "QueryResult", "is_transient", "sql_string"]
 
 log = logging.getLogger(__name__)
 
@@ -196,3 +196,9 @@ def _plain(value: Any) -> Any:
     if hasattr(value, "isoformat"):
         return value.isoformat()
     return value
+
+
+def sql_string(value: str) -> str:
+    """``value`` as a ClickHouse string literal (quoted, backslashes and quotes escaped), for SQL built from
+    untrusted names: job ids, kernel names."""
+    return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"

@@ -17,7 +17,7 @@ from typing import Any
 
 from argus.errors import ArgusError
 from argus.settings import Settings
-from sinks.clickhouse import QueryResult
+from sinks.clickhouse import QueryResult, sql_string
 from sinks.query_server import run_query
 
 #: Runs one SQL statement; defaults to :func:`sinks.query_server.run_query` on the settings.
@@ -25,9 +25,6 @@ Query = Callable[[str], QueryResult]
 
 __all__ = ["diagnosis_complete", "fetch_findings", "pending_reasons", "wait_diagnosed"]
 
-
-def _quote(value: str) -> str:
-    return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
 def _runner(settings: Settings, query: Query | None) -> Query:
@@ -40,7 +37,7 @@ def fetch_findings(settings: Settings, job_id: str, query: Query | None = None) 
     res = _runner(settings, query)(f"""
         SELECT job_id, level, kind, ranks, phase, kernel, stream, steps, score, evidence_json, time_ns,
                impact_ns_per_step, impact_ns, detector_version
-        FROM `{db}`.findings FINAL WHERE job_id = {_quote(job_id)}
+        FROM `{db}`.findings FINAL WHERE job_id = {sql_string(job_id)}
         ORDER BY impact_ns DESC, level, kind, steps, ranks, phase, kernel""")
     out = []
     for (job, level, kind, ranks, phase, kernel, stream, steps, score, evidence, time_ns, per_step, total,
@@ -68,7 +65,7 @@ def diagnosis_complete(settings: Settings, job_id: str, query: Query | None = No
 
 def pending_reasons(settings: Settings, job_id: str, query: Query | None = None) -> list[str]:
     """What the job still waits for before :func:`diagnosis_complete` (empty when complete)."""
-    db, job = settings.clickhouse_database, _quote(job_id)
+    db, job = settings.clickhouse_database, sql_string(job_id)
     dead = f"`{db}`.dead_letters FINAL WHERE job_id = {job}"
     row = _runner(settings, query)(f"""
         SELECT
