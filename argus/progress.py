@@ -34,6 +34,7 @@ class Meter:
         self.done = 0
         self._t0 = self._last = time.monotonic()
         self._bar: Any = None
+        self._finished = False
         if tty if tty is not None else _isatty(self.stream):
             from tqdm import tqdm
 
@@ -58,12 +59,17 @@ class Meter:
 
     def update(self, n: int = 1) -> None:
         """``n`` more units done."""
+        if self.done == 0 and n > 0:
+            self._t0 = self._last = time.monotonic()  # the rate counts from the first unit, not from set-up
         self.done += n
         if self._bar is not None:
             self._bar.update(n)
             return
         now = time.monotonic()
-        if now - self._last >= self.interval_s:
+        if self.total is not None and self.done >= self.total and not self._finished:
+            self._finished = True  # said once, when it happens, not when the command ends
+            self._line(now, final=True)
+        elif now - self._last >= self.interval_s and not self._finished:
             self._last = now
             self._line(now)
 
@@ -83,7 +89,8 @@ class Meter:
         if self._bar is not None:
             self._bar.close()
             self._bar = None
-        else:
+        elif not self._finished:
+            self._finished = True
             self._line(time.monotonic(), final=True)
 
     def __enter__(self) -> Meter:

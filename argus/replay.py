@@ -83,6 +83,7 @@ def namespace_settings(settings: Settings, namespace: str) -> Settings:
         "sink_group": f"{settings.sink_group}-{namespace}", "clickhouse_database": namespace, "home": home,
         "query_port": _free_port(), "worker_web_port": _free_port(),
         "job_idle_timeout_s": min(settings.job_idle_timeout_s, _REPLAY_IDLE_S),
+        "sink_metrics_port": 0,  # a replay is not scraped
     }
     if settings.chdb_path is not None:
         changes["clickhouse_dsn"] = f"chdb://{(home / 'chdb').resolve()}"

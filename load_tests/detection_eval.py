@@ -120,6 +120,7 @@ class PrivateStack:
         self.env = {**os.environ,
                     "ARGUS_HOME": str(home), "ARGUS_BOOTSTRAP_SERVERS": f"127.0.0.1:{free_port(pair=True)}",
                     "ARGUS_QUERY_PORT": str(free_port()), "ARGUS_WORKER_WEB_PORT": str(free_port()),
+                    "ARGUS_SINK_METRICS_PORT": str(free_port()),
                     "ARGUS_TOPIC_PREFIX": f"eval{tag}.", "ARGUS_APP_ID": f"argus-eval-{tag}",
                     "ARGUS_SINK_GROUP": f"argus-eval-sink-{tag}", "ARGUS_PARTITIONS": str(partitions),
                     "ARGUS_CLICKHOUSE_DSN": f"chdb://{home / 'chdb'}"}
