@@ -14,6 +14,15 @@
   (``ns_per_phase_heartbeat``, budget 1,000 ns): the median over interleaved rounds of the per-phase cost
   with heartbeats on minus with them off (the heartbeat thread itself runs beside, at 0.05 s); and
   ``ns_per_phase_heartbeat_state``, the state writes alone (``LiveState.enter`` + ``exit``, reported).
+* Hooks of ``argus.attach`` (what a script pays without code changes), each the median over interleaved rounds
+  of the same loop with and without the instrumentation, inside a step, host clock:
+  ``ns_per_module_call`` (budget 2,000 ns): one call of a module timed by forward pre/post hooks
+  (``instrument(model, modules=...)``; torch's own hook dispatch included) minus the same call unhooked, and
+  ``ns_per_module_call_torch_dispatch`` (reported): the part of it a no-op pre/post hook pair costs;
+  ``ns_per_ddp_bucket`` (budget 5,000 ns): the argus DDP communication hook around a bucket (phase, heartbeat
+  state, the future's ``then``) minus calling the chained hook directly (a hook that returns a completed
+  future, so the collective's own cost is out); ``ns_per_model_step`` (reported): the whole-model hooks of
+  one forward + backward (FORWARD and BACKWARD phases, the output's grad hook, the end-of-backward callback).
 
 Prints one JSON line; exits 1 if a budget is missed.
 Run: .venv/bin/python load_tests/producer_overhead.py [--records 200000] [--phases 200000]
@@ -49,6 +58,8 @@ from schemas.records import ParallelGroup, PhaseKind  # noqa: E402
 BUDGET_NS_PER_KERNEL_RECORD = 1_000
 BUDGET_NS_PER_PHASE = 5_000
 BUDGET_NS_PER_PHASE_HEARTBEAT = 1_000
+BUDGET_NS_PER_MODULE_CALL = 2_000
+BUDGET_NS_PER_DDP_BUCKET = 5_000
 
 NAMES = (
     [f"void at::native::vectorized_elementwise_kernel<4, at::native::Functor{i}<float>, at::detail::Array<char*, 2> >"
@@ -210,10 +221,135 @@ def bench_live_state(n: int = 200_000) -> float:
     return min(best)
 
 
+def _bench_tracer() -> Any:
+    from producers.tracer import Tracer
+
+    return Tracer(Settings(), "bench", 0, 1, NullPublisher(), kernels=False, cuda=False, registry=False,
+                  lifecycle=False, max_pending_steps=1 << 20, heartbeat=False).start()
+
+
+def _drained(tracer: Any) -> None:
+    """Wait until the resolver thread published every step: its work (building PhaseBatches) would otherwise
+    compete with the next measurement for the GIL and be counted as hook cost."""
+    deadline = time.monotonic() + 5
+    while tracer._resolver.pending and time.monotonic() < deadline:
+        time.sleep(0.0005)
+    time.sleep(0.001)
+
+
+def _interleaved(hooked: Any, plain: Any, rounds: int) -> float:
+    """Median over rounds of (per-call ns of ``hooked``) - (per-call ns of ``plain``), run alternately; each
+    is the fastest of a few chunks of calls (a busy machine's preemptions only ever add time)."""
+    diffs = []
+    for _ in range(rounds):
+        diffs.append(min(hooked() for _ in range(4)) - min(plain() for _ in range(4)))
+    return statistics.median(diffs)
+
+
+def bench_module_hooks(n: int, rounds: int = 15) -> tuple[float, float]:
+    """ns one module call costs with the tracer's forward pre/post hooks (see the module docstring), and what
+    torch's hook dispatch alone costs (a no-op pre/post hook pair)."""
+    import torch
+
+    class Leaf(torch.nn.Module):
+        def forward(self, x: Any) -> Any:
+            return x
+
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.mlp = Leaf()
+
+    tracer = _bench_tracer()
+    hooked_model, plain_model, noop_model = Model(), Model(), Model()
+    tracer.instrument(hooked_model, modules=("mlp",))
+    noop_model.mlp.register_forward_pre_hook(lambda *_: None)
+    noop_model.mlp.register_forward_hook(lambda *_: None)
+    x, per = torch.ones(1), max(100, n // (4 * rounds))
+    perf = time.perf_counter_ns
+
+    def run(mod: Any) -> float:
+        _drained(tracer)
+        with tracer.step():
+            t0 = perf()
+            for _ in range(per):
+                mod(x)
+            return (perf() - t0) / per
+
+    out = _interleaved(lambda: run(hooked_model.mlp), lambda: run(plain_model.mlp), rounds)
+    dispatch = _interleaved(lambda: run(noop_model.mlp), lambda: run(plain_model.mlp), rounds)
+    tracer.close(timeout_s=5)
+    return out, dispatch
+
+
+def bench_ddp_bucket(n: int, rounds: int = 15) -> float:
+    """ns the argus DDP communication hook adds per bucket (see the module docstring)."""
+    import torch
+
+    from producers.tracer_ddp import CommChain, _argus_comm_hook
+
+    class Bucket:
+        def __init__(self) -> None:
+            self._buf = torch.ones(4)
+
+        def buffer(self) -> Any:
+            return self._buf
+
+    def done_hook(state: Any, bucket: Any) -> Any:
+        fut: Any = torch.futures.Future()
+        fut.set_result(bucket.buffer())
+        return fut
+
+    tracer = _bench_tracer()
+    chain = CommChain(tracer, "dp-allreduce", ParallelGroup.DP, None, done_hook, None)
+    bucket, per = Bucket(), max(100, n // (4 * rounds))
+    perf = time.perf_counter_ns
+
+    def run(timed: bool) -> float:
+        _drained(tracer)
+        with tracer.step():
+            t0 = perf()
+            if timed:
+                for _ in range(per):
+                    _argus_comm_hook(chain, bucket).wait()
+            else:
+                for _ in range(per):
+                    done_hook(None, bucket).wait()
+            return (perf() - t0) / per
+
+    out = _interleaved(lambda: run(True), lambda: run(False), rounds)
+    tracer.close(timeout_s=5)
+    return out
+
+
+def bench_model_step(n: int, rounds: int = 9) -> float:
+    """ns the whole-model hooks add to one forward + backward of a one-layer model."""
+    import torch
+
+    tracer = _bench_tracer()
+    hooked, plain = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+    tracer.instrument_model(hooked)
+    x, per = torch.ones(2, 4), max(20, n // (4 * rounds))
+    perf = time.perf_counter_ns
+
+    def run(model: Any) -> float:
+        _drained(tracer)
+        with tracer.step():
+            t0 = perf()
+            for _ in range(per):
+                model(x).sum().backward()
+            return (perf() - t0) / per
+
+    out = _interleaved(lambda: run(hooked), lambda: run(plain), rounds)
+    tracer.close(timeout_s=5)
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--records", type=int, default=200_000)
     ap.add_argument("--phases", type=int, default=200_000)
+    ap.add_argument("--hooks", type=int, default=150_000, help="module calls / DDP buckets per measurement")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     out: dict[str, Any] = bench_kernels(args.records)
@@ -224,6 +360,15 @@ def main() -> int:
     out["ns_per_phase_heartbeat_state"] = round(bench_live_state(), 1)
     out["ns_per_phase_cuda"] = None
     try:
+        module_call, dispatch = bench_module_hooks(args.hooks)
+        out["ns_per_module_call"] = round(module_call, 1)
+        out["ns_per_module_call_torch_dispatch"] = round(dispatch, 1)
+        out["ns_per_ddp_bucket"] = round(bench_ddp_bucket(args.hooks), 1)
+        out["ns_per_model_step"] = round(bench_model_step(max(200, args.hooks // 50)), 1)
+    except ImportError:  # no torch: the hooks do not exist either
+        out["ns_per_module_call"] = out["ns_per_ddp_bucket"] = out["ns_per_model_step"] = None
+        out["ns_per_module_call_torch_dispatch"] = None
+    try:
         import torch
         if torch.cuda.is_available():
             out["ns_per_phase_cuda"] = round(bench_phases(args.phases // 4, cuda=True)["phase"], 1)
@@ -233,9 +378,13 @@ def main() -> int:
     out["budget_ns_per_kernel_record"] = BUDGET_NS_PER_KERNEL_RECORD
     out["budget_ns_per_phase"] = BUDGET_NS_PER_PHASE
     out["budget_ns_per_phase_heartbeat"] = BUDGET_NS_PER_PHASE_HEARTBEAT
+    out["budget_ns_per_module_call"] = BUDGET_NS_PER_MODULE_CALL
+    out["budget_ns_per_ddp_bucket"] = BUDGET_NS_PER_DDP_BUCKET
     out["ok"] = (out["ns_per_kernel_record"] <= BUDGET_NS_PER_KERNEL_RECORD
                  and out["ns_per_phase"] <= BUDGET_NS_PER_PHASE
-                 and out["ns_per_phase_heartbeat"] <= BUDGET_NS_PER_PHASE_HEARTBEAT)
+                 and out["ns_per_phase_heartbeat"] <= BUDGET_NS_PER_PHASE_HEARTBEAT
+                 and (out["ns_per_module_call"] is None or out["ns_per_module_call"] <= BUDGET_NS_PER_MODULE_CALL)
+                 and (out["ns_per_ddp_bucket"] is None or out["ns_per_ddp_bucket"] <= BUDGET_NS_PER_DDP_BUCKET))
     print(json.dumps(out))
     return 0 if out["ok"] else 1
 

@@ -48,7 +48,9 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import threading
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -58,8 +60,11 @@ from producers.cuda_timing import EventPool, PhaseRec, StepRec, StepResolver, ep
 from producers.cupti_kernels import CuptiKernels, CuptiState, CuptiStatus, StepMarks
 from producers.heartbeat import HeartbeatThread, LiveState
 from producers.rank_registry import RankRegistry
+from producers.tracer_auto import AutoMixin
 from producers.tracer_collectives import CollectiveMixin
+from producers.tracer_ddp import DDPMixin
 from producers.tracer_hooks import HookMixin
+from producers.tracer_patch import PatchMixin
 from schemas.records import JobLifecycle, JobTopology, LifecycleEvent, ParallelGroup, PhaseKind
 
 try:  # torch is optional: without it the tracer still times steps and phases with the host clock
@@ -142,7 +147,7 @@ class _StepScope:
         self._tracer._end_step()
 
 
-class Tracer(CollectiveMixin, HookMixin):
+class Tracer(CollectiveMixin, HookMixin, AutoMixin, DDPMixin, PatchMixin):
     """Always-on tracing of one rank of a training job (see the module docstring for an example).
 
     Args:
@@ -164,6 +169,10 @@ class Tracer(CollectiveMixin, HookMixin):
             carries the job's totals; otherwise a multi-rank END carries no counts.
         heartbeat: publish :class:`~schemas.records.Heartbeat` s from :meth:`start` to :meth:`close`, every
             ``settings.heartbeat_interval_s`` seconds and on phase entry (see :mod:`producers.heartbeat`).
+
+    :meth:`from_env` builds one from the launcher's environment, and ``argus.attach`` (:mod:`producers.attach`)
+    also starts it and instruments a model and optimizer. Raises ValueError for an empty ``job_id`` or a rank
+    outside ``[0, world_size)``.
     """
 
     def __init__(self, settings: Settings | None, job_id: str, rank: int, world_size: int,
@@ -175,6 +184,7 @@ class Tracer(CollectiveMixin, HookMixin):
         if not job_id or rank < 0 or world_size < 1 or rank >= world_size:
             raise ValueError(f"invalid job_id {job_id!r}, rank {rank} or world_size {world_size}")
         self.job_id, self.rank, self.world_size = job_id, rank, world_size
+        self.local_rank = rank  #: the rank on its host (``LOCAL_RANK``; from_env sets it)
         self.host = host or socket.gethostname()
         self._errors = 0
         try:
@@ -220,6 +230,26 @@ class Tracer(CollectiveMixin, HookMixin):
         self._live = LiveState()
         self._heartbeat = heartbeat
         self._beat: HeartbeatThread | None = None
+        self._step_mode = "auto"  # iteration boundaries of the hooks: see producers.tracer_auto
+        self._group_kinds: dict[int, ParallelGroup] = {}  # id(process group) -> kind (producers.tracer_patch)
+        #: when set (argus.attach), the lifecycle rank resolves the topology with it on a background thread
+        #: at start (it may wait for the other ranks) and publishes TOPOLOGY and START then.
+        self._topology_fn: Callable[[], JobTopology | None] | None = None
+        self._topology_thread: threading.Thread | None = None
+        self._start_lock = threading.Lock()
+        self._start_sent = False
+
+    @classmethod
+    def from_env(cls, settings: Settings | None = None, *, env: Mapping[str, str] | None = None,
+                 publisher: PublisherLike | None = None, **overrides: Any) -> Tracer:
+        """A tracer (not started) for this rank from the launcher's environment: ``RANK``, ``WORLD_SIZE``,
+        ``LOCAL_RANK``, ``ARGUS_JOB_ID`` / ``TORCHELASTIC_RUN_ID``, ``ARGUS_TOPOLOGY`` and the process groups
+        torch knows (details in :func:`producers.attach.tracer_from_env`); ``overrides`` are Tracer
+        arguments that win over the environment. Raises ValueError when the environment is inconsistent
+        (``argus.attach`` never raises)."""
+        from producers.attach import tracer_from_env
+
+        return tracer_from_env(settings, env=env, publisher=publisher, cls=cls, **overrides)
 
     # -- lifecycle -------------------------------------------------------------------------------------------
 
@@ -240,11 +270,8 @@ class Tracer(CollectiveMixin, HookMixin):
         topology: JobTopology | None = None
         try:
             topology = self._topology or self._build_topology()
-            if self._lifecycle:
-                key = job_key(self.job_id)
-                self._publisher.publish(Topic.TOPOLOGY, key, topology)
-                self._publisher.publish(Topic.LIFECYCLE, key, JobLifecycle(
-                    self.job_id, LifecycleEvent.START, time.time_ns(), self.world_size, source="live"))
+            if self._lifecycle and self._topology_fn is None:
+                self._publish_start(topology)
         except Exception as exc:
             self._error("topology/START", exc)
         if self._registry is not None:
@@ -261,7 +288,45 @@ class Tracer(CollectiveMixin, HookMixin):
                 self._beat.start()
             except Exception as exc:
                 self._error("heartbeat", exc)
+        if self._topology_fn is not None and topology is not None:  # last: it updates the heartbeat's groups
+            try:
+                self._topology_thread = threading.Thread(target=self._resolve_topology, args=(topology,),
+                                                         name=f"argus-topology-{self.rank}", daemon=True)
+                self._topology_thread.start()
+            except Exception as exc:
+                self._error("topology thread", exc)
         return self
+
+    def _publish_start(self, topology: JobTopology) -> None:
+        with self._start_lock:  # once: from start(), the topology thread, or close() if that thread is late
+            if self._start_sent:
+                return
+            self._start_sent = True
+        key = job_key(self.job_id)
+        self._publisher.publish(Topic.TOPOLOGY, key, topology)
+        self._publisher.publish(Topic.LIFECYCLE, key, JobLifecycle(
+            self.job_id, LifecycleEvent.START, time.time_ns(), self.world_size, source="live"))
+
+    def _resolve_topology(self, local: JobTopology) -> None:
+        """Off the training thread: the job's topology from the other ranks (``_topology_fn``); the lifecycle
+        rank then publishes it and START (its local one if the exchange failed)."""
+        topology = local
+        try:
+            fn = self._topology_fn
+            resolved = fn() if fn is not None else None
+            if resolved is not None:
+                topology = resolved
+                self._topology = resolved
+                if self._beat is not None:
+                    self._beat.group_index = _group_index(resolved, self.rank)
+        except Exception as exc:
+            self._error("topology exchange", exc)
+        if not self._lifecycle:
+            return
+        try:
+            self._publish_start(topology)
+        except Exception as exc:
+            self._error("topology/START", exc)
 
     def close(self, timeout_s: float = 30.0) -> TracerStats:
         """End the open step, stop CUPTI, resolve queued steps, publish END (lifecycle rank) and flush.
@@ -269,6 +334,7 @@ class Tracer(CollectiveMixin, HookMixin):
         if self._closed:
             return self.stats()
         self._closed = True
+        self.unpatch_collectives()
         if self._beat is not None:  # first: a closing rank is not a live one
             self._beat.stop()
         if self._cur is not None:
@@ -285,11 +351,21 @@ class Tracer(CollectiveMixin, HookMixin):
         r = self._resolver
         counts = self._sum_over_ranks([r.steps_published, r.phase_batches_published,
                                        self._kernels.events if self._kernels else 0])
+        if self._topology_thread is not None:  # START before END
+            self._topology_thread.join(min(timeout_s, 10.0))
+            if self._lifecycle and self._topology is not None:
+                try:
+                    self._publish_start(self._topology)  # the exchange is late: the local topology
+                except Exception as exc:
+                    self._error("topology/START", exc)
         if self._lifecycle and self._started:
             steps, phases, kernels = counts if counts is not None else (None, None, None)
-            self._publisher.publish(Topic.LIFECYCLE, job_key(self.job_id), JobLifecycle(
-                self.job_id, LifecycleEvent.END, time.time_ns(), self.world_size, source="live",
-                kernel_events=kernels, steps=steps, phase_batches=phases))
+            try:
+                self._publisher.publish(Topic.LIFECYCLE, job_key(self.job_id), JobLifecycle(
+                    self.job_id, LifecycleEvent.END, time.time_ns(), self.world_size, source="live",
+                    kernel_events=kernels, steps=steps, phase_batches=phases))
+            except Exception as exc:
+                self._error("END", exc)
         try:
             left = self._publisher.flush(timeout_s)
             if left:
@@ -331,7 +407,9 @@ class Tracer(CollectiveMixin, HookMixin):
     # -- steps and phases (training thread) ----------------------------------------------------------------
 
     def step(self, step: int | None = None) -> _StepScope:
-        """``with tracer.step():`` times one iteration (steps count from 0 unless ``step`` is given)."""
+        """``with tracer.step():`` times one iteration (steps count from 0 unless ``step`` is given). Using it
+        switches the hooks of ``argus.attach`` to ``"manual"`` boundaries: they no longer begin or end steps."""
+        self._step_mode = "manual"
         return _StepScope(self, step)
 
     def phase(self, name: str, kind: PhaseKind = PhaseKind.OTHER, group: ParallelGroup = ParallelGroup.NONE,
@@ -386,8 +464,8 @@ class Tracer(CollectiveMixin, HookMixin):
         except Exception as exc:
             self._error("step end", exc)
 
-    def _open(self, name: str, kind: PhaseKind, group: ParallelGroup, stream: Any, host: bool = False
-              ) -> PhaseRec | None:
+    def _open(self, name: str, kind: PhaseKind, group: ParallelGroup, stream: Any, host: bool = False,
+              track: bool = True) -> PhaseRec | None:
         cur = self._cur
         if cur is None:
             self._outside += 1
@@ -407,7 +485,8 @@ class Tracer(CollectiveMixin, HookMixin):
             else:
                 rec = PhaseRec(name, kind, group, -1, _perf())
             cur.phases.append(rec)
-            self._live.enter(rec)
+            if track:  # not for phases that overlap others instead of nesting (async collectives)
+                self._live.enter(rec)
             return rec
         except Exception as exc:
             self._error("phase begin", exc)

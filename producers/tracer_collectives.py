@@ -23,6 +23,7 @@ topology's host names (``all_gather_object`` at start) and the job's record tota
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -38,9 +39,25 @@ except ImportError:  # pragma: no cover
     _torch = None  # type: ignore[assignment]
 torch: Any = _torch
 
-__all__ = ["CollectiveHandle", "CollectiveMixin", "default_name"]
+__all__ = ["CollectiveHandle", "CollectiveMixin", "default_name", "guarded", "inside_launch"]
 
 _perf = time.perf_counter_ns
+_local = threading.local()
+
+
+def inside_launch() -> bool:
+    """Whether this thread is inside a collective launched by a tracer wrapper (the ``torch.distributed``
+    patch of :mod:`producers.tracer_patch` then does not time it again)."""
+    return getattr(_local, "depth", 0) > 0
+
+
+def guarded(launch: Callable[[], Any]) -> Any:
+    """Run ``launch`` marked as a tracer launch (see :func:`inside_launch`); returns its result."""
+    _local.depth = getattr(_local, "depth", 0) + 1
+    try:
+        return launch()
+    finally:
+        _local.depth -= 1
 
 _SUFFIX = {
     PhaseKind.ALL_REDUCE: "allreduce", PhaseKind.REDUCE_SCATTER: "reduce-scatter",
@@ -167,6 +184,12 @@ class CollectiveMixin(PhaseOpener):
                     group: Any, async_op: bool, launch: Callable[[], Any]) -> Any:
         label = name or default_name(kind, pgroup)
         first: Any = tensors[0] if tensors else None
+        raw = launch
+
+        def marked() -> Any:  # a patched torch.distributed function inside does not time it again
+            return guarded(raw)
+
+        launch = marked
         if self._closed:
             return self._plain(launch, async_op)
         live = self._live

@@ -11,19 +11,23 @@ forward hooks during backward: those recomputations appear as extra FORWARD phas
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
 from producers.cuda_timing import PhaseOpener, PhaseRec
+from producers.heartbeat import MAX_DEPTH
 from schemas.records import ParallelGroup, PhaseKind
 
-__all__ = ["HookMixin"]
+__all__ = ["HookMixin", "host_record"]
 
 
 class HookMixin(PhaseOpener):
     """The hook methods; mixed into :class:`~producers.tracer.Tracer`, which provides the state."""
 
     _handles: list[Any]
+    _auto_begin: Callable[[], None]  # from producers.tracer_auto.AutoMixin
+    _auto_end: Callable[[], None]
 
     def instrument(self, model: Any, modules: Iterable[str] = ("self_attention", "mlp"), *, backward: bool = False,
                    match: Callable[[str, Any], bool] | None = None) -> list[Any]:
@@ -51,11 +55,41 @@ class HookMixin(PhaseOpener):
         self._handles += handles
         return handles
 
-    def instrument_optimizer(self, optimizer: Any, name: str = "optimizer") -> list[Any]:
-        """Time ``optimizer.step()`` as an OPTIMIZER phase (step pre/post hooks). Returns the handles."""
-        pre, post = self._hook_pair(name, PhaseKind.OPTIMIZER)
+    def instrument_optimizer(self, optimizer: Any, name: str = "optimizer", *, steps: bool = False,
+                             phase: bool = True) -> list[Any]:
+        """Time ``optimizer.step()`` as an OPTIMIZER phase (step pre/post hooks). Returns the handles.
+
+        With ``steps`` (what ``argus.attach`` sets), ``optimizer.step()`` also marks iterations: it begins one
+        when none is open and its end ends the iteration (``"auto"`` step mode, see
+        :mod:`producers.tracer_auto`). ``phase=False`` leaves the OPTIMIZER phase out (Lightning runs the
+        forward and backward inside ``optimizer.step(closure)``). A wrapper without step hooks (accelerate's
+        ``AcceleratedOptimizer``) is instrumented through its ``optimizer`` attribute.
+        """
+        target = optimizer
+        inner = getattr(optimizer, "optimizer", None)  # accelerate / Lightning wrappers: hook the real one
+        if inner is not None and hasattr(inner, "register_step_pre_hook"):
+            target = inner
+        if phase:
+            open_pre, close_post = self._hook_pair(name, PhaseKind.OPTIMIZER)
+        else:
+            def open_pre(*_: Any) -> None:
+                return None
+
+            close_post = open_pre
+        if steps:
+            auto_begin, auto_end = self._auto_begin, self._auto_end
+
+            def pre(*args: Any) -> None:
+                auto_begin()
+                open_pre(*args)
+
+            def post(*args: Any) -> None:
+                close_post(*args)
+                auto_end()
+        else:
+            pre, post = open_pre, close_post
         try:
-            handles = [optimizer.register_step_pre_hook(pre), optimizer.register_step_post_hook(post)]
+            handles = [target.register_step_pre_hook(pre), target.register_step_post_hook(post)]
         except Exception as exc:
             self._error("instrument_optimizer", exc)
             return []
@@ -64,15 +98,99 @@ class HookMixin(PhaseOpener):
 
     def _hook_pair(self, name: str, kind: PhaseKind) -> tuple[Callable[..., None], Callable[..., None]]:
         stack: list[PhaseRec | None] = []
+        push, pop = stack.append, stack.pop
+        none = ParallelGroup.NONE
+        if getattr(self, "_pool", None) is None:  # host clock: the hot path of per-layer hooks, inlined
+            return self._host_hook_pair(name, kind, stack)
+        open_, close_ = self._open, self._close
 
         def pre(*_: Any) -> None:
             if len(stack) > 64:  # posts that never came (exceptions inside the module): forget them
                 stack.clear()
-            stack.append(self._open(name, kind, ParallelGroup.NONE, None))
+            push(open_(name, kind, none, None))
 
         def post(*_: Any) -> None:
-            rec = stack.pop() if stack else None
+            rec = pop() if stack else None
             if rec is not None:
-                self._close(rec)
+                close_(rec)
 
         return pre, post
+
+    def _host_hook_pair(self, name: str, kind: PhaseKind, stack: list[PhaseRec | None]
+                        ) -> tuple[Callable[..., None], Callable[..., None]]:
+        """What ``_open`` / ``_close`` and ``LiveState.enter`` / ``exit`` do in host-clock mode, inlined: the
+        per-layer hooks run on every module call (``load_tests/producer_overhead.py``: ``ns_per_module_call``).
+        The records are the same (:func:`host_record` fills every slot of a PhaseRec)."""
+        tracer: Any = self
+        push, pop, perf, make = stack.append, stack.pop, time.perf_counter_ns, host_record
+        live = tracer._live
+        live_stack, leave = live.stack, live.exit
+        cap = tracer._max_phases
+
+        def pre(_module: Any, _args: Any, *_: Any) -> None:  # module forward/backward and optimizer step hooks
+            cur = tracer._cur
+            if cur is None:
+                tracer._outside += 1
+                push(None)
+                return
+            if len(stack) > 64:  # posts that never came (exceptions inside the module): forget them
+                stack.clear()
+            phases = cur.phases
+            if len(phases) >= cap:
+                cur.dropped_phases += 1
+                push(None)
+                return
+            rec = make(name, kind, perf())
+            phases.append(rec)
+            d = live.depth  # LiveState.enter
+            if d < MAX_DEPTH:
+                live_stack[d] = rec
+                live.depth = d + 1
+                live.version += 1
+            push(rec)
+
+        def post(_module: Any, _args: Any, *_: Any) -> None:
+            rec = pop() if stack else None
+            if rec is None:
+                return
+            rec.t1 = perf()
+            d = live.depth  # LiveState.exit, its usual case: the innermost phase ends
+            if d and live_stack[d - 1] is rec:
+                live_stack[d - 1] = None
+                live.depth = d - 1
+                live.version += 1
+            else:
+                leave(rec)
+
+        return pre, post
+
+
+_new = object.__new__
+_NONE = ParallelGroup.NONE
+
+
+def host_record(name: str, kind: PhaseKind, t0: int) -> PhaseRec:
+    """A host-clock :class:`PhaseRec` (stream -1, no events, group NONE) started at ``t0``: what
+    ``PhaseRec(name, kind, ParallelGroup.NONE, -1, t0)`` makes, in about half its time."""
+    rec: PhaseRec = _new(PhaseRec)
+    rec.name = name
+    rec.kind = kind
+    rec.group = _NONE
+    rec.stream = -1
+    rec.t0 = t0
+    rec.t1 = 0
+    rec.ev0 = None
+    rec.ev1 = None
+    rec.on = None
+    return rec
+
+
+def _check_host_record() -> None:
+    """host_record must set every slot PhaseRec has (a new slot would otherwise be unset in its records)."""
+    rec = host_record("x", PhaseKind.OTHER, 1)
+    ref = PhaseRec("x", PhaseKind.OTHER, ParallelGroup.NONE, -1, 1)
+    if any(getattr(rec, s) != getattr(ref, s) for s in PhaseRec.__slots__):  # pragma: no cover
+        raise AssertionError("producers.tracer_hooks.host_record is out of date with PhaseRec")
+
+
+_check_host_record()

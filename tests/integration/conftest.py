@@ -63,7 +63,8 @@ def fresh_settings(kafka: str, tmp_path: Path) -> Settings:
     s = Settings.load(
         env={}, bootstrap_servers=kafka, topic_prefix=f"t{tag}.", app_id=f"argus-test-{tag}",
         sink_group=f"sink-{tag}", clickhouse_database=f"test_{tag}", partitions=4, session_timeout_s=6,
-        worker_web_port=_free_port(), query_port=_free_port(), sink_metrics_port=_free_port(), home=tmp_path, window_ns=1_000_000_000,
+        worker_web_port=_free_port(), query_port=_free_port(), sink_metrics_port=_free_port(), home=tmp_path,
+        window_ns=1_000_000_000,
         allowed_lateness_ns=500_000_000, publisher_batch_events=2048,
     )
     ensure_topics(s)
