@@ -16,9 +16,10 @@
   ``ns_per_phase_heartbeat_state``, the state writes alone (``LiveState.enter`` + ``exit``, reported).
 * Hooks of ``argus.attach`` (what a script pays without code changes), each the median over interleaved rounds
   of the same loop with and without the instrumentation, inside a step, host clock:
-  ``ns_per_module_call`` (budget 2,000 ns): one call of a module timed by forward pre/post hooks
-  (``instrument(model, modules=...)``; torch's own hook dispatch included) minus the same call unhooked, and
-  ``ns_per_module_call_torch_dispatch`` (reported): the part of it a no-op pre/post hook pair costs;
+  ``ns_per_module_call`` (budget 2,000 ns): one call of a module timed as a phase
+  (``instrument(model, modules=...)``, which wraps the module's ``forward``) minus the same call untimed, and
+  ``ns_per_module_call_torch_dispatch`` (reported): what a no-op forward pre/post hook pair alone would cost
+  (any hook sends every call through torch's slow hook dispatch: why the forward is wrapped instead);
   ``ns_per_ddp_bucket`` (budget 5,000 ns): the argus DDP communication hook around a bucket (phase, heartbeat
   state, the future's ``then``) minus calling the chained hook directly (a hook that returns a completed
   future, so the collective's own cost is out); ``ns_per_model_step`` (reported): the whole-model hooks of

@@ -513,11 +513,18 @@ def test_late_exchange_start_still_precedes_end(tmp_path: Path) -> None:
 def test_layer_phases_nest_in_the_heartbeat_state(tmp_path: Path) -> None:
     pub = RecordingPublisher(check=True)
     model, opt = tiny()
-    tr = argus.attach(model, opt, modules=("0", "2"), **kw(tmp_path, pub))
     seen: list[int] = []
-    model[2].register_forward_pre_hook(lambda *_: seen.append(tr._live.depth))  # after argus's own pre-hook
+    own = model[2].forward
+
+    def recording(*args: Any) -> Any:  # runs inside argus's wrapper of "2"
+        seen.append(tr._live.depth)
+        return own(*args)
+
+    model[2].forward = recording  # an instance wrapper of the user's, wrapped in turn by attach
+    tr = argus.attach(model, opt, modules=("0", "2"), **kw(tmp_path, pub))
     train(model, opt, 2)
     assert tr._live.depth == 0 and seen == [2, 2]  # inside "2": "forward" and "2" are open ("0" ended)
     tr.close()
+    assert vars(model[2])["forward"] is recording  # the user's own wrapper is put back
     for b in pub.of(PhaseBatch):
         assert b.names == ("forward", "0", "2", "backward", "optimizer")

@@ -126,7 +126,8 @@ def test_module_and_optimizer_hooks(tmp_path: Path) -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     with make(pub, tmp_path) as tr:
         handles = tr.instrument(model, backward=True)
-        assert len(handles) == 16
+        assert len(handles) == 12  # per module: its forward wrapped, a backward pre/post hook pair
+        assert "forward" in vars(model[0].mlp) and not model[0].mlp._forward_hooks  # no forward hooks
         tr.instrument_optimizer(opt)
         with tr.step():
             x = torch.randn(2, 8, requires_grad=True)
@@ -139,9 +140,34 @@ def test_module_and_optimizer_hooks(tmp_path: Path) -> None:
     assert fwd == ["self_attention", "mlp", "self_attention", "mlp"]
     assert sorted(bwd) == ["mlp", "mlp", "self_attention", "self_attention"]
     assert batch.names[-1] == "optimizer" and batch.kinds[-1] is PhaseKind.OPTIMIZER
-    # close() removed the hooks: a closed tracer records nothing more
+    # close() removed the hooks and the forward wrappers: a closed tracer records nothing more
     model(torch.randn(2, 8))
     assert len(pub.of(PhaseBatch)) == 1
+    assert "forward" not in vars(model[0].mlp) and not model[0].mlp._backward_hooks
+
+
+def test_a_wrapped_forward_that_raises_still_closes_its_phase(tmp_path: Path) -> None:
+    class Boom(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            raise ValueError("inside the model")
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.mlp = Boom()
+
+    pub = RecordingPublisher(check=True)
+    net = Net()
+    with make(pub, tmp_path) as tr:
+        tr.instrument(net)
+        with tr.step():
+            with pytest.raises(ValueError, match="inside the model"):
+                net.mlp(torch.ones(1))
+            with tr.phase("after", PhaseKind.OTHER):
+                pass
+    (batch,) = pub.of(PhaseBatch)
+    assert list(batch.names) == ["mlp", "after"]
+    assert all(d >= 0 for d in batch.duration_ns)
 
 
 def test_errors_never_reach_training(tmp_path: Path) -> None:
