@@ -247,6 +247,17 @@ def _interleaved(hooked: Any, plain: Any, rounds: int) -> float:
     return statistics.median(diffs)
 
 
+def _ns_per_call(tracer: Any, call: Any, per: int) -> float:
+    """ns per ``call()`` over ``per`` calls inside one step of ``tracer`` (its queue drained first)."""
+    _drained(tracer)
+    perf = time.perf_counter_ns
+    with tracer.step():
+        t0 = perf()
+        for _ in range(per):
+            call()
+        return (perf() - t0) / per
+
+
 def bench_module_hooks(n: int, rounds: int = 15) -> tuple[float, float]:
     """ns one module call costs with the tracer's forward pre/post hooks (see the module docstring), and what
     torch's hook dispatch alone costs (a no-op pre/post hook pair)."""
@@ -267,15 +278,9 @@ def bench_module_hooks(n: int, rounds: int = 15) -> tuple[float, float]:
     noop_model.mlp.register_forward_pre_hook(lambda *_: None)
     noop_model.mlp.register_forward_hook(lambda *_: None)
     x, per = torch.ones(1), max(100, n // (4 * rounds))
-    perf = time.perf_counter_ns
 
     def run(mod: Any) -> float:
-        _drained(tracer)
-        with tracer.step():
-            t0 = perf()
-            for _ in range(per):
-                mod(x)
-            return (perf() - t0) / per
+        return _ns_per_call(tracer, lambda: mod(x), per)
 
     out = _interleaved(lambda: run(hooked_model.mlp), lambda: run(plain_model.mlp), rounds)
     dispatch = _interleaved(lambda: run(noop_model.mlp), lambda: run(plain_model.mlp), rounds)
@@ -331,15 +336,9 @@ def bench_model_step(n: int, rounds: int = 9) -> float:
     hooked, plain = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
     tracer.instrument_model(hooked)
     x, per = torch.ones(2, 4), max(20, n // (4 * rounds))
-    perf = time.perf_counter_ns
 
     def run(model: Any) -> float:
-        _drained(tracer)
-        with tracer.step():
-            t0 = perf()
-            for _ in range(per):
-                model(x).sum().backward()
-            return (perf() - t0) / per
+        return _ns_per_call(tracer, lambda: model(x).sum().backward(), per)
 
     out = _interleaved(lambda: run(hooked), lambda: run(plain), rounds)
     tracer.close(timeout_s=5)

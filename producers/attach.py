@@ -49,7 +49,7 @@ from producers.topology import build_topology, parse_topology_spec, with_hosts
 from producers.tracer import Tracer, _NullPublisher
 from schemas.records import ParallelGroup
 
-__all__ = ["RankEnv", "attach", "current_tracer", "read_env", "tracer_from_env"]
+__all__ = ["RankEnv", "attach", "current_tracer", "detach", "read_env", "tracer_from_env"]
 
 log = logging.getLogger(__name__)
 
@@ -222,6 +222,18 @@ def current_tracer() -> Tracer | None:
     """The tracer :func:`attach` made for this process (None before, or after it was closed)."""
     t = _state["tracer"]
     return t if t is not None and not t._closed else None
+
+
+def detach(timeout_s: float = 30.0) -> None:
+    """Close the tracer :func:`attach` made (if any) and forget every model and optimizer it instrumented, so
+    the next :func:`attach` starts afresh (a new job in the same process, or a test)."""
+    t = current_tracer()
+    if t is not None:
+        t.close(timeout_s=timeout_s)
+    _state.update(tracer=None, next_step=0)
+    _models.clear()
+    _optimizers.clear()
+    _by_id.clear()
 
 
 def _disabled() -> Tracer:

@@ -35,13 +35,7 @@ G = ParallelGroup
 def fresh_process_state() -> Iterator[None]:
     """Each test gets a process without an attached tracer (attach keeps one per process)."""
     yield
-    t = attach_mod.current_tracer()
-    if t is not None:
-        t.close(timeout_s=2)
-    attach_mod._state.update(tracer=None, next_step=0)
-    attach_mod._models.clear()
-    attach_mod._optimizers.clear()
-    attach_mod._by_id.clear()
+    attach_mod.detach(timeout_s=2)
 
 
 @pytest.fixture

@@ -24,12 +24,7 @@ STEPS = 4
 @pytest.fixture(autouse=True)
 def fresh_process_state() -> Iterator[None]:
     yield
-    t = attach_mod.current_tracer()
-    if t is not None:
-        t.close(timeout_s=2)
-    attach_mod._state.update(tracer=None, next_step=0)
-    attach_mod._models.clear()
-    attach_mod._optimizers.clear()
+    attach_mod.detach(timeout_s=2)
 
 
 def attach_kwargs(tmp_path: Path, pub: RecordingPublisher, job: str) -> dict[str, Any]:
