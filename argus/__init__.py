@@ -1,7 +1,9 @@
 """argus: always-on tracing and fail-slow diagnosis for large GPU training jobs.
 
-``argus.attach(model, optimizer)`` traces a training rank in one line (see :mod:`producers.attach`); it is
-imported on first use, so ``import argus`` alone loads neither torch, Faust nor ClickHouse.
+The user's entry points: ``argus.attach(model, optimizer)`` traces a training rank in one line (see
+:mod:`argus.producers.attach`), :class:`Tracer` is the tracer it builds, :class:`Settings` the configuration and
+:func:`fetch_findings` a job's findings from ClickHouse. Each is imported on first use, so ``import argus``
+alone loads neither torch, Faust nor ClickHouse, and the rank-side names load no Faust or ClickHouse.
 """
 
 from __future__ import annotations
@@ -12,17 +14,20 @@ from argus.errors import ArgusError
 from argus.settings import Settings
 
 if TYPE_CHECKING:
-    from producers.attach import attach, current_tracer
+    from argus.producers.attach import attach, current_tracer
+    from argus.producers.tracer import Tracer
+    from argus.sinks.findings_query import fetch_findings
 
-__all__ = ["ArgusError", "Settings", "__version__", "attach", "current_tracer"]
+__all__ = ["ArgusError", "Settings", "Tracer", "__version__", "attach", "current_tracer", "fetch_findings"]
 
 __version__ = "0.1.0"
 
-_LAZY = {"attach": "producers.attach", "current_tracer": "producers.attach"}
+_LAZY = {"attach": "argus.producers.attach", "current_tracer": "argus.producers.attach",
+         "Tracer": "argus.producers.tracer", "fetch_findings": "argus.sinks.findings_query"}
 
 
 def __getattr__(name: str) -> Any:
-    """``argus.attach`` and ``argus.current_tracer``, imported when first used."""
+    """The names of ``_LAZY``, imported when first used."""
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'argus' has no attribute {name!r}")

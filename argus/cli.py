@@ -93,7 +93,7 @@ def _out_jobs(diagnosis: dict[str, Any] | None, limit: int = 20) -> None:
 
 
 def _cmd_sql(settings: Settings, args: argparse.Namespace) -> int:
-    from sinks.query_server import run_query
+    from argus.sinks.query_server import run_query
 
     res = run_query(settings, args.query)
     if args.json:
@@ -112,14 +112,14 @@ def _cmd_topics(settings: Settings, args: argparse.Namespace) -> int:
 
 
 def _cmd_worker(settings: Settings, args: argparse.Namespace) -> int:
-    from streams.worker import run_worker
+    from argus.streams.worker import run_worker
 
     run_worker(settings)
     return 0
 
 
 def _cmd_sink(settings: Settings, args: argparse.Namespace) -> int:
-    from sinks.writer import serve
+    from argus.sinks.writer import serve
 
     serve(settings)
     return 0
@@ -157,7 +157,7 @@ _FINDING_COLUMNS = ("impact_gpu_s", "level", "kind", "ranks", "phase/kernel", "s
 
 
 def _cmd_follow(settings: Settings, args: argparse.Namespace) -> int:
-    from sinks.findings_feed import follow_findings
+    from argus.sinks.findings_feed import follow_findings
 
     if not args.json:
         sys.stderr.write(f"following findings{' of job ' + args.job if args.job else ''} on "
@@ -173,7 +173,7 @@ def _cmd_follow(settings: Settings, args: argparse.Namespace) -> int:
 
 
 def _cmd_findings(settings: Settings, args: argparse.Namespace) -> int:
-    from sinks.findings_query import fetch_findings, pending_reasons, wait_diagnosed
+    from argus.sinks.findings_query import fetch_findings, pending_reasons, wait_diagnosed
 
     if args.follow:
         return _cmd_follow(settings, args)
@@ -230,8 +230,8 @@ def _cmd_replay(settings: Settings, args: argparse.Namespace) -> int:
 
 
 def _cmd_import_kineto(settings: Settings, args: argparse.Namespace) -> int:
+    from argus.producers.kineto import import_kineto
     from argus.progress import Meter
-    from producers.kineto import import_kineto
 
     with Meter("importing: ranks parsed, then published", unit="rank") as meter:
         report = import_kineto(settings, args.directory, args.job, topology=args.topology,
@@ -271,7 +271,7 @@ def _cmd_export_trace(settings: Settings, args: argparse.Namespace) -> int:
 
 
 def _cmd_ddl(settings: Settings, args: argparse.Namespace) -> int:
-    from sinks.tables import schema_ddl
+    from argus.sinks.tables import schema_ddl
 
     cluster = settings.clickhouse_cluster if args.cluster is None else args.cluster
     for sql in schema_ddl(args.database or settings.clickhouse_database, cluster):
@@ -283,7 +283,7 @@ def _cmd_stacks(settings: Settings, args: argparse.Namespace) -> int:
     import signal
     import threading
 
-    from producers.cpu_stacks import StackCollector
+    from argus.producers.cpu_stacks import StackCollector
 
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

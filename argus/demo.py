@@ -8,14 +8,14 @@ from collections.abc import Callable
 from typing import Any
 
 from argus.errors import ArgusError
+from argus.producers.faults import Fault, FaultSpec
+from argus.producers.publisher import Publisher
+from argus.producers.simulator import JobSimulator, JobSpec, SimStats
+from argus.producers.topology import build_topology
 from argus.settings import Settings
+from argus.sinks.findings_query import fetch_findings, wait_diagnosed
+from argus.sinks.query_server import run_query
 from argus.topics import Topic
-from producers.faults import Fault, FaultSpec
-from producers.publisher import Publisher
-from producers.simulator import JobSimulator, JobSpec, SimStats
-from producers.topology import build_topology
-from sinks.findings_query import fetch_findings, wait_diagnosed
-from sinks.query_server import run_query
 
 __all__ = ["FAULTS", "build_spec", "run_demo", "simulate_job", "wait_processed"]
 

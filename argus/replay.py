@@ -37,9 +37,9 @@ from confluent_kafka import Consumer, KafkaException, Producer, TopicPartition
 from argus.errors import ArgusError
 from argus.kafka_security import client_config
 from argus.progress import Advance
+from argus.schemas.records import JobLifecycle, LifecycleEvent
 from argus.settings import Settings
 from argus.topics import PARTITIONER, Topic, ensure_topics
-from schemas.records import JobLifecycle, LifecycleEvent
 
 __all__ = ["FindingsDiff", "ReplayResult", "copy_job_records", "diff_findings", "finding_identity",
            "namespace_settings", "parse_time_ms", "replay_job"]
@@ -325,8 +325,8 @@ def replay_job(settings: Settings, job_id: str, namespace: str | None = None, fr
         ArgusError: a bad namespace or time range, the job has no retained records, Kafka or ClickHouse cannot
             be reached, or the namespace's worker or sink does not start.
     """
+    from argus.sinks.findings_query import fetch_findings, wait_diagnosed
     from argus.stack import Stack
-    from sinks.findings_query import fetch_findings, wait_diagnosed
 
     say = progress or (lambda _m: None)
     if from_ms is not None and to_ms is not None and from_ms > to_ms:

@@ -8,7 +8,7 @@ the commands to drill down. Plots are plotly figures; plotly.js is inlined once,
 :data:`~argus.report_data.MAX_RANK_ROWS` rank rows (suspects and an even sample), and the page says so.
 
 Data comes from ClickHouse (``FINAL`` views of ``steps``, ``phases``, ``kernel_summaries``, ``topology``) through
-:func:`sinks.query_server.run_query` and the findings contract :func:`sinks.findings_query.fetch_findings`;
+:func:`argus.sinks.query_server.run_query` and the findings contract :func:`argus.sinks.findings_query.fetch_findings`;
 the shaping is :mod:`argus.report_data`. Every string from the data is HTML-escaped.
 """
 
@@ -29,6 +29,7 @@ import plotly.io as pio
 from plotly.offline import get_plotlyjs
 
 from argus import __version__
+from argus.detectors.l3_kernels import is_collective
 from argus.errors import ArgusError
 from argus.report_data import (
     MAX_KERNELS,
@@ -55,17 +56,16 @@ from argus.report_data import (
     w1_heatmap,
 )
 from argus.settings import Settings
-from detectors.l3_kernels import is_collective
-from sinks.clickhouse import ClickHouseStore, QueryResult, sql_string
-from sinks.findings_query import fetch_findings
-from sinks.query_server import endpoint_healthy, run_query
+from argus.sinks.clickhouse import ClickHouseStore, QueryResult, sql_string
+from argus.sinks.findings_query import fetch_findings
+from argus.sinks.query_server import endpoint_healthy, run_query
 
 __all__ = ["MAX_TABLE_ROWS", "Query", "ReportData", "build_report", "collect", "commands_html", "findings_table",
            "render_page"]
 
 log = logging.getLogger(__name__)
 
-#: Runs one SQL statement; defaults to :func:`sinks.query_server.run_query` on the settings.
+#: Runs one SQL statement; defaults to :func:`argus.sinks.query_server.run_query` on the settings.
 Query = Callable[[str], QueryResult]
 #: Rows of the findings table at most (by impact); the page says how many more there are.
 MAX_TABLE_ROWS = 200
@@ -443,7 +443,7 @@ def build_report(settings: Settings, job_id: str, out: Path, query: Query | None
     drew: ``path``, ``bytes``, ``plots`` (names), ``findings``, ``ranks`` and ``ranks_shown``, ``steps``,
     ``phases`` and ``kernels`` (columns of the heat maps) and ``top_kernel``.
 
-    ``query`` runs one SQL statement (default :func:`sinks.query_server.run_query` on ``settings``).
+    ``query`` runs one SQL statement (default :func:`argus.sinks.query_server.run_query` on ``settings``).
 
     Raises:
         ArgusError: nothing of the job is stored, the store cannot be read, or ``out`` cannot be written.

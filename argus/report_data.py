@@ -3,7 +3,7 @@
 The report reads aggregated rows from ClickHouse and this module turns them into what the page draws:
 which ranks get a row when a job has thousands (:func:`select_ranks`), the per-rank x phase matrix (L2,
 :func:`phase_heatmap`), the per-rank x kernel W1 matrix (L3, :func:`w1_heatmap`, the project's mixture math of
-:mod:`detectors.mixture`), the KDE clusters of the top suspect kernel (:func:`cluster_plot`), the L1 marks
+:mod:`argus.detectors.mixture`), the KDE clusters of the top suspect kernel (:func:`cluster_plot`), the L1 marks
 on the iteration-time series (:func:`l1_marks`) and the drill-down commands (:func:`drill_commands`).
 
 Every label and hover text meant for a plot is HTML-escaped here (:func:`plot_text`): plotly renders a
@@ -22,9 +22,9 @@ from typing import Any, TypeAlias
 
 import numpy as np
 
+from argus.detectors.mixture import MixtureBatch, geometric_grid, mixture_cdf
 from argus.errors import DetectorError
-from detectors.mixture import MixtureBatch, geometric_grid, mixture_cdf
-from sinks.clickhouse import sql_string
+from argus.sinks.clickhouse import sql_string
 
 __all__ = [
     "LABEL_CHARS",
@@ -270,7 +270,7 @@ def w1_scores(per_rank: Mapping[int, Components], targets: Iterable[int], groups
               sample: int = REFERENCE_SAMPLE, grid_points: int = _GRID_POINTS) -> dict[int, W1Cell]:
     """W1 of each target rank's mixture (all its clusters of one kernel) to its peers' reference: the
     pointwise median CDF of an even sample of up to ``sample`` ranks of its group (``groups``: rank -> group,
-    e.g. pipeline stage; None: one group), as the L3 detector does (:mod:`detectors.l3_kernels`).
+    e.g. pipeline stage; None: one group), as the L3 detector does (:mod:`argus.detectors.l3_kernels`).
 
     Targets without clusters get no entry. A group of one rank is its own reference (0).
     """

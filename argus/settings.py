@@ -20,7 +20,7 @@ from argus.errors import ConfigError
 __all__ = ["ENV_PREFIX", "Secret", "Settings", "check_identifier"]
 
 ENV_PREFIX = "ARGUS_"
-#: Longest event-time window (1 day): window ends must stay far inside int64 (see ``schemas.records``).
+#: Longest event-time window (1 day): window ends must stay far inside int64 (see ``argus.schemas.records``).
 _MAX_WINDOW_NS = 86_400_000_000_000
 _KAFKA_PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
 _SASL_MECHANISMS = ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512")

@@ -7,7 +7,7 @@ them, and the broker, when they exit. ``up`` is idempotent (a running supervisor
 reused; there is never a second supervisor per home) and waits until everything is healthy. ``down`` stops
 the supervisor, which stops the sink and then the worker, then the broker. Logs and pid files are under
 ``<home>/run``; the sink owns the embedded chDB directory and answers SQL for other processes (see
-:mod:`sinks.query_server`).
+:mod:`argus.sinks.query_server`).
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ from typing import Any
 from argus.errors import ArgusError
 from argus.local_kafka import LocalKafka, pid_alive
 from argus.settings import Settings
+from argus.sinks.query_server import endpoint_healthy
 from argus.supervisor import SUPERVISOR_MODULE, Service, read_state, service_pid, supervisor_pid, terminate
 from argus.topics import ensure_topics
-from sinks.query_server import endpoint_healthy
 
 __all__ = ["Service", "Stack"]
 

@@ -36,9 +36,8 @@ from confluent_kafka.admin import AdminClient, NewTopic
 
 from argus.errors import ArgusError
 from argus.kafka_security import AuthWatch, client_config
-from argus.settings import Settings
-from schemas.job_context import JobContext
-from schemas.records import (
+from argus.schemas.job_context import JobContext
+from argus.schemas.records import (
     CpuStack,
     DeadLetter,
     Finding,
@@ -51,6 +50,7 @@ from schemas.records import (
     Record,
     Step,
 )
+from argus.settings import Settings
 
 __all__ = ["PARTITIONER", "RECORD_OF", "Topic", "ensure_topics", "job_key", "kernel_key", "key_partition", "rank_key"]
 

@@ -22,7 +22,7 @@ the path ends in ``.gz``), for ui.perfetto.dev, Perfetto's trace_processor or ``
 
 Times in the file are microseconds (floats that keep every nanosecond) since ``otherData.origin_ns``, the
 earliest exported step start (Unix epoch ns); steps carry their absolute ``start_ns`` in args. ClickHouse is
-read through :func:`sinks.query_server.run_query` (whether or not the sink owns the embedded chDB), in pages;
+read through :func:`argus.sinks.query_server.run_query` (whether or not the sink owns the embedded chDB), in pages;
 the JSON is streamed to ``<out>.part``, renamed to ``out`` when complete. Memory holds the chosen ranks' steps,
 one rank's phases at a time and the raw kernels of the range (``max_kernel_events`` at most, ~30 bytes each).
 """
@@ -46,11 +46,11 @@ from confluent_kafka import Consumer, KafkaException, TopicPartition
 
 from argus.errors import ArgusError, SchemaError, TraceExportError
 from argus.kafka_security import client_config
+from argus.schemas.records import KernelBatch, PhaseKind
 from argus.settings import Settings
+from argus.sinks.clickhouse import QueryResult, sql_string
+from argus.sinks.query_server import run_query
 from argus.topics import Topic, key_partition, rank_key
-from schemas.records import KernelBatch, PhaseKind
-from sinks.clickhouse import QueryResult, sql_string
-from sinks.query_server import run_query
 
 __all__ = ["KERNEL_SOURCES", "MAX_KERNEL_EVENTS", "export_trace"]
 
@@ -78,7 +78,7 @@ def export_trace(settings: Settings, job_id: str, ranks: Sequence[int], from_ste
     Args:
         progress: called as ``progress(messages_read, messages_to_read)`` while the kernels topic is read.
         kernels: ``auto`` or ``summaries`` (skip Kafka: counter tracks from the summaries only).
-        query: runs one SQL statement (default :func:`sinks.query_server.run_query` on ``settings``).
+        query: runs one SQL statement (default :func:`argus.sinks.query_server.run_query` on ``settings``).
         max_kernel_events: most raw kernel events kept; past it the rest are left out (``kernels_truncated``).
 
     Returns:

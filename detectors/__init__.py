@@ -1,21 +1,21 @@
 """Fail-slow detectors: per-window compression of kernel durations, distances between ranks, and diagnosis.
 
-:mod:`detectors.kde_clusters` turns a window's raw kernel durations into a few clusters per
-(kernel, stream) group; :mod:`detectors.mixture` rebuilds log-normal mixtures from those clusters and
+:mod:`argus.detectors.kde_clusters` turns a window's raw kernel durations into a few clusters per
+(kernel, stream) group; :mod:`argus.detectors.mixture` rebuilds log-normal mixtures from those clusters and
 measures how far ranks drift apart with the 1-Wasserstein distance (in ns). The progressive diagnosis
-runs on top: :mod:`detectors.l1_iteration` (iteration-time spikes and regressions),
-:mod:`detectors.l2_phases` (straggler rank and phase within parallel groups, slow pipeline stages),
-:mod:`detectors.l3_kernels` (degraded kernels, mode by mode with :mod:`detectors.kernel_modes`, and links
-from the compressed windows), :mod:`detectors.l3_ranks` (ranks and pipeline stages slow across kernels);
-:mod:`detectors.hangs` names stalled jobs, silent ranks and the ranks a hung collective waits for;
-:mod:`detectors.impact` gives each result the GPU time the job lost to it and :mod:`detectors.findings`
+runs on top: :mod:`argus.detectors.l1_iteration` (iteration-time spikes and regressions),
+:mod:`argus.detectors.l2_phases` (straggler rank and phase within parallel groups, slow pipeline stages),
+:mod:`argus.detectors.l3_kernels` (degraded kernels, mode by mode with :mod:`argus.detectors.kernel_modes`, and links
+from the compressed windows), :mod:`argus.detectors.l3_ranks` (ranks and pipeline stages slow across kernels);
+:mod:`argus.detectors.hangs` names stalled jobs, silent ranks and the ranks a hung collective waits for;
+:mod:`argus.detectors.impact` gives each result the GPU time the job lost to it and :mod:`argus.detectors.findings`
 turns results into Finding records.
 """
 
-from detectors.findings import DetectorResult, finding_id, to_finding, to_findings
-from detectors.hangs import HangKind, HangParams, HangResult, RankLiveness, detect_hangs, job_resumed
-from detectors.impact import Impact, StepClock, impact_of, worth_raising
-from detectors.kde_clusters import (
+from argus.detectors.findings import DetectorResult, finding_id, to_finding, to_findings
+from argus.detectors.hangs import HangKind, HangParams, HangResult, RankLiveness, detect_hangs, job_resumed
+from argus.detectors.impact import Impact, StepClock, impact_of, worth_raising
+from argus.detectors.kde_clusters import (
     ClusterSet,
     ClusterSummary,
     KdeParams,
@@ -23,10 +23,10 @@ from detectors.kde_clusters import (
     cluster_by_group,
     cluster_durations,
 )
-from detectors.kernel_modes import ReferenceModes, mode_quantiles, reference_modes
-from detectors.l1_iteration import IterationSeries, L1Kind, L1Params, L1Result, detect_l1
-from detectors.l2_phases import L2Kind, L2Params, L2Result, PhaseTable, detect_l2, loo_median
-from detectors.l3_kernels import (
+from argus.detectors.kernel_modes import ReferenceModes, mode_quantiles, reference_modes
+from argus.detectors.l1_iteration import IterationSeries, L1Kind, L1Params, L1Result, detect_l1
+from argus.detectors.l2_phases import L2Kind, L2Params, L2Result, PhaseTable, detect_l2, loo_median
+from argus.detectors.l3_kernels import (
     L3Kind,
     L3Params,
     L3Result,
@@ -37,8 +37,14 @@ from detectors.l3_kernels import (
     primary_p50,
     score_ranks,
 )
-from detectors.l3_ranks import KernelTotals, RankExcessParams, detect_rank_excess, detect_stage_excess, kernel_family
-from detectors.mixture import (
+from argus.detectors.l3_ranks import (
+    KernelTotals,
+    RankExcessParams,
+    detect_rank_excess,
+    detect_stage_excess,
+    kernel_family,
+)
+from argus.detectors.mixture import (
     Mixture,
     MixtureBatch,
     geometric_grid,

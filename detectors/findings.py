@@ -1,9 +1,9 @@
-"""Detector results as :class:`~schemas.records.Finding` records, with deterministic ids.
+"""Detector results as :class:`~argus.schemas.records.Finding` records, with deterministic ids.
 
 Kinds are the lower-case values of the detectors' enums: ``iteration_spike`` and ``step_regression``
 (L1), ``compute_straggler``, ``phase_straggler`` and ``pp_stage_slow`` (L2), ``kernel_degraded``,
 ``link_degraded``, ``compute_straggler`` (L3, a late arrival seen in a collective kernel) and
-``rank_degraded`` (L3, a rank slow across kernels); from :mod:`detectors.hangs`, ``job_stalled`` and
+``rank_degraded`` (L3, a rank slow across kernels); from :mod:`argus.detectors.hangs`, ``job_stalled`` and
 ``job_resumed`` (L1), ``rank_silent`` and ``hang_wavefront`` (L2; its ranks are the suspects).
 
 ``finding_id`` is the SHA-1 (hex) of the canonical JSON array ``[job_id, level, kind, ranks, phase,
@@ -24,13 +24,13 @@ from typing import Any
 
 import numpy as np
 
+from argus.detectors.hangs import HangResult
+from argus.detectors.impact import Impact
+from argus.detectors.l1_iteration import L1Result
+from argus.detectors.l2_phases import L2Result
+from argus.detectors.l3_kernels import L3Result
 from argus.errors import DetectorError
-from detectors.hangs import HangResult
-from detectors.impact import Impact
-from detectors.l1_iteration import L1Result
-from detectors.l2_phases import L2Result
-from detectors.l3_kernels import L3Result
-from schemas.records import Finding
+from argus.schemas.records import Finding
 
 __all__ = ["DetectorResult", "finding_id", "finding_json", "to_finding", "to_findings"]
 
@@ -50,7 +50,7 @@ def to_finding(job_id: str, result: DetectorResult | HangResult, time_ns: int, i
 
     ``time_ns``: the event time the finding refers to (the last analysed step's start, or the newest
     window end), integer ns since the Unix epoch. ``impact``: its GPU-time impact (see
-    :mod:`detectors.impact`; 0 when not given), also written to the evidence as ``delay_ms_per_step`` and
+    :mod:`argus.detectors.impact`; 0 when not given), also written to the evidence as ``delay_ms_per_step`` and
     ``impact_steps``. Raises :class:`DetectorError` for an empty ``job_id``,
     a negative ``time_ns``, a non-finite score or evidence that cannot be written as JSON.
     """
@@ -89,7 +89,7 @@ def to_findings(job_id: str, results: Iterable[DetectorResult | HangResult], tim
 
 
 def finding_json(f: Finding) -> dict[str, Any]:
-    """A finding as the ``argus findings --json`` contract writes it (see :mod:`sinks.findings_query`): also
+    """A finding as the ``argus findings --json`` contract writes it (see :mod:`argus.sinks.findings_query`): also
     the message body of the JSON findings topic."""
     return {"job": f.job_id, "level": f.level.value, "kind": f.kind, "ranks": list(f.ranks), "phase": f.phase,
             "kernel": f.kernel, "stream": f.stream, "steps": list(f.steps), "score": f.score,

@@ -19,7 +19,7 @@ time), :func:`detect_hangs` says:
 :func:`job_resumed` closes an episode (L1 ``job_resumed``, evidence ``seconds_stalled``). The caller (the
 stream) keeps the episode: when it began, and that it raised ``job_stalled`` once.
 
-Results are :class:`HangResult`; :func:`detectors.findings.to_finding` turns them into findings. Their
+Results are :class:`HangResult`; :func:`argus.detectors.findings.to_finding` turns them into findings. Their
 ``steps`` are stable while the episode lasts (the last completed step, or the step the group waits in), so
 a finding re-derived on every tick has the same id.
 """
@@ -33,7 +33,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from schemas.records import Heartbeat, JobTopology, Level, ParallelGroup, PhaseKind
+from argus.schemas.records import Heartbeat, JobTopology, Level, ParallelGroup, PhaseKind
 
 __all__ = ["HangKind", "HangParams", "HangResult", "RankLiveness", "detect_hangs", "job_resumed"]
 

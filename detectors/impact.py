@@ -18,9 +18,9 @@ import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from detectors.l1_iteration import L1Result
-from detectors.l2_phases import L2Result
-from detectors.l3_kernels import L3Result
+from argus.detectors.l1_iteration import L1Result
+from argus.detectors.l2_phases import L2Result
+from argus.detectors.l3_kernels import L3Result
 
 __all__ = ["Impact", "StepClock", "impact_of", "worth_raising"]
 

@@ -1,5 +1,5 @@
-"""The rows of one (job, kernel, stream)'s :class:`~schemas.records.KernelSummary` records, merged per rank
-for L3 (:mod:`detectors.l3_kernels`).
+"""The rows of one (job, kernel, stream)'s :class:`~argus.schemas.records.KernelSummary` records, merged per rank
+for L3 (:mod:`argus.detectors.l3_kernels`).
 
 A window of a 10,240-rank job arrives as one record per rank: every column is read once, straight from
 the records' tuples into one flat array (``operator.attrgetter`` over the records, one ``np.fromiter``
@@ -16,9 +16,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from argus.detectors.mixture import MixtureBatch
 from argus.errors import DetectorError
-from detectors.mixture import MixtureBatch
-from schemas.records import KernelSummary
+from argus.schemas.records import KernelSummary
 
 __all__ = ["merge_rows", "one_key", "row_floors", "window_end"]
 

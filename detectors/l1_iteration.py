@@ -1,6 +1,6 @@
 """L1 diagnosis: the job's iteration time per step, its spikes and its step regressions.
 
-The job iteration time of a step is the maximum of :attr:`~schemas.records.Step.wall_ns` over the ranks
+The job iteration time of a step is the maximum of :attr:`~argus.schemas.records.Step.wall_ns` over the ranks
 (a synchronous job is as slow as its slowest rank); the GPU time is the maximum of ``gpu_ns``. Two
 detectors run on that series:
 
@@ -108,7 +108,7 @@ import numpy.typing as npt
 from numpy.lib.stride_tricks import sliding_window_view
 
 from argus.errors import DetectorError
-from schemas.records import Level, Step
+from argus.schemas.records import Level, Step
 
 __all__ = ["IterationSeries", "L1Kind", "L1Params", "L1Result", "detect_l1"]
 
@@ -247,7 +247,7 @@ class IterationSeries:
 
     @classmethod
     def from_steps(cls, records: Iterable[Step]) -> IterationSeries:
-        """The job series of :class:`~schemas.records.Step` records (any ranks, any order)."""
+        """The job series of :class:`~argus.schemas.records.Step` records (any ranks, any order)."""
         rows = [(r.step, r.wall_ns, math.nan if r.gpu_ns is None else r.gpu_ns) for r in records]
         if not rows:
             return cls(np.empty(0, np.int64), np.empty(0), np.empty(0))

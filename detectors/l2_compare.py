@@ -1,5 +1,5 @@
 """L2's comparison of ranks within their groups, one phase at a time, every group of the phase at once
-(:mod:`detectors.l2_phases` describes what is compared and why).
+(:mod:`argus.detectors.l2_phases` describes what is compared and why).
 
 A phase's ranks are sorted by group; the groups of one size form a ``groups x members`` array and every
 statistic (leave-one-out medians, medians, MADs, CVs) is taken along its rows, the same values a loop over
@@ -15,11 +15,11 @@ from typing import TYPE_CHECKING
 import numpy as np
 import numpy.typing as npt
 
-from detectors.l2_groups import loo_median_rows
-from schemas.records import PhaseKind
+from argus.detectors.l2_groups import loo_median_rows
+from argus.schemas.records import PhaseKind
 
 if TYPE_CHECKING:
-    from detectors.l2_phases import L2Params
+    from argus.detectors.l2_phases import L2Params
 
 __all__ = ["Flag", "compare_rows", "phase_flags"]
 
@@ -52,7 +52,7 @@ class Flag:
 
 def compare_rows(value: F64, p: L2Params, collective: bool) -> tuple[F64, F64, F64, F64, npt.NDArray[np.bool_]]:
     """Each row of ``value`` one group's members: ratio to and z against the peers' median, that median, the
-    group's CV (one per row) and the hits (see :func:`detectors.l2_phases.detect_l2`)."""
+    group's CV (one per row) and the hits (see :func:`argus.detectors.l2_phases.detect_l2`)."""
     peers = loo_median_rows(value)
     med = np.median(value, axis=1, keepdims=True)
     scale = np.maximum(np.median(np.abs(value - med), axis=1, keepdims=True) * _MAD_SCALE, p.mad_floor * peers)

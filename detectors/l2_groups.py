@@ -1,4 +1,4 @@
-"""Group statistics of L2 (:mod:`detectors.l2_phases`): per-cell and leave-one-out medians, and the
+"""Group statistics of L2 (:mod:`argus.detectors.l2_phases`): per-cell and leave-one-out medians, and the
 late arrivals that are victims of a straggler rather than stragglers themselves."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import numpy as np
 import numpy.typing as npt
 
 from argus.errors import DetectorError
-from schemas.records import JobTopology
+from argus.schemas.records import JobTopology
 
 __all__ = ["cell_median", "loo_median", "loo_median_rows", "waiting_victims"]
 

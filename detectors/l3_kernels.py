@@ -1,13 +1,13 @@
 """L3 diagnosis: which ranks run one (kernel, stream) slower than the rest, from the compressed windows.
 
-Input: every :class:`~schemas.records.KernelSummary` of one (job, kernel, stream), each holding cluster
+Input: every :class:`~argus.schemas.records.KernelSummary` of one (job, kernel, stream), each holding cluster
 rows of some ranks and windows. All windows of a rank are merged into one log-normal mixture (weights =
-cluster counts; see :mod:`detectors.mixture`). Per comparison set of ranks:
+cluster counts; see :mod:`argus.detectors.mixture`). Per comparison set of ranks:
 
 1. **W1 to a robust reference.** Every rank's mixture CDF is evaluated on one shared geometric grid of
    ``G`` points, the reference is the pointwise median of the ``R`` CDFs, and each rank's 1-Wasserstein
    distance to it is integrated: O(R * K * G) time and O(R * G) memory for ``K`` components per rank,
-   against O(R^2 * G) for the paper's all-pairs matrix (:func:`~detectors.mixture.w1_matrix`) -- what
+   against O(R^2 * G) for the paper's all-pairs matrix (:func:`~argus.detectors.mixture.w1_matrix`) -- what
    makes 10k ranks feasible. A rank's **score** is ``W1 / mean of the reference``: a rank whose
    durations all grew by a factor ``f`` scores about ``f - 1``. The signed integral gives the direction
    (slower or faster than the reference). W1 sees both a shifted median and a fattened tail.
@@ -59,12 +59,12 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from argus.detectors.kernel_modes import ReferenceModes, mode_quantiles, reference_modes
+from argus.detectors.kernel_rows import merge_rows, one_key, row_floors, window_end
+from argus.detectors.l2_groups import loo_median, loo_median_rows
+from argus.detectors.mixture import MixtureBatch, geometric_grid, mixture_cdf
 from argus.errors import DetectorError
-from detectors.kernel_modes import ReferenceModes, mode_quantiles, reference_modes
-from detectors.kernel_rows import merge_rows, one_key, row_floors, window_end
-from detectors.l2_groups import loo_median, loo_median_rows
-from detectors.mixture import MixtureBatch, geometric_grid, mixture_cdf
-from schemas.records import JobTopology, KernelSummary, Level, ParallelGroup
+from argus.schemas.records import JobTopology, KernelSummary, Level, ParallelGroup
 
 __all__ = ["PIPELINE_SIDE", "L3Kind", "L3Params", "L3Result", "RankScores", "Scope", "cluster_median_quantile",
            "detect_l3", "is_collective", "primary_p50", "score_ranks"]
@@ -106,7 +106,7 @@ class L3Kind(enum.Enum):
     KERNEL_DEGRADED = "kernel_degraded"
     LINK_DEGRADED = "link_degraded"
     COMPUTE_STRAGGLER_BY_COLLECTIVE = "compute_straggler"
-    #: A rank slower than its peers across the job's compute kernels (:mod:`detectors.l3_ranks`).
+    #: A rank slower than its peers across the job's compute kernels (:mod:`argus.detectors.l3_ranks`).
     RANK_DEGRADED = "rank_degraded"
 
 
@@ -327,7 +327,7 @@ def _slow_ranks(sc: RankScores, min_score: float, gate: float, p: L3Params) -> t
 
 def _mode_outliers(sc: RankScores, p: L3Params, tails: npt.NDArray[np.bool_], modes: ReferenceModes,
                    mode_q: F64, scan_q: F64) -> tuple[npt.NDArray[np.bool_], F64, F64]:
-    """Ranks with a mode slower than the reference's (see :mod:`detectors.kernel_modes`): the mask, each
+    """Ranks with a mode slower than the reference's (see :mod:`argus.detectors.kernel_modes`): the mask, each
     rank's largest mode ratio, and the share of calls of that mode. ``tails``: ranks whose clusters all
     have the calls for a modelled tail (only they are read on the fixed u grid, whose upper levels lie in
     the tails). ``modes``: the reference's; ``mode_q`` and ``scan_q``: each rank's quantiles (ns) at the
@@ -508,7 +508,7 @@ def _links(s: KernelSummary, ranks: I64, batch: MixtureBatch, sc: RankScores, gr
     arrival of its own. Each of its calls ends together with the neighbour's, so where this rank posted last
     its time is the pure transfer: waiting (a bubble, or held up by a slow stage anywhere in the pipeline,
     in either direction) lengthens the other calls only, while a degraded link slows every call. A side is
-    therefore slow only if its fastest calls (``floors``, :func:`~detectors.kernel_rows.row_floors`) are
+    therefore slow only if its fastest calls (``floors``, :func:`~argus.detectors.kernel_rows.row_floors`) are
     slower than its stage peers' too.
     """
     modes = reference_modes(sc.reference, sc.grid)

@@ -19,8 +19,8 @@ together. :func:`detect_rank_excess` pools the evidence of every compute kernel 
    others' shares (robust z over the set's Bonferroni bound).
 4. A rank with ``z`` over the set's bound (``alpha`` over its tests) and such an excess share
    ``>= min_excess_fraction`` is a
-   :attr:`~detectors.l3_kernels.L3Kind.RANK_DEGRADED` finding naming the kernels that carry most of the
-   excess (and the stream layer raises it only when its delay is worth it, :mod:`detectors.impact`). If
+   :attr:`~argus.detectors.l3_kernels.L3Kind.RANK_DEGRADED` finding naming the kernels that carry most of the
+   excess (and the stream layer raises it only when its delay is worth it, :mod:`argus.detectors.impact`). If
    most of a set is flagged it is the set's work that changed, not a rank: nothing is named.
 
 Collective kernels are left out: their duration includes waiting for the last member, which says nothing
@@ -39,11 +39,11 @@ import numpy.typing as npt
 from scipy.special import ndtri
 from scipy.stats import rankdata
 
+from argus.detectors.l2_groups import loo_median
+from argus.detectors.l2_phases import L2Kind, L2Result
+from argus.detectors.l3_kernels import L3Kind, L3Result, is_collective
 from argus.errors import DetectorError
-from detectors.l2_groups import loo_median
-from detectors.l2_phases import L2Kind, L2Result
-from detectors.l3_kernels import L3Kind, L3Result, is_collective
-from schemas.records import JobTopology, KernelSummary
+from argus.schemas.records import JobTopology, KernelSummary
 
 _MAD_SCALE = 1.4826
 #: Least spread of the ranks' excess fractions (a set of identical ranks has none).
@@ -305,7 +305,7 @@ def detect_stage_excess(totals: Iterable[KernelTotals], topology: JobTopology,
     output layer differ and are left out), each stage's time per call on its fastest rank (a slow stage slows
     all of its ranks, a straggler only itself) is compared with the other stages' median of that. A stage
     whose excess over the others, ``sum(calls * (m - ref))`` over its kernels, is at least
-    ``stage_min_excess`` of its expected time is an :attr:`~detectors.l2_phases.L2Kind.PP_STAGE_SLOW` finding
+    ``stage_min_excess`` of its expected time is an :attr:`~argus.detectors.l2_phases.L2Kind.PP_STAGE_SLOW` finding
     naming its ranks (score: 1 + that share), with phase ``gpu_kernels``; ``delay_ns_per_step`` is
     left to the caller (totals have no steps) and ``steps_affected`` 0. The excess must not rest on a couple
     of kernels (a name that runs another shape on one stage): at least 3 kernels run ``slower_ratio`` slower.

@@ -1,6 +1,6 @@
 """Log-normal mixtures rebuilt from cluster summaries, and 1-Wasserstein distances between them.
 
-A window's kernel durations on a rank are stored only as clusters (see :mod:`detectors.kde_clusters`).
+A window's kernel durations on a rank are stored only as clusters (see :mod:`argus.detectors.kde_clusters`).
 Each cluster becomes one log-normal component: weight = its count, median = its p50, and a spread
 that puts the component's 99th percentile at the cluster's p99, i.e. ``mu = ln p50`` and
 ``sigma = (ln p99 - ln p50) / z_0.99``. The 1-Wasserstein distance between two such mixtures is
@@ -24,8 +24,8 @@ import numpy as np
 import numpy.typing as npt
 from scipy.special import ndtr, ndtri
 
+from argus.detectors.kde_clusters import ClusterSet
 from argus.errors import DetectorError
-from detectors.kde_clusters import ClusterSet
 
 __all__ = [
     "GRID_POINTS",

@@ -1,5 +1,5 @@
-"""Phase layouts of :class:`~schemas.records.PhaseBatch` records, and their per-phase sums for many batches
-at once (what :meth:`detectors.l2_phases.PhaseTable.from_batches` builds its rows from).
+"""Phase layouts of :class:`~argus.schemas.records.PhaseBatch` records, and their per-phase sums for many batches
+at once (what :meth:`argus.detectors.l2_phases.PhaseTable.from_batches` builds its rows from).
 
 The batches of one rank and step share their layout (the names, kinds and groups of its phases) with many
 others: every rank of one (TP index, pipeline stage) runs the same phases. :class:`PhaseLayout` holds what a
@@ -23,7 +23,7 @@ import numpy as np
 import numpy.typing as npt
 
 from argus.errors import DetectorError
-from schemas.records import ParallelGroup, PhaseBatch, PhaseKind
+from argus.schemas.records import ParallelGroup, PhaseBatch, PhaseKind
 
 __all__ = ["BLOCKING_GROUPS", "COMPUTE_KINDS", "PhaseLayout", "nested_one"]
 

@@ -9,7 +9,7 @@ No sink: the worker writes and reads back its ABANDONED and DIAGNOSED records on
    The worker's resident memory (``/proc/<pid>/status`` ``VmRSS``, the median of 5 samples 1 s apart) is then
    *before*.
 2. ``--jobs`` small jobs are published, ``--rate`` per second (a steady stream of crashed jobs; 0: all at
-   once), each 4 ranks x 3 steps with 32 kernels per rank and step (``producers.simulator``: DP 4, one layer),
+   once), each 4 ranks x 3 steps with 32 kernels per rank and step (``argus.producers.simulator``: DP 4, one layer),
    without their END and without the ranks' end_of_stream batches (as after a crash): every one must be
    abandoned by the idle timeout.
 3. Wait until the worker's ``/stats`` says all of them are abandoned and closed (``diagnosis.jobs_abandoned``
@@ -34,7 +34,7 @@ for 1,000 jobs. What it tells apart, measured on a 2-core machine:
   ~140 jobs open): +32 MB; 1,000 at the default 6 jobs/s: +6.8 MB (6.9 KB per job), 3 min 44 s in all.
 * A worker that kept each abandoned job's live state (about 130 KB per job here) would grow by more than
   the budget whatever the rate; the small per-job bookkeeping it keeps by design for its 10,000 most recent
-  jobs (``streams.diagnosis_agents``: topology, step clocks, published finding ids, DIAGNOSED parts) stays
+  jobs (``argus.streams.diagnosis_agents``: topology, step clocks, published finding ids, DIAGNOSED parts) stays
   well within it. The default rate (6 jobs/s, about what the worker closes per second on 2 cores) keeps the
   backlog and its high-water mark small; the slack covers RSS noise. With ``--jobs`` much below a few hundred
   the slack dominates the per-job figure; ``--rounds 2`` measures retention alone (the second round's growth).
@@ -59,13 +59,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from argus.local_kafka import LocalKafka  # noqa: E402
+from argus.producers.publisher import Publisher  # noqa: E402
+from argus.producers.simulator import DEFAULT_START_NS, JobSimulator, JobSpec  # noqa: E402
+from argus.schemas.records import JobLifecycle, KernelBatch, LifecycleEvent  # noqa: E402
 from argus.settings import Settings  # noqa: E402
 from argus.topics import ensure_topics  # noqa: E402
 from load_tests.detection_eval import free_port  # noqa: E402
 from load_tests.soak import rss_mb  # noqa: E402
-from producers.publisher import Publisher  # noqa: E402
-from producers.simulator import DEFAULT_START_NS, JobSimulator, JobSpec  # noqa: E402
-from schemas.records import JobLifecycle, KernelBatch, LifecycleEvent  # noqa: E402
 
 #: Budget: RSS growth per abandoned job (KB), plus allocator slack (MB); see the module docstring.
 BUDGET_KB_PER_JOB = 50.0

@@ -32,13 +32,13 @@ sys.path.insert(0, str(ROOT))
 
 from argus.demo import build_spec  # noqa: E402
 from argus.local_kafka import LocalKafka  # noqa: E402
+from argus.producers.publisher import Publisher  # noqa: E402
+from argus.producers.simulator import JobSimulator  # noqa: E402
+from argus.schemas.records import KernelBatch  # noqa: E402
 from argus.settings import Settings  # noqa: E402
+from argus.streams.compression import summarize_windows  # noqa: E402
+from argus.streams.windows import WindowBuffer  # noqa: E402
 from argus.topics import Topic, ensure_topics  # noqa: E402
-from producers.publisher import Publisher  # noqa: E402
-from producers.simulator import JobSimulator  # noqa: E402
-from schemas.records import KernelBatch  # noqa: E402
-from streams.compression import summarize_windows  # noqa: E402
-from streams.windows import WindowBuffer  # noqa: E402
 
 #: Budgets on this project's reference machine (2 cores): minimum kernel events/s, maximum bytes/event.
 BUDGET_CORE_EVENTS_PER_S = 1_000_000

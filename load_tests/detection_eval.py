@@ -10,7 +10,7 @@ scenario's truth (:func:`kineto_scenarios.score_findings`):
   --json``; ``argus down`` at the end, also on errors and Ctrl-C. *Time to findings* is from the start of the
   import to the findings returned.
 * ``--mode inproc``: the same scoring with the diagnosis in-process through
-  ``streams.offline.diagnose_traces(directory, job_id)`` (skipped with a message where it does not exist).
+  ``argus.streams.offline.diagnose_traces(directory, job_id)`` (skipped with a message where it does not exist).
 
 Scenario classes are drawn in equal shares (``kineto_scenarios.FAULT_CLASSES``); every scenario has its own
 seed, and ``--only-seed S --fault CLASS [--max-ranks M]`` reruns exactly that one. ``--details PATH`` writes
@@ -186,7 +186,7 @@ class PrivateStack:
 
 def _inproc_diagnose() -> Callable[[Path, str], list[dict[str, Any]]] | None:
     try:
-        mod = importlib.import_module("streams.offline")
+        mod = importlib.import_module("argus.streams.offline")
     except ImportError:
         return None
     fn = getattr(mod, "diagnose_traces", None)
@@ -338,8 +338,9 @@ def main(argv: list[str] | None = None) -> int:
     jobs = [(args.only_seed, args.fault)] if args.only_seed is not None else plan(args.scenarios, args.seed,
                                                                                  args.fault)
     if args.mode == "inproc" and _inproc_diagnose() is None:
-        _say("inproc mode skipped: streams.offline.diagnose_traces does not exist yet")
-        sys.stdout.write(json.dumps({"mode": "inproc", "skipped": "streams.offline.diagnose_traces not found"}) + "\n")
+        _say("inproc mode skipped: argus.streams.offline.diagnose_traces does not exist yet")
+        skipped = {"mode": "inproc", "skipped": "argus.streams.offline.diagnose_traces not found"}
+        sys.stdout.write(json.dumps(skipped) + "\n")
         return 0
     signal.signal(signal.SIGTERM, _sigterm)
     signal.signal(signal.SIGINT, signal.default_int_handler)  # even where started with SIGINT ignored (nohup, &)

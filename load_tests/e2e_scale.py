@@ -2,7 +2,7 @@
 
 ``python load_tests/e2e_scale.py [--dp 32 --tp 8 --pp 4] [--steps 20]`` starts a private stack (``argus up``
 with its own home, ports, topics and groups, as :mod:`load_tests.soak` does), publishes one simulated job of
-``dp x tp x pp`` ranks (``producers.simulator``; one layer per stage and 4 microbatches to keep the kernels
+``dp x tp x pp`` ranks (``argus.producers.simulator``; one layer per stage and 4 microbatches to keep the kernels
 per step modest, a compute straggler on rank 5 from the middle of the job), and waits until the job is
 diagnosed through to ClickHouse (``findings --wait``: every part's DIAGNOSED, every finding and record
 stored). The worker's resident memory is sampled every ``--sample-s`` seconds meanwhile.
@@ -32,11 +32,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from detection_eval import PrivateStack
 from soak import _pid, rss_mb
 
+from argus.producers.faults import Fault, FaultSpec
+from argus.producers.publisher import Publisher
+from argus.producers.simulator import JobSimulator, JobSpec
+from argus.schemas.records import JobLifecycle, KernelBatch, LifecycleEvent, PhaseBatch, Step
 from argus.settings import Settings
-from producers.faults import Fault, FaultSpec
-from producers.publisher import Publisher
-from producers.simulator import JobSimulator, JobSpec
-from schemas.records import JobLifecycle, KernelBatch, LifecycleEvent, PhaseBatch, Step
 
 #: Most seconds from the job's END to its diagnosis stored (1,024 ranks, this 2-core machine).
 BUDGET_END_TO_DIAGNOSED_S = 120.0

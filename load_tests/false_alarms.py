@@ -18,12 +18,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from argus.producers.publisher import Publisher
+from argus.producers.sim_workload import GradSync
+from argus.producers.simulator import JobSimulator, JobSpec
 from argus.settings import Settings
+from argus.sinks.findings_query import fetch_findings, wait_diagnosed
 from argus.stack import Stack
-from producers.publisher import Publisher
-from producers.sim_workload import GradSync
-from producers.simulator import JobSimulator, JobSpec
-from sinks.findings_query import fetch_findings, wait_diagnosed
 
 TOPOLOGIES = {"dp8": (8, 1, 1, GradSync.ALL_REDUCE), "dp4pp2-dist": (4, 1, 2, GradSync.DISTRIBUTED),
               "dp2tp2pp2-dist": (2, 2, 2, GradSync.DISTRIBUTED), "dp8tp2pp2": (8, 2, 2, GradSync.ALL_REDUCE)}

@@ -44,17 +44,17 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from argus.settings import Settings  # noqa: E402
-from argus.topics import Topic  # noqa: E402
-from producers.cupti_kernels import CuptiKernels  # noqa: E402
-from producers.cupti_parse import (  # noqa: E402
+from argus.producers.cupti_kernels import CuptiKernels  # noqa: E402
+from argus.producers.cupti_parse import (  # noqa: E402
     KIND_CONCURRENT_KERNEL,
     KIND_MEMCPY,
     NameTable,
     columns_to_batches,
     extract_columns,
 )
-from schemas.records import ParallelGroup, PhaseKind  # noqa: E402
+from argus.schemas.records import ParallelGroup, PhaseKind  # noqa: E402
+from argus.settings import Settings  # noqa: E402
+from argus.topics import Topic  # noqa: E402
 
 BUDGET_NS_PER_KERNEL_RECORD = 1_000
 BUDGET_NS_PER_PHASE = 5_000
@@ -161,7 +161,7 @@ def bench_kernels(n: int, repeats: int = 5) -> dict[str, Any]:
 
 
 def bench_phases(n: int, cuda: bool, heartbeat: bool = True, interval_s: float = 2.0) -> dict[str, float]:
-    from producers.tracer import Tracer
+    from argus.producers.tracer import Tracer
 
     tracer = Tracer(Settings(heartbeat_interval_s=interval_s), "bench", 0, 1, NullPublisher(), kernels=False,
                     cuda=cuda, registry=False, lifecycle=False, max_pending_steps=1 << 20, heartbeat=heartbeat)
@@ -204,8 +204,8 @@ def bench_heartbeat(n: int, rounds: int = 7) -> float:
 def bench_live_state(n: int = 200_000) -> float:
     """ns of the two heartbeat-state writes a phase makes (``enter`` + ``exit``), minus an empty loop: the
     same bookkeeping as :func:`bench_heartbeat` without the tracer's noise around it."""
-    from producers.cuda_timing import PhaseRec
-    from producers.heartbeat import LiveState
+    from argus.producers.cuda_timing import PhaseRec
+    from argus.producers.heartbeat import LiveState
 
     st, rec = LiveState(), PhaseRec("forward", PhaseKind.FORWARD, ParallelGroup.NONE, -1, 0)
     enter, leave, perf = st.enter, st.exit, time.perf_counter_ns
@@ -223,7 +223,7 @@ def bench_live_state(n: int = 200_000) -> float:
 
 
 def _bench_tracer() -> Any:
-    from producers.tracer import Tracer
+    from argus.producers.tracer import Tracer
 
     return Tracer(Settings(), "bench", 0, 1, NullPublisher(), kernels=False, cuda=False, registry=False,
                   lifecycle=False, max_pending_steps=1 << 20, heartbeat=False).start()
@@ -292,7 +292,7 @@ def bench_ddp_bucket(n: int, rounds: int = 15) -> float:
     """ns the argus DDP communication hook adds per bucket (see the module docstring)."""
     import torch
 
-    from producers.tracer_ddp import CommChain, _argus_comm_hook
+    from argus.producers.tracer_ddp import CommChain, _argus_comm_hook
 
     class Bucket:
         def __init__(self) -> None:

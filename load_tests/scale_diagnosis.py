@@ -1,7 +1,7 @@
 """Benchmark: cost of the pure diagnosis core (L1, L2, L3) per window / per step at 1,024 to 10,240 ranks.
 
 No Kafka, no worker: the detectors are called in-process on inputs shaped as the stream agents feed them
-(:mod:`streams.diagnosis`), for a job of TP 8 x PP 4 x DP ``ranks / 32`` (:func:`producers.topology.
+(:mod:`argus.streams.diagnosis`), for a job of TP 8 x PP 4 x DP ``ranks / 32`` (:func:`argus.producers.topology.
 build_topology`) with one slow rank (the report says what each detector found, so the inputs are seen to
 be judged, not skipped). Inputs are generated with numpy (fixed seeds) before any timing. Every timing is
 ``time.perf_counter`` wall time, after ``gc.collect()``, repeated; the median is reported (``*_ms`` in
@@ -10,16 +10,17 @@ milliseconds, ``*_bytes`` in bytes, ``*_mib`` in MiB).
 What is timed, per rank count:
 
 * **L3** (budget: ``BUDGET_L3_MS`` per (kernel, window)). One event-time window of one (job, kernel, stream)
-  as :class:`~streams.diagnosis.KernelDiagnosis` passes it to :func:`~detectors.l3_kernels.detect_l3`: a list
-  of one-row :class:`~schemas.records.KernelSummary` (one per rank, ordered by rank), each row with two
-  clusters (a bimodal kernel, realistic counts for a 10 s window), the topology, default ``L3Params`` and
+  as :class:`~argus.streams.diagnosis.KernelDiagnosis` passes it to
+  :func:`~argus.detectors.l3_kernels.detect_l3`: a list of one-row
+  :class:`~argus.schemas.records.KernelSummary` (one per rank, ordered by rank), each row with two clusters
+  (a bimodal kernel, realistic counts for a 10 s window), the topology, default ``L3Params`` and
   ``group_kind=None`` (the stream's group not known: every group kind is tried, the worst case). Two kernels:
   a compute GEMM (stream 7; the slow rank's second mode 1.3x slower) and a TP all-reduce
   ``ncclDevKernel_AllReduce_Sum_bf16_RING_LL`` (stream 17; the slow rank arrives last in its TP group: its
   collective is the bare transfer, 1.3x shorter than a healthy member's, and its TP peers wait, 6x longer).
   ``ms_per_window`` = one ``detect_l3`` call. One untimed warm-up call first. Also reported, not budgeted:
 
-  - ``ingest_ms_per_window``: the worker's per-row bookkeeping (``streams.diagnosis_agents.
+  - ``ingest_ms_per_window``: the worker's per-row bookkeeping (``argus.streams.diagnosis_agents.
     _BoundedKernelDiagnosis.add``) of the window's rank rows, one run;
   - ``detect_peak_mib``: the tracemalloc peak (numpy temporaries included) of one ``detect_l3`` call;
   - ``state_bytes_per_rank_window_row``: tracemalloc bytes a ``KernelDiagnosis`` retains per (rank, window)
@@ -28,9 +29,9 @@ What is timed, per rank count:
     ``worker_state_mib_per_window`` that x ranks (the worker keeps up to ``l3_max_windows``, 64, windows).
 
 * **L2** (budget: ``BUDGET_L2_MS`` per step). ``N = --l2-steps`` complete steps of every rank's
-  :class:`~schemas.records.PhaseBatch` (the simulator's per-stage phase layout, ~150 phases per batch,
+  :class:`~argus.schemas.records.PhaseBatch` (the simulator's per-stage phase layout, ~150 phases per batch,
   durations jittered per rank; the slow rank's compute phases 1.6x longer). Timed as
-  :meth:`streams.diagnosis.JobDiagnosis.diagnose` does it: ``PhaseTable.from_batches`` over the N x ranks
+  :meth:`argus.streams.diagnosis.JobDiagnosis.diagnose` does it: ``PhaseTable.from_batches`` over the N x ranks
   batches (``table_ms_per_step``) plus ``detect_l2`` over that table (``detect_ms_per_run``), divided by N:
   ``ms_per_step`` = cost per step judged once. The live worker re-judges the last ``history_steps`` (200) steps
   every ``detect_every`` (5) new steps, so ``live_ms_per_step_est`` = (``table_ms_per_step`` x 200 +
@@ -80,14 +81,14 @@ import numpy.typing as npt
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from detectors.l1_iteration import IterationSeries, L1Result, detect_l1  # noqa: E402
-from detectors.l2_phases import L2Params, L2Result, PhaseTable, detect_l2  # noqa: E402
-from detectors.l3_kernels import L3Params, L3Result, detect_l3  # noqa: E402
-from producers.sim_workload import K_ALL_REDUCE, K_GEMM  # noqa: E402
-from producers.simulator import DEFAULT_START_NS, JobSimulator, JobSpec  # noqa: E402
-from producers.topology import build_topology  # noqa: E402
-from schemas.records import JobTopology, KernelSummary, PhaseBatch, PhaseKind, Step  # noqa: E402
-from streams.diagnosis import DiagnosisParams, JobDiagnosis, KernelDiagnosis  # noqa: E402
+from argus.detectors.l1_iteration import IterationSeries, L1Result, detect_l1  # noqa: E402
+from argus.detectors.l2_phases import L2Params, L2Result, PhaseTable, detect_l2  # noqa: E402
+from argus.detectors.l3_kernels import L3Params, L3Result, detect_l3  # noqa: E402
+from argus.producers.sim_workload import K_ALL_REDUCE, K_GEMM  # noqa: E402
+from argus.producers.simulator import DEFAULT_START_NS, JobSimulator, JobSpec  # noqa: E402
+from argus.producers.topology import build_topology  # noqa: E402
+from argus.schemas.records import JobTopology, KernelSummary, PhaseBatch, PhaseKind, Step  # noqa: E402
+from argus.streams.diagnosis import DiagnosisParams, JobDiagnosis, KernelDiagnosis  # noqa: E402
 
 #: Budgets (issue 10, "Scale to 10,240 ranks per job"), milliseconds.
 BUDGET_L3_MS = 100.0  # per (kernel, window), compute and collective alike
@@ -203,7 +204,7 @@ def state_bytes_per_row(rows: Sequence[KernelSummary], make: Callable[[], Kernel
 
 
 def measure_l3(rows: list[KernelSummary], topo: JobTopology, repeats: int) -> dict[str, Any]:
-    from streams.diagnosis_agents import _BoundedKernelDiagnosis  # imports faust: only when needed
+    from argus.streams.diagnosis_agents import _BoundedKernelDiagnosis  # imports faust: only when needed
 
     params = L3Params()
     med, runs, found = _timed(lambda: detect_l3(rows, topo, params, None), repeats, warmup=True)

@@ -3,7 +3,7 @@ must stay flat.
 
 ``python load_tests/soak.py [--minutes 30] [--job-every-s 20]`` starts a private stack (``argus up`` with its
 own home, ports, topics and groups, as :mod:`load_tests.detection_eval` does), then every ``--job-every-s``
-seconds publishes one simulated job (``producers.simulator``: 8-32 ranks, 10-30 steps, a random fault or
+seconds publishes one simulated job (``argus.producers.simulator``: 8-32 ranks, 10-30 steps, a random fault or
 none). Every ``--crash-every``-th job crashes (its END is never sent: the stack must not keep it forever),
 every ``--poison-every``-th job carries poison in its middle (undecodable bytes, a record out of range, an
 event far in the future), which must end in the dead letters. The worker's and the sink's resident memory
@@ -39,11 +39,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from detection_eval import PrivateStack  # noqa: E402
 
+from argus.producers.publisher import Publisher  # noqa: E402
+from argus.producers.simulator import JobSimulator  # noqa: E402
+from argus.schemas.records import JobLifecycle, KernelBatch, LifecycleEvent, Step  # noqa: E402
 from argus.settings import Settings  # noqa: E402
 from argus.topics import Topic, job_key, rank_key  # noqa: E402
-from producers.publisher import Publisher  # noqa: E402
-from producers.simulator import JobSimulator  # noqa: E402
-from schemas.records import JobLifecycle, KernelBatch, LifecycleEvent, Step  # noqa: E402
 
 #: Most a process's resident memory may grow per hour once warm (MB/h).
 RSS_SLOPE_BUDGET_MB_PER_H = 50.0

@@ -1,5 +1,5 @@
 """Rank-side producers: the non-blocking publisher, the job simulator and (with torch) the live tracer."""
 
-from producers.publisher import Publisher, PublisherStats
+from argus.producers.publisher import Publisher, PublisherStats
 
 __all__ = ["Publisher", "PublisherStats"]

@@ -9,17 +9,17 @@ On each rank (any launcher: ``torchrun``, Slurm, ``torch.multiprocessing``)::
 What it does, never raising into training (a failure is logged as a warning, counted in the tracer's
 ``stats().errors``, and the rest goes on; in the worst case a disabled tracer comes back):
 
-* builds the process's :class:`~producers.tracer.Tracer` from the environment (:func:`tracer_from_env`):
+* builds the process's :class:`~argus.producers.tracer.Tracer` from the environment (:func:`tracer_from_env`):
   ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` (the process group's rank and size win when one is initialized), the
   job id from ``ARGUS_JOB_ID``, ``TORCHELASTIC_RUN_ID`` (unless ``none``) or ``SLURM_JOB_ID`` (else the first
   rank's proposal, ``<script>-<time>-<random>``, agreed through the c10d store), the topology from
   ``ARGUS_TOPOLOGY`` (``dp=4,tp=2,pp=1``), Megatron's ``parallel_state`` or the named process groups
-  (:mod:`producers.groups`), exchanged through the store without a collective (:mod:`producers.exchange`);
+  (:mod:`argus.producers.groups`), exchanged through the store without a collective (:mod:`argus.producers.exchange`);
 * starts it (publishes TOPOLOGY and START from the lifecycle rank) and instruments what it is given: the
-  whole model's FORWARD and BACKWARD phases and iteration boundaries (:mod:`producers.tracer_auto`), the
+  whole model's FORWARD and BACKWARD phases and iteration boundaries (:mod:`argus.producers.tracer_auto`), the
   optimizer's OPTIMIZER phase, whose end ends each iteration, DDP's gradient buckets and FSDP2's collectives
-  (:mod:`producers.tracer_ddp`), and with ``patch_collectives=True`` (or ``ARGUS_PATCH_COLLECTIVES=1``)
-  the ``torch.distributed`` collectives (:mod:`producers.tracer_patch`);
+  (:mod:`argus.producers.tracer_ddp`), and with ``patch_collectives=True`` (or ``ARGUS_PATCH_COLLECTIVES=1``)
+  the ``torch.distributed`` collectives (:mod:`argus.producers.tracer_patch`);
 * closes it at ``torch.distributed.destroy_process_group()`` (before the group goes, so END carries the job's
   record counts) or at interpreter exit (atexit, within ``close_timeout_s``).
 
@@ -43,11 +43,11 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from producers.exchange import TopologyExchange, agree, default_store
-from producers.groups import discover_groups, members
-from producers.topology import build_topology, parse_topology_spec, with_hosts
-from producers.tracer import Tracer, _NullPublisher
-from schemas.records import ParallelGroup
+from argus.producers.exchange import TopologyExchange, agree, default_store
+from argus.producers.groups import discover_groups, members
+from argus.producers.topology import build_topology, parse_topology_spec, with_hosts
+from argus.producers.tracer import Tracer, _NullPublisher
+from argus.schemas.records import ParallelGroup
 
 __all__ = ["RankEnv", "attach", "current_tracer", "detach", "read_env", "tracer_from_env"]
 
@@ -345,7 +345,7 @@ def attach(model: Any = None, optimizer: Any = None, **overrides: Any) -> Tracer
             ``close_timeout_s`` (seconds ``close`` may take at exit, default 30).
 
     Returns:
-        the process's :class:`~producers.tracer.Tracer` (started); ``with tracer.step():`` and
+        the process's :class:`~argus.producers.tracer.Tracer` (started); ``with tracer.step():`` and
         ``tracer.phase(...)`` still work on it.
     """
     opts = {k: overrides.pop(k) for k in _INSTRUMENT_ARGS if k in overrides}

@@ -1,13 +1,13 @@
 """Host-side Python stacks for findings: py-spy dumps of the rank processes a finding names.
 
-The host channel of ARGUS (§4): when a detector publishes a :class:`~schemas.records.Finding` naming ranks,
+The host channel of ARGUS (§4): when a detector publishes a :class:`~argus.schemas.records.Finding` naming ranks,
 the :class:`StackCollector` running on each training host (``argus`` CLI, one per host) dumps the Python stacks
-of those ranks that run *on that host* and publishes them as :class:`~schemas.records.CpuStack` records on
+of those ranks that run *on that host* and publishes them as :class:`~argus.schemas.records.CpuStack` records on
 ``Topic.STACKS`` (key ``<job>/<rank>``; sink table ``cpu_stacks``).
 
 Flow: findings topic (own consumer group per host, from the latest offset: only new findings matter) ->
-:meth:`StackCapturer.handle` -> for each named rank: local :class:`~producers.rank_registry.RankRegistry` entry
-(written by the rank's :class:`~producers.tracer.Tracer`) -> same process still alive (pid + start time) ->
+:meth:`StackCapturer.handle` -> for each named rank: local :class:`~argus.producers.rank_registry.RankRegistry` entry
+(written by the rank's :class:`~argus.producers.tracer.Tracer`) -> same process still alive (pid + start time) ->
 not captured yet for this (job, rank, finding) -> rate limit -> ``py-spy dump --pid <pid> --json`` ->
 CpuStack -> publisher.
 
@@ -15,7 +15,7 @@ Safety: the command is an argument list (no shell) whose only variable part is t
 from this host's own registry file and checked to be a live process; nothing of a Kafka record's content
 reaches the command line. The job id only selects a registry folder (a safe file name or a hash of the id).
 A finding steers captures only of ranks registered by the collector's own user: entries, folders and target
-processes of any other user are refused (see :mod:`producers.rank_registry`), so findings written by whoever
+processes of any other user are refused (see :mod:`argus.producers.rank_registry`), so findings written by whoever
 can reach the findings topic cannot point a root collector at another user's (or a system) process. Run the
 collector as the user that runs the training job; as root it serves only jobs run as root.
 py-spy needs ptrace permission on the target (root, ``CAP_SYS_PTRACE``, or ``kernel.yama.ptrace_scope=0``);
@@ -39,10 +39,10 @@ from typing import Any, Protocol
 
 from argus.errors import ProducerError, SchemaError
 from argus.kafka_security import client_config
+from argus.producers.rank_registry import RankRegistry
+from argus.schemas.records import CpuStack, Finding
 from argus.settings import Settings
 from argus.topics import Topic, rank_key
-from producers.rank_registry import RankRegistry
-from schemas.records import CpuStack, Finding
 
 __all__ = ["StackCaptureError", "StackCapturer", "StackCollector", "capture_stacks", "find_py_spy"]
 
@@ -210,7 +210,7 @@ class StackCollector:
 
     Args:
         settings: Kafka settings.
-        publisher: where CpuStacks go (default: a new :class:`~producers.publisher.Publisher`).
+        publisher: where CpuStacks go (default: a new :class:`~argus.producers.publisher.Publisher`).
         capturer: the capture logic (default: a :class:`StackCapturer` on the default registry).
         group_id: consumer group; default ``<app_id>-stacks-<host>`` so that every host sees every finding.
     """
@@ -220,7 +220,7 @@ class StackCollector:
         self.settings = settings
         self.capturer = capturer or StackCapturer()
         if publisher is None:
-            from producers.publisher import Publisher
+            from argus.producers.publisher import Publisher
             publisher = Publisher(settings)
         self.publisher = publisher
         self.group_id = group_id or f"{settings.app_id}-stacks-{self.capturer.host}"

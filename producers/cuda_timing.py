@@ -1,12 +1,12 @@
 """Asynchronous resolution of step and phase timings: the tracer's training-thread side only records.
 
-The training thread (:class:`~producers.tracer.Tracer`) fills a :class:`StepRec` per step with
+The training thread (:class:`~argus.producers.tracer.Tracer`) fills a :class:`StepRec` per step with
 :class:`PhaseRec` s: host ``perf_counter_ns`` stamps always, and with CUDA a pair of timing events per phase
 (``torch.cuda.Event(enable_timing=True)``, taken from a bounded :class:`EventPool`) recorded on the stream
 the phase's work runs on. At the end of a step it appends the StepRec to the :class:`StepResolver`'s bounded
 queue. The resolver's daemon thread polls ``event.query()`` (never ``synchronize``) until every event of the
 oldest step has completed, computes durations with ``elapsed_time``, returns the events to the pool and
-publishes one :class:`~schemas.records.Step` and one :class:`~schemas.records.PhaseBatch`.
+publishes one :class:`~argus.schemas.records.Step` and one :class:`~argus.schemas.records.PhaseBatch`.
 
 Times of a step, integer ns:
 
@@ -31,8 +31,8 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from argus.schemas.records import ParallelGroup, PhaseBatch, PhaseKind, Step
 from argus.topics import Topic, job_key
-from schemas.records import ParallelGroup, PhaseBatch, PhaseKind, Step
 
 __all__ = ["EPOCH_ANCHOR_NS", "EventPool", "PhaseOpener", "PhaseRec", "StepRec", "StepResolver", "epoch_ns"]
 
@@ -267,7 +267,7 @@ class StepResolver:
 
 
 class PhaseOpener:
-    """What the tracer's mixins (hooks, collective wrappers) need from :class:`~producers.tracer.Tracer`."""
+    """What the tracer's mixins (hooks, collective wrappers) need from :class:`~argus.producers.tracer.Tracer`."""
 
     def _open(self, name: str, kind: PhaseKind, group: ParallelGroup, stream: Any, host: bool = False
               ) -> PhaseRec | None:

@@ -9,9 +9,9 @@ Three decoupled paths, as in the ARGUS paper (§4):
 * **enqueue** (the buffer-completed callback, on CUPTI's worker thread): appends the list of records to a
   bounded in-memory inbox and returns. Nothing else: no parsing, no I/O. When the inbox holds
   ``max_queued_records`` records, further buffers are dropped and counted.
-* **parse/export** (a daemon parser thread): the pure functions of :mod:`producers.cupti_parse` turn records
-  into columns, assign steps and build :class:`~schemas.records.KernelBatch` es of ``batch_events`` events
-  with a per-batch name dictionary (kernel names normalized by :mod:`producers.kernel_names`); the thread
+* **parse/export** (a daemon parser thread): the pure functions of :mod:`argus.producers.cupti_parse` turn records
+  into columns, assign steps and build :class:`~argus.schemas.records.KernelBatch` es of ``batch_events`` events
+  with a per-batch name dictionary (kernel names normalized by :mod:`argus.producers.kernel_names`); the thread
   hands them to the non-blocking publisher. A partial batch leaves after ``max_latency_s`` at the latest.
 
 The training thread never waits on any of this: kernels cost it nothing beyond CUPTI's own in-driver
@@ -50,8 +50,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from argus.topics import Topic, rank_key
-from producers.cupti_parse import (
+from argus.producers.cupti_parse import (
     KIND_CONCURRENT_KERNEL,
     KIND_MEMCPY,
     KIND_MEMSET,
@@ -62,7 +61,8 @@ from producers.cupti_parse import (
     cupti_enabled_for,
     extract_columns,
 )
-from schemas.records import KernelBatch
+from argus.schemas.records import KernelBatch
+from argus.topics import Topic, rank_key
 
 __all__ = ["CuptiKernels", "CuptiState", "CuptiStats", "CuptiStatus", "StepMarks"]
 

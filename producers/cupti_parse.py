@@ -2,11 +2,11 @@
 that select which processes trace.
 
 Nothing here touches CUPTI or a GPU, so all of it is unit-tested with fake record objects (any object with
-the attributes of a ``cupti-python`` activity record). :mod:`producers.cupti_kernels` runs it on its parser
+the attributes of a ``cupti-python`` activity record). :mod:`argus.producers.cupti_kernels` runs it on its parser
 thread.
 
 * :func:`extract_columns`: records -> :class:`ActivityColumns` (names interned in a :class:`NameTable`,
-  normalized once per distinct raw name with :func:`producers.kernel_names.normalize`; memcpy records are
+  normalized once per distinct raw name with :func:`argus.producers.kernel_names.normalize`; memcpy records are
   named ``memcpy:<direction>``, memset records ``memset``; other kinds and malformed records are skipped and
   counted);
 * :func:`columns_to_batches`: columns -> KernelBatches of ``batch_events`` events sorted by start, each
@@ -33,8 +33,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from producers.kernel_names import memcpy_name, normalize
-from schemas.records import KernelBatch
+from argus.producers.kernel_names import memcpy_name, normalize
+from argus.schemas.records import KernelBatch
 
 __all__ = [
     "KIND_CONCURRENT_KERNEL",

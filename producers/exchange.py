@@ -18,8 +18,8 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from producers.topology import build_topology, topology_from_groups, with_hosts
-from schemas.records import JobTopology, ParallelGroup
+from argus.producers.topology import build_topology, topology_from_groups, with_hosts
+from argus.schemas.records import JobTopology, ParallelGroup
 
 __all__ = ["TopologyExchange", "agree", "default_store", "topology_from_posts"]
 
@@ -54,7 +54,7 @@ def topology_from_posts(job_id: str, world_size: int, posts: list[dict[str, Any]
     """The topology from every rank's post (``{"host": ..., "groups": {"TP": [ranks], ...}}``, by rank).
 
     With ``degrees`` (explicit ``dp/tp/pp/ep``) the Megatron-order layout of those degrees; otherwise the
-    groups the ranks reported (:func:`~producers.topology.topology_from_groups`), else pure DP. The hosts
+    groups the ranks reported (:func:`~argus.producers.topology.topology_from_groups`), else pure DP. The hosts
     are the posted ones. Raises ValueError when nothing consistent can be built.
     """
     hosts = [str(p.get("host", "")) or f"node{r:04d}" for r, p in enumerate(posts)]

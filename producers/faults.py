@@ -30,8 +30,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from producers.topology import groups_of, stage_ranks
-from schemas.records import JobTopology, ParallelGroup
+from argus.producers.topology import groups_of, stage_ranks
+from argus.schemas.records import JobTopology, ParallelGroup
 
 __all__ = ["Fault", "FaultSpec"]
 

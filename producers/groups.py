@@ -24,7 +24,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from schemas.records import ParallelGroup
+from argus.schemas.records import ParallelGroup
 
 __all__ = ["GroupMap", "classify_name", "discover_groups", "kind_of_name", "members"]
 

@@ -3,7 +3,7 @@
 The training thread only writes a few attributes of a preallocated :class:`LiveState` (the step begun, a
 fixed-size stack of the phases open, the collective in flight) and bumps a counter: no allocation of its own,
 no lock, no Kafka call. A :class:`HeartbeatThread` reads that state and publishes a
-:class:`~schemas.records.Heartbeat` through the publisher's bounded queue (a full queue drops and counts):
+:class:`~argus.schemas.records.Heartbeat` through the publisher's bounded queue (a full queue drops and counts):
 
 * every ``interval_s`` seconds (``Settings.heartbeat_interval_s``), and
 * on phase entry, when the rank is still in a newly entered phase (or collective) one tick later (a tick is
@@ -23,9 +23,9 @@ import threading
 import time
 from typing import Any, Protocol
 
+from argus.producers.cuda_timing import PhaseRec, epoch_ns
+from argus.schemas.records import Heartbeat, ParallelGroup, PhaseKind
 from argus.topics import Topic, job_key
-from producers.cuda_timing import PhaseRec, epoch_ns
-from schemas.records import Heartbeat, ParallelGroup, PhaseKind
 
 __all__ = ["MAX_DEPTH", "HeartbeatThread", "LiveState"]
 

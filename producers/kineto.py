@@ -1,10 +1,10 @@
 """``argus import-kineto``: publish a directory of torch.profiler / Kineto traces (one file per rank) as a job.
 
-Each file is parsed in one streaming pass (:mod:`producers.kineto_parse`: bounded memory, kernels spilled to a
+Each file is parsed in one streaming pass (:mod:`argus.producers.kineto_parse`: bounded memory, kernels spilled to a
 temporary file), so every file is checked before anything is published: a bad file aborts the import with a
 :class:`~argus.errors.ProducerError` naming it, and nothing of the job reaches Kafka. Hostile files (nesting,
 numbers or strings beyond the parser's limits, more than ``max_file_bytes`` per rank, ranks or world sizes over
-:data:`~producers.kineto_parse.MAX_WORLD_SIZE`) are refused the same way, naming the event. Then::
+:data:`~argus.producers.kineto_parse.MAX_WORLD_SIZE`) are refused the same way, naming the event. Then::
 
     JobTopology; JobLifecycle START (source 'kineto-import');
     step by step, every rank's Step and PhaseBatch (keyed by job; one PhaseBatch per step and rank, empty if
@@ -43,12 +43,10 @@ from typing import Any, Protocol
 import numpy as np
 
 from argus.errors import ConfigError, ProducerError
-from argus.settings import Settings
-from argus.topics import Topic, job_key, rank_key
-from producers.kineto_groups import MEGATRON_GROUPS, PhaseGroups
-from producers.kineto_parse import MAX_FILE_BYTES, Phase, RankTrace, assign_steps, parse_rank
-from producers.topology import build_topology, groups_of
-from schemas.records import (
+from argus.producers.kineto_groups import MEGATRON_GROUPS, PhaseGroups
+from argus.producers.kineto_parse import MAX_FILE_BYTES, Phase, RankTrace, assign_steps, parse_rank
+from argus.producers.topology import build_topology, groups_of
+from argus.schemas.records import (
     JobLifecycle,
     JobTopology,
     KernelBatch,
@@ -58,6 +56,8 @@ from schemas.records import (
     Record,
     Step,
 )
+from argus.settings import Settings
+from argus.topics import Topic, job_key, rank_key
 
 __all__ = ["ALIGN_THRESHOLD_NS", "ImportReport", "PublisherLike", "find_traces", "import_kineto", "kernel_batches",
            "parse_topology", "rank_records", "read_trace", "step_records", "topology_from_pg_config",
@@ -117,7 +117,7 @@ class ImportReport:
 
 def with_stream_groups(topo: JobTopology, traces: Iterable[RankTrace], messages: list[str]) -> JobTopology:
     """``topo`` with the collective streams whose NCCL kernels named their process group
-    (:attr:`~producers.kineto_parse.RankTrace.stream_pgs`): a stream whose group is of one kind on every rank
+    (:attr:`~argus.producers.kineto_parse.RankTrace.stream_pgs`): a stream whose group is of one kind on every rank
     that names it; a stream named as different kinds by different ranks is left out (and said in
     ``messages``)."""
     groups = PhaseGroups(topo)
@@ -141,7 +141,7 @@ def step_records(trace: RankTrace, job_id: str, shift_ns: int = 0,
     """Per step of one rank, ascending: its Step and its PhaseBatch (empty when the step has no phases: the
     detectors count a step complete once every rank sent both). Phases outside every step go to step -1,
     which has no Step. ``shift_ns`` is added to every time (clock alignment). With ``groups`` (the job's
-    :class:`~producers.kineto_groups.PhaseGroups`), sends and receives between pipeline stages or inside
+    :class:`~argus.producers.kineto_groups.PhaseGroups`), sends and receives between pipeline stages or inside
     expert groups are named by their role and carry their group, and collectives on a stream whose NCCL
     kernels name their process group carry that group; other phases have group NONE."""
     on_stream = ({st: groups.stream_group(trace.rank, pg) for st, pg in trace.stream_pgs.items()}
@@ -207,7 +207,7 @@ def read_trace(path: Path, job_id: str = "kineto", batch_events: int = 4096, *,
                max_file_bytes: int = MAX_FILE_BYTES) -> Iterator[Record]:
     """Parse one rank's file and yield its records (see :func:`rank_records`); pure, no Kafka.
 
-    Raises :class:`ProducerError` like :func:`~producers.kineto_parse.parse_rank`."""
+    Raises :class:`ProducerError` like :func:`~argus.producers.kineto_parse.parse_rank`."""
     with parse_rank(Path(path), max_file_bytes=max_file_bytes) as trace:
         yield from rank_records(trace, job_id, batch_events, host=trace.host or "")
 
@@ -354,17 +354,17 @@ def import_kineto(settings: Settings, directory: Path, job_id: str, topology: st
         batch_events: kernel events per KernelBatch (default ``settings.publisher_batch_events``).
         progress: called with one line of text per stage and per rank.
         publisher: anything with ``publish(topic, key, record) -> bool`` and ``flush()``; default a lossless
-            :class:`~producers.publisher.Publisher`, closed at the end.
+            :class:`~argus.producers.publisher.Publisher`, closed at the end.
         align_clocks: shift ranks so their first common step starts coincide (see the module docstring);
             None: only when the skew exceeds :data:`ALIGN_THRESHOLD_NS`.
         max_file_bytes: the most bytes one rank's file may hold after decompression (default
-            :data:`~producers.kineto_parse.MAX_FILE_BYTES`, 2 GiB).
+            :data:`~argus.producers.kineto_parse.MAX_FILE_BYTES`, 2 GiB).
         advance: called as ``advance(done, total)`` with rank files parsed plus ranks published, of twice
             the number of files (a progress bar).
 
     Raises:
         ProducerError: a file is not a trace or is refused as hostile (too deep, too long a number or string,
-            too large, a rank or world size out of bounds: see :func:`~producers.kineto_parse.parse_rank`; the
+            too large, a rank or world size out of bounds: see :func:`~argus.producers.kineto_parse.parse_rank`; the
             message names the file and the event), two files claim one rank, a rank is outside the world size,
             or records could not be published.
         ConfigError: ``topology`` is malformed or does not multiply to the world size.
@@ -412,7 +412,7 @@ def import_kineto(settings: Settings, directory: Path, job_id: str, topology: st
         own = publisher is None
         pub: Any = publisher
         if own:
-            from producers.publisher import Publisher
+            from argus.producers.publisher import Publisher
 
             pub = Publisher(settings, lossless=True)
         failed = 0

@@ -10,7 +10,7 @@ Two things in a trace tell which group a communication phase ran in:
   (and so on) in the PP group, one inside an expert group ``nccl:send ep`` in the EP group: one name on every
   rank of a stage, and a group kind that tells the diagnosis the rank *waited* there rather than worked.
 * **Process groups of NCCL kernels.** PyTorch 2.3+ writes ``Process Group Name``, ``Description`` and
-  ``Ranks`` into each NCCL kernel's args (:class:`~producers.kineto_parse.StreamPG`, one per stream). The
+  ``Ranks`` into each NCCL kernel's args (:class:`~argus.producers.kineto_parse.StreamPG`, one per stream). The
   group is identified by its Megatron description (``pg_config``) or by its ranks, as one of the rank's
   DP/TP/PP/EP groups of the job topology; every collective phase on that stream (the ``gpu_user_annotation``
   ``nccl:all_reduce`` PyTorch puts around the kernel) carries it, and so the detectors learn which group
@@ -24,9 +24,9 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 
-from producers.kineto_parse import StreamPG
-from producers.topology import groups_of
-from schemas.records import JobTopology, ParallelGroup, PhaseKind
+from argus.producers.kineto_parse import StreamPG
+from argus.producers.topology import groups_of
+from argus.schemas.records import JobTopology, ParallelGroup, PhaseKind
 
 __all__ = ["MEGATRON_GROUPS", "PhaseGroups"]
 

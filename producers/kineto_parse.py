@@ -54,7 +54,7 @@ import numpy as np
 import numpy.typing as npt
 
 from argus.errors import ProducerError
-from schemas.records import PhaseKind
+from argus.schemas.records import PhaseKind
 
 __all__ = ["GPU_CATEGORIES", "MAX_DEPTH", "MAX_EXPONENT_DIGITS", "MAX_FILE_BYTES", "MAX_NUMBER_DIGITS",
            "MAX_STRING_BYTES", "MAX_WORLD_SIZE", "Phase", "RankTrace", "StepSpan", "StreamPG", "classify_phase",

@@ -12,7 +12,7 @@ Kafka queue, behind a full record queue): a training process never hangs at exit
 
 Opt-in metrics: with ``publisher_metrics_port`` set (``ARGUS_PUBLISHER_METRICS_PORT``), the publisher serves
 its counters for Prometheus on ``metrics_host``, port ``publisher_metrics_port + LOCAL_RANK``, from a daemon
-thread (see :mod:`producers.publisher_metrics`); a port that cannot be bound is logged, never raised.
+thread (see :mod:`argus.producers.publisher_metrics`); a port that cannot be bound is logged, never raised.
 """
 
 from __future__ import annotations
@@ -193,7 +193,7 @@ class Publisher:
 
     def _start_metrics(self) -> MetricsServer | None:
         try:
-            from producers.publisher_metrics import start_publisher_metrics
+            from argus.producers.publisher_metrics import start_publisher_metrics
 
             return start_publisher_metrics(self._settings, self)
         except Exception as exc:  # metrics must never cost the training process anything but a log line

@@ -1,6 +1,6 @@
 """Opt-in Prometheus metrics of the rank-side publisher, for the training processes.
 
-Off by default. With ``ARGUS_PUBLISHER_METRICS_PORT=<base>`` every :class:`~producers.publisher.Publisher`
+Off by default. With ``ARGUS_PUBLISHER_METRICS_PORT=<base>`` every :class:`~argus.producers.publisher.Publisher`
 serves ``/metrics`` on ``metrics_host`` (default ``127.0.0.1``) at port ``base + LOCAL_RANK`` (``LOCAL_RANK``
 as torchrun sets it, 0 when unset or not a number), so the ranks of one host get distinct ports: scrape
 ``base .. base + nproc_per_node - 1``. A second publisher in the same process (or a port in use) cannot bind:
@@ -33,7 +33,7 @@ from argus.metrics import MetricsServer, counter, gauge, start_metrics_server
 from argus.settings import Settings
 
 if TYPE_CHECKING:
-    from producers.publisher import Publisher
+    from argus.producers.publisher import Publisher
 
 __all__ = ["PublisherCollector", "local_rank", "metrics_port", "publisher_registry", "start_publisher_metrics"]
 

@@ -1,7 +1,7 @@
 """A host-local registry of which process runs which rank of which job.
 
 The tracer writes one small JSON file per rank when it starts and removes it when it closes; the stack
-collector (:mod:`producers.cpu_stacks`) reads it to find the pid of a rank a finding names. The pid thus comes
+collector (:mod:`argus.producers.cpu_stacks`) reads it to find the pid of a rank a finding names. The pid thus comes
 from this machine's own files, never from a Kafka record. Each entry also stores the process's start time
 (``/proc/<pid>/stat`` field 22, clock ticks since boot) so that a pid reused by another process after the rank
 exited is recognized and refused.

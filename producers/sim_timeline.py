@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from producers.sim_workload import Op, StageProgram
+from argus.producers.sim_workload import Op, StageProgram
 
 __all__ = ["GAP_NS", "SYNC_NS", "StepTimes", "Timeline"]
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from schemas.records import ParallelGroup, PhaseKind
+from argus.schemas.records import ParallelGroup, PhaseKind
 
 __all__ = [
     "COMPUTE_STREAM",

@@ -1,10 +1,10 @@
 """A simulated synchronous training job that emits argus records, with the paper's faults injectable.
 
-:class:`JobSimulator` generates, per step and rank, a :class:`~schemas.records.Step`, a
-:class:`~schemas.records.PhaseBatch` and kernel events (accumulated into
-:class:`~schemas.records.KernelBatch` es), numpy-vectorized over the ranks. Kernels, streams and phases are
-described in :mod:`producers.sim_workload`, timing semantics (collectives end together, pipeline bubbles,
-the ``finish_grad_sync`` barrier) in :mod:`producers.sim_timeline`, faults in :mod:`producers.faults`.
+:class:`JobSimulator` generates, per step and rank, a :class:`~argus.schemas.records.Step`, a
+:class:`~argus.schemas.records.PhaseBatch` and kernel events (accumulated into
+:class:`~argus.schemas.records.KernelBatch` es), numpy-vectorized over the ranks. Kernels, streams and phases are
+described in :mod:`argus.producers.sim_workload`, timing semantics (collectives end together, pipeline bubbles,
+the ``finish_grad_sync`` barrier) in :mod:`argus.producers.sim_timeline`, faults in :mod:`argus.producers.faults`.
 
 Phases of one step of one rank (names repeat: one entry per microbatch, layer or bucket):
 
@@ -43,12 +43,11 @@ from typing import Any, NamedTuple, Protocol
 import numpy as np
 import numpy.typing as npt
 
-from argus.topics import Topic, job_key, rank_key
-from producers.faults import Fault, FaultSpec
-from producers.sim_timeline import StepTimes, Timeline
-from producers.sim_workload import Cat, GradSync, build_programs
-from producers.topology import build_topology
-from schemas.records import (
+from argus.producers.faults import Fault, FaultSpec
+from argus.producers.sim_timeline import StepTimes, Timeline
+from argus.producers.sim_workload import Cat, GradSync, build_programs
+from argus.producers.topology import build_topology
+from argus.schemas.records import (
     Heartbeat,
     JobLifecycle,
     JobTopology,
@@ -59,6 +58,7 @@ from schemas.records import (
     PhaseKind,
     Step,
 )
+from argus.topics import Topic, job_key, rank_key
 
 __all__ = ["JobSimulator", "JobSpec", "PublisherLike", "SimRecord", "SimStats", "paper_case", "simulate"]
 
@@ -78,7 +78,7 @@ class JobSpec:
 
     Attributes:
         job_id: training job identifier.
-        dp, tp, pp, ep: parallel degrees (Megatron rank order, see :mod:`producers.topology`).
+        dp, tp, pp, ep: parallel degrees (Megatron rank order, see :mod:`argus.producers.topology`).
         steps: number of training steps.
         seed: seed of every random draw; the same spec gives the same records.
         start_ns: job start, integer nanoseconds since the Unix epoch.

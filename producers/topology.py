@@ -5,7 +5,7 @@ Ranks are numbered tensor-parallel fastest, then data-parallel, then pipeline-pa
     rank = tp_idx + tp * (dp_idx + dp * pp_idx)
 
 so the ranks of one pipeline stage are the contiguous block ``[pp_idx * tp * dp, (pp_idx + 1) * tp * dp)``
-and a TP group is ``tp`` consecutive ranks. Group indices (what :class:`~schemas.records.JobTopology`
+and a TP group is ``tp`` consecutive ranks. Group indices (what :class:`~argus.schemas.records.JobTopology`
 stores) are chosen so that ranks sharing an index of a kind form one group:
 
 =============  ====================================  =============================================
@@ -24,7 +24,7 @@ Hosts hold ``hosts_per_node`` consecutive ranks each (the number of GPUs, i.e. r
 named ``node0000``, ``node0001``, ...
 
 A job whose process groups do not follow that order is described by its groups themselves
-(:func:`topology_from_groups`, what :func:`producers.attach.attach` builds from the groups every rank reports);
+(:func:`topology_from_groups`, what :func:`argus.producers.attach.attach` builds from the groups every rank reports);
 ``ARGUS_TOPOLOGY=dp=4,tp=2,pp=1`` gives the degrees of a Megatron-order job (:func:`parse_topology_spec`).
 """
 
@@ -34,7 +34,7 @@ import dataclasses
 import re
 from collections.abc import Mapping, Sequence
 
-from schemas.records import JobTopology, ParallelGroup
+from argus.schemas.records import JobTopology, ParallelGroup
 
 __all__ = ["build_topology", "group_index", "group_members", "groups_of", "parse_topology_spec", "stage_ranks",
            "topology_from_groups", "with_hosts"]

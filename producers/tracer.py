@@ -2,8 +2,8 @@
 
 Example (one process per rank; ``torchrun`` or ``torch.multiprocessing``)::
 
-    from producers.tracer import Tracer
-    from schemas.records import ParallelGroup, PhaseKind
+    from argus.producers.tracer import Tracer
+    from argus.schemas.records import ParallelGroup, PhaseKind
 
     with Tracer(settings, job_id="llama-7b-run3", rank=rank, world_size=world) as tracer:
         tracer.instrument(model, modules=("self_attention", "mlp"))   # per-layer FORWARD phases
@@ -18,15 +18,15 @@ Example (one process per rank; ``torchrun`` or ``torch.multiprocessing``)::
                     tracer.all_reduce(p.grad, parallel_group=ParallelGroup.DP)   # "dp-allreduce"
                 optimizer.step()
 
-What it publishes (through the non-blocking :class:`~producers.publisher.Publisher`): per step one
-:class:`~schemas.records.Step` and one :class:`~schemas.records.PhaseBatch` (key ``<job>``); with CUPTI,
-:class:`~schemas.records.KernelBatch` es (key ``<job>/<rank>``, see :mod:`producers.cupti_kernels`), ending
+What it publishes (through the non-blocking :class:`~argus.producers.publisher.Publisher`): per step one
+:class:`~argus.schemas.records.Step` and one :class:`~argus.schemas.records.PhaseBatch` (key ``<job>``); with CUPTI,
+:class:`~argus.schemas.records.KernelBatch` es (key ``<job>/<rank>``, see :mod:`argus.producers.cupti_kernels`), ending
 with an ``end_of_stream`` batch; the lifecycle rank (rank 0 by default) also publishes the
-:class:`~schemas.records.JobTopology` and ``START`` at :meth:`Tracer.start` and ``END`` with the job's record
+:class:`~argus.schemas.records.JobTopology` and ``START`` at :meth:`Tracer.start` and ``END`` with the job's record
 counts at :meth:`Tracer.close`. The tracer also registers this process in the host's
-:class:`~producers.rank_registry.RankRegistry`, so that py-spy stacks can be taken when a finding names it.
+:class:`~argus.producers.rank_registry.RankRegistry`, so that py-spy stacks can be taken when a finding names it.
 
-Timing (see :mod:`producers.cuda_timing`): with CUDA the training thread only *records* timing events and
+Timing (see :mod:`argus.producers.cuda_timing`): with CUDA the training thread only *records* timing events and
 queues them; a background thread resolves them with ``event.query()``, never ``synchronize``. Without CUDA the
 same API times with the host clock.
 
@@ -35,7 +35,7 @@ returns at once; events recorded on the compute stream around it measure the lau
 an AllReduce looks instant while the GPU is still busy in NCCL. The wrappers (:meth:`Tracer.all_reduce`,
 ``reduce_scatter_tensor``, ``all_gather_into_tensor``, ``broadcast``, ``all_to_all_single``,
 ``batch_isend_irecv``) therefore bracket the collective with events on a per-group communication stream that
-waits for it device-side (details in :mod:`producers.tracer_collectives`). For collectives you launch
+waits for it device-side (details in :mod:`argus.producers.tracer_collectives`). For collectives you launch
 yourself use ``with tracer.collective(name, kind, group, stream=s)`` with ``s`` the stream the collective is
 ordered on, and call ``work.wait()`` inside the block while ``s`` is current.
 
@@ -54,18 +54,18 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from argus.producers.cuda_timing import EventPool, PhaseRec, StepRec, StepResolver, epoch_ns
+from argus.producers.cupti_kernels import CuptiKernels, CuptiState, CuptiStatus, StepMarks
+from argus.producers.heartbeat import HeartbeatThread, LiveState
+from argus.producers.rank_registry import RankRegistry
+from argus.producers.tracer_auto import AutoMixin
+from argus.producers.tracer_collectives import CollectiveMixin
+from argus.producers.tracer_ddp import DDPMixin
+from argus.producers.tracer_hooks import HookMixin
+from argus.producers.tracer_patch import PatchMixin
+from argus.schemas.records import JobLifecycle, JobTopology, LifecycleEvent, ParallelGroup, PhaseKind
 from argus.settings import Settings
 from argus.topics import Topic, job_key
-from producers.cuda_timing import EventPool, PhaseRec, StepRec, StepResolver, epoch_ns
-from producers.cupti_kernels import CuptiKernels, CuptiState, CuptiStatus, StepMarks
-from producers.heartbeat import HeartbeatThread, LiveState
-from producers.rank_registry import RankRegistry
-from producers.tracer_auto import AutoMixin
-from producers.tracer_collectives import CollectiveMixin
-from producers.tracer_ddp import DDPMixin
-from producers.tracer_hooks import HookMixin
-from producers.tracer_patch import PatchMixin
-from schemas.records import JobLifecycle, JobTopology, LifecycleEvent, ParallelGroup, PhaseKind
 
 try:  # torch is optional: without it the tracer still times steps and phases with the host clock
     import torch as _torch
@@ -81,7 +81,7 @@ _perf = time.perf_counter_ns
 
 
 class PublisherLike(Protocol):
-    """What the tracer publishes through (the argus :class:`~producers.publisher.Publisher`, or a fake)."""
+    """What the tracer publishes through (the argus :class:`~argus.producers.publisher.Publisher`, or a fake)."""
 
     def publish(self, topic: Topic, key: bytes, record: Any) -> bool: ...
 
@@ -154,12 +154,12 @@ class Tracer(CollectiveMixin, HookMixin, AutoMixin, DDPMixin, PatchMixin):
         settings: Kafka and batching settings (``Settings.load()`` when None).
         job_id: the training job's id (the same on every rank).
         rank, world_size: this process's global rank and the number of ranks.
-        publisher: where records go; by default a :class:`~producers.publisher.Publisher` created from
+        publisher: where records go; by default a :class:`~argus.producers.publisher.Publisher` created from
             ``settings`` (and closed by :meth:`close`).
         dp, tp, pp, ep: parallel degrees for the published topology (default ``dp = world_size / (tp * pp)``).
         topology: publish this topology instead of building one.
         cuda: time with CUDA events (default: when ``torch.cuda.is_available()``).
-        kernels: trace GPU kernels with CUPTI (see :mod:`producers.cupti_kernels`; a no-op without a GPU).
+        kernels: trace GPU kernels with CUPTI (see :mod:`argus.producers.cupti_kernels`; a no-op without a GPU).
         lifecycle: publish topology, START and END (default: on rank 0).
         registry: the host's rank registry (``False`` to not register).
         max_pending_steps, max_phases_per_step, max_events: memory bounds (steps awaiting their GPU events,
@@ -167,10 +167,10 @@ class Tracer(CollectiveMixin, HookMixin, AutoMixin, DDPMixin, PatchMixin):
         reduce_counts: at :meth:`close`, sum the record counts of all ranks with one ``all_reduce`` when
             ``torch.distributed`` is initialized (every rank must then call :meth:`close`), so that END
             carries the job's totals; otherwise a multi-rank END carries no counts.
-        heartbeat: publish :class:`~schemas.records.Heartbeat` s from :meth:`start` to :meth:`close`, every
-            ``settings.heartbeat_interval_s`` seconds and on phase entry (see :mod:`producers.heartbeat`).
+        heartbeat: publish :class:`~argus.schemas.records.Heartbeat` s from :meth:`start` to :meth:`close`, every
+            ``settings.heartbeat_interval_s`` seconds and on phase entry (see :mod:`argus.producers.heartbeat`).
 
-    :meth:`from_env` builds one from the launcher's environment, and ``argus.attach`` (:mod:`producers.attach`)
+    :meth:`from_env` builds one from the launcher's environment, and ``argus.attach`` (:mod:`argus.producers.attach`)
     also starts it and instruments a model and optimizer. Raises ValueError for an empty ``job_id`` or a rank
     outside ``[0, world_size)``.
     """
@@ -195,7 +195,7 @@ class Tracer(CollectiveMixin, HookMixin, AutoMixin, DDPMixin, PatchMixin):
         self._owns_publisher = publisher is None
         if publisher is None:
             try:
-                from producers.publisher import Publisher
+                from argus.producers.publisher import Publisher
                 publisher = Publisher(self.settings)
             except Exception as exc:
                 self._error("publisher", exc)
@@ -230,8 +230,8 @@ class Tracer(CollectiveMixin, HookMixin, AutoMixin, DDPMixin, PatchMixin):
         self._live = LiveState()
         self._heartbeat = heartbeat
         self._beat: HeartbeatThread | None = None
-        self._step_mode = "auto"  # iteration boundaries of the hooks: see producers.tracer_auto
-        self._group_kinds: dict[int, ParallelGroup] = {}  # id(process group) -> kind (producers.tracer_patch)
+        self._step_mode = "auto"  # iteration boundaries of the hooks: see argus.producers.tracer_auto
+        self._group_kinds: dict[int, ParallelGroup] = {}  # id(process group) -> kind (argus.producers.tracer_patch)
         #: when set (argus.attach), the lifecycle rank resolves the topology with it on a background thread
         #: at start (it may wait for the other ranks) and publishes TOPOLOGY and START then.
         self._topology_fn: Callable[[], JobTopology | None] | None = None
@@ -244,10 +244,10 @@ class Tracer(CollectiveMixin, HookMixin, AutoMixin, DDPMixin, PatchMixin):
                  publisher: PublisherLike | None = None, **overrides: Any) -> Tracer:
         """A tracer (not started) for this rank from the launcher's environment: ``RANK``, ``WORLD_SIZE``,
         ``LOCAL_RANK``, ``ARGUS_JOB_ID`` / ``TORCHELASTIC_RUN_ID``, ``ARGUS_TOPOLOGY`` and the process groups
-        torch knows (details in :func:`producers.attach.tracer_from_env`); ``overrides`` are Tracer
+        torch knows (details in :func:`argus.producers.attach.tracer_from_env`); ``overrides`` are Tracer
         arguments that win over the environment. Raises ValueError when the environment is inconsistent
         (``argus.attach`` never raises)."""
-        from producers.attach import tracer_from_env
+        from argus.producers.attach import tracer_from_env
 
         return tracer_from_env(settings, env=env, publisher=publisher, cls=cls, **overrides)
 

@@ -1,4 +1,4 @@
-"""Steps and phases without code changes (a mixin of :class:`~producers.tracer.Tracer`).
+"""Steps and phases without code changes (a mixin of :class:`~argus.producers.tracer.Tracer`).
 
 :meth:`AutoMixin.instrument_model` times the whole model: its forward as one FORWARD phase (``forward``,
 forward pre/post hooks on the module given) and its backward as one BACKWARD phase (``backward``): when the
@@ -25,8 +25,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from producers.cuda_timing import PhaseOpener, PhaseRec, StepRec
-from schemas.records import ParallelGroup, PhaseKind
+from argus.producers.cuda_timing import PhaseOpener, PhaseRec, StepRec
+from argus.schemas.records import ParallelGroup, PhaseKind
 
 try:
     import torch as _torch

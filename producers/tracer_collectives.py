@@ -1,9 +1,9 @@
-"""``torch.distributed`` collective wrappers of the :class:`~producers.tracer.Tracer` (a mixin).
+"""``torch.distributed`` collective wrappers of the :class:`~argus.producers.tracer.Tracer` (a mixin).
 
 Each wrapper launches the collective with ``async_op=True`` and times it as a communication phase:
 
 * CUDA tensors, inside a step: from a per-(device, process group) communication stream, so that the phase's
-  events bracket the collective on the GPU (see the :mod:`producers.tracer` docstring for why events on the
+  events bracket the collective on the GPU (see the :mod:`argus.producers.tracer` docstring for why events on the
   compute stream would make it look instant). The communication stream first waits for the current stream
   (ordering only: ``wait_stream`` uses an event without timing), records the start event, launches, waits
   device-side for the collective (``work.wait()`` makes the current stream, i.e. the communication stream,
@@ -28,10 +28,10 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from producers.cuda_timing import EventPool, PhaseOpener, StepRec
-from producers.heartbeat import LiveState
-from producers.topology import build_topology
-from schemas.records import JobTopology, ParallelGroup, PhaseKind
+from argus.producers.cuda_timing import EventPool, PhaseOpener, StepRec
+from argus.producers.heartbeat import LiveState
+from argus.producers.topology import build_topology
+from argus.schemas.records import JobTopology, ParallelGroup, PhaseKind
 
 try:
     import torch as _torch
@@ -47,7 +47,7 @@ _local = threading.local()
 
 def inside_launch() -> bool:
     """Whether this thread is inside a collective launched by a tracer wrapper (the ``torch.distributed``
-    patch of :mod:`producers.tracer_patch` then does not time it again)."""
+    patch of :mod:`argus.producers.tracer_patch` then does not time it again)."""
     return getattr(_local, "depth", 0) > 0
 
 
@@ -112,7 +112,7 @@ class CollectiveHandle:
 
 
 class CollectiveMixin(PhaseOpener):
-    """The collective wrappers; mixed into :class:`~producers.tracer.Tracer`, which provides the state."""
+    """The collective wrappers; mixed into :class:`~argus.producers.tracer.Tracer`, which provides the state."""
 
     _pool: EventPool | None
     _cur: StepRec | None

@@ -1,11 +1,11 @@
 """Data-parallel collectives without code changes: DDP's gradient buckets and FSDP2's all-gathers and
-reduce-scatters (a mixin of :class:`~producers.tracer.Tracer`).
+reduce-scatters (a mixin of :class:`~argus.producers.tracer.Tracer`).
 
 **DDP** (:meth:`DDPMixin.instrument_ddp`): a communication hook (``model.register_comm_hook``) times each
 gradient bucket's all-reduce as an ALL_REDUCE phase ``dp-allreduce`` in the DP group, from the bucket's
 launch until its future completes (CUDA: events on the tracer's communication stream, the end one recorded in
 the future's callback, which runs on a stream synchronized with NCCL; gloo: the host clock until gloo
-completes the future; see :mod:`producers.tracer_patch`). The hook chains the hook that does the work:
+completes the future; see :mod:`argus.producers.tracer_patch`). The hook chains the hook that does the work:
 
 * by default ``default_hooks.allreduce_hook`` (the Python twin of DDP's built-in all-reduce: divide by the
   group size, then all-reduce; DDP's ``Join`` context for uneven inputs is not supported with it);
@@ -31,8 +31,8 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from producers.cuda_timing import PhaseOpener
-from schemas.records import ParallelGroup, PhaseKind
+from argus.producers.cuda_timing import PhaseOpener
+from argus.schemas.records import ParallelGroup, PhaseKind
 
 __all__ = ["CommChain", "DDPMixin", "TimedComm"]
 
@@ -94,7 +94,7 @@ class TimedComm:
 
 
 class DDPMixin(PhaseOpener):
-    """The DDP / FSDP2 instrumentation; mixed into :class:`~producers.tracer.Tracer`."""
+    """The DDP / FSDP2 instrumentation; mixed into :class:`~argus.producers.tracer.Tracer`."""
 
     def instrument_ddp(self, model: Any, *, name: str = "dp-allreduce",
                        parallel_group: ParallelGroup = ParallelGroup.DP) -> bool:

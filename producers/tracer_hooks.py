@@ -1,4 +1,4 @@
-"""Module and optimizer hooks of the :class:`~producers.tracer.Tracer` (a mixin): phases without editing the
+"""Module and optimizer hooks of the :class:`~argus.producers.tracer.Tracer` (a mixin): phases without editing the
 model's code.
 
 ``instrument(model)`` times chosen submodules as phases named by their attribute name (every transformer
@@ -15,18 +15,18 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from producers.cuda_timing import PhaseOpener, PhaseRec
-from producers.heartbeat import MAX_DEPTH
-from schemas.records import ParallelGroup, PhaseKind
+from argus.producers.cuda_timing import PhaseOpener, PhaseRec
+from argus.producers.heartbeat import MAX_DEPTH
+from argus.schemas.records import ParallelGroup, PhaseKind
 
 __all__ = ["HookMixin", "host_record"]
 
 
 class HookMixin(PhaseOpener):
-    """The hook methods; mixed into :class:`~producers.tracer.Tracer`, which provides the state."""
+    """The hook methods; mixed into :class:`~argus.producers.tracer.Tracer`, which provides the state."""
 
     _handles: list[Any]
-    _auto_begin: Callable[[], None]  # from producers.tracer_auto.AutoMixin
+    _auto_begin: Callable[[], None]  # from argus.producers.tracer_auto.AutoMixin
     _auto_end: Callable[[], None]
 
     def instrument(self, model: Any, modules: Iterable[str] = ("self_attention", "mlp"), *, backward: bool = False,
@@ -63,7 +63,7 @@ class HookMixin(PhaseOpener):
 
         With ``steps`` (what ``argus.attach`` sets), ``optimizer.step()`` also marks iterations: it begins one
         when none is open and its end ends the iteration (``"auto"`` step mode, see
-        :mod:`producers.tracer_auto`). ``phase=False`` leaves the OPTIMIZER phase out (Lightning runs the
+        :mod:`argus.producers.tracer_auto`). ``phase=False`` leaves the OPTIMIZER phase out (Lightning runs the
         forward and backward inside ``optimizer.step(closure)``). A wrapper without step hooks (accelerate's
         ``AcceleratedOptimizer``) is instrumented through its ``optimizer`` attribute.
         """
@@ -225,7 +225,7 @@ def _check_host_record() -> None:
     rec = host_record("x", PhaseKind.OTHER, 1)
     ref = PhaseRec("x", PhaseKind.OTHER, ParallelGroup.NONE, -1, 1)
     if any(getattr(rec, s) != getattr(ref, s) for s in PhaseRec.__slots__):  # pragma: no cover
-        raise AssertionError("producers.tracer_hooks.host_record is out of date with PhaseRec")
+        raise AssertionError("argus.producers.tracer_hooks.host_record is out of date with PhaseRec")
 
 
 _check_host_record()

@@ -1,4 +1,4 @@
-"""Collectives timed without code changes (a mixin of :class:`~producers.tracer.Tracer`): the opt-in wrapper on
+"""Collectives timed without code changes (a mixin of :class:`~argus.producers.tracer.Tracer`): the opt-in wrapper on
 ``torch.distributed``'s collective functions, and the timing that the DDP/FSDP hooks share with it.
 
 :meth:`PatchMixin.patch_collectives` (``argus.attach(..., patch_collectives=True)`` or
@@ -13,7 +13,7 @@ all_reduce``) keeps the original. The wrappers return what the original returns,
 host (gloo) send/receive, whose Work has no future, comes back wrapped in a proxy whose ``wait()`` ends the
 phase (``isinstance(work, Work)`` is then False).
 
-Timing (the same for the DDP communication hook and FSDP2's collectives, :mod:`producers.tracer_ddp`):
+Timing (the same for the DDP communication hook and FSDP2's collectives, :mod:`argus.producers.tracer_ddp`):
 
 * CUDA tensors: the start event on the stream the collective is ordered after (the current one); the end
   event on the tracer's communication stream for the group after a device-side wait for the collective
@@ -22,7 +22,7 @@ Timing (the same for the DDP communication hook and FSDP2's collectives, :mod:`p
 * host (gloo, CPU tensors): the host clock from the launch to the return (synchronous), to the completion of
   the Work's future (async), or to the proxy's ``wait()``.
 
-Collectives a wrapper launches itself (the tracer's own :meth:`~producers.tracer.Tracer.all_reduce`, a chained
+Collectives a wrapper launches itself (the tracer's own :meth:`~argus.producers.tracer.Tracer.all_reduce`, a chained
 DDP hook's ``all_reduce``) are not timed twice: a per-thread guard marks the launch.
 """
 
@@ -34,12 +34,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from producers.cuda_timing import EventPool, PhaseOpener, PhaseRec, StepRec
-from producers.groups import members
-from producers.heartbeat import LiveState
-from producers.topology import build_topology, group_index, group_members
-from producers.tracer_collectives import default_name, guarded, inside_launch
-from schemas.records import JobTopology, ParallelGroup, PhaseKind
+from argus.producers.cuda_timing import EventPool, PhaseOpener, PhaseRec, StepRec
+from argus.producers.groups import members
+from argus.producers.heartbeat import LiveState
+from argus.producers.topology import build_topology, group_index, group_members
+from argus.producers.tracer_collectives import default_name, guarded, inside_launch
+from argus.schemas.records import JobTopology, ParallelGroup, PhaseKind
 
 try:
     import torch as _torch

@@ -3,8 +3,8 @@
 One record per ``<name>.v<N>.avsc`` file in this folder; every field documents its unit.
 """
 
-from schemas.codec import MAGIC, AvroCodec, available_schemas, codec
-from schemas.records import (
+from argus.schemas.codec import MAGIC, AvroCodec, available_schemas, codec
+from argus.schemas.records import (
     DeadLetter,
     Finding,
     Heartbeat,

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from argus.errors import SchemaError
-from schemas.records import ParallelGroup, Record, _bounded, _same_length, _times
+from argus.schemas.records import ParallelGroup, Record, _bounded, _same_length, _times
 
 __all__ = ["CONTEXT_JOB_PART", "JobContext"]
 

@@ -18,8 +18,8 @@ import numpy as np
 import numpy.typing as npt
 
 from argus.errors import SchemaError
-from schemas.codec import codec
-from schemas.column_packing import pack_column, unpack_column
+from argus.schemas.codec import codec
+from argus.schemas.column_packing import pack_column, unpack_column
 
 __all__ = [
     "TIME_LIMIT_NS",
@@ -163,7 +163,7 @@ class Record:
         return {}
 
     def encode(self) -> bytes:
-        """Avro wire bytes (see :mod:`schemas.codec`). Raises :class:`SchemaError`."""
+        """Avro wire bytes (see :mod:`argus.schemas.codec`). Raises :class:`SchemaError`."""
         return codec(self.SCHEMA).encode(self.to_avro())
 
     @classmethod
@@ -564,7 +564,7 @@ class Finding(Record):
     ``impact_ns_per_step``: GPU time (ns) the whole job loses per affected step because of it (the delay it
     adds to the iteration times the ranks that wait); ``impact_ns``: that over all affected steps. Both 0
     when unknown (findings written with schema v1). ``detector_version``: the detectors that made it
-    (``<package version>+<hash of their parameters and code>``, see ``streams.diagnosis.detector_version``);
+    (``<package version>+<hash of their parameters and code>``, see ``argus.streams.diagnosis.detector_version``);
     '' when unknown (schemas v1 and v2). It does not enter ``finding_id``.
     """
 

@@ -2,7 +2,7 @@
 
 Both go through clickhouse-connect, so the code above this module does not care which. chDB locks its data
 directory to one process, and a process can open only one chDB directory: the sink process owns it and
-answers other processes' SQL through :mod:`sinks.query_server`. The client is not safe for concurrent use,
+answers other processes' SQL through :mod:`argus.sinks.query_server`. The client is not safe for concurrent use,
 so every call here holds one lock. :meth:`ClickHouseStore.reader` opens a second, read-only connection with
 its own lock and limits: chDB serves several connections of one process at once, so a long query on the
 reader does not hold up the sink's inserts.
@@ -23,7 +23,7 @@ from clickhouse_connect.driver.exceptions import OperationalError
 
 from argus.errors import SinkError
 from argus.settings import Settings
-from sinks.tables import Table, rows_to_arrow, schema_ddl
+from argus.sinks.tables import Table, rows_to_arrow, schema_ddl
 
 __all__ = ["ClickHouseStore", "QueryResult", "is_transient", "sql_string"]
 
@@ -115,7 +115,7 @@ class ClickHouseStore:
 
     def ensure_schema(self) -> None:
         """Create the database, every argus table and view if missing (idempotent), on the configured
-        ``clickhouse_cluster`` if one is set (:func:`sinks.tables.schema_ddl`).
+        ``clickhouse_cluster`` if one is set (:func:`argus.sinks.tables.schema_ddl`).
 
         Raises:
             SinkError: ClickHouse refused a statement.

@@ -1,6 +1,6 @@
 """Findings as they arrive: ``argus findings --follow``, read from the diagnosis topic.
 
-The stream worker publishes every finding twice: as an Avro :class:`~schemas.records.Finding` on the
+The stream worker publishes every finding twice: as an Avro :class:`~argus.schemas.records.Finding` on the
 ``findings`` topic (what the sink stores) and as one JSON object per message on ``findings.json`` (the
 ``argus findings --json`` contract, UTF-8, keyed by job id). The JSON topic is for programs that do not want
 argus's schemas -- kcat, kafka-console-consumer, a 30-line confluent-kafka consumer
@@ -24,12 +24,12 @@ from typing import Any
 
 from confluent_kafka import OFFSET_BEGINNING, OFFSET_END, Consumer, KafkaException, TopicPartition
 
+from argus.detectors.findings import finding_json
 from argus.errors import SchemaError, SinkError
 from argus.kafka_security import client_config
+from argus.schemas.records import Finding
 from argus.settings import Settings
 from argus.topics import Topic
-from detectors.findings import finding_json
-from schemas.records import Finding
 
 __all__ = ["follow_findings"]
 

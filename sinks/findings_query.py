@@ -17,10 +17,10 @@ from typing import Any
 
 from argus.errors import ArgusError
 from argus.settings import Settings
-from sinks.clickhouse import QueryResult, sql_string
-from sinks.query_server import run_query
+from argus.sinks.clickhouse import QueryResult, sql_string
+from argus.sinks.query_server import run_query
 
-#: Runs one SQL statement; defaults to :func:`sinks.query_server.run_query` on the settings.
+#: Runs one SQL statement; defaults to :func:`argus.sinks.query_server.run_query` on the settings.
 Query = Callable[[str], QueryResult]
 
 __all__ = ["diagnosis_complete", "fetch_findings", "pending_reasons", "wait_diagnosed"]

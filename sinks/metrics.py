@@ -1,11 +1,11 @@
 """Prometheus metrics of the ClickHouse sink, on their own loopback port.
 
-:func:`start_sink_metrics` (called by :func:`sinks.writer.serve`, the ``argus sink`` process) serves
+:func:`start_sink_metrics` (called by :func:`argus.sinks.writer.serve`, the ``argus sink`` process) serves
 ``/metrics`` on ``metrics_host:sink_metrics_port`` (default ``127.0.0.1:16067``; port 0: off) from a daemon
-thread. :class:`SinkCollector` reads the writer's :class:`~sinks.writer.SinkStats` when Prometheus scrapes:
+thread. :class:`SinkCollector` reads the writer's :class:`~argus.sinks.writer.SinkStats` when Prometheus scrapes:
 the insert path only keeps the counters it kept before, plus one histogram observation per insert; the lag
 comes from librdkafka's statistics, every 5 s, on the sink's own thread (a scrape never calls into the
-consumer). The SQL endpoint (:mod:`sinks.query_server`) is separate and unchanged.
+consumer). The SQL endpoint (:mod:`argus.sinks.query_server`) is separate and unchanged.
 
 Exported (all ``argus_sink_``, counted since the process started):
 
@@ -30,7 +30,7 @@ from prometheus_client.core import Metric
 
 from argus.metrics import MetricsServer, counter, gauge, histogram, start_metrics_server
 from argus.settings import Settings
-from sinks.writer import SinkWriter
+from argus.sinks.writer import SinkWriter
 
 __all__ = ["SinkCollector", "sink_registry", "start_sink_metrics"]
 

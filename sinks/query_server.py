@@ -44,7 +44,7 @@ from typing import Any
 
 from argus.errors import SinkError
 from argus.settings import Settings
-from sinks.clickhouse import ClickHouseStore, QueryResult
+from argus.sinks.clickhouse import ClickHouseStore, QueryResult
 
 __all__ = [
     "MAX_SQL_BYTES",

@@ -5,7 +5,7 @@ Kafka re-delivers (at-least-once) replaces its earlier copy instead of doubling 
 (or ``argMax``) to see the deduplicated view before background merges have run.
 
 ``kernel_summaries`` is keyed by (job, kernel, stream, rank, window, ``piece``) with ``n_events`` as its
-version. A piece is identified by the last kernel message it summarizes (:mod:`streams.windows`), so a
+version. A piece is identified by the last kernel message it summarizes (:mod:`argus.streams.windows`), so a
 re-summary of a window after a restart is the same piece and the complete copy (more events) wins, while
 events that arrived after their window was summarized (a broker outage, stragglers after a rank's end) are a
 further piece: pieces add up (``sum(n_events)``), and the view ``kernel_windows`` merges them per (rank,
@@ -26,9 +26,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from argus.settings import check_identifier
-from argus.topics import Topic
-from schemas.records import (
+from argus.schemas.records import (
     CpuStack,
     DeadLetter,
     Finding,
@@ -40,6 +38,8 @@ from schemas.records import (
     PhaseBatch,
     Step,
 )
+from argus.settings import check_identifier
+from argus.topics import Topic
 
 __all__ = ["LOCAL_SUFFIX", "PHASE_MARKER_IDX", "TABLES", "TABLE_OF_TOPIC", "VIEWS", "Table", "rows_to_arrow",
            "schema_ddl"]

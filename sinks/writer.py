@@ -1,12 +1,12 @@
 """The ClickHouse sink: consume argus topics, insert in Arrow batches, commit offsets only after the insert.
 
 At-least-once: offsets are committed after ClickHouse accepted the rows, so a crash re-delivers what was not
-yet committed; the tables' ReplacingMergeTree keys (see :mod:`sinks.tables`) turn the re-delivered copies
+yet committed; the tables' ReplacingMergeTree keys (see :mod:`argus.sinks.tables`) turn the re-delivered copies
 into replacements, so nothing is lost and nothing doubles. A message that does not decode, or whose rows a
 table refuses, goes to the dead-letter topic with the reason and the rest of its batch is stored; a
 transient ClickHouse failure, or a dead letter the broker does not take, rewinds and retries the batch.
 The sink process (:func:`serve`) exports its counters for Prometheus on ``metrics_host:sink_metrics_port``
-(default ``127.0.0.1:16067``; see :mod:`sinks.metrics`).
+(default ``127.0.0.1:16067``; see :mod:`argus.sinks.metrics`).
 """
 
 from __future__ import annotations
@@ -25,11 +25,11 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Produ
 from argus.errors import ArgusError, SchemaError, SinkError
 from argus.kafka_security import client_config
 from argus.metrics import Histogram
+from argus.schemas.records import DeadLetter
 from argus.settings import Settings
+from argus.sinks.clickhouse import ClickHouseStore, is_transient
+from argus.sinks.tables import TABLE_OF_TOPIC, Table
 from argus.topics import PARTITIONER, RECORD_OF, Topic
-from schemas.records import DeadLetter
-from sinks.clickhouse import ClickHouseStore, is_transient
-from sinks.tables import TABLE_OF_TOPIC, Table
 
 __all__ = ["DEAD_LETTER_MAX_BYTES", "SinkStats", "SinkWriter", "serve"]
 
@@ -321,8 +321,8 @@ def serve(settings: Settings) -> None:
     import signal
 
     from argus.heap_trim import start_heap_trimmer
-    from sinks.metrics import start_sink_metrics
-    from sinks.query_server import QueryServer
+    from argus.sinks.metrics import start_sink_metrics
+    from argus.sinks.query_server import QueryServer
 
     store = ClickHouseStore(settings)
     store.ensure_schema()

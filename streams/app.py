@@ -1,13 +1,13 @@
 """The Faust application of argus and its compression agent.
 
-The agent only decodes, calls the pure core (:mod:`streams.windows`, :mod:`streams.compression`) and
+The agent only decodes, calls the pure core (:mod:`argus.streams.windows`, :mod:`argus.streams.compression`) and
 emits. At-least-once: the kernel topic is consumed without automatic acks; a message is acked (its offset
 becomes committable) only after every window holding one of its events was summarized and the summaries
 were delivered to Kafka. Undecodable messages and events too far ahead of their rank's watermark
 (``Settings.max_event_skew_ns``) go to the dead-letter topic, with the reason, before their message is acked.
 Events for a window already summarized (after a broker outage, a restart, or a rank's end) are summarized as
 a further *piece* of that window, identified by their message's offset, and merged downstream; a window
-re-summarized from a replay is the same piece as before (see :mod:`streams.windows`), so it replaces its
+re-summarized from a replay is the same piece as before (see :mod:`argus.streams.windows`), so it replaces its
 stored copy rather than adding to it. A message whose processing raises anything is dead-lettered whole
 (stage ``compress``, the exception as reason), its events are taken out of the open windows and it is
 acked, so the partition goes on; a window that cannot be summarized is dead-lettered with its events. A dead
@@ -23,7 +23,7 @@ summaries are delivered (at most :data:`MAX_DELIVERIES_IN_FLIGHT` such tasks), s
 of idling a round trip per closed window; a job-end marker waits for every summary sent before it.
 Run it with ``argus worker``. Its web server (``metrics_host:worker_web_port``) answers ``/health``, ``/stats``
 (the counters as JSON) and ``/metrics`` (the same counters for Prometheus, read at scrape time: see
-:mod:`streams.metrics`).
+:mod:`argus.streams.metrics`).
 """
 
 from __future__ import annotations
@@ -40,18 +40,18 @@ from typing import Any
 import faust
 from faust.types import EventT
 
+from argus.detectors.kde_clusters import KdeParams
 from argus.errors import DeadLetterError, SchemaError
 from argus.kafka_security import faust_credentials
 from argus.metrics import CONTENT_TYPE, exposition
+from argus.schemas.records import JobLifecycle, KernelBatch, KernelSummary, LifecycleEvent
 from argus.settings import Settings
+from argus.streams.compression import summarize_isolated
+from argus.streams.diagnosis_agents import DeadLetters, failure_reason, install_diagnosis, summary_end_marker
+from argus.streams.idle import IdleJobs, QuietClock
+from argus.streams.metrics import WorkerCollector, worker_registry
+from argus.streams.windows import ClosedWindow, WindowBuffer
 from argus.topics import Topic, job_key, kernel_key
-from detectors.kde_clusters import KdeParams
-from schemas.records import JobLifecycle, KernelBatch, KernelSummary, LifecycleEvent
-from streams.compression import summarize_isolated
-from streams.diagnosis_agents import DeadLetters, failure_reason, install_diagnosis, summary_end_marker
-from streams.idle import IdleJobs, QuietClock
-from streams.metrics import WorkerCollector, worker_registry
-from streams.windows import ClosedWindow, WindowBuffer
 
 __all__ = ["CompressionStats", "create_app"]
 
@@ -312,7 +312,7 @@ def create_app(settings: Settings) -> faust.App:
             if rec.event in (LifecycleEvent.END, LifecycleEvent.ABANDONED):
                 arrivals.forget(rec.job_id)
                 last_seen.pop(rec.job_id, None)
-                # An ABANDONED job (idle past job_idle_timeout_s, see streams.diagnosis_agents) is closed
+                # An ABANDONED job (idle past job_idle_timeout_s, see argus.streams.diagnosis_agents) is closed
                 # like an ended one: its open windows are summarized and its held messages acked.
                 # The END can overtake kernel batches still queued in other partitions, so it is not
                 # applied here: a marker appended to every kernel partition closes the job's windows

@@ -1,7 +1,7 @@
 """Online compression: closed kernel windows -> per-(kernel, stream) KDE-cluster summaries.
 
 Pure function, no Kafka. Each (job, rank, window)'s events are grouped by (kernel, stream) and clustered by
-KDE valleys on log-durations (:func:`detectors.cluster_by_group`, one vectorized pass per window); the
+KDE valleys on log-durations (:func:`argus.detectors.cluster_by_group`, one vectorized pass per window); the
 summaries of all given windows are then regrouped by (job, kernel, stream), the key of the cross-rank
 comparison, into one :class:`KernelSummary` each. :func:`summarize_isolated` does the same but sets aside
 the windows whose summaries cannot be made or fail their checks (so one bad window never blocks the rest).
@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from detectors.kde_clusters import ClusterSet, KdeParams, cluster_by_group
-from schemas.records import KernelSummary
-from streams.windows import ClosedWindow
+from argus.detectors.kde_clusters import ClusterSet, KdeParams, cluster_by_group
+from argus.schemas.records import KernelSummary
+from argus.streams.windows import ClosedWindow
 
 __all__ = ["summarize_isolated", "summarize_windows"]
 

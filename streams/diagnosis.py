@@ -10,9 +10,9 @@ window at the job's end.
 Findings carry deterministic ids, so repeated runs over growing data emit each finding once; a regression
 whose onset estimate moves by less than ``L1Params.min_segment`` steps counts as the same finding.
 
-Every finding carries its impact (:mod:`detectors.impact`: GPU time the job lost) and is raised only when
+Every finding carries its impact (:mod:`argus.detectors.impact`: GPU time the job lost) and is raised only when
 its delay is at least ``DiagnosisParams.min_impact_fraction`` of the job's median step time.
-:class:`RankDiagnosis` pools a job's kernel summaries per rank across kernels (:mod:`detectors.l3_ranks`)
+:class:`RankDiagnosis` pools a job's kernel summaries per rank across kernels (:mod:`argus.detectors.l3_ranks`)
 and judges them once, when the job's summaries have all arrived.
 """
 
@@ -31,14 +31,14 @@ from pathlib import Path
 
 import numpy as np
 
+from argus.detectors.findings import DetectorResult, finding_id, to_finding
+from argus.detectors.impact import StepClock, impact_of, worth_raising
+from argus.detectors.l1_iteration import IterationSeries, L1Kind, L1Params, L1Result, detect_l1
+from argus.detectors.l2_phases import L2Params, L2Result, PhaseTable, detect_l2
+from argus.detectors.l3_kernels import PIPELINE_SIDE, L3Kind, L3Params, L3Result, detect_l3
+from argus.detectors.l3_ranks import KernelTotals, RankExcessParams, detect_rank_excess, detect_stage_excess
+from argus.schemas.records import Finding, JobLifecycle, JobTopology, KernelSummary, ParallelGroup, PhaseBatch, Step
 from argus.settings import Settings
-from detectors.findings import DetectorResult, finding_id, to_finding
-from detectors.impact import StepClock, impact_of, worth_raising
-from detectors.l1_iteration import IterationSeries, L1Kind, L1Params, L1Result, detect_l1
-from detectors.l2_phases import L2Params, L2Result, PhaseTable, detect_l2
-from detectors.l3_kernels import PIPELINE_SIDE, L3Kind, L3Params, L3Result, detect_l3
-from detectors.l3_ranks import KernelTotals, RankExcessParams, detect_rank_excess, detect_stage_excess
-from schemas.records import Finding, JobLifecycle, JobTopology, KernelSummary, ParallelGroup, PhaseBatch, Step
 
 __all__ = ["CORROBORATES_ONLY", "DiagnosisParams", "JobDiagnosis", "KernelDiagnosis", "LinkLedger", "RankDiagnosis",
            "corroborates_only", "detector_version", "drop_victims", "judge", "straggler_ranks"]
@@ -110,7 +110,7 @@ def _package_version() -> str:
 
 def judge(job_id: str, results: list[DetectorResult], time_ns: int, world_size: int, clock: StepClock,
           min_fraction: float, window: tuple[int, int] | None = None) -> list[Finding]:
-    """The findings of ``results`` worth raising (:func:`~detectors.impact.worth_raising`), each with its
+    """The findings of ``results`` worth raising (:func:`~argus.detectors.impact.worth_raising`), each with its
     impact; ``window``: the judged window of L3 results (its steps spread their excess)."""
     steps = clock.steps_in(*window) if window is not None else max(len(clock.starts_ns), 1)
     out = []
@@ -346,7 +346,7 @@ class LinkLedger:
     One collective of a group inferred from durations alone can mislead: the ranks of one position in their
     groups (all of one TP index) can wait in a collective of another kind for the others and look like a slow
     group of their own kind. A pipeline
-    link seen one side per stream (:data:`~detectors.l3_kernels.PIPELINE_SIDE`) is named once both of its
+    link seen one side per stream (:data:`~argus.detectors.l3_kernels.PIPELINE_SIDE`) is named once both of its
     ranks' sides are slow, and only while no straggler is known in the job.
     """
 
@@ -423,7 +423,7 @@ class LinkLedger:
 
 class RankDiagnosis:
     """Job-level L3 state: every compute kernel's time and calls per rank (:class:`KernelTotals`), judged
-    once at the job's end by :func:`~detectors.l3_ranks.detect_rank_excess`."""
+    once at the job's end by :func:`~argus.detectors.l3_ranks.detect_rank_excess`."""
 
     def __init__(self, job_id: str, params: DiagnosisParams | None = None) -> None:
         self.job_id = job_id

@@ -1,18 +1,18 @@
 """Faust agents of the progressive diagnosis: L1/L2 per job, L3 per (job, kernel, stream).
 
 * ``argus.diagnose-jobs`` reads steps, phases, topology and lifecycle records, all keyed by job (so one
-  job's records meet on one worker), feeds :class:`streams.diagnosis.JobDiagnosis`, publishes findings
+  job's records meet on one worker), feeds :class:`argus.streams.diagnosis.JobDiagnosis`, publishes findings
   as they appear (live, every few complete steps) and, once the END's record counts have all arrived, the
   final ones followed by a ``DIAGNOSED`` lifecycle record with part ``l1l2``.
 * ``argus.diagnose-kernels`` reads kernel summaries keyed by (job, kernel, stream), feeds
-  :class:`streams.diagnosis.KernelDiagnosis` and judges each window once the next one begins. Every
+  :class:`argus.streams.diagnosis.KernelDiagnosis` and judges each window once the next one begins. Every
   compressor partition ends a job with a marker on every summaries partition; when one partition has the
   markers of all kernel partitions, all of the job's summaries there have arrived: final L3, then
   ``DIAGNOSED`` with part ``l3/<partition>``. When this worker holds the job's partition of the job topics,
   the final L3 waits (without blocking the agent) until the job agent has the job's final steps, groups and
   stragglers, so impacts are judged against the final step time and victims are known; it gives up when the
   job is not open there and the job agent read nothing for ``final_wait_s``. The summaries also feed the job's
-  :class:`streams.diagnosis.RankDiagnosis`, judged before the DIAGNOSED of the last partition this worker
+  :class:`argus.streams.diagnosis.RankDiagnosis`, judged before the DIAGNOSED of the last partition this worker
   finishes the job on, when this worker has held all partitions of the job.
 
 Each DIAGNOSED record lists the ids of the job's findings published before it, so ``argus findings --wait``
@@ -20,7 +20,7 @@ can wait for those findings (and the job's records) to be stored, not only for t
 
 **Exactly once from at-least-once.** A Step or PhaseBatch delivered twice (a producer re-send, a replay)
 counts once: the job agent keeps the (rank, step) pairs it took per job and acks copies without adding them.
-Kernel summaries come in pieces (:mod:`streams.windows`): a copy of a piece already taken is dropped, a
+Kernel summaries come in pieces (:mod:`argus.streams.windows`): a copy of a piece already taken is dropped, a
 larger copy replaces it, and different pieces of one (rank, window) are merged into one row (clusters
 concatenated) before L3 judges the window, again if a piece arrives after its judgement. At start the agents
 read the lifecycle topic for DIAGNOSED records (and keep reading them live): a job whose L1/L2 part was
@@ -44,8 +44,8 @@ messages acked; the compressor turns the same record into job-end markers, so th
 summarized and every L3 part finishes. A replay closes the job at the same record.
 
 **Liveness.** The job agent also reads heartbeats (acked at once) and keeps per job and rank the last step,
-phase and collective seen (:class:`streams.liveness.JobLiveness`); a worker timer judges running jobs with
-:mod:`detectors.hangs` and publishes ``job_stalled``, ``rank_silent``, ``hang_wavefront`` and, at the next
+phase and collective seen (:class:`argus.streams.liveness.JobLiveness`); a worker timer judges running jobs with
+:mod:`argus.detectors.hangs` and publishes ``job_stalled``, ``rank_silent``, ``hang_wavefront`` and, at the next
 completed step, ``job_resumed`` like every other finding.
 
 **One record never stops an agent.** A record of a rank outside its job (not in the topology, or not below
@@ -76,16 +76,14 @@ import faust
 from confluent_kafka import Consumer, TopicPartition
 from faust.types import EventT
 
+from argus.detectors.findings import finding_json, to_finding
+from argus.detectors.hangs import HangParams, HangResult
+from argus.detectors.impact import Impact, StepClock
 from argus.errors import DeadLetterError, RejectedRecordError, SchemaError
 from argus.kafka_security import client_config
 from argus.metrics import DELAY_BUCKETS_S, Histogram
-from argus.settings import Settings
-from argus.topics import RECORD_OF, Topic, job_key, key_partition
-from detectors.findings import finding_json, to_finding
-from detectors.hangs import HangParams, HangResult
-from detectors.impact import Impact, StepClock
-from schemas.job_context import CONTEXT_JOB_PART, JobContext
-from schemas.records import (
+from argus.schemas.job_context import CONTEXT_JOB_PART, JobContext
+from argus.schemas.records import (
     DeadLetter,
     Finding,
     Heartbeat,
@@ -98,7 +96,8 @@ from schemas.records import (
     Record,
     Step,
 )
-from streams.diagnosis import (
+from argus.settings import Settings
+from argus.streams.diagnosis import (
     DiagnosisParams,
     JobDiagnosis,
     KernelDiagnosis,
@@ -108,8 +107,8 @@ from streams.diagnosis import (
     drop_victims,
     straggler_ranks,
 )
-from streams.idle import IdleJobs, QuietClock, abandon_reason
-from streams.job_context import (
+from argus.streams.idle import IdleJobs, QuietClock, abandon_reason
+from argus.streams.job_context import (
     ContextTable,
     context_clock,
     context_groups,
@@ -119,7 +118,8 @@ from streams.job_context import (
     job_context,
     totals_context,
 )
-from streams.liveness import JobLiveness
+from argus.streams.liveness import JobLiveness
+from argus.topics import RECORD_OF, Topic, job_key, key_partition
 
 __all__ = ["DeadLetters", "DiagnosisStats", "PieceLedger", "failure_reason", "foreign_ranks", "install_diagnosis",
            "merge_pieces", "scan_diagnosed", "select_rows", "summary_end_marker"]
@@ -329,7 +329,7 @@ class PieceLedger:
 
 
 #: Heartbeat intervals without a heartbeat after which a job is no longer judged for hangs (see
-#: :meth:`streams.liveness.JobLiveness.alive`).
+#: :meth:`argus.streams.liveness.JobLiveness.alive`).
 _ALIVE_HEARTBEATS = 3.0
 
 class _BoundedKernelDiagnosis(KernelDiagnosis):
@@ -510,7 +510,7 @@ def install_diagnosis(app: faust.App, settings: Settings, params: DiagnosisParam
     # The job's rank aggregate per L3 part here (summaries partition -> its kernels' per-rank totals).
     rank_parts: _Recent[dict[int, RankDiagnosis]] = _Recent(max_jobs)
     # What other workers know of their jobs (and this one of its own, read back): topology, groups,
-    # stragglers, steps, and every L3 part's totals (see streams.job_context).
+    # stragglers, steps, and every L3 part's totals (see argus.streams.job_context).
     shared = ContextTable(settings, max_jobs)
     context_topic = app.topic(Topic.CONTEXT.full(settings), key_type=bytes, value_type=bytes)
     shared_sent: _Recent[tuple[Any, ...]] = _Recent(max_jobs)  # what the job context last written here held

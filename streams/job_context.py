@@ -3,13 +3,13 @@
 The worker holding a job's steps (its partition of the job topics) knows the job's topology, the parallel
 group of each collective stream, the ranks named stragglers and the job's steps; the L3 parts of the job
 (one per summaries partition) may run on other workers, and the job's rank aggregate needs every part's
-per-rank kernel totals. Both travel as :class:`~schemas.job_context.JobContext` records on the compacted
+per-rank kernel totals. Both travel as :class:`~argus.schemas.job_context.JobContext` records on the compacted
 ``context`` topic, which every worker reads in full from its start (:class:`ContextTable`, a global table):
 
 * part ``job``, written by the job's holder whenever what it knows changes (and ``final`` once the job
   ended), read by the L3 parts elsewhere;
 * part ``l3/<p>``, written by L3 part ``p`` at its end: its kernels' per-rank totals, merged by part 0 into
-  the job's rank aggregate (:meth:`streams.diagnosis.RankDiagnosis.add_totals`).
+  the job's rank aggregate (:meth:`argus.streams.diagnosis.RankDiagnosis.add_totals`).
 
 The conversions here are pure; the table is the only thread.
 """
@@ -25,14 +25,14 @@ from collections.abc import Iterable
 
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaException, TopicPartition
 
+from argus.detectors.impact import StepClock
+from argus.detectors.l3_ranks import KernelTotals
 from argus.errors import SchemaError
 from argus.kafka_security import client_config
+from argus.schemas.job_context import CONTEXT_JOB_PART, JobContext
+from argus.schemas.records import JobTopology, ParallelGroup
 from argus.settings import Settings
 from argus.topics import Topic
-from detectors.impact import StepClock
-from detectors.l3_ranks import KernelTotals
-from schemas.job_context import CONTEXT_JOB_PART, JobContext
-from schemas.records import JobTopology, ParallelGroup
 
 __all__ = ["ContextTable", "context_clock", "context_groups", "context_key",
            "context_topology", "context_totals", "job_context", "totals_context"]

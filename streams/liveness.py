@@ -1,12 +1,12 @@
 """Liveness of a running job on the stream: per rank the last step, phase and collective seen, and the hang
-episode (pure; judged by :mod:`detectors.hangs`).
+episode (pure; judged by :mod:`argus.detectors.hangs`).
 
 Time is event time: each record's own timestamp says when a rank was last seen and when a step completed.
 Only "nothing arrived" needs the worker's clock: the job's *now* is its newest event time plus the worker
 time elapsed since its last record, so a job whose records keep coming is judged on event time alone (a
 replay gives the same judgement). That elapsed time runs at the pace the job's steps have been arriving
 (event time per worker second, at most 1), so a producer that publishes slower than its own event time
-(a simulator) does not look stalled between steps; and the agents pass a :class:`streams.idle.QuietClock`,
+(a simulator) does not look stalled between steps; and the agents pass a :class:`argus.streams.idle.QuietClock`,
 so a worker busy elsewhere does not make a job look stalled either.
 
 The job's topics are read at different paces (a backlog, a restart), so ranks are compared on one stream:
@@ -26,8 +26,8 @@ from __future__ import annotations
 import statistics
 from collections import deque
 
-from detectors.hangs import HangKind, HangParams, HangResult, RankLiveness, detect_hangs, job_resumed
-from schemas.records import Heartbeat, JobTopology, PhaseBatch, Step
+from argus.detectors.hangs import HangKind, HangParams, HangResult, RankLiveness, detect_hangs, job_resumed
+from argus.schemas.records import Heartbeat, JobTopology, PhaseBatch, Step
 
 __all__ = ["JobLiveness"]
 

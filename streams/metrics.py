@@ -1,7 +1,7 @@
 """Prometheus metrics of the stream worker, served at ``/metrics`` on its Faust web server.
 
-:class:`WorkerCollector` reads the agents' own counters (:class:`~streams.app.CompressionStats`,
-:class:`~streams.diagnosis_agents.DiagnosisStats`) and the Faust consumer's offsets when Prometheus scrapes:
+:class:`WorkerCollector` reads the agents' own counters (:class:`~argus.streams.app.CompressionStats`,
+:class:`~argus.streams.diagnosis_agents.DiagnosisStats`) and the Faust consumer's offsets when Prometheus scrapes:
 the hot path pays nothing for them. The page is on ``metrics_host:worker_web_port`` (default
 ``127.0.0.1:16066``) next to ``/health`` and ``/stats`` (the same counters as JSON).
 
@@ -43,7 +43,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import Metric
 
 from argus.metrics import counter, gauge, histogram
-from streams.diagnosis_agents import DiagnosisStats
+from argus.streams.diagnosis_agents import DiagnosisStats
 
 __all__ = ["WorkerCollector", "consumer_lag", "worker_registry"]
 
@@ -119,7 +119,7 @@ class WorkerCollector:
     """Reads the worker's counters at scrape time (register it in a registry of its own).
 
     Args:
-        compression: the compressor's :class:`~streams.app.CompressionStats` (any object with its fields).
+        compression: the compressor's :class:`~argus.streams.app.CompressionStats` (any object with its fields).
         diagnosis: the diagnosis agents' :class:`DiagnosisStats`.
         open_windows, pending_messages: callables giving the compressor's open windows and held messages.
         consumer: a callable giving the Faust consumer (``lambda: app.consumer``), or ``None`` for no lag.

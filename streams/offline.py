@@ -1,8 +1,8 @@
 """The stream pipeline in one process, without Kafka: records in, findings out.
 
 :func:`diagnose_records` runs a job's records through what the Faust agents run -- event-time windows
-(:class:`~streams.windows.WindowBuffer`), compression (:func:`~streams.compression.summarize_windows`), the
-per-job L1/L2 state, the per-(kernel, stream) L3 state and the per-rank L3 state (:mod:`streams.diagnosis`)
+(:class:`~argus.streams.windows.WindowBuffer`), compression (:func:`~argus.streams.compression.summarize_windows`), the
+per-job L1/L2 state, the per-(kernel, stream) L3 state and the per-rank L3 state (:mod:`argus.streams.diagnosis`)
 -- in record order, with live judgements as records arrive and the final ones at the job's end. It is how
 the detectors are evaluated on many scenarios quickly (``load_tests/detection_eval.py --mode inproc``) and
 what a test compares the live stack with. :func:`diagnose_traces` does it for a directory of
@@ -16,10 +16,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from argus.settings import Settings
-from argus.topics import Topic
-from detectors.findings import finding_json
-from schemas.records import (
+from argus.detectors.findings import finding_json
+from argus.schemas.records import (
     Finding,
     JobLifecycle,
     JobTopology,
@@ -30,8 +28,9 @@ from schemas.records import (
     Record,
     Step,
 )
-from streams.compression import summarize_windows
-from streams.diagnosis import (
+from argus.settings import Settings
+from argus.streams.compression import summarize_windows
+from argus.streams.diagnosis import (
     DiagnosisParams,
     JobDiagnosis,
     KernelDiagnosis,
@@ -41,7 +40,8 @@ from streams.diagnosis import (
     drop_victims,
     straggler_ranks,
 )
-from streams.windows import ClosedWindow, WindowBuffer
+from argus.streams.windows import ClosedWindow, WindowBuffer
+from argus.topics import Topic
 
 __all__ = ["diagnose_records", "diagnose_traces", "finding_json"]
 
@@ -90,7 +90,7 @@ def diagnose_records(records: Iterable[Record], settings: Settings | None = None
 
     A job is finished by its END record, or, without one, when the records run out. ``settings`` gives the
     window, lateness and compression parameters and the impact threshold (defaults: ``Settings()``). Findings
-    carry their :func:`~streams.diagnosis.detector_version`, as the stream agents stamp them.
+    carry their :func:`~argus.streams.diagnosis.detector_version`, as the stream agents stamp them.
     """
     cfg = settings if settings is not None else Settings()
     p = params if params is not None else DiagnosisParams(min_impact_fraction=cfg.min_impact_fraction)
@@ -138,7 +138,7 @@ def diagnose_traces(directory: Path, job_id: str, topology: str | None = None,
     """``argus import-kineto DIR --job J`` then ``argus findings --job J --json``, in one process: the
     findings of the Kineto traces under ``directory`` as JSON objects, largest impact first. Raises
     :class:`~argus.errors.ProducerError` like the importer."""
-    from producers.kineto import import_kineto
+    from argus.producers.kineto import import_kineto
 
     cfg = settings if settings is not None else Settings()
     sink = _Collect()

@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
-from schemas.records import KernelBatch
+from argus.schemas.records import KernelBatch
 
 __all__ = ["OTHER_KERNEL", "ClosedWindow", "KernelNames", "WindowBuffer", "WindowUpdate", "beyond_skew"]
 

@@ -8,7 +8,7 @@ from faust.worker import Worker
 
 from argus.heap_trim import start_heap_trimmer
 from argus.settings import Settings
-from streams.app import create_app
+from argus.streams.app import create_app
 
 __all__ = ["run_worker"]
 

@@ -1,5 +1,5 @@
 """Helpers to check the provisioned Grafana dashboard against the code: its ClickHouse SQL against
-:data:`sinks.tables.TABLES`, its PromQL against the metric names the exporters really serve."""
+:data:`argus.sinks.tables.TABLES`, its PromQL against the metric names the exporters really serve."""
 
 from __future__ import annotations
 

@@ -7,9 +7,8 @@ from typing import Any
 
 import numpy as np
 
-from argus.topics import Topic
-from schemas.job_context import JobContext
-from schemas.records import (
+from argus.schemas.job_context import JobContext
+from argus.schemas.records import (
     CpuStack,
     DeadLetter,
     Finding,
@@ -26,6 +25,7 @@ from schemas.records import (
     Record,
     Step,
 )
+from argus.topics import Topic
 
 T0 = 1_767_225_600_000_000_000
 

@@ -23,7 +23,7 @@ import functools
 import logging
 from typing import Any
 
-from schemas.records import PhaseKind
+from argus.schemas.records import PhaseKind
 
 try:
     import lightning.pytorch as pl

@@ -56,9 +56,9 @@ def build(torch: Any, device: str) -> tuple[Any, Any, Any]:
 
 
 def run(torch: Any, config: str, steps: int, warmup: int, publisher: str, device: str = "cuda") -> dict[str, Any]:
+    from argus.producers.tracer import Tracer
+    from argus.schemas.records import PhaseKind
     from argus.settings import Settings
-    from producers.tracer import Tracer
-    from schemas.records import PhaseKind
 
     model, opt, x = build(torch, device)
 
@@ -79,7 +79,7 @@ def run(torch: Any, config: str, steps: int, warmup: int, publisher: str, device
             pub = Null()
         settings = Settings(bootstrap_servers="127.0.0.1:9")  # unreachable: records queue, then drop
         if pub is None:
-            from producers.publisher import Publisher
+            from argus.producers.publisher import Publisher
             pub = owned = Publisher(settings, extra_config={"message.timeout.ms": 2_000, "log_level": 0})
         tracer = Tracer(settings, f"overhead-{config}", 0, 1, pub, kernels=config != "argus_phases",
                         registry=False)

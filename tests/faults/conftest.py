@@ -18,15 +18,15 @@ from typing import Any
 import pytest
 
 from argus.demo import build_spec
+from argus.detectors.findings import finding_id
 from argus.local_kafka import LocalKafka
+from argus.producers.publisher import Publisher
+from argus.producers.simulator import JobSimulator
 from argus.settings import Settings
+from argus.sinks.findings_query import fetch_findings, pending_reasons
+from argus.sinks.query_server import run_query
 from argus.supervisor import Service, service_pid
-from detectors.findings import finding_id
 from load_tests.detection_eval import PrivateStack
-from producers.publisher import Publisher
-from producers.simulator import JobSimulator
-from sinks.findings_query import fetch_findings, pending_reasons
-from sinks.query_server import run_query
 
 #: The job of the issue: ``argus simulate --dp 8 --tp 2 --pp 2 --steps 40 --fault case1``.
 DP, TP, PP, STEPS, FAULT = 8, 2, 2, 40, "case1"
@@ -35,7 +35,7 @@ PACE_S = 0.4
 #: Generous deadlines: the suite must pass on a busy 2-core machine.
 RECOVER_S = 240.0
 DIAGNOSE_S = 300.0
-#: A job whose pending reasons (see ``sinks.findings_query.pending_reasons``) did not change for this long
+#: A job whose pending reasons (see ``argus.sinks.findings_query.pending_reasons``) did not change for this long
 #: will not complete: stop waiting and report.
 STALLED_S = 60.0
 

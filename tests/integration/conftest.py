@@ -22,9 +22,9 @@ import pytest
 
 from argus.local_kafka import LocalKafka
 from argus.settings import Settings
+from argus.sinks.clickhouse import ClickHouseStore
+from argus.sinks.writer import SinkWriter
 from argus.topics import ensure_topics
-from sinks.clickhouse import ClickHouseStore
-from sinks.writer import SinkWriter
 
 TEST_BOOTSTRAP = os.environ.get("ARGUS_TEST_BOOTSTRAP", "127.0.0.1:39092")
 

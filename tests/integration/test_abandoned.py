@@ -12,13 +12,13 @@ import pytest
 from confluent_kafka import Consumer, TopicPartition
 
 from argus.kafka_security import client_config
+from argus.producers.faults import Fault
+from argus.producers.publisher import Publisher
+from argus.producers.simulator import JobSimulator, paper_case
+from argus.schemas.records import JobLifecycle, KernelBatch, LifecycleEvent
 from argus.settings import Settings
+from argus.sinks.findings_query import fetch_findings, pending_reasons, wait_diagnosed
 from argus.topics import Topic
-from producers.faults import Fault
-from producers.publisher import Publisher
-from producers.simulator import JobSimulator, paper_case
-from schemas.records import JobLifecycle, KernelBatch, LifecycleEvent
-from sinks.findings_query import fetch_findings, pending_reasons, wait_diagnosed
 from tests.integration.conftest import SinkThread, WorkerProcess
 
 pytestmark = pytest.mark.integration

@@ -2,7 +2,7 @@
 
 A 32-rank job (DP 8 x TP 2 x PP 2) stops after step ``PAUSE_STEP - 1`` for 5 nominal step times: every rank saves
 its checkpoint between two steps, so nothing is produced but heartbeats, which name the last step begun, no
-phase and no collective (see :mod:`producers.simulator`). Then the job resumes and ends.
+phase and no collective (see :mod:`argus.producers.simulator`). Then the job resumes and ends.
 
 The issue's contract: such a pause raises at most ``job_stalled`` + ``job_resumed`` (a stall that is raised is
 closed), never a finding naming a rank (no ``rank_silent``, no ``hang_wavefront``, no L2/L3 straggler), and
@@ -28,10 +28,10 @@ from typing import Any, cast
 
 import pytest
 
+from argus.producers.publisher import Publisher
+from argus.producers.simulator import JobSimulator, JobSpec
 from argus.settings import Settings
-from producers.publisher import Publisher
-from producers.simulator import JobSimulator, JobSpec
-from sinks.findings_query import pending_reasons, wait_diagnosed
+from argus.sinks.findings_query import pending_reasons, wait_diagnosed
 from tests.integration.conftest import SinkThread, WorkerProcess
 
 pytestmark = pytest.mark.integration
@@ -134,5 +134,5 @@ def test_checkpoint_pause_read_ahead_names_no_rank(settings: Settings, worker: W
     ``seconds_silent`` 1.2 against a 0.75 s bound): the job's *now* came from the resumed steps of the ranks read
     first while the others' pause heartbeats were not read yet. Silence is now measured on the heartbeats' own
     clock (one job's heartbeats share one partition, read in the order sent), and a stall needs a heartbeat sent
-    after the last completed step (:mod:`streams.liveness`)."""
+    after the last completed step (:mod:`argus.streams.liveness`)."""
     _check_pause(settings, worker, sink, f"ckpt-ahead-{int(cadence[0] * 1000)}", cadence[1], live=False)

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 from confluent_kafka import Producer
 
+from argus.producers.publisher import Publisher
+from argus.schemas.codec import codec
+from argus.schemas.records import KernelBatch
 from argus.settings import Settings
 from argus.topics import Topic, rank_key
-from producers.publisher import Publisher
-from schemas.codec import codec
-from schemas.records import KernelBatch
 from tests.integration.conftest import SinkThread, WorkerProcess
 from tests.samples import kernel_batch
 

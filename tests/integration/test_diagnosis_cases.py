@@ -8,11 +8,11 @@ from typing import Any
 
 import pytest
 
+from argus.producers.faults import Fault
+from argus.producers.publisher import Publisher
+from argus.producers.simulator import JobSimulator, JobSpec, paper_case
 from argus.settings import Settings
-from producers.faults import Fault
-from producers.publisher import Publisher
-from producers.simulator import JobSimulator, JobSpec, paper_case
-from sinks.findings_query import fetch_findings, wait_diagnosed
+from argus.sinks.findings_query import fetch_findings, wait_diagnosed
 from tests.integration.conftest import SinkThread, WorkerProcess
 
 pytestmark = pytest.mark.integration

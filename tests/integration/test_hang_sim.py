@@ -15,11 +15,11 @@ import time
 
 import pytest
 
+from argus.producers.faults import FaultSpec
+from argus.producers.publisher import Publisher
+from argus.producers.simulator import JobSimulator, JobSpec
+from argus.producers.topology import build_topology
 from argus.settings import Settings
-from producers.faults import FaultSpec
-from producers.publisher import Publisher
-from producers.simulator import JobSimulator, JobSpec
-from producers.topology import build_topology
 from tests.integration.conftest import SinkThread, WorkerProcess
 
 pytestmark = pytest.mark.integration

@@ -10,12 +10,10 @@ import time
 
 import pytest
 
-from argus.settings import Settings
-from argus.topics import Topic, job_key
-from producers.faults import Fault
-from producers.publisher import Publisher
-from producers.simulator import JobSimulator, paper_case
-from schemas.records import (
+from argus.producers.faults import Fault
+from argus.producers.publisher import Publisher
+from argus.producers.simulator import JobSimulator, paper_case
+from argus.schemas.records import (
     Heartbeat,
     JobLifecycle,
     JobTopology,
@@ -25,6 +23,8 @@ from schemas.records import (
     PhaseKind,
     Step,
 )
+from argus.settings import Settings
+from argus.topics import Topic, job_key
 from tests.integration.conftest import SinkThread, WorkerProcess
 
 pytestmark = pytest.mark.integration

@@ -22,12 +22,12 @@ import pytest
 
 from argus.errors import ArgusError, KafkaLocalError
 from argus.local_kafka import LocalKafka, fetch_jars
+from argus.producers.publisher import Publisher
+from argus.producers.simulator import JobSimulator, JobSpec
 from argus.settings import Secret, Settings
+from argus.sinks.clickhouse import ClickHouseStore
 from argus.topics import Topic, ensure_topics
 from load_tests.detection_eval import free_port
-from producers.publisher import Publisher
-from producers.simulator import JobSimulator, JobSpec
-from sinks.clickhouse import ClickHouseStore
 from tests.integration.conftest import SinkThread, WorkerProcess
 
 pytestmark = [

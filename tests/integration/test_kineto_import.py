@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
+from argus.producers.kineto import import_kineto
 from argus.settings import Settings
-from producers.kineto import import_kineto
-from sinks.findings_query import fetch_findings, wait_diagnosed
+from argus.sinks.findings_query import fetch_findings, wait_diagnosed
 from tests.integration.conftest import SinkThread, WorkerProcess
 
 pytestmark = pytest.mark.integration

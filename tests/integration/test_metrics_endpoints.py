@@ -13,12 +13,12 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from argus.metrics import CONTENT_TYPE
+from argus.producers.faults import Fault
+from argus.producers.publisher import Publisher
+from argus.producers.simulator import JobSimulator, paper_case
 from argus.settings import Settings
+from argus.sinks.metrics import start_sink_metrics
 from argus.topics import Topic
-from producers.faults import Fault
-from producers.publisher import Publisher
-from producers.simulator import JobSimulator, paper_case
-from sinks.metrics import start_sink_metrics
 from tests.dashboards import clickhouse_sql, dashboard, exported_names, metric_names, prometheus_exprs, runnable_sql
 from tests.integration.conftest import SinkThread, WorkerProcess
 
@@ -71,7 +71,7 @@ def test_worker_sink_and_publisher_metrics_after_a_job(settings: Settings, worke
     assert _total(publisher_text, "argus_publisher_records_dropped_total") == 0
     assert _total(publisher_text, "argus_publisher_delivered_bytes_total", topic=Topic.KERNELS.full(settings)) > 0
 
-    # The sink's metrics server, started as sinks.writer.serve starts it, over the fixture's writer.
+    # The sink's metrics server, started as argus.sinks.writer.serve starts it, over the fixture's writer.
     server = start_sink_metrics(settings.replace(sink_metrics_port=_free_port()), sink.writer)
     assert server is not None
     try:

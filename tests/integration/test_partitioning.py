@@ -7,10 +7,10 @@ import time
 import pytest
 from confluent_kafka import Consumer
 
+from argus.producers.publisher import Publisher
+from argus.schemas.records import Step
 from argus.settings import Settings
 from argus.topics import Topic, job_key, key_partition
-from producers.publisher import Publisher
-from schemas.records import Step
 
 pytestmark = pytest.mark.integration
 

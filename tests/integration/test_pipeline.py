@@ -7,13 +7,13 @@ import time
 
 import pytest
 
+from argus.producers.faults import Fault
+from argus.producers.publisher import Publisher
+from argus.producers.simulator import JobSimulator, SimRecord, paper_case
 from argus.settings import Settings
+from argus.streams.compression import summarize_windows
+from argus.streams.windows import WindowBuffer
 from argus.topics import Topic
-from producers.faults import Fault
-from producers.publisher import Publisher
-from producers.simulator import JobSimulator, SimRecord, paper_case
-from streams.compression import summarize_windows
-from streams.windows import WindowBuffer
 from tests.integration.conftest import SinkThread, WorkerProcess
 
 pytestmark = pytest.mark.integration

@@ -23,15 +23,15 @@ import pytest
 from perfetto.trace_processor import TraceProcessor, TraceProcessorConfig
 
 from argus.errors import TraceExportError
+from argus.producers.faults import Fault
+from argus.producers.publisher import Publisher
+from argus.producers.simulator import JobSimulator, paper_case
+from argus.schemas.records import KernelBatch, Step
 from argus.settings import Settings
+from argus.sinks.findings_query import wait_diagnosed
+from argus.sinks.query_server import QueryServer
 from argus.topics import Topic
 from argus.trace_export import export_trace
-from producers.faults import Fault
-from producers.publisher import Publisher
-from producers.simulator import JobSimulator, paper_case
-from schemas.records import KernelBatch, Step
-from sinks.findings_query import wait_diagnosed
-from sinks.query_server import QueryServer
 from tests.integration.conftest import SinkThread, WorkerProcess
 
 pytestmark = pytest.mark.integration

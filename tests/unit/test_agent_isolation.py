@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 
 from argus.errors import DeadLetterError, DetectorError, SchemaError
-from schemas.records import DeadLetter, KernelSummary
-from streams.diagnosis import DiagnosisParams
-from streams.diagnosis_agents import (
+from argus.schemas.records import DeadLetter, KernelSummary
+from argus.streams.diagnosis import DiagnosisParams
+from argus.streams.diagnosis_agents import (
     DeadLetters,
     _BoundedKernelDiagnosis,
     failure_reason,

@@ -18,14 +18,14 @@ torch = pytest.importorskip("torch")
 import torch.distributed as dist  # noqa: E402
 
 import argus  # noqa: E402
-from producers import attach as attach_mod  # noqa: E402
-from producers.exchange import TopologyExchange, agree, topology_from_posts  # noqa: E402
-from producers.groups import classify_name, discover_groups  # noqa: E402
-from producers.rank_registry import RankRegistry  # noqa: E402
-from producers.topology import build_topology, groups_of, parse_topology_spec, topology_from_groups  # noqa: E402
-from producers.tracer import Tracer  # noqa: E402
-from producers.tracer_auto import first_grad_tensor  # noqa: E402
-from schemas.records import JobLifecycle, JobTopology, LifecycleEvent, ParallelGroup, PhaseBatch, PhaseKind, Step  # noqa: E402
+from argus.producers import attach as attach_mod  # noqa: E402
+from argus.producers.exchange import TopologyExchange, agree, topology_from_posts  # noqa: E402
+from argus.producers.groups import classify_name, discover_groups  # noqa: E402
+from argus.producers.rank_registry import RankRegistry  # noqa: E402
+from argus.producers.topology import build_topology, groups_of, parse_topology_spec, topology_from_groups  # noqa: E402
+from argus.producers.tracer import Tracer  # noqa: E402
+from argus.producers.tracer_auto import first_grad_tensor  # noqa: E402
+from argus.schemas.records import JobLifecycle, JobTopology, LifecycleEvent, ParallelGroup, PhaseBatch, PhaseKind, Step  # noqa: E402
 from tests.samples import RecordingPublisher  # noqa: E402
 
 G = ParallelGroup
@@ -415,9 +415,9 @@ class FakeFuture:
 
 
 def test_bucket_timed_on_the_communication_stream(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import producers.tracer as tracer_mod
-    import producers.tracer_collectives as coll_mod
-    import producers.tracer_patch as patch_mod
+    import argus.producers.tracer as tracer_mod
+    import argus.producers.tracer_collectives as coll_mod
+    import argus.producers.tracer_patch as patch_mod
     from tests.unit.test_tracer import FakeCuda, FakeCudaTensor, FakeTorch
 
     cuda = FakeCuda()
@@ -441,7 +441,7 @@ def test_bucket_timed_on_the_communication_stream(tmp_path: Path, monkeypatch: p
 
 
 def test_fsdp_comm_wrapper(tmp_path: Path, gloo: Any) -> None:
-    from producers.tracer_ddp import TimedComm
+    from argus.producers.tracer_ddp import TimedComm
 
     class Comm:  # what FSDP2 holds: allocate() and a call returning None (sync) or a Work
         def allocate(self, size: Any, *, dtype: Any, device: Any) -> Any:

@@ -24,8 +24,8 @@ import pytest
 from argus import cli
 from argus.errors import ConfigError
 from argus.settings import Settings
-from sinks import clickhouse
-from sinks.tables import LOCAL_SUFFIX, TABLES, VIEWS, schema_ddl
+from argus.sinks import clickhouse
+from argus.sinks.tables import LOCAL_SUFFIX, TABLES, VIEWS, schema_ddl
 
 DB, CLUSTER = "metrics", "gpu-fleet_1"
 ON = f" ON CLUSTER '{CLUSTER}'"
@@ -211,7 +211,7 @@ def test_cli_prints_the_cluster_ddl_without_connecting(monkeypatch: pytest.Monke
 _CHDB_CHECK = r"""
 import json, re, sys
 from chdb import session
-from sinks.tables import LOCAL_SUFFIX, TABLES, VIEWS, schema_ddl
+from argus.sinks.tables import LOCAL_SUFFIX, TABLES, VIEWS, schema_ddl
 
 db, cluster = sys.argv[2], sys.argv[3]
 on = f" ON CLUSTER '{cluster}'"

@@ -13,11 +13,11 @@ from typing import Any
 
 import pytest
 
-import producers.cpu_stacks as cs
+import argus.producers.cpu_stacks as cs
+from argus.producers.cpu_stacks import StackCaptureError, StackCapturer, StackCollector, capture_stacks, find_py_spy
+from argus.producers.rank_registry import RankRegistry, process_start_ticks
+from argus.schemas.records import CpuStack, Finding, Level
 from argus.topics import Topic, rank_key
-from producers.cpu_stacks import StackCaptureError, StackCapturer, StackCollector, capture_stacks, find_py_spy
-from producers.rank_registry import RankRegistry, process_start_ticks
-from schemas.records import CpuStack, Finding, Level
 
 CHILD = """
 import time

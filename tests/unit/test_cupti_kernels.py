@@ -10,10 +10,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-import producers.cupti_kernels as ck
-from argus.topics import rank_key
-from producers.cupti_kernels import CuptiKernels, CuptiState
-from producers.cupti_parse import (
+import argus.producers.cupti_kernels as ck
+from argus.producers.cupti_kernels import CuptiKernels, CuptiState
+from argus.producers.cupti_parse import (
     KIND_CONCURRENT_KERNEL,
     KIND_MEMCPY,
     KIND_MEMSET,
@@ -25,6 +24,7 @@ from producers.cupti_parse import (
     extract_columns,
     parse_rank_list,
 )
+from argus.topics import rank_key
 from tests.samples import RecordingPublisher
 
 T0 = 1_000_000_000

@@ -10,16 +10,16 @@ import pytest
 import yaml
 
 from argus.metrics import exposition
+from argus.producers.publisher import Publisher
+from argus.producers.publisher_metrics import publisher_registry
 from argus.settings import Settings
+from argus.sinks.metrics import sink_registry
+from argus.sinks.tables import TABLES
+from argus.sinks.writer import SinkWriter, _Pending
+from argus.streams.app import CompressionStats
+from argus.streams.diagnosis_agents import DiagnosisStats
+from argus.streams.metrics import WorkerCollector, worker_registry
 from argus.topics import Topic
-from producers.publisher import Publisher
-from producers.publisher_metrics import publisher_registry
-from sinks.metrics import sink_registry
-from sinks.tables import TABLES
-from sinks.writer import SinkWriter, _Pending
-from streams.app import CompressionStats
-from streams.diagnosis_agents import DiagnosisStats
-from streams.metrics import WorkerCollector, worker_registry
 from tests.dashboards import (
     CLICKHOUSE_TYPE,
     ROOT,

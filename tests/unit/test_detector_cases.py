@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from detectors import (
+from argus.detectors import (
     IterationSeries,
     L1Kind,
     L1Result,
@@ -28,13 +28,13 @@ from detectors import (
     detect_l3,
     to_findings,
 )
-from producers.faults import Fault
-from producers.sim_workload import K_ALL_GATHER, K_ALL_REDUCE, K_REDUCE_SCATTER, GradSync
-from producers.simulator import JobSimulator, JobSpec, paper_case
-from schemas.records import Finding, JobTopology, KernelBatch, KernelSummary, PhaseBatch, Step
-from streams.compression import summarize_windows
-from streams.offline import diagnose_records
-from streams.windows import WindowBuffer
+from argus.producers.faults import Fault
+from argus.producers.sim_workload import K_ALL_GATHER, K_ALL_REDUCE, K_REDUCE_SCATTER, GradSync
+from argus.producers.simulator import JobSimulator, JobSpec, paper_case
+from argus.schemas.records import Finding, JobTopology, KernelBatch, KernelSummary, PhaseBatch, Step
+from argus.streams.compression import summarize_windows
+from argus.streams.offline import diagnose_records
+from argus.streams.windows import WindowBuffer
 
 WINDOW_NS = 10_000_000_000
 LATENESS_NS = 2_000_000_000

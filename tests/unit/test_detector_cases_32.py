@@ -15,9 +15,9 @@ import dataclasses
 import pytest
 
 from argus.demo import build_spec
-from detectors import L1Kind, L2Kind, L3Kind
-from producers.sim_workload import K_ALL_REDUCE, TP_STREAM, GradSync
-from producers.simulator import JobSpec
+from argus.detectors import L1Kind, L2Kind, L3Kind
+from argus.producers.sim_workload import K_ALL_REDUCE, TP_STREAM, GradSync
+from argus.producers.simulator import JobSpec
 from tests.unit.test_detector_cases import Diagnosis, _findings, diagnose
 
 HEALTHY_SEEDS = range(12)

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import functools
 
+from argus.detectors.impact import StepClock
+from argus.producers.faults import Fault
+from argus.producers.simulator import JobSimulator, SimRecord, paper_case
+from argus.schemas.records import JobTopology, KernelSummary, LifecycleEvent, ParallelGroup
+from argus.streams.compression import summarize_windows
+from argus.streams.diagnosis import DiagnosisParams, JobDiagnosis, KernelDiagnosis, _row
+from argus.streams.windows import WindowBuffer
 from argus.topics import Topic
-from detectors.impact import StepClock
-from producers.faults import Fault
-from producers.simulator import JobSimulator, SimRecord, paper_case
-from schemas.records import JobTopology, KernelSummary, LifecycleEvent, ParallelGroup
-from streams.compression import summarize_windows
-from streams.diagnosis import DiagnosisParams, JobDiagnosis, KernelDiagnosis, _row
-from streams.windows import WindowBuffer
 
 
 @functools.cache
@@ -116,8 +116,8 @@ def test_a_window_is_judged_live_only_once_its_steps_are_known() -> None:
 
 
 def test_l3_late_arrivals_only_corroborate_l2_stragglers() -> None:
-    from schemas.records import Finding, Level
-    from streams.diagnosis import drop_victims
+    from argus.schemas.records import Finding, Level
+    from argus.streams.diagnosis import drop_victims
 
     # DP 8 x TP 2 x PP 2: ranks 4 and 5 form TP group 2
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from schemas.records import (
+from argus.schemas.records import (
     JobLifecycle,
     KernelBatch,
     KernelSummary,
@@ -14,11 +14,11 @@ from schemas.records import (
     PhaseBatch,
     PhaseKind,
 )
-from sinks.tables import PHASE_MARKER_IDX, TABLES
-from streams.compression import summarize_windows
-from streams.diagnosis import DiagnosisParams
-from streams.diagnosis_agents import PieceLedger, _BoundedKernelDiagnosis, merge_pieces
-from streams.windows import ClosedWindow, WindowBuffer
+from argus.sinks.tables import PHASE_MARKER_IDX, TABLES
+from argus.streams.compression import summarize_windows
+from argus.streams.diagnosis import DiagnosisParams
+from argus.streams.diagnosis_agents import PieceLedger, _BoundedKernelDiagnosis, merge_pieces
+from argus.streams.windows import ClosedWindow, WindowBuffer
 
 W = 1_000_000_000
 T0 = 1_767_225_600 * W

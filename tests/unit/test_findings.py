@@ -1,4 +1,4 @@
-"""Detector results as Finding records (detectors.findings)."""
+"""Detector results as Finding records (argus.detectors.findings)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from argus.errors import DetectorError
-from detectors import (
+from argus.detectors import (
     L1Kind,
     L1Result,
     L2Kind,
@@ -22,7 +21,8 @@ from detectors import (
     to_finding,
     to_findings,
 )
-from schemas.records import Finding, Level
+from argus.errors import DetectorError
+from argus.schemas.records import Finding, Level
 
 T = 1_767_225_600_000_000_000
 KINDS = {

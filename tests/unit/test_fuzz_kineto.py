@@ -15,8 +15,8 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from argus.errors import ProducerError
-from producers import kineto_parse
-from producers.kineto_parse import MAX_DEPTH, MAX_NUMBER_DIGITS, parse_rank
+from argus.producers import kineto_parse
+from argus.producers.kineto_parse import MAX_DEPTH, MAX_NUMBER_DIGITS, parse_rank
 
 T0 = 1_700_000_000_000_000
 BASE = {

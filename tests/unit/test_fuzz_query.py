@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from argus.errors import SinkError
-from sinks.query_server import REFUSED_FUNCTIONS, check_statement
+from argus.sinks.query_server import REFUSED_FUNCTIONS, check_statement
 
 BUDGET = settings(max_examples=300, deadline=None, derandomize=True,
                   suppress_health_check=[HealthCheck.too_slow])

@@ -19,9 +19,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from argus.errors import SchemaError
-from schemas.codec import MAGIC, codec
-from schemas.job_context import JobContext
-from schemas.records import (
+from argus.schemas.codec import MAGIC, codec
+from argus.schemas.job_context import JobContext
+from argus.schemas.records import (
     CpuStack,
     DeadLetter,
     Finding,

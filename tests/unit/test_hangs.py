@@ -6,10 +6,10 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from detectors.findings import to_finding
-from detectors.hangs import HangKind, HangParams, RankLiveness, detect_hangs, job_resumed
-from producers.topology import build_topology
-from schemas.records import Heartbeat, JobTopology, Level, ParallelGroup, PhaseKind
+from argus.detectors.findings import to_finding
+from argus.detectors.hangs import HangKind, HangParams, RankLiveness, detect_hangs, job_resumed
+from argus.producers.topology import build_topology
+from argus.schemas.records import Heartbeat, JobTopology, Level, ParallelGroup, PhaseKind
 
 T0 = 1_767_225_600_000_000_000
 STEP = 150_000_000  # median step time, ns

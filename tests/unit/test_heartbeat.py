@@ -13,13 +13,13 @@ torch = pytest.importorskip("torch")
 
 import torch.distributed as dist  # noqa: E402
 
+from argus.producers.cuda_timing import PhaseRec  # noqa: E402
+from argus.producers.heartbeat import MAX_DEPTH, LiveState  # noqa: E402
+from argus.producers.rank_registry import RankRegistry  # noqa: E402
+from argus.producers.tracer import Tracer  # noqa: E402
+from argus.schemas.records import Heartbeat, ParallelGroup, PhaseKind  # noqa: E402
 from argus.settings import Settings  # noqa: E402
 from argus.topics import Topic  # noqa: E402
-from producers.cuda_timing import PhaseRec  # noqa: E402
-from producers.heartbeat import MAX_DEPTH, LiveState  # noqa: E402
-from producers.rank_registry import RankRegistry  # noqa: E402
-from producers.tracer import Tracer  # noqa: E402
-from schemas.records import Heartbeat, ParallelGroup, PhaseKind  # noqa: E402
 from tests.samples import RecordingPublisher  # noqa: E402
 
 

@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 
 from argus.errors import ConfigError
+from argus.schemas.records import JobLifecycle, KernelBatch, LifecycleEvent
 from argus.settings import Settings
-from schemas.records import JobLifecycle, KernelBatch, LifecycleEvent
-from streams.idle import IdleJobs, QuietClock, abandon_reason
-from streams.windows import WindowBuffer
+from argus.streams.idle import IdleJobs, QuietClock, abandon_reason
+from argus.streams.windows import WindowBuffer
 
 W = 1_000_000_000
 T0 = 1_767_225_600 * W

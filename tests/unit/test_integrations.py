@@ -13,9 +13,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from producers import attach as attach_mod  # noqa: E402
-from producers.rank_registry import RankRegistry  # noqa: E402
-from schemas.records import JobLifecycle, LifecycleEvent, PhaseBatch, PhaseKind, Step  # noqa: E402
+from argus.producers import attach as attach_mod  # noqa: E402
+from argus.producers.rank_registry import RankRegistry  # noqa: E402
+from argus.schemas.records import JobLifecycle, LifecycleEvent, PhaseBatch, PhaseKind, Step  # noqa: E402
 from tests.samples import RecordingPublisher  # noqa: E402
 
 STEPS = 4

@@ -3,12 +3,12 @@ table's keys and tombstones (the thread itself runs against the broker in tests/
 
 from __future__ import annotations
 
-from detectors.impact import StepClock
-from detectors.l3_ranks import KernelTotals
-from schemas.job_context import CONTEXT_JOB_PART, JobContext
-from schemas.records import ParallelGroup
-from streams.diagnosis import RankDiagnosis
-from streams.job_context import (
+from argus.detectors.impact import StepClock
+from argus.detectors.l3_ranks import KernelTotals
+from argus.schemas.job_context import CONTEXT_JOB_PART, JobContext
+from argus.schemas.records import ParallelGroup
+from argus.streams.diagnosis import RankDiagnosis
+from argus.streams.job_context import (
     ContextTable,
     context_clock,
     context_groups,

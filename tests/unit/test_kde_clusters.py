@@ -1,4 +1,4 @@
-"""Unit and property tests of detectors.kde_clusters (KDE valley clustering of kernel durations)."""
+"""Unit and property tests of argus.detectors.kde_clusters (KDE valley clustering of kernel durations)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy.stats import gaussian_kde
 
+from argus.detectors import ClusterSet, ClusterSummary, KdeParams, binned_kde, cluster_by_group, cluster_durations
 from argus.errors import DetectorError
-from detectors import ClusterSet, ClusterSummary, KdeParams, binned_kde, cluster_by_group, cluster_durations
 
 PROPERTY = settings(max_examples=50, deadline=None)
 

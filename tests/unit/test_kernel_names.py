@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from producers.kernel_names import MAX_LEN, demangle, memcpy_name, normalize
+from argus.producers.kernel_names import MAX_LEN, demangle, memcpy_name, normalize
 
 SAME = [
     # NCCL <= 2.18, >= 2.19 (plain, demangled with arguments, mangled) and 2.4-era spellings

@@ -13,9 +13,7 @@ import numpy as np
 import pytest
 
 from argus.errors import ArgusError, ConfigError, ProducerError
-from argus.settings import Settings
-from argus.topics import Topic, job_key, rank_key
-from producers.kineto import (
+from argus.producers.kineto import (
     import_kineto,
     kernel_batches,
     parse_topology,
@@ -23,9 +21,9 @@ from producers.kineto import (
     step_records,
     topology_from_pg_config,
 )
-from producers.kineto_parse import classify_phase, parse_rank, to_ns
-from producers.topology import build_topology, groups_of
-from schemas.records import (
+from argus.producers.kineto_parse import classify_phase, parse_rank, to_ns
+from argus.producers.topology import build_topology, groups_of
+from argus.schemas.records import (
     JobLifecycle,
     JobTopology,
     KernelBatch,
@@ -35,6 +33,8 @@ from schemas.records import (
     PhaseKind,
     Step,
 )
+from argus.settings import Settings
+from argus.topics import Topic, job_key, rank_key
 from tests.samples import RecordingPublisher
 
 

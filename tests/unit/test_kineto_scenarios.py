@@ -12,6 +12,8 @@ from typing import Any
 import numpy as np
 import pytest
 
+from argus.producers.kineto import find_traces, topology_from_pg_config
+from argus.producers.kineto_parse import RankTrace, parse_rank
 from load_tests.kineto_scenarios import (
     FAULT_CLASSES,
     RANK_KINDS,
@@ -24,8 +26,6 @@ from load_tests.kineto_scenarios import (
     simulate,
     write_scenario,
 )
-from producers.kineto import find_traces, topology_from_pg_config
-from producers.kineto_parse import RankTrace, parse_rank
 
 SMALL = Scenario(seed=3, fault="healthy", dp=2, tp=2, pp=2, steps=8, microbatches=2, layers=1, hidden=4096,
                  tokens=4096, noise=0.05, name_style="sm90", nccl_stream_base=20)
@@ -74,7 +74,7 @@ def test_traces_parse_and_give_the_topology(tmp_path: Path, variant: dict[str, A
             assert kinds["OPTIMIZER"] == 2 * scn.steps
         # Every kernel falls in a step.
         for t in parsed:
-            from producers.kineto_parse import assign_steps
+            from argus.producers.kineto_parse import assign_steps
 
             assert (assign_steps(t.intervals(gpu=True), _rows(t)["start"]) >= 0).all()
     finally:

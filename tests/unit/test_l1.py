@@ -1,4 +1,4 @@
-"""L1: iteration-time spikes and step regressions (detectors.l1_iteration)."""
+"""L1: iteration-time spikes and step regressions (argus.detectors.l1_iteration)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from argus.detectors import IterationSeries, L1Kind, L1Params, detect_l1
 from argus.errors import DetectorError
-from detectors import IterationSeries, L1Kind, L1Params, detect_l1
-from schemas.records import Level, Step
+from argus.schemas.records import Level, Step
 
 PROPERTY = settings(max_examples=60, deadline=None)
 BASE_NS = 200e6

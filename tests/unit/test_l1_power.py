@@ -1,7 +1,7 @@
 """L1 step regressions: calibration (false alarms on healthy series) and power (detectable region).
 
 The statistical tests run on fixed seeds, so they are deterministic; their bounds sit at what the statistics
-allow (see the module docstring of :mod:`detectors.l1_iteration` for the detectable region and the onset
+allow (see the module docstring of :mod:`argus.detectors.l1_iteration` for the detectable region and the onset
 accuracy, both set by ``shift / sigma`` and the number of steps).
 """
 
@@ -15,8 +15,8 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from detectors import L1Kind, L1Params, detect_l1
-from detectors.l1_iteration import threshold_z
+from argus.detectors import L1Kind, L1Params, detect_l1
+from argus.detectors.l1_iteration import threshold_z
 
 BASE_NS = 200e6
 TAILS = (None, 5, 4)  # Gaussian, Student t5, t4 (scaled to the same standard deviation)

@@ -1,4 +1,4 @@
-"""L2: stragglers by phase within parallel groups, and slow pipeline stages (detectors.l2_phases)."""
+"""L2: stragglers by phase within parallel groups, and slow pipeline stages (argus.detectors.l2_phases)."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from argus.detectors import L2Kind, L2Params, PhaseTable, detect_l2, loo_median
+from argus.detectors.l2_groups import waiting_victims
 from argus.errors import DetectorError
-from detectors import L2Kind, L2Params, PhaseTable, detect_l2, loo_median
-from detectors.l2_groups import waiting_victims
-from producers.topology import build_topology
-from schemas.records import JobTopology, Level, ParallelGroup, PhaseBatch, PhaseKind
+from argus.producers.topology import build_topology
+from argus.schemas.records import JobTopology, Level, ParallelGroup, PhaseBatch, PhaseKind
 
 PROPERTY = settings(max_examples=60, deadline=None)
 MS = 1_000_000

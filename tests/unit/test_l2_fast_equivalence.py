@@ -1,4 +1,4 @@
-"""L2's group comparison, every group of a phase at once (detectors.l2_compare), against a plain loop over
+"""L2's group comparison, every group of a phase at once (argus.detectors.l2_compare), against a plain loop over
 the groups that re-states it with the statistics module (issue 10): the same flags in the same order, and
 detect_l2 with either gives the same findings."""
 
@@ -13,12 +13,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from detectors import l2_phases
-from detectors.l2_compare import Flag, phase_flags
-from detectors.l2_groups import cell_median
-from detectors.l2_phases import L2Params, L2Result, PhaseTable, detect_l2
-from producers.topology import build_topology
-from schemas.records import ParallelGroup, PhaseKind
+from argus.detectors import l2_phases
+from argus.detectors.l2_compare import Flag, phase_flags
+from argus.detectors.l2_groups import cell_median
+from argus.detectors.l2_phases import L2Params, L2Result, PhaseTable, detect_l2
+from argus.producers.topology import build_topology
+from argus.schemas.records import ParallelGroup, PhaseKind
 from tests.unit.test_l3_fast_equivalence import same_values
 
 PROPERTY = settings(max_examples=60, deadline=None)

@@ -1,4 +1,4 @@
-"""L3: degraded kernels and links from compressed windows (detectors.l3_kernels)."""
+"""L3: degraded kernels and links from compressed windows (argus.detectors.l3_kernels)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from argus.errors import DetectorError
-from detectors import (
+from argus.detectors import (
     L3Kind,
     L3Params,
     MixtureBatch,
@@ -22,10 +21,11 @@ from detectors import (
     score_ranks,
     w1_to_reference,
 )
-from detectors.kernel_rows import row_floors
-from detectors.l3_kernels import PIPELINE_SIDE
-from producers.topology import build_topology
-from schemas.records import KernelSummary, Level, ParallelGroup
+from argus.detectors.kernel_rows import row_floors
+from argus.detectors.l3_kernels import PIPELINE_SIDE
+from argus.errors import DetectorError
+from argus.producers.topology import build_topology
+from argus.schemas.records import KernelSummary, Level, ParallelGroup
 
 PROPERTY = settings(max_examples=40, deadline=None)
 GEMM = "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n"
@@ -285,8 +285,8 @@ def test_one_stray_call_in_a_small_cluster_is_no_slow_kernel() -> None:
 
 
 def test_cluster_median_quantile_weights_clusters_by_calls() -> None:
-    from detectors.l3_kernels import cluster_median_quantile
-    from detectors.mixture import MixtureBatch
+    from argus.detectors.l3_kernels import cluster_median_quantile
+    from argus.detectors.mixture import MixtureBatch
 
     b = MixtureBatch(np.array([[90.0, 10.0], [50.0, 50.0]]), np.array([[1.0, 5.0], [5.0, 1.0]]),
                      np.array([[2.0, 9.0], [6.0, 3.0]]))

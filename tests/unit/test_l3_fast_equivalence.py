@@ -19,14 +19,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy.special import ndtr
 
+from argus.detectors import kernel_modes, kernel_rows, l3_kernels, mixture
+from argus.detectors.kernel_modes import mode_quantiles
+from argus.detectors.l2_groups import loo_median, loo_median_rows
+from argus.detectors.l3_kernels import L3Params, L3Result, RankScores, Scope, detect_l3, primary_p50
+from argus.detectors.mixture import MixtureBatch, geometric_grid
 from argus.errors import DetectorError
-from detectors import kernel_modes, kernel_rows, l3_kernels, mixture
-from detectors.kernel_modes import mode_quantiles
-from detectors.l2_groups import loo_median, loo_median_rows
-from detectors.l3_kernels import L3Params, L3Result, RankScores, Scope, detect_l3, primary_p50
-from detectors.mixture import MixtureBatch, geometric_grid
-from producers.topology import build_topology
-from schemas.records import JobTopology, KernelSummary, ParallelGroup
+from argus.producers.topology import build_topology
+from argus.schemas.records import JobTopology, KernelSummary, ParallelGroup
 
 PROPERTY = settings(max_examples=60, deadline=None)
 GEMM = "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n"

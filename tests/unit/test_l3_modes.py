@@ -1,4 +1,4 @@
-"""L3 mode by mode and links by transfer time (detectors.kernel_modes, detectors.l3_kernels)."""
+"""L3 mode by mode and links by transfer time (argus.detectors.kernel_modes, argus.detectors.l3_kernels)."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from detectors import L3Kind, MixtureBatch, detect_l3, score_ranks
-from detectors.kernel_modes import mode_quantiles, reference_modes
-from producers.topology import build_topology
-from schemas.records import KernelSummary
+from argus.detectors import L3Kind, MixtureBatch, detect_l3, score_ranks
+from argus.detectors.kernel_modes import mode_quantiles, reference_modes
+from argus.producers.topology import build_topology
+from argus.schemas.records import KernelSummary
 
 GEMM = "ampere_bf16_s16816gemm_bf16_128x128_ldg8_f2f_stages_64x3_tn"
 AR = "ncclDevKernel_AllReduce_Sum_bf16_RING_LL(ncclDevKernelArgsStorage<4096ul>)"

@@ -1,4 +1,4 @@
-"""L3 per rank across kernels (detectors.l3_ranks) and impacts (detectors.impact)."""
+"""L3 per rank across kernels (argus.detectors.l3_ranks) and impacts (argus.detectors.impact)."""
 
 from __future__ import annotations
 
@@ -7,14 +7,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from argus.detectors.impact import StepClock, impact_of, worth_raising
+from argus.detectors.l1_iteration import L1Kind, L1Result
+from argus.detectors.l2_phases import L2Kind, L2Result
+from argus.detectors.l3_kernels import L3Kind, L3Result
+from argus.detectors.l3_ranks import KernelTotals, RankExcessParams, detect_rank_excess
 from argus.errors import DetectorError
-from detectors.impact import StepClock, impact_of, worth_raising
-from detectors.l1_iteration import L1Kind, L1Result
-from detectors.l2_phases import L2Kind, L2Result
-from detectors.l3_kernels import L3Kind, L3Result
-from detectors.l3_ranks import KernelTotals, RankExcessParams, detect_rank_excess
-from producers.topology import build_topology
-from schemas.records import KernelSummary
+from argus.producers.topology import build_topology
+from argus.schemas.records import KernelSummary
 
 
 def _job(n_ranks: int, seed: int, noise: float, slow: dict[int, float] | None = None, gemms: int = 24,
@@ -91,7 +91,7 @@ def test_step_clock_and_impacts() -> None:
 
 
 def test_a_slow_stage_is_found_from_the_kernels_its_stages_share() -> None:
-    from detectors.l3_ranks import detect_stage_excess
+    from argus.detectors.l3_ranks import detect_stage_excess
 
     topo = build_topology("j", dp=4, pp=2)
     totals = _job(8, 11, 0.05, calls=(4, 6))

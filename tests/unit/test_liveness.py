@@ -4,10 +4,10 @@ episode with ``job_resumed``, a rank that stops while its peers go on is silent,
 
 from __future__ import annotations
 
-from detectors.hangs import HangKind, HangParams
-from producers.topology import build_topology
-from schemas.records import Heartbeat, ParallelGroup, PhaseBatch, PhaseKind, Step
-from streams.liveness import JobLiveness
+from argus.detectors.hangs import HangKind, HangParams
+from argus.producers.topology import build_topology
+from argus.schemas.records import Heartbeat, ParallelGroup, PhaseBatch, PhaseKind, Step
+from argus.streams.liveness import JobLiveness
 
 T0 = 1_767_225_600_000_000_000
 STEP = 100_000_000  # 100 ms steps

@@ -18,16 +18,16 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from argus.errors import ConfigError
 from argus.metrics import CONTENT_TYPE, Histogram, exposition, start_metrics_server
+from argus.producers.publisher import Publisher
+from argus.producers.publisher_metrics import metrics_port
 from argus.settings import Settings
+from argus.sinks.metrics import sink_registry, start_sink_metrics
+from argus.sinks.tables import TABLES
+from argus.sinks.writer import SinkWriter, _Pending
+from argus.streams.app import CompressionStats
+from argus.streams.diagnosis_agents import DiagnosisStats
+from argus.streams.metrics import WorkerCollector, consumer_lag, worker_registry
 from argus.topics import Topic
-from producers.publisher import Publisher
-from producers.publisher_metrics import metrics_port
-from sinks.metrics import sink_registry, start_sink_metrics
-from sinks.tables import TABLES
-from sinks.writer import SinkWriter, _Pending
-from streams.app import CompressionStats
-from streams.diagnosis_agents import DiagnosisStats
-from streams.metrics import WorkerCollector, consumer_lag, worker_registry
 from tests.samples import kernel_batch
 
 NO_BROKER = "127.0.0.1:1"

@@ -1,4 +1,4 @@
-"""Unit and property tests of detectors.mixture (log-normal mixtures and 1-Wasserstein distances)."""
+"""Unit and property tests of argus.detectors.mixture (log-normal mixtures and 1-Wasserstein distances)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy.stats import wasserstein_distance
 
-from argus.errors import DetectorError
-from detectors import (
+from argus.detectors import (
     Mixture,
     MixtureBatch,
     cluster_durations,
@@ -22,7 +21,8 @@ from detectors import (
     w1_matrix,
     w1_to_reference,
 )
-from detectors.mixture import MIN_SIGMA, Z99
+from argus.detectors.mixture import MIN_SIGMA, Z99
+from argus.errors import DetectorError
 
 PROPERTY = settings(max_examples=50, deadline=None)
 

@@ -1,16 +1,17 @@
-"""The in-process pipeline (streams.offline) and the job-level link ledger (streams.diagnosis.LinkLedger)."""
+"""The in-process pipeline (argus.streams.offline) and the job-level link ledger
+(argus.streams.diagnosis.LinkLedger)."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 
-from detectors.l3_kernels import PIPELINE_SIDE
-from producers.faults import Fault
-from producers.simulator import JobSimulator, paper_case
-from schemas.records import Finding, Level
-from streams.diagnosis import CORROBORATES_ONLY, LinkLedger
-from streams.offline import diagnose_records, finding_json
+from argus.detectors.l3_kernels import PIPELINE_SIDE
+from argus.producers.faults import Fault
+from argus.producers.simulator import JobSimulator, paper_case
+from argus.schemas.records import Finding, Level
+from argus.streams.diagnosis import CORROBORATES_ONLY, LinkLedger
+from argus.streams.offline import diagnose_records, finding_json
 
 
 def _link(ranks: tuple[int, ...], kernel: str, ratio: float, groups: int, impact: float = 1.0,
@@ -88,7 +89,7 @@ def test_pipeline_sides_are_not_paired_once_a_straggler_is_known() -> None:
 
 
 def test_a_named_stragglers_kernels_are_its_evidence_not_findings_of_their_own() -> None:
-    from streams.diagnosis import drop_victims
+    from argus.streams.diagnosis import drop_victims
 
     def l3(kind: str, ranks: tuple[int, ...]) -> Finding:
         return Finding(finding_id=f"{kind}{ranks}", job_id="j", level=Level.L3, kind=kind, ranks=ranks, steps=(),
@@ -102,7 +103,7 @@ def test_a_named_stragglers_kernels_are_its_evidence_not_findings_of_their_own()
 
 def test_findings_carry_the_version_of_the_detectors_that_made_them() -> None:
     from argus.settings import Settings
-    from streams.diagnosis import DiagnosisParams, detector_version
+    from argus.streams.diagnosis import DiagnosisParams, detector_version
 
     cfg = Settings()
     records = [r.record for r in JobSimulator(paper_case(Fault.COMPUTE_STRAGGLER)).records()]

@@ -7,8 +7,8 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from detectors.l2_phases import BLOCKING_GROUPS, PhaseTable
-from schemas.records import ParallelGroup, PhaseBatch, PhaseKind
+from argus.detectors.l2_phases import BLOCKING_GROUPS, PhaseTable
+from argus.schemas.records import ParallelGroup, PhaseBatch, PhaseKind
 
 PROPERTY = settings(max_examples=80, deadline=None)
 COMPUTE = {PhaseKind.FORWARD, PhaseKind.BACKWARD, PhaseKind.OPTIMIZER}

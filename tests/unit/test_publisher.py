@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+from argus.producers.publisher import Publisher
 from argus.settings import Settings
 from argus.topics import Topic
-from producers.publisher import Publisher
 from tests.samples import kernel_batch
 
 

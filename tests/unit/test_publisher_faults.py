@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
+from argus.producers.publisher import Publisher, PublisherStats
 from argus.settings import Settings
 from argus.topics import Topic
-from producers.publisher import Publisher, PublisherStats
 from tests.samples import kernel_batch
 
 NO_BROKER: dict[str, Any] = {"message.timeout.ms": 100}
@@ -62,7 +62,7 @@ def test_any_exception_of_an_encoding_is_counted_logged_and_survived(caplog: pyt
     pub = Publisher(settings(), extra_config=NO_BROKER)
     errors = [RuntimeError("boom"), OverflowError("int too big to convert"), KeyError("x"), RecursionError(),
               ZeroDivisionError(), MemoryError()]
-    with caplog.at_level(logging.ERROR, logger="producers.publisher"):
+    with caplog.at_level(logging.ERROR, logger="argus.producers.publisher"):
         for exc in errors:
             assert pub.publish(Topic.KERNELS, b"job/3", Raising(exc))
         wait_until(lambda: pub.stats().encode_errors == len(errors))

@@ -21,15 +21,15 @@ import pytest
 
 from argus.errors import SinkError
 from argus.settings import Settings
-from sinks.query_server import check_statement, post_query, read_token, token_path
+from argus.sinks.query_server import check_statement, post_query, read_token, token_path
 
 _SERVER = r"""
 import sys, threading, time
 from pathlib import Path
-import sinks.query_server as qs
+import argus.sinks.query_server as qs
 from argus.settings import Settings
-from sinks.clickhouse import ClickHouseStore
-from sinks.tables import TABLES
+from argus.sinks.clickhouse import ClickHouseStore
+from argus.sinks.tables import TABLES
 
 home = Path(sys.argv[1])
 settings = Settings.load(env={}, home=home, clickhouse_dsn=f"chdb://{home}/chdb")

@@ -14,9 +14,9 @@ from typing import Any
 
 import pytest
 
-from producers.cpu_stacks import StackCapturer
-from producers.rank_registry import RankEntry, RankRegistry, UnsafeRegistryError, process_uid
-from schemas.records import Finding, Level
+from argus.producers.cpu_stacks import StackCapturer
+from argus.producers.rank_registry import RankEntry, RankRegistry, UnsafeRegistryError, process_uid
+from argus.schemas.records import Finding, Level
 
 NOBODY = 65534
 needs_root = pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0,
@@ -48,7 +48,7 @@ def test_entries_another_user_could_write_are_refused(tmp_path: Path, caplog: py
     reg = RankRegistry(tmp_path / "reg")
     path = reg.register("job-r", 0)
     assert reg.lookup("job-r", 0) is not None
-    caplog.set_level(logging.WARNING, logger="producers.rank_registry")
+    caplog.set_level(logging.WARNING, logger="argus.producers.rank_registry")
     for target, bad in ((path, 0o622), (path.parent, 0o770), (reg.directory, 0o757)):
         good = mode(target)
         target.chmod(bad)

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from streams.offline import diagnose_traces
+from argus.streams.offline import diagnose_traces
 
 REAL = Path(__file__).resolve().parents[2].parent / "shared" / "realtraces"
 DLRM = REAL / "param_dlrm_8rank_v100" / "dlrm_kineto"

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from argus.errors import SchemaError
-from schemas.records import TIME_LIMIT_NS, JobLifecycle, KernelBatch, LifecycleEvent, Record
+from argus.schemas.records import TIME_LIMIT_NS, JobLifecycle, KernelBatch, LifecycleEvent, Record
 from tests.samples import T0, kernel_batch, samples
 
 

@@ -30,7 +30,7 @@ from argus.report_data import (
     w1_scores,
 )
 from argus.settings import Settings
-from sinks.clickhouse import QueryResult
+from argus.sinks.clickhouse import QueryResult
 
 EVIL = '<img src=x onerror="alert(1)">&'
 

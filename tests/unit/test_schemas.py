@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 from argus.errors import SchemaError
-from schemas import available_schemas, codec
-from schemas.column_packing import HEADER_BYTES, PackMethod, pack_column
-from schemas.records import KernelBatch
+from argus.schemas import available_schemas, codec
+from argus.schemas.column_packing import HEADER_BYTES, PackMethod, pack_column
+from argus.schemas.records import KernelBatch
 from tests.samples import kernel_batch, samples
 
 GOLDEN = Path(__file__).resolve().parents[1] / "data" / "golden"
@@ -118,8 +118,8 @@ def test_trailing_bytes_rejected() -> None:
 
 
 def test_findings_of_older_schemas_decode_with_no_impact_and_no_detector_version() -> None:
-    from schemas.codec import codec
-    from schemas.records import Finding, Level
+    from argus.schemas.codec import codec
+    from argus.schemas.records import Finding, Level
 
     f = Finding(finding_id="x", job_id="j", level=Level.L3, kind="kernel_degraded", ranks=(3,), steps=(),
                 score=0.4, evidence_json="{}", time_ns=5, kernel="gemm", stream=7, impact_ns_per_step=8.0,
@@ -137,7 +137,7 @@ def test_findings_of_older_schemas_decode_with_no_impact_and_no_detector_version
 
 def test_lifecycle_abandoned_round_trips_and_old_versions_decode_with_defaults() -> None:
     """v4 adds ABANDONED with ``reason`` and ``last_step``; v1-v3 messages decode with ``""`` and ``-1``."""
-    from schemas.records import JobLifecycle, LifecycleEvent
+    from argus.schemas.records import JobLifecycle, LifecycleEvent
 
     ab = JobLifecycle("j", LifecycleEvent.ABANDONED, 5, 32, source="streams", reason="idle 600 s", last_step=41)
     assert JobLifecycle.decode(ab.encode()) == ab
@@ -156,7 +156,7 @@ def test_lifecycle_abandoned_round_trips_and_old_versions_decode_with_defaults()
 
 
 def test_heartbeat_round_trip_idle_and_in_flight() -> None:
-    from schemas.records import Heartbeat, ParallelGroup, PhaseKind
+    from argus.schemas.records import Heartbeat, ParallelGroup, PhaseKind
 
     idle = Heartbeat("j", 3, 10)
     assert Heartbeat.decode(idle.encode()) == idle
@@ -172,9 +172,9 @@ def test_heartbeat_round_trip_idle_and_in_flight() -> None:
 
 
 def test_heartbeats_are_stored_in_their_table() -> None:
+    from argus.schemas.records import Heartbeat
+    from argus.sinks.tables import TABLE_OF_TOPIC, rows_to_arrow
     from argus.topics import RECORD_OF, Topic
-    from schemas.records import Heartbeat
-    from sinks.tables import TABLE_OF_TOPIC, rows_to_arrow
 
     table = TABLE_OF_TOPIC[Topic.HEARTBEATS]
     assert RECORD_OF[Topic.HEARTBEATS] is Heartbeat and table.name == "heartbeats"

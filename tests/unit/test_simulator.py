@@ -11,9 +11,8 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from argus.topics import Topic, job_key, rank_key
-from producers.faults import Fault, FaultSpec
-from producers.sim_workload import (
+from argus.producers.faults import Fault, FaultSpec
+from argus.producers.sim_workload import (
     COMPUTE_STREAM,
     DP_STREAM,
     K_ALL_GATHER,
@@ -24,9 +23,9 @@ from producers.sim_workload import (
     TP_STREAM,
     GradSync,
 )
-from producers.simulator import JobSimulator, JobSpec, paper_case, simulate
-from producers.topology import build_topology
-from schemas.records import (
+from argus.producers.simulator import JobSimulator, JobSpec, paper_case, simulate
+from argus.producers.topology import build_topology
+from argus.schemas.records import (
     Heartbeat,
     JobLifecycle,
     KernelBatch,
@@ -36,6 +35,7 @@ from schemas.records import (
     PhaseKind,
     Step,
 )
+from argus.topics import Topic, job_key, rank_key
 from tests.samples import RecordingPublisher
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from producers.topology import build_topology, group_index, group_members, groups_of, stage_ranks
-from schemas.records import JobTopology, ParallelGroup
+from argus.producers.topology import build_topology, group_index, group_members, groups_of, stage_ranks
+from argus.schemas.records import JobTopology, ParallelGroup
 
 
 def _sets(topo: JobTopology, kind: ParallelGroup) -> set[frozenset[int]]:

@@ -15,7 +15,7 @@ import pytest
 import argus.trace_export as te
 from argus.errors import TraceExportError
 from argus.settings import Settings
-from sinks.clickhouse import QueryResult
+from argus.sinks.clickhouse import QueryResult
 
 T0 = 1_767_225_600_000_000_000  # ns
 MS = 1_000_000

@@ -14,13 +14,11 @@ torch = pytest.importorskip("torch")
 
 import torch.distributed as dist  # noqa: E402
 
-from argus.settings import Settings  # noqa: E402
-from argus.topics import Topic, job_key, rank_key  # noqa: E402
-from producers.cuda_timing import EventPool, PhaseRec, StepRec, StepResolver  # noqa: E402
-from producers.rank_registry import RankRegistry  # noqa: E402
-from producers.tracer import Tracer  # noqa: E402
-from producers.tracer_collectives import CollectiveHandle, default_name  # noqa: E402
-from schemas.records import (  # noqa: E402
+from argus.producers.cuda_timing import EventPool, PhaseRec, StepRec, StepResolver  # noqa: E402
+from argus.producers.rank_registry import RankRegistry  # noqa: E402
+from argus.producers.tracer import Tracer  # noqa: E402
+from argus.producers.tracer_collectives import CollectiveHandle, default_name  # noqa: E402
+from argus.schemas.records import (  # noqa: E402
     JobLifecycle,
     JobTopology,
     KernelBatch,
@@ -30,6 +28,8 @@ from schemas.records import (  # noqa: E402
     PhaseKind,
     Step,
 )
+from argus.settings import Settings  # noqa: E402
+from argus.topics import Topic, job_key, rank_key  # noqa: E402
 from tests.samples import RecordingPublisher  # noqa: E402
 
 
@@ -423,8 +423,8 @@ class FakeTorch:
 
 @pytest.fixture
 def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> FakeCuda:
-    import producers.tracer as tracer_mod
-    import producers.tracer_collectives as coll_mod
+    import argus.producers.tracer as tracer_mod
+    import argus.producers.tracer_collectives as coll_mod
 
     cuda = FakeCuda()
     monkeypatch.setattr(tracer_mod, "torch", FakeTorch(cuda))

@@ -10,9 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from argus.errors import SchemaError
-from schemas.records import KernelBatch
-from streams.compression import summarize_isolated, summarize_windows
-from streams.windows import OTHER_KERNEL, KernelNames, WindowBuffer, beyond_skew
+from argus.schemas.records import KernelBatch
+from argus.streams.compression import summarize_isolated, summarize_windows
+from argus.streams.windows import OTHER_KERNEL, KernelNames, WindowBuffer, beyond_skew
 
 W = 1_000_000_000  # 1 s windows
 T0 = 1_767_225_600 * W
@@ -221,7 +221,7 @@ def test_discard_takes_one_message_out_of_the_open_windows() -> None:
 
 
 def test_far_future_events_of_an_ended_rank_are_set_aside_not_summarized() -> None:
-    from schemas.records import KernelBatch
+    from argus.schemas.records import KernelBatch
 
     def batch(seq: int, start: int, end: bool = False) -> KernelBatch:
         n = 0 if end else 4
