@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from argus.errors import ArgusError
-from argus.settings import Settings
+from argus.core.errors import ArgusError
+from argus.core.settings import Settings
 
 if TYPE_CHECKING:
     from argus.producers.attach import attach, current_tracer

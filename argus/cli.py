@@ -14,8 +14,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from argus.errors import ArgusError
-from argus.settings import Settings
+from argus.core.errors import ArgusError
+from argus.core.settings import Settings
 
 __all__ = ["main"]
 

@@ -7,12 +7,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from argus.errors import ArgusError
+from argus.core.errors import ArgusError
+from argus.core.settings import Settings
 from argus.producers.faults import Fault, FaultSpec
 from argus.producers.publisher import Publisher
 from argus.producers.simulator import JobSimulator, JobSpec, SimStats
 from argus.producers.topology import build_topology
-from argus.settings import Settings
 from argus.sinks.findings_query import fetch_findings, wait_diagnosed
 from argus.sinks.query_server import run_query
 from argus.topics import Topic

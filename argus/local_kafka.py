@@ -7,7 +7,7 @@ under ``Settings.kafka_cache/<version>/libs``. The broker's state lives under ``
 The broker listens on the host and port of the first ``Settings.bootstrap_servers`` entry; its KRaft
 controller listens on the next port.
 
-Security follows the ``kafka_*`` settings the clients use (:mod:`argus.kafka_security`): ``PLAINTEXT``, or
+Security follows the ``kafka_*`` settings the clients use (:mod:`argus.core.kafka_security`): ``PLAINTEXT``, or
 ``SASL_PLAINTEXT`` with the configured mechanism and user. For SCRAM the user's credential is written into
 the metadata when the storage is formatted (``kafka-storage format --add-scram`` with a salted password, the
 arguments in a 0600 Java argument file so that no command line shows them); ``scram.json`` remembers which
@@ -38,9 +38,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from argus.errors import KafkaLocalError
-from argus.kafka_security import AuthWatch, client_config
-from argus.settings import Settings
+from argus.core.errors import KafkaLocalError
+from argus.core.kafka_security import AuthWatch, client_config
+from argus.core.settings import Settings
 
 __all__ = ["LocalKafka", "fetch_jars", "pid_alive", "pom_path"]
 

@@ -34,11 +34,11 @@ from typing import Any
 
 from confluent_kafka import Consumer, KafkaException, Producer, TopicPartition
 
-from argus.errors import ArgusError
-from argus.kafka_security import client_config
+from argus.core.errors import ArgusError
+from argus.core.kafka_security import client_config
+from argus.core.settings import Settings
 from argus.progress import Advance
 from argus.schemas.records import JobLifecycle, LifecycleEvent
-from argus.settings import Settings
 from argus.topics import PARTITIONER, Topic, ensure_topics
 
 __all__ = ["FindingsDiff", "ReplayResult", "copy_job_records", "diff_findings", "finding_identity",

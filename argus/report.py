@@ -29,8 +29,9 @@ import plotly.io as pio
 from plotly.offline import get_plotlyjs
 
 from argus import __version__
+from argus.core.errors import ArgusError
+from argus.core.settings import Settings
 from argus.detectors.l3_kernels import is_collective
-from argus.errors import ArgusError
 from argus.report_data import (
     MAX_KERNELS,
     MAX_PHASES,
@@ -55,7 +56,6 @@ from argus.report_data import (
     top_suspect,
     w1_heatmap,
 )
-from argus.settings import Settings
 from argus.sinks.clickhouse import ClickHouseStore, QueryResult, sql_string
 from argus.sinks.findings_query import fetch_findings
 from argus.sinks.query_server import endpoint_healthy, run_query
@@ -178,7 +178,7 @@ def _collect_kernels(run: Query, db: str, job: str, data: ReportData, all_ranks:
 
 def collect(settings: Settings, job_id: str, query: Query | None = None) -> ReportData:
     """Read what the report of ``job_id`` draws. Raises :class:`ArgusError` when nothing of the job is stored
-    (and :class:`~argus.errors.SinkError`, one, when the store cannot be read)."""
+    (and :class:`~argus.core.errors.SinkError`, one, when the store cannot be read)."""
     run: Query = query if query is not None else (lambda sql: run_query(settings, sql))
     db, job = settings.clickhouse_database, sql_string(job_id)
     findings = fetch_findings(settings, job_id, run)

@@ -22,8 +22,8 @@ from typing import Any, TypeAlias
 
 import numpy as np
 
+from argus.core.errors import DetectorError
 from argus.detectors.mixture import MixtureBatch, geometric_grid, mixture_cdf
-from argus.errors import DetectorError
 from argus.sinks.clickhouse import sql_string
 
 __all__ = [

@@ -27,9 +27,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from argus.errors import ArgusError
+from argus.core.errors import ArgusError
+from argus.core.settings import Settings
 from argus.local_kafka import LocalKafka, pid_alive
-from argus.settings import Settings
 from argus.sinks.query_server import endpoint_healthy
 from argus.supervisor import SUPERVISOR_MODULE, Service, read_state, service_pid, supervisor_pid, terminate
 from argus.topics import ensure_topics

@@ -37,9 +37,9 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from argus.errors import ArgusError
+from argus.core.errors import ArgusError
+from argus.core.settings import Settings
 from argus.local_kafka import LocalKafka, pid_alive
-from argus.settings import Settings
 
 __all__ = [
     "STATE_FILE",

@@ -34,8 +34,9 @@ import logging
 from confluent_kafka import KafkaException
 from confluent_kafka.admin import AdminClient, NewTopic
 
-from argus.errors import ArgusError
-from argus.kafka_security import AuthWatch, client_config
+from argus.core.errors import ArgusError
+from argus.core.kafka_security import AuthWatch, client_config
+from argus.core.settings import Settings
 from argus.schemas.job_context import JobContext
 from argus.schemas.records import (
     CpuStack,
@@ -50,7 +51,6 @@ from argus.schemas.records import (
     Record,
     Step,
 )
-from argus.settings import Settings
 
 __all__ = ["PARTITIONER", "RECORD_OF", "Topic", "ensure_topics", "job_key", "kernel_key", "key_partition", "rank_key"]
 

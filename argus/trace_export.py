@@ -44,10 +44,10 @@ import numpy as np
 import numpy.typing as npt
 from confluent_kafka import Consumer, KafkaException, TopicPartition
 
-from argus.errors import ArgusError, SchemaError, TraceExportError
-from argus.kafka_security import client_config
+from argus.core.errors import ArgusError, SchemaError, TraceExportError
+from argus.core.kafka_security import client_config
+from argus.core.settings import Settings
 from argus.schemas.records import KernelBatch, PhaseKind
-from argus.settings import Settings
 from argus.sinks.clickhouse import QueryResult, sql_string
 from argus.sinks.query_server import run_query
 from argus.topics import Topic, key_partition, rank_key

@@ -24,12 +24,12 @@ from typing import Any
 
 import numpy as np
 
+from argus.core.errors import DetectorError
 from argus.detectors.hangs import HangResult
 from argus.detectors.impact import Impact
 from argus.detectors.l1_iteration import L1Result
 from argus.detectors.l2_phases import L2Result
 from argus.detectors.l3_kernels import L3Result
-from argus.errors import DetectorError
 from argus.schemas.records import Finding
 
 __all__ = ["DetectorResult", "finding_id", "finding_json", "to_finding", "to_findings"]

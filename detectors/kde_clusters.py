@@ -22,7 +22,7 @@ import numpy as np
 import numpy.typing as npt
 from scipy.signal import find_peaks, peak_prominences
 
-from argus.errors import DetectorError
+from argus.core.errors import DetectorError
 
 __all__ = [
     "MIN_BANDWIDTH",

@@ -16,8 +16,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from argus.core.errors import DetectorError
 from argus.detectors.mixture import MixtureBatch
-from argus.errors import DetectorError
 from argus.schemas.records import KernelSummary
 
 __all__ = ["merge_rows", "one_key", "row_floors", "window_end"]

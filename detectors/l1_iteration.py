@@ -107,7 +107,7 @@ import numpy as np
 import numpy.typing as npt
 from numpy.lib.stride_tricks import sliding_window_view
 
-from argus.errors import DetectorError
+from argus.core.errors import DetectorError
 from argus.schemas.records import Level, Step
 
 __all__ = ["IterationSeries", "L1Kind", "L1Params", "L1Result", "detect_l1"]

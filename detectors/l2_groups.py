@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
-from argus.errors import DetectorError
+from argus.core.errors import DetectorError
 from argus.schemas.records import JobTopology
 
 __all__ = ["cell_median", "loo_median", "loo_median_rows", "waiting_victims"]

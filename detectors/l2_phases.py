@@ -63,10 +63,10 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from argus.core.errors import DetectorError
 from argus.detectors.l2_compare import Flag, phase_flags
 from argus.detectors.l2_groups import cell_median, loo_median, waiting_victims
 from argus.detectors.phase_layout import BLOCKING_GROUPS, COMPUTE_KINDS, PhaseLayout
-from argus.errors import DetectorError
 from argus.schemas.records import JobTopology, Level, ParallelGroup, PhaseBatch, PhaseKind
 
 __all__ = ["BLOCKING_GROUPS", "L2Kind", "L2Params", "L2Result", "PhaseTable", "detect_l2", "loo_median"]

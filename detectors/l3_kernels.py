@@ -59,11 +59,11 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from argus.core.errors import DetectorError
 from argus.detectors.kernel_modes import ReferenceModes, mode_quantiles, reference_modes
 from argus.detectors.kernel_rows import merge_rows, one_key, row_floors, window_end
 from argus.detectors.l2_groups import loo_median, loo_median_rows
 from argus.detectors.mixture import MixtureBatch, geometric_grid, mixture_cdf
-from argus.errors import DetectorError
 from argus.schemas.records import JobTopology, KernelSummary, Level, ParallelGroup
 
 __all__ = ["PIPELINE_SIDE", "L3Kind", "L3Params", "L3Result", "RankScores", "Scope", "cluster_median_quantile",

@@ -39,10 +39,10 @@ import numpy.typing as npt
 from scipy.special import ndtri
 from scipy.stats import rankdata
 
+from argus.core.errors import DetectorError
 from argus.detectors.l2_groups import loo_median
 from argus.detectors.l2_phases import L2Kind, L2Result
 from argus.detectors.l3_kernels import L3Kind, L3Result, is_collective
-from argus.errors import DetectorError
 from argus.schemas.records import JobTopology, KernelSummary
 
 _MAD_SCALE = 1.4826

@@ -24,8 +24,8 @@ import numpy as np
 import numpy.typing as npt
 from scipy.special import ndtr, ndtri
 
+from argus.core.errors import DetectorError
 from argus.detectors.kde_clusters import ClusterSet
-from argus.errors import DetectorError
 
 __all__ = [
     "GRID_POINTS",

@@ -22,7 +22,7 @@ from operator import attrgetter
 import numpy as np
 import numpy.typing as npt
 
-from argus.errors import DetectorError
+from argus.core.errors import DetectorError
 from argus.schemas.records import ParallelGroup, PhaseBatch, PhaseKind
 
 __all__ = ["BLOCKING_GROUPS", "COMPUTE_KINDS", "PhaseLayout", "nested_one"]

@@ -6,7 +6,7 @@ gradient bucket's all-reduce and the optimizer step, marks an iteration at each 
 closes at ``destroy_process_group()``. ``--slow-rank R --slow-ms MS`` adds real compute to rank R's forward,
 as a degraded GPU or a throttled host would.
 
-Run 4 ranks (the Kafka settings come from ``ARGUS_*`` variables, see ``argus.settings``)::
+Run 4 ranks (the Kafka settings come from ``ARGUS_*`` variables, see ``argus.core.settings``)::
 
     ARGUS_JOB_ID=ddp-demo torchrun --nproc-per-node 4 examples/train_ddp.py --steps 40 --slow-rank 2
 """

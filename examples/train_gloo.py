@@ -18,9 +18,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from argus.core.settings import Settings
 from argus.producers.tracer import Tracer  # argus
 from argus.schemas.records import ParallelGroup, PhaseKind  # argus
-from argus.settings import Settings
 
 
 class Block(nn.Module):

@@ -58,11 +58,11 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from argus.core.settings import Settings  # noqa: E402
 from argus.local_kafka import LocalKafka  # noqa: E402
 from argus.producers.publisher import Publisher  # noqa: E402
 from argus.producers.simulator import DEFAULT_START_NS, JobSimulator, JobSpec  # noqa: E402
 from argus.schemas.records import JobLifecycle, KernelBatch, LifecycleEvent  # noqa: E402
-from argus.settings import Settings  # noqa: E402
 from argus.topics import ensure_topics  # noqa: E402
 from load_tests.detection_eval import free_port  # noqa: E402
 from load_tests.soak import rss_mb  # noqa: E402

@@ -30,12 +30,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from argus.core.settings import Settings  # noqa: E402
 from argus.demo import build_spec  # noqa: E402
 from argus.local_kafka import LocalKafka  # noqa: E402
 from argus.producers.publisher import Publisher  # noqa: E402
 from argus.producers.simulator import JobSimulator  # noqa: E402
 from argus.schemas.records import KernelBatch  # noqa: E402
-from argus.settings import Settings  # noqa: E402
 from argus.streams.compression import summarize_windows  # noqa: E402
 from argus.streams.windows import WindowBuffer  # noqa: E402
 from argus.topics import Topic, ensure_topics  # noqa: E402

@@ -34,14 +34,14 @@ sys.path.insert(0, str(ROOT))
 
 from confluent_kafka import Consumer  # noqa: E402
 
-from argus.kafka_security import client_config  # noqa: E402
+from argus.core.kafka_security import client_config  # noqa: E402
+from argus.core.settings import Settings  # noqa: E402
 from argus.local_kafka import LocalKafka  # noqa: E402
 from argus.producers.faults import Fault, FaultSpec  # noqa: E402
 from argus.producers.publisher import Publisher  # noqa: E402
 from argus.producers.simulator import JobSimulator, JobSpec, paper_case  # noqa: E402
 from argus.producers.topology import build_topology  # noqa: E402
 from argus.schemas.records import Finding, Heartbeat, Step  # noqa: E402
-from argus.settings import Settings  # noqa: E402
 from argus.topics import Topic, ensure_topics  # noqa: E402
 
 #: Budgets: steps after the onset until the first L1 and L2 findings are on the topic.

@@ -32,11 +32,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from detection_eval import PrivateStack
 from soak import _pid, rss_mb
 
+from argus.core.settings import Settings
 from argus.producers.faults import Fault, FaultSpec
 from argus.producers.publisher import Publisher
 from argus.producers.simulator import JobSimulator, JobSpec
 from argus.schemas.records import JobLifecycle, KernelBatch, LifecycleEvent, PhaseBatch, Step
-from argus.settings import Settings
 
 #: Most seconds from the job's END to its diagnosis stored (1,024 ranks, this 2-core machine).
 BUDGET_END_TO_DIAGNOSED_S = 120.0

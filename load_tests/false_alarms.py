@@ -18,10 +18,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from argus.core.settings import Settings
 from argus.producers.publisher import Publisher
 from argus.producers.sim_workload import GradSync
 from argus.producers.simulator import JobSimulator, JobSpec
-from argus.settings import Settings
 from argus.sinks.findings_query import fetch_findings, wait_diagnosed
 from argus.stack import Stack
 

@@ -44,6 +44,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from argus.core.settings import Settings  # noqa: E402
 from argus.producers.cupti_kernels import CuptiKernels  # noqa: E402
 from argus.producers.cupti_parse import (  # noqa: E402
     KIND_CONCURRENT_KERNEL,
@@ -53,7 +54,6 @@ from argus.producers.cupti_parse import (  # noqa: E402
     extract_columns,
 )
 from argus.schemas.records import ParallelGroup, PhaseKind  # noqa: E402
-from argus.settings import Settings  # noqa: E402
 from argus.topics import Topic  # noqa: E402
 
 BUDGET_NS_PER_KERNEL_RECORD = 1_000

@@ -39,10 +39,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from detection_eval import PrivateStack  # noqa: E402
 
+from argus.core.settings import Settings  # noqa: E402
 from argus.producers.publisher import Publisher  # noqa: E402
 from argus.producers.simulator import JobSimulator  # noqa: E402
 from argus.schemas.records import JobLifecycle, KernelBatch, LifecycleEvent, Step  # noqa: E402
-from argus.settings import Settings  # noqa: E402
 from argus.topics import Topic, job_key, rank_key  # noqa: E402
 
 #: Most a process's resident memory may grow per hour once warm (MB/h).
@@ -227,8 +227,8 @@ def _held_state(stack: PrivateStack) -> dict[str, int]:
 
 
 def _spec(job: str, dp: int, tp: int, pp: int, steps: int, fault: str, seed: int) -> Any:
+    from argus.core.errors import ArgusError
     from argus.demo import build_spec
-    from argus.errors import ArgusError
 
     try:
         return build_spec(job, dp, tp, pp, steps, fault, seed)

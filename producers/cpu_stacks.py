@@ -37,11 +37,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from argus.errors import ProducerError, SchemaError
-from argus.kafka_security import client_config
+from argus.core.errors import ProducerError, SchemaError
+from argus.core.kafka_security import client_config
+from argus.core.settings import Settings
 from argus.producers.rank_registry import RankRegistry
 from argus.schemas.records import CpuStack, Finding
-from argus.settings import Settings
 from argus.topics import Topic, rank_key
 
 __all__ = ["StackCaptureError", "StackCapturer", "StackCollector", "capture_stacks", "find_py_spy"]

@@ -2,7 +2,7 @@
 
 Each file is parsed in one streaming pass (:mod:`argus.producers.kineto_parse`: bounded memory, kernels spilled to a
 temporary file), so every file is checked before anything is published: a bad file aborts the import with a
-:class:`~argus.errors.ProducerError` naming it, and nothing of the job reaches Kafka. Hostile files (nesting,
+:class:`~argus.core.errors.ProducerError` naming it, and nothing of the job reaches Kafka. Hostile files (nesting,
 numbers or strings beyond the parser's limits, more than ``max_file_bytes`` per rank, ranks or world sizes over
 :data:`~argus.producers.kineto_parse.MAX_WORLD_SIZE`) are refused the same way, naming the event. Then::
 
@@ -42,7 +42,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from argus.errors import ConfigError, ProducerError
+from argus.core.errors import ConfigError, ProducerError
+from argus.core.settings import Settings
 from argus.producers.kineto_groups import MEGATRON_GROUPS, PhaseGroups
 from argus.producers.kineto_parse import MAX_FILE_BYTES, Phase, RankTrace, assign_steps, parse_rank
 from argus.producers.topology import build_topology, groups_of
@@ -56,7 +57,6 @@ from argus.schemas.records import (
     Record,
     Step,
 )
-from argus.settings import Settings
 from argus.topics import Topic, job_key, rank_key
 
 __all__ = ["ALIGN_THRESHOLD_NS", "ImportReport", "PublisherLike", "find_traces", "import_kineto", "kernel_batches",

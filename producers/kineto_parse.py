@@ -20,7 +20,7 @@ a float loses the ns digits of an epoch in µs) and rounded to integer ns; absol
 reason, never fatal.
 
 Hostile input: every byte is checked before the parser sees it (:class:`_Guard`), and a file over a limit is
-refused with a :class:`~argus.errors.ProducerError` naming the file and where (``traceEvents[i]`` and the
+refused with a :class:`~argus.core.errors.ProducerError` naming the file and where (``traceEvents[i]`` and the
 event's name, or the top-level key): nesting deeper than :data:`MAX_DEPTH`, a number with more than
 :data:`MAX_NUMBER_DIGITS` digits in a row or :data:`MAX_EXPONENT_DIGITS` exponent digits, a string over
 :data:`MAX_STRING_BYTES`, more than ``max_file_bytes`` bytes after decompression (default
@@ -53,7 +53,7 @@ import ijson
 import numpy as np
 import numpy.typing as npt
 
-from argus.errors import ProducerError
+from argus.core.errors import ProducerError
 from argus.schemas.records import PhaseKind
 
 __all__ = ["GPU_CATEGORIES", "MAX_DEPTH", "MAX_EXPONENT_DIGITS", "MAX_FILE_BYTES", "MAX_NUMBER_DIGITS",

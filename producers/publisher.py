@@ -26,9 +26,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from confluent_kafka import KafkaError, KafkaException, Message, Producer
 
-from argus.errors import ProducerError
-from argus.kafka_security import client_config
-from argus.settings import Settings
+from argus.core.errors import ProducerError
+from argus.core.kafka_security import client_config
+from argus.core.settings import Settings
 from argus.topics import PARTITIONER, Topic
 
 if TYPE_CHECKING:
@@ -95,7 +95,7 @@ class Publisher:
         }
         config.update(extra_config or {})
         try:
-            # Brokers, TLS and SASL from the kafka_* settings, as every argus client (argus.kafka_security).
+            # Brokers, TLS and SASL from the kafka_* settings, as every argus client (argus.core.kafka_security).
             self._producer = Producer(client_config(settings, config))
         except KafkaException as exc:
             raise ProducerError(f"cannot create Kafka producer: {exc}") from exc

@@ -29,8 +29,8 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import Metric
 
+from argus.core.settings import Settings
 from argus.metrics import MetricsServer, counter, gauge, start_metrics_server
-from argus.settings import Settings
 
 if TYPE_CHECKING:
     from argus.producers.publisher import Publisher

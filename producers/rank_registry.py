@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from argus.errors import ProducerError
+from argus.core.errors import ProducerError
 
 __all__ = ["RankEntry", "RankRegistry", "UnsafeRegistryError", "default_registry_dir", "process_start_ticks",
            "process_uid"]

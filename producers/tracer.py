@@ -54,6 +54,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from argus.core.settings import Settings
 from argus.producers.cuda_timing import EventPool, PhaseRec, StepRec, StepResolver, epoch_ns
 from argus.producers.cupti_kernels import CuptiKernels, CuptiState, CuptiStatus, StepMarks
 from argus.producers.heartbeat import HeartbeatThread, LiveState
@@ -64,7 +65,6 @@ from argus.producers.tracer_ddp import DDPMixin
 from argus.producers.tracer_hooks import HookMixin
 from argus.producers.tracer_patch import PatchMixin
 from argus.schemas.records import JobLifecycle, JobTopology, LifecycleEvent, ParallelGroup, PhaseKind
-from argus.settings import Settings
 from argus.topics import Topic, job_key
 
 try:  # torch is optional: without it the tracer still times steps and phases with the host clock

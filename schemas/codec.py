@@ -18,7 +18,7 @@ from typing import Any
 
 import fastavro
 
-from argus.errors import SchemaError
+from argus.core.errors import SchemaError
 
 __all__ = ["MAGIC", "SCHEMA_DIR", "AvroCodec", "available_schemas", "codec"]
 

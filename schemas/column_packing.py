@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from argus.errors import SchemaError
+from argus.core.errors import SchemaError
 
 __all__ = ["HEADER_BYTES", "PackMethod", "pack_column", "unpack_column"]
 

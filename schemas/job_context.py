@@ -7,7 +7,7 @@ import enum
 from dataclasses import dataclass
 from typing import ClassVar
 
-from argus.errors import SchemaError
+from argus.core.errors import SchemaError
 from argus.schemas.records import ParallelGroup, Record, _bounded, _same_length, _times
 
 __all__ = ["CONTEXT_JOB_PART", "JobContext"]

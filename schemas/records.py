@@ -17,7 +17,7 @@ from typing import Any, ClassVar, Self
 import numpy as np
 import numpy.typing as npt
 
-from argus.errors import SchemaError
+from argus.core.errors import SchemaError
 from argus.schemas.codec import codec
 from argus.schemas.column_packing import pack_column, unpack_column
 

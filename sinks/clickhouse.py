@@ -21,8 +21,8 @@ import clickhouse_connect
 import pyarrow as pa
 from clickhouse_connect.driver.exceptions import OperationalError
 
-from argus.errors import SinkError
-from argus.settings import Settings
+from argus.core.errors import SinkError
+from argus.core.settings import Settings
 from argus.sinks.tables import Table, rows_to_arrow, schema_ddl
 
 __all__ = ["ClickHouseStore", "QueryResult", "is_transient", "sql_string"]

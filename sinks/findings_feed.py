@@ -24,11 +24,11 @@ from typing import Any
 
 from confluent_kafka import OFFSET_BEGINNING, OFFSET_END, Consumer, KafkaException, TopicPartition
 
+from argus.core.errors import SchemaError, SinkError
+from argus.core.kafka_security import client_config
+from argus.core.settings import Settings
 from argus.detectors.findings import finding_json
-from argus.errors import SchemaError, SinkError
-from argus.kafka_security import client_config
 from argus.schemas.records import Finding
-from argus.settings import Settings
 from argus.topics import Topic
 
 __all__ = ["follow_findings"]

@@ -15,8 +15,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from argus.errors import ArgusError
-from argus.settings import Settings
+from argus.core.errors import ArgusError
+from argus.core.settings import Settings
 from argus.sinks.clickhouse import QueryResult, sql_string
 from argus.sinks.query_server import run_query
 

@@ -28,8 +28,8 @@ from collections.abc import Iterator
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import Metric
 
+from argus.core.settings import Settings
 from argus.metrics import MetricsServer, counter, gauge, histogram, start_metrics_server
-from argus.settings import Settings
 from argus.sinks.writer import SinkWriter
 
 __all__ = ["SinkCollector", "sink_registry", "start_sink_metrics"]

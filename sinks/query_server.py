@@ -42,8 +42,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from argus.errors import SinkError
-from argus.settings import Settings
+from argus.core.errors import SinkError
+from argus.core.settings import Settings
 from argus.sinks.clickhouse import ClickHouseStore, QueryResult
 
 __all__ = [

@@ -26,6 +26,7 @@ from typing import Any
 
 import pyarrow as pa
 
+from argus.core.settings import check_identifier
 from argus.schemas.records import (
     CpuStack,
     DeadLetter,
@@ -38,7 +39,6 @@ from argus.schemas.records import (
     PhaseBatch,
     Step,
 )
-from argus.settings import check_identifier
 from argus.topics import Topic
 
 __all__ = ["LOCAL_SUFFIX", "PHASE_MARKER_IDX", "TABLES", "TABLE_OF_TOPIC", "VIEWS", "Table", "rows_to_arrow",
@@ -291,7 +291,7 @@ def schema_ddl(database: str, cluster: str = "") -> list[str]:
 
     Raises:
         ConfigError: ``cluster`` or, with a cluster, ``database`` is not a plain name (see
-            :func:`argus.settings.check_identifier`).
+            :func:`argus.core.settings.check_identifier`).
     """
     on = ""
     if cluster:

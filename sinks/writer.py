@@ -22,11 +22,11 @@ from typing import Any
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
 
-from argus.errors import ArgusError, SchemaError, SinkError
-from argus.kafka_security import client_config
+from argus.core.errors import ArgusError, SchemaError, SinkError
+from argus.core.kafka_security import client_config
+from argus.core.settings import Settings
 from argus.metrics import Histogram
 from argus.schemas.records import DeadLetter
-from argus.settings import Settings
 from argus.sinks.clickhouse import ClickHouseStore, is_transient
 from argus.sinks.tables import TABLE_OF_TOPIC, Table
 from argus.topics import PARTITIONER, RECORD_OF, Topic

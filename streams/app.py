@@ -11,7 +11,7 @@ re-summarized from a replay is the same piece as before (see :mod:`argus.streams
 stored copy rather than adding to it. A message whose processing raises anything is dead-lettered whole
 (stage ``compress``, the exception as reason), its events are taken out of the open windows and it is
 acked, so the partition goes on; a window that cannot be summarized is dead-lettered with its events. A dead
-letter that cannot be delivered stops the agent without acking (:class:`~argus.errors.DeadLetterError`).
+letter that cannot be delivered stops the agent without acking (:class:`~argus.core.errors.DeadLetterError`).
 A job that never ends is closed by its ABANDONED lifecycle record (written by the diagnosis agents after
 ``Settings.job_idle_timeout_s``) exactly as by its END: its open windows are summarized and its messages acked.
 A job that publishes only kernels never reaches the diagnosis agents; so when a job's windows stay open here
@@ -40,12 +40,12 @@ from typing import Any
 import faust
 from faust.types import EventT
 
+from argus.core.errors import DeadLetterError, SchemaError
+from argus.core.kafka_security import faust_credentials
+from argus.core.settings import Settings
 from argus.detectors.kde_clusters import KdeParams
-from argus.errors import DeadLetterError, SchemaError
-from argus.kafka_security import faust_credentials
 from argus.metrics import CONTENT_TYPE, exposition
 from argus.schemas.records import JobLifecycle, KernelBatch, KernelSummary, LifecycleEvent
-from argus.settings import Settings
 from argus.streams.compression import summarize_isolated
 from argus.streams.diagnosis_agents import DeadLetters, failure_reason, install_diagnosis, summary_end_marker
 from argus.streams.idle import IdleJobs, QuietClock
@@ -102,7 +102,7 @@ def create_app(settings: Settings) -> faust.App:
     app = faust.App(
         settings.app_id,
         broker=brokers,
-        broker_credentials=faust_credentials(settings),  # TLS/SASL as every other client (argus.kafka_security)
+        broker_credentials=faust_credentials(settings),  # TLS/SASL as every other client (argus.core.kafka_security)
         store="memory://",
         # Faust writes a data folder even with the memory store; keep it with argus's own state.
         datadir=str(datadir),

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
+from argus.core.settings import Settings
 from argus.detectors.findings import DetectorResult, finding_id, to_finding
 from argus.detectors.impact import StepClock, impact_of, worth_raising
 from argus.detectors.l1_iteration import IterationSeries, L1Kind, L1Params, L1Result, detect_l1
@@ -38,7 +39,6 @@ from argus.detectors.l2_phases import L2Params, L2Result, PhaseTable, detect_l2
 from argus.detectors.l3_kernels import PIPELINE_SIDE, L3Kind, L3Params, L3Result, detect_l3
 from argus.detectors.l3_ranks import KernelTotals, RankExcessParams, detect_rank_excess, detect_stage_excess
 from argus.schemas.records import Finding, JobLifecycle, JobTopology, KernelSummary, ParallelGroup, PhaseBatch, Step
-from argus.settings import Settings
 
 __all__ = ["CORROBORATES_ONLY", "DiagnosisParams", "JobDiagnosis", "KernelDiagnosis", "LinkLedger", "RankDiagnosis",
            "corroborates_only", "detector_version", "drop_victims", "judge", "straggler_ranks"]

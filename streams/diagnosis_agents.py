@@ -54,7 +54,7 @@ summary only such rows are dropped). A record whose processing raises anything e
 exception, acked, and its job's state is repaired: rebuilt from the job's held records without the rejected
 ones (the record itself is kept if the rebuilt state then works), or, if it still fails, discarded (its held
 records acked undiagnosed; they stay in ClickHouse). Undecodable records are acked and counted here; the sink
-dead-letters them. A dead letter that cannot be delivered raises :class:`~argus.errors.DeadLetterError`
+dead-letters them. A dead letter that cannot be delivered raises :class:`~argus.core.errors.DeadLetterError`
 without acking, so the commit never passes it. L3 keeps at most ``Settings.l3_max_windows`` judged windows
 per (job, kernel, stream).
 """
@@ -76,11 +76,12 @@ import faust
 from confluent_kafka import Consumer, TopicPartition
 from faust.types import EventT
 
+from argus.core.errors import DeadLetterError, RejectedRecordError, SchemaError
+from argus.core.kafka_security import client_config
+from argus.core.settings import Settings
 from argus.detectors.findings import finding_json, to_finding
 from argus.detectors.hangs import HangParams, HangResult
 from argus.detectors.impact import Impact, StepClock
-from argus.errors import DeadLetterError, RejectedRecordError, SchemaError
-from argus.kafka_security import client_config
 from argus.metrics import DELAY_BUCKETS_S, Histogram
 from argus.schemas.job_context import CONTEXT_JOB_PART, JobContext
 from argus.schemas.records import (
@@ -96,7 +97,6 @@ from argus.schemas.records import (
     Record,
     Step,
 )
-from argus.settings import Settings
 from argus.streams.diagnosis import (
     DiagnosisParams,
     JobDiagnosis,

@@ -25,13 +25,13 @@ from collections.abc import Iterable
 
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaException, TopicPartition
 
+from argus.core.errors import SchemaError
+from argus.core.kafka_security import client_config
+from argus.core.settings import Settings
 from argus.detectors.impact import StepClock
 from argus.detectors.l3_ranks import KernelTotals
-from argus.errors import SchemaError
-from argus.kafka_security import client_config
 from argus.schemas.job_context import CONTEXT_JOB_PART, JobContext
 from argus.schemas.records import JobTopology, ParallelGroup
-from argus.settings import Settings
 from argus.topics import Topic
 
 __all__ = ["ContextTable", "context_clock", "context_groups", "context_key",

@@ -16,6 +16,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from argus.core.settings import Settings
 from argus.detectors.findings import finding_json
 from argus.schemas.records import (
     Finding,
@@ -28,7 +29,6 @@ from argus.schemas.records import (
     Record,
     Step,
 )
-from argus.settings import Settings
 from argus.streams.compression import summarize_windows
 from argus.streams.diagnosis import (
     DiagnosisParams,
@@ -137,7 +137,7 @@ def diagnose_traces(directory: Path, job_id: str, topology: str | None = None,
                     settings: Settings | None = None) -> list[dict[str, Any]]:
     """``argus import-kineto DIR --job J`` then ``argus findings --job J --json``, in one process: the
     findings of the Kineto traces under ``directory`` as JSON objects, largest impact first. Raises
-    :class:`~argus.errors.ProducerError` like the importer."""
+    :class:`~argus.core.errors.ProducerError` like the importer."""
     from argus.producers.kineto import import_kineto
 
     cfg = settings if settings is not None else Settings()

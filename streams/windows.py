@@ -11,7 +11,7 @@ when the rank sends ``end_of_stream``, or when the job ends (:meth:`WindowBuffer
 window that already closed are returned as *late* so the caller can dead-letter them (never silently lost).
 
 Two bounds keep one bad producer from taking the worker down (both optional, set from
-:class:`argus.settings.Settings` by the agent):
+:class:`argus.core.settings.Settings` by the agent):
 
 * **Skew.** An event more than ``max_skew_ns`` ahead of the rank's watermark (:func:`beyond_skew`) is returned
   as *skewed* and does not move the watermark: one bogus timestamp far in the future would otherwise close

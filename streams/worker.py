@@ -6,8 +6,8 @@ import logging
 
 from faust.worker import Worker
 
+from argus.core.settings import Settings
 from argus.heap_trim import start_heap_trimmer
-from argus.settings import Settings
 from argus.streams.app import create_app
 
 __all__ = ["run_worker"]

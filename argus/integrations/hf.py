@@ -77,9 +77,9 @@ class ArgusTrainerCallback(TrainerCallback):
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
                        **kwargs: Any) -> None:
-        import argus
+        from argus.producers.attach import attach
 
-        self.tracer = argus.attach(model, optimizer, **self.attach_kwargs)
+        self.tracer = attach(model, optimizer, **self.attach_kwargs)
         if model is None:
             return
         wrapped = getattr(self.trainer, "model_wrapped", None) if self.trainer is not None else None

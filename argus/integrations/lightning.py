@@ -63,9 +63,9 @@ class ArgusCallback(pl.Callback):
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         if stage == "fit" and self.tracer is None:
-            import argus
+            from argus.producers.attach import attach
 
-            self.tracer = argus.attach(**self.attach_kwargs)
+            self.tracer = attach(**self.attach_kwargs)
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         if self.tracer is None:

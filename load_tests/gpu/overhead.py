@@ -56,9 +56,9 @@ def build(torch: Any, device: str) -> tuple[Any, Any, Any]:
 
 
 def run(torch: Any, config: str, steps: int, warmup: int, publisher: str, device: str = "cuda") -> dict[str, Any]:
+    from argus.core.settings import Settings
     from argus.producers.tracer import Tracer
     from argus.schemas.records import PhaseKind
-    from argus.settings import Settings
 
     model, opt, x = build(torch, device)
 

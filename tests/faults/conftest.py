@@ -17,12 +17,12 @@ from typing import Any
 
 import pytest
 
+from argus.core.settings import Settings
 from argus.demo import build_spec
 from argus.detectors.findings import finding_id
 from argus.local_kafka import LocalKafka
 from argus.producers.publisher import Publisher
 from argus.producers.simulator import JobSimulator
-from argus.settings import Settings
 from argus.sinks.findings_query import fetch_findings, pending_reasons
 from argus.sinks.query_server import run_query
 from argus.supervisor import Service, service_pid

@@ -15,10 +15,10 @@ torch = pytest.importorskip("torch")
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
+from argus.core.settings import Settings  # noqa: E402
 from argus.producers.cupti_kernels import CuptiState  # noqa: E402
 from argus.producers.tracer import Tracer  # noqa: E402
 from argus.schemas.records import KernelBatch, ParallelGroup, PhaseBatch, PhaseKind, Step  # noqa: E402
-from argus.settings import Settings  # noqa: E402
 from argus.topics import Topic  # noqa: E402
 
 

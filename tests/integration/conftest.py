@@ -20,8 +20,8 @@ from typing import Any
 
 import pytest
 
+from argus.core.settings import Settings
 from argus.local_kafka import LocalKafka
-from argus.settings import Settings
 from argus.sinks.clickhouse import ClickHouseStore
 from argus.sinks.writer import SinkWriter
 from argus.topics import ensure_topics

@@ -11,12 +11,12 @@ import time
 import pytest
 from confluent_kafka import Consumer, TopicPartition
 
-from argus.kafka_security import client_config
+from argus.core.kafka_security import client_config
+from argus.core.settings import Settings
 from argus.producers.faults import Fault
 from argus.producers.publisher import Publisher
 from argus.producers.simulator import JobSimulator, paper_case
 from argus.schemas.records import JobLifecycle, KernelBatch, LifecycleEvent
-from argus.settings import Settings
 from argus.sinks.findings_query import fetch_findings, pending_reasons, wait_diagnosed
 from argus.topics import Topic
 from tests.integration.conftest import SinkThread, WorkerProcess

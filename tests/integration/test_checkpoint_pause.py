@@ -28,9 +28,9 @@ from typing import Any, cast
 
 import pytest
 
+from argus.core.settings import Settings
 from argus.producers.publisher import Publisher
 from argus.producers.simulator import JobSimulator, JobSpec
-from argus.settings import Settings
 from argus.sinks.findings_query import pending_reasons, wait_diagnosed
 from tests.integration.conftest import SinkThread, WorkerProcess
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from argus.settings import Settings
+from argus.core.settings import Settings
 from tests.integration.conftest import _free_port
 
 pytestmark = pytest.mark.integration

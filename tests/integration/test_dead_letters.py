@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 from confluent_kafka import Producer
 
+from argus.core.settings import Settings
 from argus.producers.publisher import Publisher
 from argus.schemas.codec import codec
 from argus.schemas.records import KernelBatch
-from argus.settings import Settings
 from argus.topics import Topic, rank_key
 from tests.integration.conftest import SinkThread, WorkerProcess
 from tests.samples import kernel_batch

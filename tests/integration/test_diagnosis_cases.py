@@ -8,10 +8,10 @@ from typing import Any
 
 import pytest
 
+from argus.core.settings import Settings
 from argus.producers.faults import Fault
 from argus.producers.publisher import Publisher
 from argus.producers.simulator import JobSimulator, JobSpec, paper_case
-from argus.settings import Settings
 from argus.sinks.findings_query import fetch_findings, wait_diagnosed
 from tests.integration.conftest import SinkThread, WorkerProcess
 

@@ -12,11 +12,11 @@ from typing import Any
 
 import pytest
 
+from argus.core.settings import Settings
 from argus.producers.faults import Fault
 from argus.producers.publisher import Publisher
 from argus.producers.simulator import JobSimulator, paper_case
 from argus.schemas.records import KernelBatch
-from argus.settings import Settings
 from argus.sinks.clickhouse import ClickHouseStore
 from argus.sinks.findings_query import diagnosis_complete, fetch_findings, pending_reasons, wait_diagnosed
 from argus.topics import Topic, ensure_topics

@@ -15,11 +15,11 @@ import time
 
 import pytest
 
+from argus.core.settings import Settings
 from argus.producers.faults import FaultSpec
 from argus.producers.publisher import Publisher
 from argus.producers.simulator import JobSimulator, JobSpec
 from argus.producers.topology import build_topology
-from argus.settings import Settings
 from tests.integration.conftest import SinkThread, WorkerProcess
 
 pytestmark = pytest.mark.integration

@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from argus.core.settings import Settings
 from argus.producers.faults import Fault
 from argus.producers.publisher import Publisher
 from argus.producers.simulator import JobSimulator, paper_case
@@ -23,7 +24,6 @@ from argus.schemas.records import (
     PhaseKind,
     Step,
 )
-from argus.settings import Settings
 from argus.topics import Topic, job_key
 from tests.integration.conftest import SinkThread, WorkerProcess
 

@@ -20,11 +20,11 @@ from pathlib import Path
 
 import pytest
 
-from argus.errors import ArgusError, KafkaLocalError
+from argus.core.errors import ArgusError, KafkaLocalError
+from argus.core.settings import Secret, Settings
 from argus.local_kafka import LocalKafka, fetch_jars
 from argus.producers.publisher import Publisher
 from argus.producers.simulator import JobSimulator, JobSpec
-from argus.settings import Secret, Settings
 from argus.sinks.clickhouse import ClickHouseStore
 from argus.topics import Topic, ensure_topics
 from load_tests.detection_eval import free_port

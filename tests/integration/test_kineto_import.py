@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from argus.core.settings import Settings
 from argus.producers.kineto import import_kineto
-from argus.settings import Settings
 from argus.sinks.findings_query import fetch_findings, wait_diagnosed
 from tests.integration.conftest import SinkThread, WorkerProcess
 

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from argus.core.settings import Settings
 from argus.local_kafka import LocalKafka
-from argus.settings import Settings
 
 pytestmark = [
     pytest.mark.integration,

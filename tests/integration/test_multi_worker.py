@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 
+from argus.core.settings import Settings
 from argus.producers.faults import Fault
 from argus.producers.simulator import JobSimulator, paper_case
 from argus.schemas.records import JobLifecycle
-from argus.settings import Settings
 from argus.sinks.findings_query import fetch_findings, wait_diagnosed
 from tests.integration.conftest import SinkThread, WorkerProcess, _free_port, fresh_settings
 from tests.integration.test_diagnosis_cases import run_job

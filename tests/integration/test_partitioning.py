@@ -7,9 +7,9 @@ import time
 import pytest
 from confluent_kafka import Consumer
 
+from argus.core.settings import Settings
 from argus.producers.publisher import Publisher
 from argus.schemas.records import Step
-from argus.settings import Settings
 from argus.topics import Topic, job_key, key_partition
 
 pytestmark = pytest.mark.integration

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
 
-from argus.settings import Settings
+from argus.core.settings import Settings
 from argus.topics import Topic
 from tests.integration.conftest import _free_port
 

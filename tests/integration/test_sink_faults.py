@@ -12,9 +12,9 @@ import pytest
 from confluent_kafka import Consumer, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, AlterConfigOpType, ConfigEntry, ConfigResource, ResourceType
 
+from argus.core.settings import Settings
 from argus.schemas.codec import MAGIC, SCHEMA_DIR
 from argus.schemas.records import JobLifecycle, LifecycleEvent, Step
-from argus.settings import Settings
 from argus.topics import Topic
 from tests.integration.conftest import SinkThread
 

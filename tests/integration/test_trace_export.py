@@ -22,12 +22,12 @@ import numpy as np
 import pytest
 from perfetto.trace_processor import TraceProcessor, TraceProcessorConfig
 
-from argus.errors import TraceExportError
+from argus.core.errors import TraceExportError
+from argus.core.settings import Settings
 from argus.producers.faults import Fault
 from argus.producers.publisher import Publisher
 from argus.producers.simulator import JobSimulator, paper_case
 from argus.schemas.records import KernelBatch, Step
-from argus.settings import Settings
 from argus.sinks.findings_query import wait_diagnosed
 from argus.sinks.query_server import QueryServer
 from argus.topics import Topic

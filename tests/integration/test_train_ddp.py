@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from argus.settings import Settings
+from argus.core.settings import Settings
 from argus.sinks.findings_query import fetch_findings, wait_diagnosed
 from tests.integration.conftest import SinkThread, WorkerProcess, _free_port
 

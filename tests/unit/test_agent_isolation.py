@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from argus.errors import DeadLetterError, DetectorError, SchemaError
+from argus.core.errors import DeadLetterError, DetectorError, SchemaError
 from argus.schemas.records import DeadLetter, KernelSummary
 from argus.streams.diagnosis import DiagnosisParams
 from argus.streams.diagnosis_agents import (

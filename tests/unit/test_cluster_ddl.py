@@ -22,8 +22,8 @@ from typing import Any
 import pytest
 
 from argus import cli
-from argus.errors import ConfigError
-from argus.settings import Settings
+from argus.core.errors import ConfigError
+from argus.core.settings import Settings
 from argus.sinks import clickhouse
 from argus.sinks.tables import LOCAL_SUFFIX, TABLES, VIEWS, schema_ddl
 

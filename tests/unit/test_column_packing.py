@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from argus.errors import SchemaError
+from argus.core.errors import SchemaError
 from argus.schemas.column_packing import HEADER_BYTES, PackMethod, pack_column, unpack_column
 
 _INT64 = st.integers(-(2**63), 2**63 - 1)

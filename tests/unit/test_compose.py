@@ -82,7 +82,7 @@ def _container_path(service: str, host_path: str) -> str:
 
 
 def test_prometheus_scrapes_the_worker_and_sink_on_their_metrics_ports() -> None:
-    from argus.settings import Settings
+    from argus.core.settings import Settings
 
     defaults = Settings.load(env={})
     config_path = _container_path("prometheus", "./deploy/prometheus/prometheus.yml")

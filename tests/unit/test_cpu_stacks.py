@@ -159,7 +159,7 @@ def test_collector_publishes_stacks(tmp_path: Path) -> None:
         def flush(self, timeout_s: float = 30.0) -> int:
             return 0
 
-    from argus.settings import Settings
+    from argus.core.settings import Settings
 
     pub = Pub()
     cap = StackCapturer(reg, host="h", capture=lambda pid, **kw: '[{"frames": []}]')

@@ -9,10 +9,10 @@ from typing import Any
 import pytest
 import yaml
 
+from argus.core.settings import Settings
 from argus.metrics import exposition
 from argus.producers.publisher import Publisher
 from argus.producers.publisher_metrics import publisher_registry
-from argus.settings import Settings
 from argus.sinks.metrics import sink_registry
 from argus.sinks.tables import TABLES
 from argus.sinks.writer import SinkWriter, _Pending

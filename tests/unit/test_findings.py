@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from argus.core.errors import DetectorError
 from argus.detectors import (
     L1Kind,
     L1Result,
@@ -21,7 +22,6 @@ from argus.detectors import (
     to_finding,
     to_findings,
 )
-from argus.errors import DetectorError
 from argus.schemas.records import Finding, Level
 
 T = 1_767_225_600_000_000_000

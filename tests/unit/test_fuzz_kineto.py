@@ -14,7 +14,7 @@ from unittest import mock
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from argus.errors import ProducerError
+from argus.core.errors import ProducerError
 from argus.producers import kineto_parse
 from argus.producers.kineto_parse import MAX_DEPTH, MAX_NUMBER_DIGITS, parse_rank
 

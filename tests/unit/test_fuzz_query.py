@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from argus.errors import SinkError
+from argus.core.errors import SinkError
 from argus.sinks.query_server import REFUSED_FUNCTIONS, check_statement
 
 BUDGET = settings(max_examples=300, deadline=None, derandomize=True,

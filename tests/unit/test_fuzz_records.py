@@ -18,7 +18,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from argus.errors import SchemaError
+from argus.core.errors import SchemaError
 from argus.schemas.codec import MAGIC, codec
 from argus.schemas.job_context import JobContext
 from argus.schemas.records import (

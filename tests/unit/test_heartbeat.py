@@ -13,12 +13,12 @@ torch = pytest.importorskip("torch")
 
 import torch.distributed as dist  # noqa: E402
 
+from argus.core.settings import Settings  # noqa: E402
 from argus.producers.cuda_timing import PhaseRec  # noqa: E402
 from argus.producers.heartbeat import MAX_DEPTH, LiveState  # noqa: E402
 from argus.producers.rank_registry import RankRegistry  # noqa: E402
 from argus.producers.tracer import Tracer  # noqa: E402
 from argus.schemas.records import Heartbeat, ParallelGroup, PhaseKind  # noqa: E402
-from argus.settings import Settings  # noqa: E402
 from argus.topics import Topic  # noqa: E402
 from tests.samples import RecordingPublisher  # noqa: E402
 
@@ -111,7 +111,7 @@ def test_live_state_stack_is_bounded_and_unwinds() -> None:
 
 
 def test_heartbeat_interval_is_validated() -> None:
-    from argus.errors import ConfigError
+    from argus.core.errors import ConfigError
 
     for bad in (0, -1, 3601, float("nan")):
         with pytest.raises(ConfigError, match="heartbeat_interval_s"):

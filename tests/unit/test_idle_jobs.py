@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from argus.errors import ConfigError
+from argus.core.errors import ConfigError
+from argus.core.settings import Settings
 from argus.schemas.records import JobLifecycle, KernelBatch, LifecycleEvent
-from argus.settings import Settings
 from argus.streams.idle import IdleJobs, QuietClock, abandon_reason
 from argus.streams.windows import WindowBuffer
 

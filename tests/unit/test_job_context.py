@@ -48,7 +48,7 @@ def test_part_totals_round_trip_and_merge_into_the_jobs_rank_aggregate() -> None
 
 
 def test_the_table_keeps_the_newest_per_part_forgets_on_tombstones_and_is_bounded() -> None:
-    from argus.settings import Settings
+    from argus.core.settings import Settings
 
     table = ContextTable(Settings(), max_jobs=2)
     job = job_context("a/b", 1, None, {}, (), None, False)  # a job id with a slash

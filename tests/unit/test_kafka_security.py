@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from argus.errors import ConfigError
-from argus.kafka_security import AuthWatch, client_config, faust_credentials, ssl_context
-from argus.settings import Settings
+from argus.core.errors import ConfigError
+from argus.core.kafka_security import AuthWatch, client_config, faust_credentials, ssl_context
+from argus.core.settings import Settings
 
 SASL = {"ARGUS_KAFKA_SECURITY_PROTOCOL": "SASL_PLAINTEXT", "ARGUS_KAFKA_SASL_MECHANISM": "SCRAM-SHA-512",
         "ARGUS_KAFKA_SASL_USERNAME": "trainer", "ARGUS_KAFKA_SASL_PASSWORD": "hunter2"}

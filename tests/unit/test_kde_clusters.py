@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy.stats import gaussian_kde
 
+from argus.core.errors import DetectorError
 from argus.detectors import ClusterSet, ClusterSummary, KdeParams, binned_kde, cluster_by_group, cluster_durations
-from argus.errors import DetectorError
 
 PROPERTY = settings(max_examples=50, deadline=None)
 

@@ -12,7 +12,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from argus.errors import ArgusError, ConfigError, ProducerError
+from argus.core.errors import ArgusError, ConfigError, ProducerError
+from argus.core.settings import Settings
 from argus.producers.kineto import (
     import_kineto,
     kernel_batches,
@@ -33,7 +34,6 @@ from argus.schemas.records import (
     PhaseKind,
     Step,
 )
-from argus.settings import Settings
 from argus.topics import Topic, job_key, rank_key
 from tests.samples import RecordingPublisher
 

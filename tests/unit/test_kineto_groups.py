@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from argus.core.settings import Settings
 from argus.producers.kineto import import_kineto
 from argus.producers.kineto_groups import PhaseGroups
 from argus.producers.kineto_parse import StreamPG, stream_pg
 from argus.producers.topology import build_topology
 from argus.schemas.records import JobTopology, ParallelGroup, PhaseBatch, PhaseKind
-from argus.settings import Settings
 from tests.unit.test_kineto import T0, annotation, collector, kernel, trace_doc, write
 
 AR = "ncclDevKernel_AllReduce_Sum_f32_RING_LL(ncclDevKernelArgsStorage<4096ul>)"

@@ -14,7 +14,8 @@ from typing import Any
 
 import pytest
 
-from argus.errors import ProducerError
+from argus.core.errors import ProducerError
+from argus.core.settings import Settings
 from argus.producers import kineto_parse
 from argus.producers.kineto import import_kineto
 from argus.producers.kineto_parse import (
@@ -25,7 +26,6 @@ from argus.producers.kineto_parse import (
     parse_rank,
     to_ns,
 )
-from argus.settings import Settings
 from tests.samples import RecordingPublisher
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -68,7 +68,7 @@ def test_an_integer_over_pythons_conversion_limit_is_refused_not_a_segfault(tmp_
     # ijson's C backend dereferences the NULL of a failed int conversion (over 4,300 digits): the interpreter
     # dies with SIGSEGV, so the parse runs in a child process.
     path = trace(tmp_path, bad_event("9" * 5000))
-    code = ("import sys; from pathlib import Path; from argus.errors import ProducerError\n"
+    code = ("import sys; from pathlib import Path; from argus.core.errors import ProducerError\n"
             "from argus.producers.kineto_parse import parse_rank\n"
             "try:\n    parse_rank(Path(sys.argv[1])).close()\nexcept ProducerError as e:\n    print(e)\n")
     run = subprocess.run([sys.executable, "-c", code, str(path)], cwd=ROOT, capture_output=True, text=True,

@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from argus.core.errors import DetectorError
 from argus.detectors import IterationSeries, L1Kind, L1Params, detect_l1
-from argus.errors import DetectorError
 from argus.schemas.records import Level, Step
 
 PROPERTY = settings(max_examples=60, deadline=None)

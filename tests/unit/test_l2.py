@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from argus.core.errors import DetectorError
 from argus.detectors import L2Kind, L2Params, PhaseTable, detect_l2, loo_median
 from argus.detectors.l2_groups import waiting_victims
-from argus.errors import DetectorError
 from argus.producers.topology import build_topology
 from argus.schemas.records import JobTopology, Level, ParallelGroup, PhaseBatch, PhaseKind
 

@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from argus.core.errors import DetectorError
 from argus.detectors import (
     L3Kind,
     L3Params,
@@ -23,7 +24,6 @@ from argus.detectors import (
 )
 from argus.detectors.kernel_rows import row_floors
 from argus.detectors.l3_kernels import PIPELINE_SIDE
-from argus.errors import DetectorError
 from argus.producers.topology import build_topology
 from argus.schemas.records import KernelSummary, Level, ParallelGroup
 

@@ -19,12 +19,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy.special import ndtr
 
+from argus.core.errors import DetectorError
 from argus.detectors import kernel_modes, kernel_rows, l3_kernels, mixture
 from argus.detectors.kernel_modes import mode_quantiles
 from argus.detectors.l2_groups import loo_median, loo_median_rows
 from argus.detectors.l3_kernels import L3Params, L3Result, RankScores, Scope, detect_l3, primary_p50
 from argus.detectors.mixture import MixtureBatch, geometric_grid
-from argus.errors import DetectorError
 from argus.producers.topology import build_topology
 from argus.schemas.records import JobTopology, KernelSummary, ParallelGroup
 

@@ -7,12 +7,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from argus.core.errors import DetectorError
 from argus.detectors.impact import StepClock, impact_of, worth_raising
 from argus.detectors.l1_iteration import L1Kind, L1Result
 from argus.detectors.l2_phases import L2Kind, L2Result
 from argus.detectors.l3_kernels import L3Kind, L3Result
 from argus.detectors.l3_ranks import KernelTotals, RankExcessParams, detect_rank_excess
-from argus.errors import DetectorError
 from argus.producers.topology import build_topology
 from argus.schemas.records import KernelSummary
 

@@ -16,11 +16,11 @@ import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from argus.errors import ConfigError
+from argus.core.errors import ConfigError
+from argus.core.settings import Settings
 from argus.metrics import CONTENT_TYPE, Histogram, exposition, start_metrics_server
 from argus.producers.publisher import Publisher
 from argus.producers.publisher_metrics import metrics_port
-from argus.settings import Settings
 from argus.sinks.metrics import sink_registry, start_sink_metrics
 from argus.sinks.tables import TABLES
 from argus.sinks.writer import SinkWriter, _Pending

@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy.stats import wasserstein_distance
 
+from argus.core.errors import DetectorError
 from argus.detectors import (
     Mixture,
     MixtureBatch,
@@ -22,7 +23,6 @@ from argus.detectors import (
     w1_to_reference,
 )
 from argus.detectors.mixture import MIN_SIGMA, Z99
-from argus.errors import DetectorError
 
 PROPERTY = settings(max_examples=50, deadline=None)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -54,9 +55,15 @@ def test_entry_points_are_lazy() -> None:
 
 @pytest.mark.timeout(300)
 def test_wheel_holds_argus_only(tmp_path: Path) -> None:
+    src = tmp_path / "src"  # a copy: building writes build/ and egg-info next to the sources
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, src / name)
+    for top in ("argus", *STAGES):
+        shutil.copytree(ROOT / top, src / top, symlinks=True, ignore=shutil.ignore_patterns("__pycache__"))
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
-                    str(tmp_path), str(ROOT)], check=True, capture_output=True, cwd=tmp_path)
-    (wheel,) = tmp_path.glob("*.whl")
+                    str(tmp_path / "dist"), str(src)], check=True, capture_output=True, cwd=tmp_path)
+    (wheel,) = (tmp_path / "dist").glob("*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     assert {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")} == {"argus"}
     for stage in STAGES:

@@ -102,7 +102,7 @@ def test_a_named_stragglers_kernels_are_its_evidence_not_findings_of_their_own()
 
 
 def test_findings_carry_the_version_of_the_detectors_that_made_them() -> None:
-    from argus.settings import Settings
+    from argus.core.settings import Settings
     from argus.streams.diagnosis import DiagnosisParams, detector_version
 
     cfg = Settings()

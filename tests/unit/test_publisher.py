@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from argus.core.settings import Settings
 from argus.producers.publisher import Publisher
-from argus.settings import Settings
 from argus.topics import Topic
 from tests.samples import kernel_batch
 

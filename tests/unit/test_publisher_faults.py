@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
+from argus.core.settings import Settings
 from argus.producers.publisher import Publisher, PublisherStats
-from argus.settings import Settings
 from argus.topics import Topic
 from tests.samples import kernel_batch
 

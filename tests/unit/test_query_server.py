@@ -19,15 +19,15 @@ from pathlib import Path
 
 import pytest
 
-from argus.errors import SinkError
-from argus.settings import Settings
+from argus.core.errors import SinkError
+from argus.core.settings import Settings
 from argus.sinks.query_server import check_statement, post_query, read_token, token_path
 
 _SERVER = r"""
 import sys, threading, time
 from pathlib import Path
 import argus.sinks.query_server as qs
-from argus.settings import Settings
+from argus.core.settings import Settings
 from argus.sinks.clickhouse import ClickHouseStore
 from argus.sinks.tables import TABLES
 

@@ -8,7 +8,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from argus.errors import SchemaError
+from argus.core.errors import SchemaError
 from argus.schemas.records import TIME_LIMIT_NS, JobLifecycle, KernelBatch, LifecycleEvent, Record
 from tests.samples import T0, kernel_batch, samples
 

@@ -10,10 +10,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from argus.errors import ArgusError
+from argus.core.errors import ArgusError
+from argus.core.settings import Settings
 from argus.progress import Meter
 from argus.replay import diff_findings, finding_identity, namespace_settings, parse_time_ms
-from argus.settings import Settings
 
 
 def _f(kind: str = "compute_straggler", ranks: tuple[int, ...] = (5,), score: float = 2.0,

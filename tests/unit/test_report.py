@@ -8,7 +8,8 @@ from typing import Any
 
 import pytest
 
-from argus.errors import ArgusError
+from argus.core.errors import ArgusError
+from argus.core.settings import Settings
 from argus.report import ReportData, build_report, commands_html, findings_table, render_page
 from argus.report_data import (
     MAX_RANK_ROWS,
@@ -29,7 +30,6 @@ from argus.report_data import (
     w1_heatmap,
     w1_scores,
 )
-from argus.settings import Settings
 from argus.sinks.clickhouse import QueryResult
 
 EVIL = '<img src=x onerror="alert(1)">&'

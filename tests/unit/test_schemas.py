@@ -12,7 +12,7 @@ import fastavro
 import numpy as np
 import pytest
 
-from argus.errors import SchemaError
+from argus.core.errors import SchemaError
 from argus.schemas import available_schemas, codec
 from argus.schemas.column_packing import HEADER_BYTES, PackMethod, pack_column
 from argus.schemas.records import KernelBatch

@@ -4,8 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from argus.errors import ConfigError
-from argus.settings import Secret, Settings
+from argus.core.errors import ConfigError
+from argus.core.settings import Secret, Settings
 
 
 def test_precedence_argument_over_env_over_default() -> None:

@@ -494,8 +494,8 @@ def test_realtime_run_publishes_at_the_pace_of_event_time() -> None:
 
 
 def test_build_spec_takes_a_checkpoint_pause() -> None:
+    from argus.core.errors import ArgusError
     from argus.demo import build_spec
-    from argus.errors import ArgusError
 
     spec = build_spec("j", 2, 2, 1, 20, "none", pause_step=8, pause_s=3.0)
     assert spec.pauses_before(8) and spec.pause_ns == 3_000_000_000

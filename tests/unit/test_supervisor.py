@@ -7,7 +7,7 @@ import json
 import signal
 from pathlib import Path
 
-from argus.settings import Settings
+from argus.core.settings import Settings
 from argus.supervisor import STATE_FILE, Supervisor, read_state
 
 

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 import argus.trace_export as te
-from argus.errors import TraceExportError
-from argus.settings import Settings
+from argus.core.errors import TraceExportError
+from argus.core.settings import Settings
 from argus.sinks.clickhouse import QueryResult
 
 T0 = 1_767_225_600_000_000_000  # ns

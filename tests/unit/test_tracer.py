@@ -14,6 +14,7 @@ torch = pytest.importorskip("torch")
 
 import torch.distributed as dist  # noqa: E402
 
+from argus.core.settings import Settings  # noqa: E402
 from argus.producers.cuda_timing import EventPool, PhaseRec, StepRec, StepResolver  # noqa: E402
 from argus.producers.rank_registry import RankRegistry  # noqa: E402
 from argus.producers.tracer import Tracer  # noqa: E402
@@ -28,7 +29,6 @@ from argus.schemas.records import (  # noqa: E402
     PhaseKind,
     Step,
 )
-from argus.settings import Settings  # noqa: E402
 from argus.topics import Topic, job_key, rank_key  # noqa: E402
 from tests.samples import RecordingPublisher  # noqa: E402
 

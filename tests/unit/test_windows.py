@@ -9,7 +9,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from argus.errors import SchemaError
+from argus.core.errors import SchemaError
 from argus.schemas.records import KernelBatch
 from argus.streams.compression import summarize_isolated, summarize_windows
 from argus.streams.windows import OTHER_KERNEL, KernelNames, WindowBuffer, beyond_skew

@@ -1,4 +1,4 @@
-"""Kafka client configuration from :class:`~argus.settings.Settings`: brokers, TLS and SASL, in one place.
+"""Kafka client configuration from :class:`~argus.core.settings.Settings`: brokers, TLS and SASL, in one place.
 
 Every Kafka client of argus is built from here, so a cluster that needs TLS or SASL is reached by all of
 them alike: :func:`client_config` for confluent-kafka (the rank-side publisher, the sink's consumer and
@@ -7,7 +7,7 @@ dead-letter producer, the stack collector, topic creation, the local broker's he
 
 Settings (``ARGUS_KAFKA_*``): ``kafka_security_protocol`` (``PLAINTEXT``, ``SSL``, ``SASL_PLAINTEXT``,
 ``SASL_SSL``), ``kafka_sasl_mechanism`` (``PLAIN``, ``SCRAM-SHA-256``, ``SCRAM-SHA-512``),
-``kafka_sasl_username``, ``kafka_sasl_password`` (a :class:`~argus.settings.Secret`, also from
+``kafka_sasl_username``, ``kafka_sasl_password`` (a :class:`~argus.core.settings.Secret`, also from
 ``ARGUS_KAFKA_SASL_PASSWORD_FILE``), ``kafka_ssl_ca_file`` and, for mutual TLS, ``kafka_ssl_cert_file`` and
 ``kafka_ssl_key_file``. They are validated by :meth:`Settings.validate`.
 """
@@ -18,8 +18,8 @@ import ssl
 from collections.abc import Mapping
 from typing import Any
 
-from argus.errors import ConfigError
-from argus.settings import Settings
+from argus.core.errors import ConfigError
+from argus.core.settings import Settings
 
 __all__ = ["AuthWatch", "client_config", "faust_credentials", "ssl_context"]
 

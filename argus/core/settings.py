@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from argus.errors import ConfigError
+from argus.core.errors import ConfigError
 
 __all__ = ["ENV_PREFIX", "Secret", "Settings", "check_identifier"]
 
@@ -67,7 +67,7 @@ class Settings:
     #: Apache Kafka version fetched from Maven Central for the local broker.
     kafka_version: str = "4.1.1"
 
-    # -- Kafka security, for every client (see ``argus.kafka_security``) --
+    # -- Kafka security, for every client (see ``argus.core.kafka_security``) --
     #: ``PLAINTEXT``, ``SSL`` (TLS), ``SASL_PLAINTEXT`` or ``SASL_SSL`` (SASL over TLS).
     kafka_security_protocol: str = "PLAINTEXT"
     #: SASL mechanism with a ``SASL_*`` protocol: ``PLAIN``, ``SCRAM-SHA-256`` or ``SCRAM-SHA-512``.
