@@ -30,6 +30,7 @@ from plotly.offline import get_plotlyjs
 
 from argus import __version__
 from argus.core.errors import ArgusError
+from argus.core.kinds import FindingKind
 from argus.core.settings import Settings
 from argus.detectors.l3_kernels import is_collective
 from argus.report_data import (
@@ -223,7 +224,7 @@ def _iteration_figure(data: ReportData, marks: Sequence[Mark]) -> go.Figure:
                                  hovertemplate="step %{x}: %{text}<extra></extra>"))
     for m in marks:
         if m.line:
-            color = _RED if m.kind == "step_regression" else _GREY
+            color = _RED if m.kind == FindingKind.STEP_REGRESSION.value else _GREY
             fig.add_vline(x=first + (m.step - first) // k * k, line={"color": color, "dash": "dash", "width": 2},
                           annotation={"text": m.label, "font": {"color": color}}, annotation_position="top left")
     for f in data.findings:

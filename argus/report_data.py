@@ -23,6 +23,7 @@ from typing import Any, TypeAlias
 import numpy as np
 
 from argus.core.errors import DetectorError
+from argus.core.kinds import FindingKind
 from argus.detectors.mixture import MixtureBatch, geometric_grid, mixture_cdf
 from argus.sinks.clickhouse import sql_string
 
@@ -429,11 +430,11 @@ def l1_marks(findings: Sequence[Mapping[str, Any]]) -> list[Mark]:
         if f.get("level") != "L1" or not f.get("steps"):
             continue
         kind, ev, steps = str(f.get("kind")), f.get("evidence") or {}, [int(s) for s in f["steps"]]
-        if kind == "iteration_spike":
+        if kind == FindingKind.ITERATION_SPIKE.value:
             ratio = ev.get("spike_ratio", f.get("score"))
             out += [Mark(s, plot_text(f"spike x{float(ratio):.2f}" if ratio is not None else "spike"), kind, False)
                     for s in steps]
-        elif kind == "step_regression":
+        elif kind == FindingKind.STEP_REGRESSION.value:
             out.append(Mark(steps[0], plot_text(f"regression x{float(f.get('score') or 0):.2f}"), kind, True))
         else:
             out.append(Mark(steps[0], plot_text(kind.replace("_", " ")), kind, True))

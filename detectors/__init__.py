@@ -6,6 +6,7 @@ measures how far ranks drift apart with the 1-Wasserstein distance (in ns). The 
 runs on top: :mod:`argus.detectors.l1_iteration` (iteration-time spikes and regressions),
 :mod:`argus.detectors.l2_phases` (straggler rank and phase within parallel groups, slow pipeline stages),
 :mod:`argus.detectors.l3_kernels` (degraded kernels, mode by mode with :mod:`argus.detectors.kernel_modes`, and links
+from argus.core.kinds import FindingKind
 from the compressed windows), :mod:`argus.detectors.l3_ranks` (ranks and pipeline stages slow across kernels);
 :mod:`argus.detectors.hangs` names stalled jobs, silent ranks and the ranks a hung collective waits for;
 :mod:`argus.detectors.impact` gives each result the GPU time the job lost to it and :mod:`argus.detectors.findings`
@@ -13,7 +14,7 @@ turns results into Finding records.
 """
 
 from argus.detectors.findings import DetectorResult, finding_id, to_finding, to_findings
-from argus.detectors.hangs import HangKind, HangParams, HangResult, RankLiveness, detect_hangs, job_resumed
+from argus.detectors.hangs import HangParams, HangResult, RankLiveness, detect_hangs, job_resumed
 from argus.detectors.impact import Impact, StepClock, impact_of, worth_raising
 from argus.detectors.kde_clusters import (
     ClusterSet,
@@ -24,10 +25,9 @@ from argus.detectors.kde_clusters import (
     cluster_durations,
 )
 from argus.detectors.kernel_modes import ReferenceModes, mode_quantiles, reference_modes
-from argus.detectors.l1_iteration import IterationSeries, L1Kind, L1Params, L1Result, detect_l1
-from argus.detectors.l2_phases import L2Kind, L2Params, L2Result, PhaseTable, detect_l2, loo_median
+from argus.detectors.l1_iteration import IterationSeries, L1Params, L1Result, detect_l1
+from argus.detectors.l2_phases import L2Params, L2Result, PhaseTable, detect_l2, loo_median
 from argus.detectors.l3_kernels import (
-    L3Kind,
     L3Params,
     L3Result,
     RankScores,
@@ -58,20 +58,17 @@ __all__ = [
     "ClusterSet",
     "ClusterSummary",
     "DetectorResult",
-    "HangKind",
+    "FindingKind",
     "HangParams",
     "HangResult",
     "Impact",
     "IterationSeries",
     "KdeParams",
     "KernelTotals",
-    "L1Kind",
     "L1Params",
     "L1Result",
-    "L2Kind",
     "L2Params",
     "L2Result",
-    "L3Kind",
     "L3Params",
     "L3Result",
     "Mixture",

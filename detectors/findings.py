@@ -1,10 +1,7 @@
 """Detector results as :class:`~argus.schemas.records.Finding` records, with deterministic ids.
 
-Kinds are the lower-case values of the detectors' enums: ``iteration_spike`` and ``step_regression``
-(L1), ``compute_straggler``, ``phase_straggler`` and ``pp_stage_slow`` (L2), ``kernel_degraded``,
-``link_degraded``, ``compute_straggler`` (L3, a late arrival seen in a collective kernel) and
-``rank_degraded`` (L3, a rank slow across kernels); from :mod:`argus.detectors.hangs`, ``job_stalled`` and
-``job_resumed`` (L1), ``rank_silent`` and ``hang_wavefront`` (L2; its ranks are the suspects).
+Kinds are :class:`~argus.core.kinds.FindingKind` members, each of one level; the finding's ``kind`` field
+carries the member and its value is what the topic, the table and the ``--json`` contract write.
 
 ``finding_id`` is the SHA-1 (hex) of the canonical JSON array ``[job_id, level, kind, ranks, phase,
 kernel, stream, steps]``: the same diagnosis re-derived after a replay or a re-delivery gets the same id,
@@ -76,7 +73,7 @@ def to_finding(job_id: str, result: DetectorResult | HangResult, time_ns: int, i
         raise DetectorError(f"{kind}: evidence is not JSON-serializable: {exc}") from exc
     return Finding(
         finding_id=finding_id(job_id, level.value, kind, ranks, phase, kernel, stream, steps),
-        job_id=job_id, level=level, kind=kind, ranks=ranks, steps=steps, score=score, evidence_json=evidence,
+        job_id=job_id, level=level, kind=result.kind, ranks=ranks, steps=steps, score=score, evidence_json=evidence,
         time_ns=int(time_ns), phase=phase, kernel=kernel, stream=stream,
         impact_ns_per_step=0.0 if impact is None else float(impact.gpu_ns_per_step),
         impact_ns=0.0 if impact is None else float(impact.gpu_ns),
@@ -91,7 +88,7 @@ def to_findings(job_id: str, results: Iterable[DetectorResult | HangResult], tim
 def finding_json(f: Finding) -> dict[str, Any]:
     """A finding as the ``argus findings --json`` contract writes it (see :mod:`argus.sinks.findings_query`): also
     the message body of the JSON findings topic."""
-    return {"job": f.job_id, "level": f.level.value, "kind": f.kind, "ranks": list(f.ranks), "phase": f.phase,
+    return {"job": f.job_id, "level": f.level.value, "kind": f.kind.value, "ranks": list(f.ranks), "phase": f.phase,
             "kernel": f.kernel, "stream": f.stream, "steps": list(f.steps), "score": f.score,
             "evidence": json.loads(f.evidence_json), "time_ns": f.time_ns,
             "impact_ns_per_step": f.impact_ns_per_step, "impact_ns": f.impact_ns,

@@ -26,33 +26,20 @@ a finding re-derived on every tick has the same id.
 
 from __future__ import annotations
 
-import enum
 import statistics
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from argus.core.kinds import FindingKind
 from argus.schemas.records import Heartbeat, JobTopology, Level, ParallelGroup, PhaseKind
 
-__all__ = ["HangKind", "HangParams", "HangResult", "RankLiveness", "detect_hangs", "job_resumed"]
+__all__ = ["FindingKind", "HangParams", "HangResult", "RankLiveness", "detect_hangs", "job_resumed"]
 
 _NS = 1e9
 _GROUP_COLUMNS = {ParallelGroup.DP: "dp_group", ParallelGroup.TP: "tp_group", ParallelGroup.PP: "pp_group",
                   ParallelGroup.EP: "ep_group"}
-
-
-class HangKind(enum.Enum):
-    """Kinds of hang findings (their value is the finding's ``kind``)."""
-
-    JOB_STALLED = "job_stalled"
-    RANK_SILENT = "rank_silent"
-    HANG_WAVEFRONT = "hang_wavefront"
-    JOB_RESUMED = "job_resumed"
-
-
-_LEVEL = {HangKind.JOB_STALLED: Level.L1, HangKind.JOB_RESUMED: Level.L1, HangKind.RANK_SILENT: Level.L2,
-          HangKind.HANG_WAVEFRONT: Level.L2}
 
 
 @dataclass(frozen=True)
@@ -133,7 +120,7 @@ class HangResult:
     ``steps`` (stable while the episode lasts), unitless ``score`` (time stalled over the stall bound, or
     silence over the silence bound), ``phase`` (the phase a group waits in), ``evidence`` (units in keys)."""
 
-    kind: HangKind
+    kind: FindingKind
     ranks: tuple[int, ...]
     steps: tuple[int, ...]
     score: float
@@ -142,7 +129,7 @@ class HangResult:
 
     @property
     def level(self) -> Level:
-        return _LEVEL[self.kind]
+        return self.kind.level
 
 
 def detect_hangs(ranks: Mapping[int, RankLiveness] | Iterable[RankLiveness], topology: JobTopology, now_ns: int,
@@ -172,7 +159,7 @@ def detect_hangs(ranks: Mapping[int, RankLiveness] | Iterable[RankLiveness], top
     all_silent = len(silent) == len(live)
     out: list[HangResult] = []
     if stalled_ns >= bound:
-        out.append(HangResult(HangKind.JOB_STALLED, (), (last_completed_step,), stalled_ns / bound, None, {
+        out.append(HangResult(FindingKind.JOB_STALLED, (), (last_completed_step,), stalled_ns / bound, None, {
             "last_completed_step": last_completed_step, "seconds_stalled": stalled_ns / _NS,
             "stall_bound_s": bound / _NS, "all_ranks_silent": all_silent,
             "median_step_ms": median_step_ns / 1e6 if median_step_ns == median_step_ns else None}))
@@ -180,7 +167,7 @@ def detect_hangs(ranks: Mapping[int, RankLiveness] | Iterable[RankLiveness], top
         for r in silent:
             s = live[r]
             gap = quiet_now - s.last_seen_ns
-            out.append(HangResult(HangKind.RANK_SILENT, (r,), (s.step,), gap / silent_bound, s.phase or None, {
+            out.append(HangResult(FindingKind.RANK_SILENT, (r,), (s.step,), gap / silent_bound, s.phase or None, {
                 "seconds_silent": gap / _NS, "silent_bound_s": silent_bound / _NS, "last_step": s.step,
                 "last_phase": s.phase, "collective": s.collective.value if s.collective else "",
                 "ranks_publishing": len(live) - len(silent)}))
@@ -193,7 +180,7 @@ def job_resumed(stalled_since_ns: int, resumed_at_ns: int, step: int) -> HangRes
     """The end of a stall episode that began at ``stalled_since_ns`` (the last progress before it) and ended
     at ``resumed_at_ns`` (the first completed step after it, at ``step``); times ns since the epoch."""
     duration = max(0, resumed_at_ns - stalled_since_ns)
-    return HangResult(HangKind.JOB_RESUMED, (), (step,), duration / _NS, None, {
+    return HangResult(FindingKind.JOB_RESUMED, (), (step,), duration / _NS, None, {
         "seconds_stalled": duration / _NS, "resumed_step": step})
 
 
@@ -235,7 +222,7 @@ def _wavefront(live: dict[int, RankLiveness], topo: JobTopology, silent: set[int
         step = statistics.median_low(steps)
         phases = Counter(live[r].phase for r in victims)
         phase = max(phases.items(), key=lambda kv: (kv[1], kv[0]))[0] or None
-        out.append(HangResult(HangKind.HANG_WAVEFRONT, tuple(suspects), (step,), score, phase, {
+        out.append(HangResult(FindingKind.HANG_WAVEFRONT, tuple(suspects), (step,), score, phase, {
             "group": group.value, "group_index": gidx, "collective": kind.value, "seq": seq, "step": step,
             "phase": phase or "", "victims": victims, "suspects": suspects,
             "first_ranks": [r for r in first if r in suspects] or first,

@@ -4,12 +4,12 @@ The job iteration time of a step is the maximum of :attr:`~argus.schemas.records
 (a synchronous job is as slow as its slowest rank); the GPU time is the maximum of ``gpu_ns``. Two
 detectors run on that series:
 
-* **Spikes** (:attr:`L1Kind.ITERATION_SPIKE`): a step whose iteration time is at least
+* **Spikes** (:attr:`FindingKind.ITERATION_SPIKE`): a step whose iteration time is at least
   ``spike_ratio`` (2x) times the median of the ``window // 2`` steps before it *and* of those after it.
   Asking both sides keeps the first steps of a lasting regression from looking like spikes, and the
   medians ignore other spikes nearby. The GPU time of the same step says where the time went: a spike
   whose GPU time stays flat is a host-side stall (JIT compilation, data loading, Python GC).
-* **Step regressions** (:attr:`L1Kind.STEP_REGRESSION`): a sustained shift of the level of
+* **Step regressions** (:attr:`FindingKind.STEP_REGRESSION`): a sustained shift of the level of
   ``y = ln(iteration time)``, found by a change-point test calibrated by simulation:
 
   1. *Noise level*: ``sigma_mad = 1.4826 * median|diff(y)| / sqrt(2)`` (robust to spikes and to the step
@@ -96,7 +96,6 @@ steps.
 
 from __future__ import annotations
 
-import enum
 import itertools
 import math
 from collections.abc import Iterable
@@ -108,9 +107,10 @@ import numpy.typing as npt
 from numpy.lib.stride_tricks import sliding_window_view
 
 from argus.core.errors import DetectorError
+from argus.core.kinds import FindingKind
 from argus.schemas.records import Level, Step
 
-__all__ = ["IterationSeries", "L1Kind", "L1Params", "L1Result", "detect_l1"]
+__all__ = ["FindingKind", "IterationSeries", "L1Params", "L1Result", "detect_l1"]
 
 F64 = npt.NDArray[np.float64]
 I64 = npt.NDArray[np.int64]
@@ -119,13 +119,6 @@ _SIGMA_FLOOR = 1e-3  # 0.1 %: below it, noise is no longer what limits the test 
 _MAX_LOOKS = 64  # bound on the segments examined by one binary segmentation
 #: Critical value of the standardized mean-shift statistic: _Z_A + _Z_B * ln(ln(steps)), calibrated by simulation.
 _Z_A, _Z_B = 3.25, 0.42
-
-
-class L1Kind(enum.Enum):
-    """What L1 found."""
-
-    ITERATION_SPIKE = "iteration_spike"
-    STEP_REGRESSION = "step_regression"
 
 
 @dataclass(frozen=True)
@@ -199,7 +192,7 @@ class L1Result:
     product is the time the finding cost the job so far.
     """
 
-    kind: L1Kind
+    kind: FindingKind
     steps: tuple[int, ...]
     score: float
     evidence: dict[str, Any] = field(default_factory=dict)
@@ -208,7 +201,7 @@ class L1Result:
 
     @property
     def level(self) -> Level:
-        return Level.L1
+        return self.kind.level
 
 
 @dataclass(frozen=True, eq=False)
@@ -323,7 +316,7 @@ def _spikes(step: I64, wall: F64, gpu: F64, p: L1Params) -> list[L1Result]:
         window = span[peak]
         excess = float(np.mean(wall[run] - base[run]))
         out.append(L1Result(
-            kind=L1Kind.ITERATION_SPIKE,
+            kind=FindingKind.ITERATION_SPIKE,
             steps=tuple(int(s) for s in step[run]),
             score=float(ratio[peak]),
             evidence={
@@ -526,7 +519,7 @@ def _regressions(step: I64, wall: F64, gpu: F64, p: L1Params) -> list[L1Result]:
         start, onset, end = onsets[i], onsets[i + 1], onsets[i + 2]  # end: the next onset or of the series
         ratio = math.exp(delta)
         out.append(L1Result(
-            kind=L1Kind.STEP_REGRESSION,
+            kind=FindingKind.STEP_REGRESSION,
             steps=(int(step[onset]),),
             score=ratio,
             evidence={

@@ -27,7 +27,7 @@ collective is 2x shorter than its peers' median arrived late: the long collectiv
 reported, and a compute straggler's evidence lists it (``collective_short``). The shortness ratio
 amplifies small delays when the transfer itself is short (healthy jobs reach ~2.4x on ReduceScatter at
 1 % rank spread), so a late arrival *without* an elevated compute phase is named a
-:attr:`L2Kind.COMPUTE_STRAGGLER` only if it is also ``collective_ratio`` (3x) short and its lateness
+:attr:`FindingKind.COMPUTE_STRAGGLER` only if it is also ``collective_ratio`` (3x) short and its lateness
 (peers' median minus its own time, per step) is at least ``min_late_fraction`` of its longest phase per
 step, and if under half of that lateness is time its blocking collectives took beyond its peers' (a rank
 late because it waited in a TP all-reduce, for a degraded link or a late TP partner, is no straggler). A
@@ -41,19 +41,18 @@ group, other than its sends and receives) name no late arrival: the schedule dec
 last. A *long* collective is never a finding here:
 within a group it means the member arrived early, and a degraded link slows all members of the group
 alike, which only a comparison across groups shows (L3). An elevated host phase (a kind other than
-compute or collective, e.g. DATA_LOADER) is a :attr:`L2Kind.PHASE_STRAGGLER`.
+compute or collective, e.g. DATA_LOADER) is a :attr:`FindingKind.PHASE_STRAGGLER`.
 
 Pipeline parallelism hides a slow stage: ``finish_grad_sync`` aligns the forward-backward totals of
 all stages, and a DP group never spans stages. So per phase of a kind in ``stage_kinds`` (BACKWARD)
 the per-occurrence mean of each stage (median over its ranks, compute stragglers left out) is compared
 with the median of the other stages: a ratio of ``stage_ratio`` (1.5x) or more is a
-:attr:`L2Kind.PP_STAGE_SLOW` naming all ranks of that stage.
+:attr:`FindingKind.PP_STAGE_SLOW` naming all ranks of that stage.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import enum
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -64,12 +63,13 @@ import numpy as np
 import numpy.typing as npt
 
 from argus.core.errors import DetectorError
+from argus.core.kinds import FindingKind
 from argus.detectors.l2_compare import Flag, phase_flags
 from argus.detectors.l2_groups import cell_median, loo_median, waiting_victims
 from argus.detectors.phase_layout import BLOCKING_GROUPS, COMPUTE_KINDS, PhaseLayout
 from argus.schemas.records import JobTopology, Level, ParallelGroup, PhaseBatch, PhaseKind
 
-__all__ = ["BLOCKING_GROUPS", "L2Kind", "L2Params", "L2Result", "PhaseTable", "detect_l2", "loo_median"]
+__all__ = ["BLOCKING_GROUPS", "FindingKind", "L2Params", "L2Result", "PhaseTable", "detect_l2", "loo_median"]
 
 F64 = npt.NDArray[np.float64]
 I64 = npt.NDArray[np.int64]
@@ -88,14 +88,6 @@ _STANDS_OUT = 1.3
 
 #: A stage's phase flagged slow: its ratio to the other stages, per-occurrence ms of every stage, ns per step.
 _StageHit = tuple[float, dict[str, float], float]
-
-
-class L2Kind(enum.Enum):
-    """What L2 found."""
-
-    COMPUTE_STRAGGLER = "compute_straggler"
-    PHASE_STRAGGLER = "phase_straggler"
-    PP_STAGE_SLOW = "pp_stage_slow"
 
 
 @dataclass(frozen=True)
@@ -143,7 +135,7 @@ class L2Result:
     """One L2 finding: ``ranks`` (one straggler, or a slow stage's ranks), the ``phase`` name, a unitless
     ``score`` (elevation over peers, shortness ratio, or stage ratio) and ``evidence`` (units in keys)."""
 
-    kind: L2Kind
+    kind: FindingKind
     ranks: tuple[int, ...]
     phase: str
     score: float
@@ -158,7 +150,7 @@ class L2Result:
 
     @property
     def level(self) -> Level:
-        return Level.L2
+        return self.kind.level
 
 
 @dataclass(frozen=True, eq=False)
@@ -365,10 +357,10 @@ def _stragglers(compute: list[Flag], short: list[Flag], host: list[Flag], topolo
         # Elevated phases of one rank run one after the other: their excesses add up; a late arrival's
         # lateness is what its peers waited.
         delay = sum(f.excess_ns for f in flags) if flags else max(f.excess_ns for f in short_fs)
-        results.append(L2Result(L2Kind.COMPUTE_STRAGGLER, (r,), top.phase, score, evidence,
+        results.append(L2Result(FindingKind.COMPUTE_STRAGGLER, (r,), top.phase, score, evidence,
                                 delay_ns_per_step=max(delay, 0.0)))
     for r, fs in sorted(_by_rank(host).items()):
-        results.append(L2Result(L2Kind.PHASE_STRAGGLER, (r,), fs[0].phase, fs[0].ratio, _evidence(fs[0], fs),
+        results.append(L2Result(FindingKind.PHASE_STRAGGLER, (r,), fs[0].phase, fs[0].ratio, _evidence(fs[0], fs),
                                 delay_ns_per_step=max(sum(f.excess_ns for f in fs), 0.0)))
     return results, slow | late
 
@@ -444,7 +436,7 @@ def _slow_stages(per_step: F64, occ: F64, n_steps: I64, phases: PhaseTable, topo
         top = max(per_phase, key=lambda key: per_phase[key][0])
         ratio, stage_ms, excess = per_phase[top]
         ranks = tuple(int(r) for r in np.asarray(topology.rank)[stage == s])
-        results.append(L2Result(L2Kind.PP_STAGE_SLOW, ranks, top[0], ratio, delay_ns_per_step=excess, evidence={
+        results.append(L2Result(FindingKind.PP_STAGE_SLOW, ranks, top[0], ratio, delay_ns_per_step=excess, evidence={
             "stage": int(s), "phase_kind": top[1], "stage_over_other_stages_ratio": ratio,
             "stage_per_occurrence_ms": stage_ms,
             "phases_ratio": {f"{name}:{kind}": v[0] for (name, kind), v in sorted(per_phase.items())},

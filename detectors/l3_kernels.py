@@ -26,10 +26,10 @@ and ``ncclDevKernel_*``) are compared across the job and read with the topology,
 ends together for all members of its group and so includes waiting for the last to arrive:
 
 * every member of a group long (none 2x shorter): the group's link is degraded,
-  :attr:`L3Kind.LINK_DEGRADED` with ``ranks`` = the group; evidence ``w1_inter_over_intra_ratio`` (W1
+  :attr:`FindingKind.LINK_DEGRADED` with ``ranks`` = the group; evidence ``w1_inter_over_intra_ratio`` (W1
   between the group's and the healthy ranks' median CDFs over the mean W1 of ranks to their side's);
 * a member 2x shorter than the median of its group peers arrived late: its peers' long collectives are
-  explained, never flagged; ``short_ratio`` (5x) shorter names it (:attr:`L3Kind.COMPUTE_STRAGGLER_BY_
+  explained, never flagged; ``short_ratio`` (5x) shorter names it (:attr:`FindingKind.COMPUTE_STRAGGLER_BY_
   COLLECTIVE`). The ratio amplifies small delays of short transfers (1.7x in healthy jobs at 1 % rank
   spread, 3.2x at 3 %), hence the higher naming gate. Only a call's last arrival is short, so a group
   with over a quarter of short members has none.
@@ -44,7 +44,7 @@ that group's own collective (the TP all-reduce: rank 5 short, rank 4 long): they
 are not named. Durations alone cannot always tell a late group from a degraded link of the group that
 waited for it (where the kernel's own groups are not the largest, e.g. DP 2 x TP 4); L2 knows the group
 and is the authoritative attribution. Slow members left unexplained only waited (a collective ends together
-on every member) and are not named; without a topology, slow ranks are :attr:`L3Kind.KERNEL_DEGRADED`
+on every member) and are not named; without a topology, slow ranks are :attr:`FindingKind.KERNEL_DEGRADED`
 (``collective: true`` in evidence).
 """
 
@@ -60,13 +60,14 @@ import numpy as np
 import numpy.typing as npt
 
 from argus.core.errors import DetectorError
+from argus.core.kinds import FindingKind
 from argus.detectors.kernel_modes import ReferenceModes, mode_quantiles, reference_modes
 from argus.detectors.kernel_rows import merge_rows, one_key, row_floors, window_end
 from argus.detectors.l2_groups import loo_median, loo_median_rows
 from argus.detectors.mixture import MixtureBatch, geometric_grid, mixture_cdf
 from argus.schemas.records import JobTopology, KernelSummary, Level, ParallelGroup
 
-__all__ = ["PIPELINE_SIDE", "L3Kind", "L3Params", "L3Result", "RankScores", "Scope", "cluster_median_quantile",
+__all__ = ["PIPELINE_SIDE", "FindingKind", "L3Params", "L3Result", "RankScores", "Scope", "cluster_median_quantile",
            "detect_l3", "is_collective", "primary_p50", "score_ranks"]
 
 F64 = npt.NDArray[np.float64]
@@ -98,16 +99,6 @@ _SAME_CALLS = 0.02
 _LINK_MAD_FLOOR = 0.05
 #: A pipeline side is a link only when its fastest calls are this much slower than its stage peers' too.
 _SIDE_FLOOR_RATIO = 1.2
-
-
-class L3Kind(enum.Enum):
-    """What L3 found."""
-
-    KERNEL_DEGRADED = "kernel_degraded"
-    LINK_DEGRADED = "link_degraded"
-    COMPUTE_STRAGGLER_BY_COLLECTIVE = "compute_straggler"
-    #: A rank slower than its peers across the job's compute kernels (:mod:`argus.detectors.l3_ranks`).
-    RANK_DEGRADED = "rank_degraded"
 
 
 class Scope(enum.Enum):
@@ -186,7 +177,7 @@ class L3Result:
     ``evidence`` (units in the keys). Score: the top rank's W1 / reference mean (KERNEL_DEGRADED), the
     group's median p50 over the healthy majority's (LINK_DEGRADED), peers' p50 over the rank's (late)."""
 
-    kind: L3Kind
+    kind: FindingKind
     ranks: tuple[int, ...]
     kernel: str
     stream: int
@@ -200,7 +191,7 @@ class L3Result:
 
     @property
     def level(self) -> Level:
-        return Level.L3
+        return self.kind.level
 
 
 @dataclass(frozen=True, eq=False)
@@ -417,7 +408,7 @@ def _compute(s: KernelSummary, ranks: I64, batch: MixtureBatch, total: F64, topo
         flagged = {r: v for r, v in flagged.items() if not stage_all[int(stages[ranks == r][0])] <= flagged.keys()}
     # One finding per rank: each is judged on its own impact (a rank riding along a strong one is not).
     scope = p.compute_scope.value if topology is not None else Scope.JOB.value
-    return [L3Result(L3Kind.KERNEL_DEGRADED, (r,), s.kernel, s.stream, v["score"],
+    return [L3Result(FindingKind.KERNEL_DEGRADED, (r,), s.kernel, s.stream, v["score"],
                      base | {f"top_{k}": x for k, x in v.items() if k != "score"} | {
                          "scope": scope, "top_rank": r, "flagged_ranks": sorted(flagged),
                          "rank_score": {str(r): v["score"]}, "rank_p50_ratio": {str(r): v["p50_ratio"]},
@@ -565,8 +556,8 @@ def _links(s: KernelSummary, ranks: I64, batch: MixtureBatch, sc: RankScores, gr
             ratio = float(np.exp(lr[i, j]))
             explained[rows] = True
             side = {"pp_group": g // 65536, "pp_stage": g % 65536} if kind == PIPELINE_SIDE else {}
-            out.append(L3Result(L3Kind.LINK_DEGRADED, tuple(sorted(int(r) for r in ranks[rows])), s.kernel, s.stream,
-                                ratio, {
+            named = tuple(sorted(int(r) for r in ranks[rows]))
+            out.append(L3Result(FindingKind.LINK_DEGRADED, named, s.kernel, s.stream, ratio, {
                 **base, **side, "group": f"{kind}{g}", "group_kind": kind, "group_index": g,
                 "whole_group": kind != PIPELINE_SIDE,
                 "transfer_ratio": ratio, "p50_ratio": ratio, "group_min_ns": float(np.exp(lg[i, j])),
@@ -619,7 +610,7 @@ def _collective(summaries: Sequence[KernelSummary], ranks: I64, batch: MixtureBa
                                         if row in r and not np.array_equal(r, rows)):
             continue  # explains its peers' waiting, too weak to name or late with its whole group
         others = rows[rows != row]
-        results.append(L3Result(L3Kind.COMPUTE_STRAGGLER_BY_COLLECTIVE, (int(ranks[row]),), s.kernel, s.stream,
+        results.append(L3Result(FindingKind.LATE_ARRIVAL, (int(ranks[row]),), s.kernel, s.stream,
                                 ratio, {
             **base, "group": f"{kind}{g}", "group_kind": kind, "group_index": g, "collective_short": True,
             "peers_over_rank_p50_ratio": ratio, "rank_p50_ns": float(p50[row]), "peers_p50_ns": peers_p50,
@@ -631,7 +622,7 @@ def _collective(summaries: Sequence[KernelSummary], ranks: I64, batch: MixtureBa
     # the whole group, a late peer is found above), so unexplained slow members are not named.
     if rest.size and topology is None:
         top = int(rest[np.argmax(sc.score[rest])])
-        results.append(L3Result(L3Kind.KERNEL_DEGRADED, tuple(int(r) for r in ranks[rest]), s.kernel, s.stream,
+        results.append(L3Result(FindingKind.KERNEL_DEGRADED, tuple(int(r) for r in ranks[rest]), s.kernel, s.stream,
                                 float(sc.score[top]), {
             **base, "whole_group": False, "healthy_p50_ns": healthy,
             "rank_score": {str(int(ranks[i])): float(sc.score[i]) for i in rest.tolist()},

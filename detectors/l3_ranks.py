@@ -19,7 +19,7 @@ together. :func:`detect_rank_excess` pools the evidence of every compute kernel 
    others' shares (robust z over the set's Bonferroni bound).
 4. A rank with ``z`` over the set's bound (``alpha`` over its tests) and such an excess share
    ``>= min_excess_fraction`` is a
-   :attr:`~argus.detectors.l3_kernels.L3Kind.RANK_DEGRADED` finding naming the kernels that carry most of the
+   :attr:`~argus.detectors.l3_kernels.FindingKind.RANK_DEGRADED` finding naming the kernels that carry most of the
    excess (and the stream layer raises it only when its delay is worth it, :mod:`argus.detectors.impact`). If
    most of a set is flagged it is the set's work that changed, not a rank: nothing is named.
 
@@ -40,9 +40,10 @@ from scipy.special import ndtri
 from scipy.stats import rankdata
 
 from argus.core.errors import DetectorError
+from argus.core.kinds import FindingKind
 from argus.detectors.l2_groups import loo_median
-from argus.detectors.l2_phases import L2Kind, L2Result
-from argus.detectors.l3_kernels import L3Kind, L3Result, is_collective
+from argus.detectors.l2_phases import L2Result
+from argus.detectors.l3_kernels import L3Result, is_collective
 from argus.schemas.records import JobTopology, KernelSummary
 
 _MAD_SCALE = 1.4826
@@ -283,7 +284,7 @@ def _judge(ranks: I64, total: F64, calls: F64, keys: Sequence[tuple[str, int]], 
         order = np.argsort(-extra[i], kind="stable")[: p.top_kernels]
         top = [j for j in order.tolist() if extra[i, j] > 0]
         kernel, stream = keys[top[0]] if top else keys[0]
-        out.append(L3Result(L3Kind.RANK_DEGRADED, (int(ranks[i]),), kernel, stream, float(fraction[i]), {
+        out.append(L3Result(FindingKind.RANK_DEGRADED, (int(ranks[i]),), kernel, stream, float(fraction[i]), {
             "rank_score_z": float(pooled[i]), "kernels_slower": int(slower[i].sum()),
             "excess_fraction": float(fraction[i]), "excess_ms": float(excess[i]) / 1e6,
             "expected_ms": float(expected[i]) / 1e6, "kernels_compared": int(positive[i].sum()),
@@ -305,7 +306,7 @@ def detect_stage_excess(totals: Iterable[KernelTotals], topology: JobTopology,
     output layer differ and are left out), each stage's time per call on its fastest rank (a slow stage slows
     all of its ranks, a straggler only itself) is compared with the other stages' median of that. A stage
     whose excess over the others, ``sum(calls * (m - ref))`` over its kernels, is at least
-    ``stage_min_excess`` of its expected time is an :attr:`~argus.detectors.l2_phases.L2Kind.PP_STAGE_SLOW` finding
+    ``stage_min_excess`` of its expected time is an :attr:`~argus.detectors.l2_phases.FindingKind.PP_STAGE_SLOW` finding
     naming its ranks (score: 1 + that share), with phase ``gpu_kernels``; ``delay_ns_per_step`` is
     left to the caller (totals have no steps) and ``steps_affected`` 0. The excess must not rest on a couple
     of kernels (a name that runs another shape on one stage): at least 3 kernels run ``slower_ratio`` slower.
@@ -351,7 +352,7 @@ def detect_stage_excess(totals: Iterable[KernelTotals], topology: JobTopology,
             median_ratio = 1.0 + excess / expected
             ranks = tuple(int(r) for r, st in zip(topology.rank, topology.pp_stage, strict=True) if st == stage)
             top = np.argsort(-(n[:, j] * (m[:, j] - others)))[: p.top_kernels]
-            out.append(L2Result(L2Kind.PP_STAGE_SLOW, ranks, "gpu_kernels", median_ratio, {
+            out.append(L2Result(FindingKind.PP_STAGE_SLOW, ranks, "gpu_kernels", median_ratio, {
                 "stage": int(stage), "phase_kind": "gpu_kernels", "stage_over_other_stages_ratio": median_ratio,
                 "excess_fraction": excess / expected, "excess_ms": excess / 1e6, "kernels_compared": len(rows),
                 "top_kernels_ratio": {rows[k][0]: float(ratio[k]) for k in top.tolist()},

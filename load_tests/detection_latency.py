@@ -35,6 +35,7 @@ sys.path.insert(0, str(ROOT))
 from confluent_kafka import Consumer  # noqa: E402
 
 from argus.core.kafka_security import client_config  # noqa: E402
+from argus.core.kinds import FindingKind  # noqa: E402
 from argus.core.settings import Settings  # noqa: E402
 from argus.local_kafka import LocalKafka  # noqa: E402
 from argus.producers.faults import Fault, FaultSpec  # noqa: E402
@@ -175,10 +176,10 @@ def main() -> int:
         t, f = min(hits, key=lambda h: h[0])
         steps_done = max((s for s, ts in published_at.items() if ts <= t), default=-1)
         return {"steps_after_onset": steps_done - onset, "seconds_after_onset": round(t - published_at[onset], 2),
-                "kind": f.kind}
+                "kind": f.kind.value}
 
     def hang_latency() -> dict[str, Any] | None:
-        hits = [(t, f) for t, f in arrivals if f.job_id == hang["job"] and f.kind == "hang_wavefront"
+        hits = [(t, f) for t, f in arrivals if f.job_id == hang["job"] and f.kind is FindingKind.HANG_WAVEFRONT
                 and HANG_RANK in f.ranks]
         if not hits:
             return None

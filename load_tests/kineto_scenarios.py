@@ -68,9 +68,9 @@ B8 = npt.NDArray[np.bool_]
 FAULT_CLASSES = ("compute_straggler", "stage_slow", "link_degraded", "one_mode", "job_regression", "host_stall",
                  "healthy", "short_trace")
 #: Finding kinds that name a slow rank.
-RANK_KINDS = ("compute_straggler", "kernel_degraded", "rank_degraded")
+RANK_KINDS = ("compute_straggler", "late_arrival", "kernel_degraded", "rank_degraded")
 #: Coarse class of each finding kind, for precision/recall over (kind class, rank) pairs.
-KIND_CLASS = {"compute_straggler": "rank", "kernel_degraded": "rank", "rank_degraded": "rank",
+KIND_CLASS = {"compute_straggler": "rank", "late_arrival": "rank", "kernel_degraded": "rank", "rank_degraded": "rank",
               "phase_straggler": "rank", "pp_stage_slow": "stage", "link_degraded": "link",
               "step_regression": "regression", "iteration_spike": "spike"}
 #: Upper bound of kernel events (all ranks) per scenario; small worlds get less (:func:`kernel_budget`).

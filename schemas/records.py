@@ -18,6 +18,7 @@ import numpy as np
 import numpy.typing as npt
 
 from argus.core.errors import SchemaError
+from argus.core.kinds import FindingKind, Level
 from argus.schemas.codec import codec
 from argus.schemas.column_packing import pack_column, unpack_column
 
@@ -118,14 +119,6 @@ class LifecycleEvent(enum.Enum):
     DIAGNOSED = "DIAGNOSED"
     #: argus closed the job after an idle time without records (schema v4; ``reason``, ``last_step``).
     ABANDONED = "ABANDONED"
-
-
-class Level(enum.Enum):
-    """Diagnosis level: L1 iteration time, L2 straggler rank + phase, L3 degraded kernel."""
-
-    L1 = "L1"
-    L2 = "L2"
-    L3 = "L3"
 
 
 class Record:
@@ -573,7 +566,7 @@ class Finding(Record):
     finding_id: str
     job_id: str
     level: Level
-    kind: str
+    kind: FindingKind
     ranks: tuple[int, ...]
     steps: tuple[int, ...]
     score: float
@@ -588,10 +581,29 @@ class Finding(Record):
 
     @classmethod
     def _enum_fields(cls) -> dict[str, type[enum.Enum]]:
-        return {"level": Level}
+        return {"level": Level, "kind": FindingKind}
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.kind, FindingKind):  # a kind given by its string: the member (old names too)
+            try:
+                object.__setattr__(self, "kind", FindingKind.of(self.level, self.kind))
+            except ValueError as exc:
+                raise SchemaError(f"finding {self.finding_id}: unknown kind {self.kind!r}") from exc
+
+    @classmethod
+    def from_avro(cls, data: dict[str, Any]) -> Self:
+        """Also reads the kinds' old names (see :mod:`argus.core.kinds`); an unknown kind is a SchemaError."""
+        try:
+            kind = FindingKind.of(data["level"], data["kind"])
+        except ValueError as exc:
+            raise SchemaError(f"finding {data.get('finding_id')}: unknown kind {data['kind']!r}") from exc
+        return super().from_avro({**data, "kind": kind.value})
 
     def check(self) -> None:
         what = f"finding {self.finding_id} of {self.job_id}"
+        if self.kind.level is not self.level:
+            raise SchemaError(f"{what}: kind {self.kind.value} is of level {self.kind.level.value}, "
+                              f"not {self.level.value}")
         _bounded(what, "ranks", self.ranks, 0, _INT32[1])
         _bounded(what, "steps", self.steps, *_INT64)
         _times(what, "time_ns", self.time_ns)

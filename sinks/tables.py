@@ -167,7 +167,7 @@ def _job_rows(r: JobLifecycle) -> Iterable[tuple[Any, ...]]:
 
 
 def _finding_rows(r: Finding) -> Iterable[tuple[Any, ...]]:
-    yield (r.job_id, r.finding_id, r.level.value, r.kind, list(r.ranks), r.phase, r.kernel, r.stream,
+    yield (r.job_id, r.finding_id, r.level.value, r.kind.value, list(r.ranks), r.phase, r.kernel, r.stream,
            list(r.steps), r.score, r.evidence_json, r.time_ns, r.impact_ns_per_step, r.impact_ns, r.detector_version)
 
 

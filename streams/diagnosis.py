@@ -31,12 +31,13 @@ from pathlib import Path
 
 import numpy as np
 
+from argus.core.kinds import FindingKind
 from argus.core.settings import Settings
 from argus.detectors.findings import DetectorResult, finding_id, to_finding
 from argus.detectors.impact import StepClock, impact_of, worth_raising
-from argus.detectors.l1_iteration import IterationSeries, L1Kind, L1Params, L1Result, detect_l1
+from argus.detectors.l1_iteration import IterationSeries, L1Params, L1Result, detect_l1
 from argus.detectors.l2_phases import L2Params, L2Result, PhaseTable, detect_l2
-from argus.detectors.l3_kernels import PIPELINE_SIDE, L3Kind, L3Params, L3Result, detect_l3
+from argus.detectors.l3_kernels import PIPELINE_SIDE, L3Params, L3Result, detect_l3
 from argus.detectors.l3_ranks import KernelTotals, RankExcessParams, detect_rank_excess, detect_stage_excess
 from argus.schemas.records import Finding, JobLifecycle, JobTopology, KernelSummary, ParallelGroup, PhaseBatch, Step
 
@@ -47,7 +48,7 @@ __all__ = ["CORROBORATES_ONLY", "DiagnosisParams", "JobDiagnosis", "KernelDiagno
 CORROBORATES_ONLY = "corroborates_only"
 
 #: (level, kind) of findings that name a rank slow by its own work.
-_STRAGGLER_KINDS = frozenset({("L2", "compute_straggler"), ("L3", "rank_degraded")})
+_STRAGGLER_KINDS = frozenset({FindingKind.COMPUTE_STRAGGLER, FindingKind.RANK_DEGRADED})
 
 
 @dataclass(frozen=True)
@@ -118,7 +119,7 @@ def judge(job_id: str, results: list[DetectorResult], time_ns: int, world_size: 
         impact = impact_of(res, world_size, steps)
         if worth_raising(impact, clock, min_fraction):
             out.append(to_finding(job_id, res, time_ns, impact))
-        elif isinstance(res, L3Result) and res.kind is L3Kind.LINK_DEGRADED:
+        elif isinstance(res, L3Result) and res.kind is FindingKind.LINK_DEGRADED:
             # A degraded link slows every collective its group runs, the small ones too: too little to raise
             # alone, such a result still corroborates the group's larger collectives (see LinkLedger).
             weak = dataclasses.replace(res, evidence=res.evidence | {CORROBORATES_ONLY: True})
@@ -212,7 +213,7 @@ class JobDiagnosis:
         l1 = detect_l1(series, params=self.params.l1) if len(series) else []
         onset = None
         for r in l1:
-            if r.kind is L1Kind.STEP_REGRESSION:
+            if r.kind is FindingKind.STEP_REGRESSION:
                 step = r.steps[0]
                 onset = step if onset is None else onset
                 if any(abs(step - o) < self.params.l1.min_segment for o in self._onsets):
@@ -363,7 +364,7 @@ class LinkLedger:
         out = []
         self._stragglers |= straggler_ranks(findings)
         for f in findings:
-            if f.kind != "link_degraded" or f.level.value != "L3":
+            if f.kind is not FindingKind.LINK_DEGRADED:
                 out.append(f)
                 continue
             if f.evidence.get("group_kind") == PIPELINE_SIDE:
@@ -411,8 +412,8 @@ class LinkLedger:
             evidence.pop("pp_stage", None)
             out.append(dataclasses.replace(
                 top, ranks=ranks, evidence_json=json.dumps(evidence, sort_keys=True, separators=(",", ":")),
-                finding_id=finding_id(top.job_id, top.level.value, top.kind, ranks, top.phase, top.kernel, top.stream,
-                                      top.steps)))
+                finding_id=finding_id(top.job_id, top.level.value, top.kind.value, ranks, top.phase, top.kernel,
+                                      top.stream, top.steps)))
         return out
 
     def _strong(self, f: Finding) -> bool:
@@ -487,7 +488,7 @@ def _row(s: KernelSummary, i: int) -> KernelSummary:
 
 def straggler_ranks(findings: list[Finding]) -> set[int]:
     """Ranks named compute stragglers: by L2 (phases) or by L3 across kernels (``rank_degraded``)."""
-    return {r for f in findings if (f.level.value, f.kind) in _STRAGGLER_KINDS for r in f.ranks}
+    return {r for f in findings if f.kind in _STRAGGLER_KINDS for r in f.ranks}
 
 
 def drop_victims(findings: list[Finding], stragglers: set[int]) -> list[Finding]:
@@ -503,5 +504,5 @@ def drop_victims(findings: list[Finding], stragglers: set[int]) -> list[Finding]
     noise of their impact.
     """
     return [f for f in findings
-            if not (f.level.value == "L3" and f.kind == "compute_straggler" and not set(f.ranks) <= stragglers)
-            and not (f.level.value == "L3" and f.kind == "kernel_degraded" and set(f.ranks) <= stragglers)]
+            if not (f.kind is FindingKind.LATE_ARRIVAL and not set(f.ranks) <= stragglers)
+            and not (f.kind is FindingKind.KERNEL_DEGRADED and set(f.ranks) <= stragglers)]

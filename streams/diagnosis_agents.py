@@ -606,11 +606,11 @@ def install_diagnosis(app: faust.App, settings: Settings, params: DiagnosisParam
             stats.last_finding_ns = time.time_ns()
             for f in findings:
                 by_kind = stats.findings_by_kind.setdefault(f.level.value, {})
-                by_kind[f.kind] = by_kind.get(f.kind, 0) + 1
+                by_kind[f.kind.value] = by_kind.get(f.kind.value, 0) + 1
                 if f.time_ns > 0:
                     stats.finding_delay_s.observe(max(0.0, (stats.last_finding_ns - f.time_ns) / 1e9))
                 log.info("finding %s %s job=%s ranks=%s phase=%s kernel=%s steps=%s score=%.2f", f.level.value,
-                         f.kind, f.job_id, list(f.ranks), f.phase, f.kernel, list(f.steps), f.score)
+                         f.kind.value, f.job_id, list(f.ranks), f.phase, f.kernel, list(f.steps), f.score)
 
     async def diagnosed(job_id: str, part: str, time_ns: int, world_size: int) -> None:
         ids = tuple(sorted(published.get(job_id) or set()))

@@ -26,7 +26,8 @@ from __future__ import annotations
 import statistics
 from collections import deque
 
-from argus.detectors.hangs import HangKind, HangParams, HangResult, RankLiveness, detect_hangs, job_resumed
+from argus.core.kinds import FindingKind
+from argus.detectors.hangs import HangParams, HangResult, RankLiveness, detect_hangs, job_resumed
 from argus.schemas.records import Heartbeat, JobTopology, PhaseBatch, Step
 
 __all__ = ["JobLiveness"]
@@ -147,7 +148,7 @@ class JobLiveness:
         if 0 < self._hb_newest_ns <= self.last_progress_ns:
             # Heartbeats, but none sent since the last completed step: nothing shows the ranks alive and not progressing
             # (a lull in a job's records on the way is no stall); a stuck job heartbeats on, in its collective.
-            found = [f for f in found if f.kind not in (HangKind.JOB_STALLED, HangKind.HANG_WAVEFRONT)]
-        if self.stalled_since_ns is None and any(r.kind is HangKind.JOB_STALLED for r in found):
+            found = [f for f in found if f.kind not in (FindingKind.JOB_STALLED, FindingKind.HANG_WAVEFRONT)]
+        if self.stalled_since_ns is None and any(r.kind is FindingKind.JOB_STALLED for r in found):
             self.stalled_since_ns = self.last_progress_ns
         return found

@@ -14,13 +14,11 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
+from argus.core.kinds import FindingKind
 from argus.detectors import (
     IterationSeries,
-    L1Kind,
     L1Result,
-    L2Kind,
     L2Result,
-    L3Kind,
     L3Result,
     PhaseTable,
     detect_l1,
@@ -83,7 +81,7 @@ def diagnose(spec: JobSpec) -> Diagnosis:
     emit(windows.flush_job(spec.job_id))
     topo = sim.topology()
     l1 = detect_l1(IterationSeries.from_steps(steps))
-    onsets = [r.steps[0] for r in l1 if r.kind is L1Kind.STEP_REGRESSION]
+    onsets = [r.steps[0] for r in l1 if r.kind is FindingKind.STEP_REGRESSION]
     l2 = detect_l2(PhaseTable.from_batches(phases), topo, onset_step=onsets[0] if onsets else None)
     l3 = [r for group in summaries.values() for r in detect_l3(group, topo)]
     return Diagnosis(topo, l1, l2, l3, max(s.start_ns for s in steps))
@@ -101,48 +99,48 @@ def _findings(d: Diagnosis) -> list[Finding]:
 
 def test_case1_compute_straggler() -> None:
     d = diagnose(paper_case(Fault.COMPUTE_STRAGGLER))
-    assert [(r.kind, r.steps) for r in d.l1] == [(L1Kind.STEP_REGRESSION, (15,))]
+    assert [(r.kind, r.steps) for r in d.l1] == [(FindingKind.STEP_REGRESSION, (15,))]
     assert d.l1[0].score > 10
-    assert [(r.kind, r.ranks) for r in d.l2] == [(L2Kind.COMPUTE_STRAGGLER, (5,))]
+    assert [(r.kind, r.ranks) for r in d.l2] == [(FindingKind.COMPUTE_STRAGGLER, (5,))]
     assert d.l2[0].phase in {"self_attention", "mlp"}
     assert d.l2[0].score == pytest.approx(25, rel=0.1)  # self_attention x25
     assert d.l2[0].evidence["collective_short"] is True
     assert d.l3_ranks() == {5}
-    assert {r.kind for r in d.l3} == {L3Kind.KERNEL_DEGRADED, L3Kind.COMPUTE_STRAGGLER_BY_COLLECTIVE}
-    assert {f.kind for f in _findings(d)} == {"step_regression", "compute_straggler", "kernel_degraded"}
+    assert {r.kind for r in d.l3} == {FindingKind.KERNEL_DEGRADED, FindingKind.LATE_ARRIVAL}
+    assert {f.kind for f in _findings(d)} == {"step_regression", "compute_straggler", "late_arrival", "kernel_degraded"}
 
 
 def test_case1_without_onset_still_names_rank_5() -> None:
     d = diagnose(paper_case(Fault.COMPUTE_STRAGGLER))
     records = JobSimulator(paper_case(Fault.COMPUTE_STRAGGLER)).records()
     phases = PhaseTable.from_batches(r.record for r in records if isinstance(r.record, PhaseBatch))
-    assert [(r.kind, r.ranks) for r in detect_l2(phases, d.topology)] == [(L2Kind.COMPUTE_STRAGGLER, (5,))]
+    assert [(r.kind, r.ranks) for r in detect_l2(phases, d.topology)] == [(FindingKind.COMPUTE_STRAGGLER, (5,))]
 
 
 def test_case2_link_degradation() -> None:
     d = diagnose(paper_case(Fault.LINK_DEGRADATION))
     assert d.l1 == [] and d.l2 == []
-    links = {r.kernel: r for r in d.l3 if r.kind is L3Kind.LINK_DEGRADED}
+    links = {r.kernel: r for r in d.l3 if r.kind is FindingKind.LINK_DEGRADED}
     assert set(links) == {K_ALL_REDUCE, K_ALL_GATHER, K_REDUCE_SCATTER}
     assert all(r.ranks == (4, 5, 6, 7) and r.evidence["group"] == "DP1" for r in links.values())
     assert all(r.evidence["w1_inter_over_intra_ratio"] > 100 for r in links.values())
     ratios = [links[k].evidence["p50_ratio"] for k in (K_ALL_REDUCE, K_ALL_GATHER, K_REDUCE_SCATTER)]
     assert ratios == sorted(ratios) and ratios[0] > 6  # x8 < x12 < x20 (less the fixed launch overheads)
-    assert [r.kind for r in d.l3] == [L3Kind.LINK_DEGRADED] * 3 and d.l3_ranks() == {4, 5, 6, 7}
+    assert [r.kind for r in d.l3] == [FindingKind.LINK_DEGRADED] * 3 and d.l3_ranks() == {4, 5, 6, 7}
     assert {f.kind for f in _findings(d)} == {"link_degraded"}
 
 
 def test_case3_pipeline_stage_hidden_by_aligned_totals() -> None:
     d = diagnose(paper_case(Fault.PP_LAST_STAGE_SLOW))
     assert d.l1 == [] and d.l3 == []
-    assert [(r.kind, r.ranks) for r in d.l2] == [(L2Kind.PP_STAGE_SLOW, (3,))]
+    assert [(r.kind, r.ranks) for r in d.l2] == [(FindingKind.PP_STAGE_SLOW, (3,))]
     assert d.l2[0].score == pytest.approx(1.9, abs=0.1)
     assert d.l2[0].evidence["stage"] == 3 and d.l2[0].evidence["phase_kind"] == "BACKWARD"
 
 
 def test_case4_host_jit_stall() -> None:
     d = diagnose(paper_case(Fault.HOST_JIT_STALL))
-    assert all(r.kind is L1Kind.ITERATION_SPIKE for r in d.l1)
+    assert all(r.kind is FindingKind.ITERATION_SPIKE for r in d.l1)
     assert sorted(s for r in d.l1 for s in r.steps) == [12, 27]
     for r in d.l1:
         assert r.score == pytest.approx(3.0, rel=0.1)  # 80 ms stall on 40 ms steps
@@ -153,14 +151,14 @@ def test_case4_host_jit_stall() -> None:
 
 def test_case5_compute_straggler_with_short_collectives() -> None:
     d = diagnose(paper_case(Fault.COMPUTE_STRAGGLER_SHORT_COLLECTIVES))
-    assert [(r.kind, r.ranks, r.phase) for r in d.l2] == [(L2Kind.COMPUTE_STRAGGLER, (5,), "mlp")]
+    assert [(r.kind, r.ranks, r.phase) for r in d.l2] == [(FindingKind.COMPUTE_STRAGGLER, (5,), "mlp")]
     ev = d.l2[0].evidence
     assert ev["collective_short"] is True
     assert ev["short_collectives_peers_over_rank_ratio"]["dp-reduce-scatter:REDUCE_SCATTER"] > 3
     assert d.l2[0].score == pytest.approx(3.0, rel=0.1)
-    assert all(r.kind is not L3Kind.LINK_DEGRADED for r in d.l3) and d.l3_ranks() == {5}
+    assert all(r.kind is not FindingKind.LINK_DEGRADED for r in d.l3) and d.l3_ranks() == {5}
     (rs,) = [r for r in d.l3 if r.kernel == K_REDUCE_SCATTER]
-    assert rs.kind is L3Kind.COMPUTE_STRAGGLER_BY_COLLECTIVE and rs.evidence["collective_short"] is True
+    assert rs.kind is FindingKind.LATE_ARRIVAL and rs.evidence["collective_short"] is True
     assert "link_degraded" not in {f.kind for f in _findings(d)}
 
 

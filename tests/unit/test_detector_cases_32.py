@@ -14,8 +14,8 @@ import dataclasses
 
 import pytest
 
+from argus.core.kinds import FindingKind
 from argus.demo import build_spec
-from argus.detectors import L1Kind, L2Kind, L3Kind
 from argus.producers.sim_workload import K_ALL_REDUCE, TP_STREAM, GradSync
 from argus.producers.simulator import JobSpec
 from tests.unit.test_detector_cases import Diagnosis, _findings, diagnose
@@ -37,24 +37,24 @@ def _named(d: Diagnosis) -> set[int]:
 
 def test_case1_compute_straggler_not_its_tp_partner() -> None:
     d = _demo("case1")
-    assert [(r.kind, r.steps) for r in d.l1] == [(L1Kind.STEP_REGRESSION, (15,))]
-    assert [(r.kind, r.ranks) for r in d.l2] == [(L2Kind.COMPUTE_STRAGGLER, (5,))]
+    assert [(r.kind, r.steps) for r in d.l1] == [(FindingKind.STEP_REGRESSION, (15,))]
+    assert [(r.kind, r.ranks) for r in d.l2] == [(FindingKind.COMPUTE_STRAGGLER, (5,))]
     assert d.l2[0].phase in {"self_attention", "mlp"}
     assert d.l2[0].score == pytest.approx(25, rel=0.1)  # self_attention x25, its TP wait excluded
     assert d.l2[0].evidence["collective_short"] is True
     assert d.l2[0].evidence["short_collectives_peers_over_rank_ratio"]["tp-allreduce:ALL_REDUCE"] > 10
-    assert {r.kind for r in d.l3} == {L3Kind.KERNEL_DEGRADED, L3Kind.COMPUTE_STRAGGLER_BY_COLLECTIVE}
+    assert {r.kind for r in d.l3} == {FindingKind.KERNEL_DEGRADED, FindingKind.LATE_ARRIVAL}
     assert _named(d) == {5}  # rank 4 (TP partner) and 20/21 (next stage) only waited
-    (late,) = [r for r in d.l3 if r.kind is L3Kind.COMPUTE_STRAGGLER_BY_COLLECTIVE]
+    (late,) = [r for r in d.l3 if r.kind is FindingKind.LATE_ARRIVAL]
     assert (late.kernel, late.stream, late.evidence["group"]) == (K_ALL_REDUCE, TP_STREAM, "TP2")
     assert late.evidence["waiting_peers"] == [4]
-    assert {f.kind for f in _findings(d)} == {"step_regression", "compute_straggler", "kernel_degraded"}
+    assert {f.kind for f in _findings(d)} == {"step_regression", "compute_straggler", "late_arrival", "kernel_degraded"}
 
 
 def test_case2_degraded_tp_links_are_network_not_compute() -> None:
     d = _demo("case2")
     assert d.l1 == [] and d.l2 == []  # the layers of ranks 4-7 are long, but only their TP all-reduce is
-    assert all(r.kind is L3Kind.LINK_DEGRADED for r in d.l3)
+    assert all(r.kind is FindingKind.LINK_DEGRADED for r in d.l3)
     assert sorted(r.ranks for r in d.l3) == [(4, 5), (6, 7)]
     assert all((r.kernel, r.stream) == (K_ALL_REDUCE, TP_STREAM) for r in d.l3)
     assert sorted(r.evidence["group"] for r in d.l3) == ["TP2", "TP3"]
@@ -65,14 +65,14 @@ def test_case2_degraded_tp_links_are_network_not_compute() -> None:
 def test_case3_last_stage_slow() -> None:
     d = _demo("case3")
     assert d.l1 == [] and d.l3 == []
-    assert [(r.kind, r.ranks) for r in d.l2] == [(L2Kind.PP_STAGE_SLOW, STAGE_1)]
+    assert [(r.kind, r.ranks) for r in d.l2] == [(FindingKind.PP_STAGE_SLOW, STAGE_1)]
     assert d.l2[0].score == pytest.approx(1.9, abs=0.1)
     assert d.l2[0].evidence["stage"] == 1 and d.l2[0].evidence["phase_kind"] == "BACKWARD"
 
 
 def test_case4_host_stall_spikes_only() -> None:
     d = _demo("case4")
-    assert all(r.kind is L1Kind.ITERATION_SPIKE for r in d.l1)
+    assert all(r.kind is FindingKind.ITERATION_SPIKE for r in d.l1)
     assert sorted(s for r in d.l1 for s in r.steps) == [12, 27]
     assert all(r.evidence["host_side"] is True for r in d.l1)
     assert d.l2 == [] and d.l3 == []
@@ -82,12 +82,12 @@ def test_case4_host_stall_spikes_only() -> None:
 def test_case5_compute_straggler_with_short_collectives() -> None:
     d = _demo("case5")
     assert d.l1 == []
-    assert [(r.kind, r.ranks, r.phase) for r in d.l2] == [(L2Kind.COMPUTE_STRAGGLER, (5,), "mlp")]
+    assert [(r.kind, r.ranks, r.phase) for r in d.l2] == [(FindingKind.COMPUTE_STRAGGLER, (5,), "mlp")]
     assert d.l2[0].score == pytest.approx(3.0, rel=0.1)
     ev = d.l2[0].evidence
     assert ev["collective_short"] is True
     assert ev["short_collectives_peers_over_rank_ratio"]["tp-allreduce:ALL_REDUCE"] > 3
-    assert all(r.kind is not L3Kind.LINK_DEGRADED for r in d.l3)
+    assert all(r.kind is not FindingKind.LINK_DEGRADED for r in d.l3)
     assert _named(d) == {5}
     assert "link_degraded" not in {f.kind for f in _findings(d)}
 
@@ -98,9 +98,9 @@ def test_attribution_holds_over_seeds(case: str, named: set[int]) -> None:
         d = _demo(case, seed)
         assert _named(d) == named, seed
         if case == "case2":
-            assert d.l2 == [] and {r.kind for r in d.l3} == {L3Kind.LINK_DEGRADED}
+            assert d.l2 == [] and {r.kind for r in d.l3} == {FindingKind.LINK_DEGRADED}
         else:
-            assert [(r.kind, r.ranks) for r in d.l2] == [(L2Kind.COMPUTE_STRAGGLER, (5,))]
+            assert [(r.kind, r.ranks) for r in d.l2] == [(FindingKind.COMPUTE_STRAGGLER, (5,))]
 
 
 @pytest.mark.parametrize("sync", [GradSync.ALL_REDUCE, GradSync.DISTRIBUTED], ids=["ddp", "distopt"])

@@ -6,8 +6,9 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from argus.core.kinds import FindingKind
 from argus.detectors.findings import to_finding
-from argus.detectors.hangs import HangKind, HangParams, RankLiveness, detect_hangs, job_resumed
+from argus.detectors.hangs import HangParams, RankLiveness, detect_hangs, job_resumed
 from argus.producers.topology import build_topology
 from argus.schemas.records import Heartbeat, JobTopology, Level, ParallelGroup, PhaseKind
 
@@ -44,10 +45,10 @@ def test_hang_names_the_suspect_and_its_victims() -> None:
     now = T0 + 100 * STEP
     results = detect_hangs(_hung(topo, 5, 30, now), topo, now, now - 3 * STEP, 11, STEP, P)
     kinds = [r.kind for r in results]
-    assert kinds.count(HangKind.JOB_STALLED) == 1 and HangKind.RANK_SILENT not in kinds
-    stalled = results[kinds.index(HangKind.JOB_STALLED)]
+    assert kinds.count(FindingKind.JOB_STALLED) == 1 and FindingKind.RANK_SILENT not in kinds
+    stalled = results[kinds.index(FindingKind.JOB_STALLED)]
     assert stalled.evidence["last_completed_step"] == 11 and abs(stalled.evidence["seconds_stalled"] - 0.45) < 1e-9
-    waves = [r for r in results if r.kind is HangKind.HANG_WAVEFRONT]
+    waves = [r for r in results if r.kind is FindingKind.HANG_WAVEFRONT]
     dp = [w for w in waves if w.evidence["group"] == "DP"]
     assert len(dp) == 1 and dp[0].ranks == (5,)
     ev = dp[0].evidence
@@ -72,7 +73,7 @@ def test_a_rank_that_never_finished_the_earlier_collective_is_the_suspect() -> N
             for r in (0, 1, 3)}
     live[2] = RankLiveness(2, now, 3, "dp-allreduce", PhaseKind.ALL_REDUCE, ParallelGroup.DP, 0, 7, now - 9 * STEP)
     (wave,) = [r for r in detect_hangs(live, topo, now, now - 5 * STEP, 2, STEP, P)
-               if r.kind is HangKind.HANG_WAVEFRONT]
+               if r.kind is FindingKind.HANG_WAVEFRONT]
     assert wave.ranks == (2,) and wave.evidence["victims"] == [0, 1, 3] and wave.evidence["first_ranks"] == [2]
 
 
@@ -82,11 +83,11 @@ def test_silent_rank_and_all_silent_is_the_job() -> None:
     live = {r: RankLiveness(r, now - STEP // 2, 20, "forward") for r in topo.rank}
     live[3] = RankLiveness(3, now - 5 * STEP, 17, "mlp")
     (res,) = detect_hangs(live, topo, now, now - STEP // 2, 19, STEP, P)
-    assert (res.kind, res.ranks, res.level, res.evidence["last_step"]) == (HangKind.RANK_SILENT, (3,), Level.L2, 17)
+    assert (res.kind, res.ranks, res.level, res.evidence["last_step"]) == (FindingKind.RANK_SILENT, (3,), Level.L2, 17)
     assert abs(res.evidence["seconds_silent"] - 0.75) < 1e-9
     quiet = {r: RankLiveness(r, now - 5 * STEP, 20, "") for r in topo.rank}
     out = detect_hangs(quiet, topo, now, now - 5 * STEP, 19, STEP, P)
-    assert [r.kind for r in out] == [HangKind.JOB_STALLED] and out[0].evidence["all_ranks_silent"]
+    assert [r.kind for r in out] == [FindingKind.JOB_STALLED] and out[0].evidence["all_ranks_silent"]
 
 
 def test_checkpoint_pause_names_no_rank_and_resumes() -> None:
@@ -95,9 +96,9 @@ def test_checkpoint_pause_names_no_rank_and_resumes() -> None:
     now = T0 + 100 * STEP
     live = {r: RankLiveness(r, now - 50_000_000, 30, "checkpoint") for r in topo.rank}
     out = detect_hangs(live, topo, now, now - 4 * STEP, 29, STEP, P)
-    assert [r.kind for r in out] == [HangKind.JOB_STALLED]
+    assert [r.kind for r in out] == [FindingKind.JOB_STALLED]
     end = job_resumed(now - 4 * STEP, now + STEP, 30)
-    assert (end.kind, end.level, end.steps) == (HangKind.JOB_RESUMED, Level.L1, (30,))
+    assert (end.kind, end.level, end.steps) == (FindingKind.JOB_RESUMED, Level.L1, (30,))
     assert abs(end.evidence["seconds_stalled"] - 0.75) < 1e-9
     assert to_finding("j", end, now + STEP).kind == "job_resumed"
 
@@ -123,11 +124,11 @@ def test_property_the_hung_rank_is_named_first_and_never_a_victim(dp: int, tp: i
     live = _hung(topo, hung, seq, now)
     order = data.draw(st.permutations(list(live.values())))
     results = detect_hangs(order, topo, now, now - 3 * STEP, 11, STEP, P)
-    waves = [r for r in results if r.kind is HangKind.HANG_WAVEFRONT]
+    waves = [r for r in results if r.kind is FindingKind.HANG_WAVEFRONT]
     dp_waves = [w for w in waves if w.evidence["group"] == "DP"]
     assert len(dp_waves) == 1 and dp_waves[0].ranks == (hung,)
     assert all(hung not in w.evidence["victims"] for w in waves)
     assert all(hung in w.evidence["first_ranks"] for w in waves)
-    assert not any(r.kind is HangKind.RANK_SILENT for r in results)
+    assert not any(r.kind is FindingKind.RANK_SILENT for r in results)
     # not stalled yet: nothing but silence could be raised, and nobody is silent
     assert detect_hangs(order, topo, now, now - STEP, 11, STEP, P) == []

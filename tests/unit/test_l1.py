@@ -8,7 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from argus.core.errors import DetectorError
-from argus.detectors import IterationSeries, L1Kind, L1Params, detect_l1
+from argus.core.kinds import FindingKind
+from argus.detectors import IterationSeries, L1Params, detect_l1
 from argus.schemas.records import Level, Step
 
 PROPERTY = settings(max_examples=60, deadline=None)
@@ -19,7 +20,7 @@ def _noise(n: int, sigma: float, seed: int) -> np.ndarray:
     return BASE_NS * np.exp(sigma * np.random.default_rng(seed).standard_normal(n))
 
 
-def _kinds(results: list) -> list[L1Kind]:
+def _kinds(results: list) -> list[FindingKind]:
     return [r.kind for r in results]
 
 
@@ -55,7 +56,7 @@ def test_single_spike_found_exactly(n: int, pos_frac: float, factor: float, seed
     if gpu_spikes:
         gpu[pos] *= factor
     res = detect_l1(np.arange(n) + 100, wall, gpu)
-    assert _kinds(res) == [L1Kind.ITERATION_SPIKE]
+    assert _kinds(res) == [FindingKind.ITERATION_SPIKE]
     spike = res[0]
     assert spike.steps == (pos + 100,)
     assert spike.score == pytest.approx(factor, rel=0.1)
@@ -78,7 +79,7 @@ def test_two_step_spike_is_one_result_and_no_regression() -> None:
     wall = _noise(40, 0.01, 2)
     wall[20:22] *= 4
     res = detect_l1(np.arange(40), wall)
-    assert [(r.kind, r.steps) for r in res] == [(L1Kind.ITERATION_SPIKE, (20, 21))]
+    assert [(r.kind, r.steps) for r in res] == [(FindingKind.ITERATION_SPIKE, (20, 21))]
     assert res[0].evidence["gpu_ratio"] is None  # no GPU time given
 
 
@@ -101,7 +102,7 @@ def test_step_regression_onset_exact(n: int, onset_frac: float, factor: float, s
     wall = _noise(n, sigma, seed)
     wall[onset:] *= factor
     res = detect_l1(np.arange(n), wall, wall)
-    assert _kinds(res) == [L1Kind.STEP_REGRESSION], res
+    assert _kinds(res) == [FindingKind.STEP_REGRESSION], res
     assert res[0].steps == (onset,)
     assert res[0].score == pytest.approx(factor, rel=0.1)
     assert res[0].evidence["gpu_shift_ratio"] == pytest.approx(factor, rel=0.1)
@@ -113,7 +114,7 @@ def test_small_shift_and_speedup_are_not_regressions() -> None:
     assert detect_l1(np.arange(60), wall) == []
     wall = _noise(60, 0.01, 4)
     wall[30:] *= 1.2  # was below the old 1.3x floor; a sustained >= 5 % slowdown is now a regression
-    assert [(r.kind, r.steps) for r in detect_l1(np.arange(60), wall)] == [(L1Kind.STEP_REGRESSION, (30,))]
+    assert [(r.kind, r.steps) for r in detect_l1(np.arange(60), wall)] == [(FindingKind.STEP_REGRESSION, (30,))]
     wall = _noise(60, 0.01, 4)
     wall[30:] /= 3.0  # a recovery is no finding
     assert detect_l1(np.arange(60), wall) == []
@@ -124,7 +125,8 @@ def test_regression_then_recovery_then_regression() -> None:
     wall[30:50] *= 3
     wall[70:] *= 2
     res = detect_l1(np.arange(90), wall)
-    assert [(r.kind, r.steps) for r in res] == [(L1Kind.STEP_REGRESSION, (30,)), (L1Kind.STEP_REGRESSION, (70,))]
+    assert [(r.kind, r.steps) for r in res] == [(FindingKind.STEP_REGRESSION, (30,)),
+                                                (FindingKind.STEP_REGRESSION, (70,))]
     assert res[1].score == pytest.approx(2.0, rel=0.1)  # measured against the recovered baseline
 
 
@@ -134,13 +136,14 @@ def test_spikes_do_not_make_change_points_and_regression_is_no_spike() -> None:
     wall[[10, 45]] *= 4
     res = detect_l1(np.arange(60), wall)
     assert [(r.kind, r.steps) for r in res] == [
-        (L1Kind.ITERATION_SPIKE, (10,)), (L1Kind.ITERATION_SPIKE, (45,)), (L1Kind.STEP_REGRESSION, (25,))]
+        (FindingKind.ITERATION_SPIKE, (10,)), (FindingKind.ITERATION_SPIKE, (45,)),
+        (FindingKind.STEP_REGRESSION, (25,))]
 
 
 def test_regression_needs_min_segment_after_onset() -> None:
     wall = _noise(30, 0.01, 7)
     wall[27:] *= 5
-    assert all(r.kind is L1Kind.ITERATION_SPIKE for r in detect_l1(np.arange(30), wall))
+    assert all(r.kind is FindingKind.ITERATION_SPIKE for r in detect_l1(np.arange(30), wall))
     wall = _noise(30, 0.01, 7)
     wall[25:] *= 5
     assert [r.steps for r in detect_l1(np.arange(30), wall)] == [(25,)]

@@ -15,7 +15,8 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from argus.detectors import L1Kind, L1Params, detect_l1
+from argus.core.kinds import FindingKind
+from argus.detectors import L1Params, detect_l1
 from argus.detectors.l1_iteration import threshold_z
 
 BASE_NS = 200e6
@@ -38,7 +39,7 @@ def _series(rng: np.random.Generator, n: int, sigma: float, *, drift: float = 0.
 
 
 def _regressions(wall: np.ndarray, params: L1Params | None = None) -> list:
-    return [r for r in detect_l1(np.arange(wall.size), wall, params=params) if r.kind is L1Kind.STEP_REGRESSION]
+    return [r for r in detect_l1(np.arange(wall.size), wall, params=params) if r.kind is FindingKind.STEP_REGRESSION]
 
 
 def _needed_n_eff(shift: float, sigma: float, n: int) -> float:
@@ -150,7 +151,7 @@ def test_low_noise_regression_exact_with_its_cost(n1: int, n2: int, shift: float
     wall = BASE_NS * np.exp(sigma * np.random.default_rng(seed).standard_normal(n1 + n2))
     wall[n1:] *= shift
     (r,) = detect_l1(np.arange(n1 + n2) + 7, wall)
-    assert (r.kind, r.steps) == (L1Kind.STEP_REGRESSION, (n1 + 7,))
+    assert (r.kind, r.steps) == (FindingKind.STEP_REGRESSION, (n1 + 7,))
     assert r.score == pytest.approx(shift, rel=0.02)
     assert r.steps_affected == n2
     assert r.delay_ns_per_step == pytest.approx((shift - 1.0) * BASE_NS, rel=0.1, abs=0.01 * BASE_NS)
@@ -163,11 +164,11 @@ def test_warmup_and_pauses_do_not_hide_or_fake_a_regression() -> None:
     wall[:3] *= [3.0, 2.0, 1.5]  # warm-up
     wall[[30, 70, 150]] *= 4.0  # GC / checkpoint pauses
     healthy = detect_l1(np.arange(200), wall)
-    assert [(r.kind, r.steps) for r in healthy] == [(L1Kind.ITERATION_SPIKE, (s,)) for s in (30, 70, 150)]
+    assert [(r.kind, r.steps) for r in healthy] == [(FindingKind.ITERATION_SPIKE, (s,)) for s in (30, 70, 150)]
     wall[100:] *= 1.08
     res = detect_l1(np.arange(200), wall)
     assert [(r.kind, r.steps) for r in res] == [
-        *((L1Kind.ITERATION_SPIKE, (s,)) for s in (30, 70, 150)), (L1Kind.STEP_REGRESSION, (100,))]
+        *((FindingKind.ITERATION_SPIKE, (s,)) for s in (30, 70, 150)), (FindingKind.STEP_REGRESSION, (100,))]
     reg = res[-1]
     assert reg.score == pytest.approx(1.08, rel=0.01)
     assert reg.steps_affected == 100
@@ -180,7 +181,7 @@ def test_spike_cost_covers_every_spike_step() -> None:
     wall = BASE_NS * np.exp(0.01 * np.random.default_rng(2).standard_normal(40))
     wall[20:22] *= 4.0
     (r,) = detect_l1(np.arange(40), wall)
-    assert (r.kind, r.steps, r.steps_affected) == (L1Kind.ITERATION_SPIKE, (20, 21), 2)
+    assert (r.kind, r.steps, r.steps_affected) == (FindingKind.ITERATION_SPIKE, (20, 21), 2)
     assert r.delay_ns_per_step == pytest.approx(3.0 * BASE_NS, rel=0.1)
 
 
@@ -188,7 +189,7 @@ def test_regression_then_recovery_costs_only_its_own_steps() -> None:
     wall = BASE_NS * np.exp(0.01 * np.random.default_rng(4).standard_normal(120))
     wall[40:80] *= 1.1
     (r,) = detect_l1(np.arange(120), wall)
-    assert (r.kind, r.steps, r.steps_affected) == (L1Kind.STEP_REGRESSION, (40,), 40)
+    assert (r.kind, r.steps, r.steps_affected) == (FindingKind.STEP_REGRESSION, (40,), 40)
 
 
 def test_no_drift_tolerance_is_more_sensitive() -> None:

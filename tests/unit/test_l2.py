@@ -10,7 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from argus.core.errors import DetectorError
-from argus.detectors import L2Kind, L2Params, PhaseTable, detect_l2, loo_median
+from argus.core.kinds import FindingKind
+from argus.detectors import L2Params, PhaseTable, detect_l2, loo_median
 from argus.detectors.l2_groups import waiting_victims
 from argus.producers.topology import build_topology
 from argus.schemas.records import JobTopology, Level, ParallelGroup, PhaseBatch, PhaseKind
@@ -76,8 +77,8 @@ def _tp_layer_job(topo: JobTopology, steps: int, compute: dict[int, float], tp_m
     return PhaseTable.from_batches(batches)
 
 
-def _by_kind(results: list) -> dict[L2Kind, list]:
-    out: dict[L2Kind, list] = {}
+def _by_kind(results: list) -> dict[FindingKind, list]:
+    out: dict[FindingKind, list] = {}
     for r in results:
         out.setdefault(r.kind, []).append(r)
     return out
@@ -123,7 +124,7 @@ def test_phase_table_aggregates_and_deduplicates() -> None:
 def test_compute_straggler_named_with_short_collective_and_peers_spared() -> None:
     topo = build_topology("j", dp=8)
     res = detect_l2(_job(topo, 10, _dp_step(8, {5: 3.0})), topo)
-    assert [(r.kind, r.ranks) for r in res] == [(L2Kind.COMPUTE_STRAGGLER, (5,))]
+    assert [(r.kind, r.ranks) for r in res] == [(FindingKind.COMPUTE_STRAGGLER, (5,))]
     r = res[0]
     assert r.level is Level.L2 and r.steps == ()
     assert r.phase in {"forward", "mlp", "backward"} and r.score == pytest.approx(3.0, rel=0.01)
@@ -137,7 +138,7 @@ def test_group_of_two_and_only_within_dp_groups() -> None:
     topo = build_topology("j", dp=2, pp=2)  # DP groups {0, 1} and {2, 3}
     work = {0: 1, 1: 3, 2: 4, 3: 4}
     res = detect_l2(_job(topo, 5, lambda r, s: [(F, "fwd", NONE, 10 * MS * work[r])]), topo)
-    assert [(r.kind, r.ranks) for r in res] == [(L2Kind.COMPUTE_STRAGGLER, (1,))]
+    assert [(r.kind, r.ranks) for r in res] == [(FindingKind.COMPUTE_STRAGGLER, (1,))]
     # stage 1 doing 4x the forward work of stage 0 is no straggler: they are never compared
     assert detect_l2(_job(topo, 5, lambda r, s: [(F, "fwd", NONE, 10 * MS * (4 if r >= 2 else 1))]), topo) == []
 
@@ -153,7 +154,7 @@ def test_benign_spread_never_flags(spread: float, seed: int, dp: int) -> None:
 def test_late_arrival_without_slow_phase() -> None:
     topo = build_topology("j", dp=8)
     res = detect_l2(_job(topo, 5, _dp_step(8, {}, late_ms={2: 250.0})), topo)  # e.g. a slow data loader
-    assert [(r.kind, r.ranks, r.phase) for r in res] == [(L2Kind.COMPUTE_STRAGGLER, (2,), "dp-allreduce")]
+    assert [(r.kind, r.ranks, r.phase) for r in res] == [(FindingKind.COMPUTE_STRAGGLER, (2,), "dp-allreduce")]
     assert res[0].evidence["late_arrival_only"] is True
     assert res[0].evidence["lateness_over_longest_phase_ratio"] > 0.5
     assert res[0].score > 50
@@ -174,7 +175,7 @@ def test_tp_victim_of_a_straggler_is_not_named() -> None:
                 (PhaseKind.ALL_REDUCE, "dp-allreduce", DP, 4 * MS + latest - done)]
 
     res = detect_l2(_job(topo, 5, phases), topo)
-    assert [(r.kind, r.ranks) for r in res] == [(L2Kind.COMPUTE_STRAGGLER, (0,))]
+    assert [(r.kind, r.ranks) for r in res] == [(FindingKind.COMPUTE_STRAGGLER, (0,))]
 
 
 def test_phase_table_nests_blocking_collectives_in_compute_phases() -> None:
@@ -199,7 +200,7 @@ def test_tp_partner_waiting_inside_its_compute_phase_is_a_victim() -> None:
     dur = {int(r): int(d) for r, p, d in zip(table.rank, table.phase, table.duration_ns, strict=True) if p == sa}
     assert dur[1] == dur[0] > 3.5 * dur[3]
     res = detect_l2(table, topo)
-    assert [(r.kind, r.ranks, r.phase) for r in res] == [(L2Kind.COMPUTE_STRAGGLER, (0,), "self_attention")]
+    assert [(r.kind, r.ranks, r.phase) for r in res] == [(FindingKind.COMPUTE_STRAGGLER, (0,), "self_attention")]
     assert res[0].score == pytest.approx(401 / 101, rel=0.01)  # own time: compute + 1 ms, TP wait excluded
     assert res[0].evidence["short_collectives_peers_over_rank_ratio"]["tp-allreduce:ALL_REDUCE"] > 100
 
@@ -229,7 +230,7 @@ def test_host_phase_straggler_and_onset() -> None:
     table = _job(topo, 12, phases)
     full = detect_l2(table, topo)
     post = detect_l2(table, topo, onset_step=6)
-    assert [(r.kind, r.ranks, r.phase) for r in post] == [(L2Kind.PHASE_STRAGGLER, (3,), "dataloader")]
+    assert [(r.kind, r.ranks, r.phase) for r in post] == [(FindingKind.PHASE_STRAGGLER, (3,), "dataloader")]
     assert post[0].score == pytest.approx(5.0) and full[0].score < post[0].score
     assert detect_l2(table, topo, onset_step=10) == []  # 2 analysed steps < min_steps
 
@@ -249,12 +250,12 @@ def test_slow_last_stage_found_despite_uneven_counts() -> None:
                 + [(PhaseKind.SEND_RECV, "pp-send-recv", PP, 1 * MS)] * sends)
 
     res = _by_kind(detect_l2(_job(topo, 5, phases), topo))
-    assert [r.ranks for r in res[L2Kind.COMPUTE_STRAGGLER]] == [(0,)]
-    (stage,) = res[L2Kind.PP_STAGE_SLOW]
+    assert [r.ranks for r in res[FindingKind.COMPUTE_STRAGGLER]] == [(0,)]
+    (stage,) = res[FindingKind.PP_STAGE_SLOW]
     assert stage.ranks == (6, 7) and stage.phase == "backward"
     assert stage.score == pytest.approx(1.9, rel=0.01)
     assert stage.evidence["stage"] == 3
-    assert set(res) == {L2Kind.COMPUTE_STRAGGLER, L2Kind.PP_STAGE_SLOW}
+    assert set(res) == {FindingKind.COMPUTE_STRAGGLER, FindingKind.PP_STAGE_SLOW}
 
 
 def test_bad_input_raises() -> None:
@@ -286,7 +287,7 @@ def test_pipeline_neighbour_late_because_it_waited_is_the_late_ranks_victim() ->
                 (PhaseKind.ALL_REDUCE, "dp-allreduce", DP, ar * MS)]
 
     res = detect_l2(_job(topo, 5, phases), topo)
-    assert [(r.kind, r.ranks) for r in res] == [(L2Kind.COMPUTE_STRAGGLER, (2,))]
+    assert [(r.kind, r.ranks) for r in res] == [(FindingKind.COMPUTE_STRAGGLER, (2,))]
 
 
 def test_a_reduction_across_pipeline_stages_names_no_late_stage() -> None:

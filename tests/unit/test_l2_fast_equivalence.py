@@ -148,7 +148,7 @@ def test_detect_l2_finds_the_same_as_the_per_group_loop(seed: int, monkeypatch: 
 
 def test_detect_l2_cases_include_findings() -> None:
     kinds = {r.kind for seed in range(60) for r in detect_l2(*_table(seed))}
-    assert l2_phases.L2Kind.COMPUTE_STRAGGLER in kinds
+    assert l2_phases.FindingKind.COMPUTE_STRAGGLER in kinds
 
 
 @PROPERTY

@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from argus.core.errors import DetectorError
+from argus.core.kinds import FindingKind
 from argus.detectors import (
-    L3Kind,
     L3Params,
     MixtureBatch,
     Scope,
@@ -59,7 +59,7 @@ def _ranks(n: int, factor: dict[int, float] | None = None, seed: int = 0, jitter
     return out
 
 
-def _found(results: list) -> list[tuple[L3Kind, tuple[int, ...]]]:
+def _found(results: list) -> list[tuple[FindingKind, tuple[int, ...]]]:
     return [(r.kind, r.ranks) for r in results]
 
 
@@ -68,7 +68,7 @@ def _found(results: list) -> list[tuple[L3Kind, tuple[int, ...]]]:
 
 def test_one_slow_rank_is_degraded_kernel() -> None:
     res = detect_l3([_summary(_ranks(16, {7: 2.0}))])
-    assert _found(res) == [(L3Kind.KERNEL_DEGRADED, (7,))]
+    assert _found(res) == [(FindingKind.KERNEL_DEGRADED, (7,))]
     r = res[0]
     assert r.level is Level.L3 and r.kernel == GEMM and r.stream == 7 and r.steps == ()
     assert r.score == pytest.approx(1.0, rel=0.1)  # durations x2: W1 = one reference mean
@@ -86,7 +86,7 @@ def test_jitter_never_flags(n: int, seed: int, jitter: float, tail: float) -> No
 
 def test_tail_growth_with_the_same_p50_is_caught() -> None:
     res = detect_l3([_summary(_ranks(16, tail={3: 3.3}))])
-    assert _found(res) == [(L3Kind.KERNEL_DEGRADED, (3,))]
+    assert _found(res) == [(FindingKind.KERNEL_DEGRADED, (3,))]
     assert res[0].evidence["top_p50_ratio"] == pytest.approx(1.0, rel=0.05)
     assert res[0].evidence["top_mean_shift_ns"] > 0
 
@@ -98,14 +98,15 @@ def test_faster_rank_is_not_flagged() -> None:
 def test_half_the_ranks_slow_needs_the_p50_path() -> None:
     slow = {r: 4.0 for r in range(8, 16)}
     # one finding per rank, each judged on its own impact downstream
-    assert _found(detect_l3([_summary(_ranks(16, slow))])) == [(L3Kind.KERNEL_DEGRADED, (r,)) for r in range(8, 16)]
+    found = _found(detect_l3([_summary(_ranks(16, slow))]))
+    assert found == [(FindingKind.KERNEL_DEGRADED, (r,)) for r in range(8, 16)]
     assert detect_l3([_summary(_ranks(16, slow))], params=L3Params(p50_ratio=1e9)) == []  # IQR alone fails
 
 
 def test_windows_and_summaries_merge_per_rank() -> None:
     rows = _ranks(8, {1: 3.0})
     split = [_summary(rows[:4]), _summary(rows[4:]), _summary([(1, [(50, 3e6, 3.3e6)])])]
-    assert _found(detect_l3(split)) == _found(detect_l3([_summary(rows)])) == [(L3Kind.KERNEL_DEGRADED, (1,))]
+    assert _found(detect_l3(split)) == _found(detect_l3([_summary(rows)])) == [(FindingKind.KERNEL_DEGRADED, (1,))]
 
 
 def test_primary_mode_spans_windows() -> None:
@@ -129,8 +130,8 @@ def test_compute_kernels_compared_within_a_stage() -> None:
     rows = _ranks(8, {r: 2.5 for r in range(4, 8)})  # stage 1 runs a bigger shape of the same kernel
     assert detect_l3([_summary(rows)], topo) == []
     job = detect_l3([_summary(rows)], topo, L3Params(compute_scope=Scope.JOB, p50_ratio=2.0))
-    assert _found(job) == [(L3Kind.KERNEL_DEGRADED, (r,)) for r in (4, 5, 6, 7)]
-    assert _found(detect_l3([_summary(_ranks(8, {5: 2.5}))], topo)) == [(L3Kind.KERNEL_DEGRADED, (5,))]
+    assert _found(job) == [(FindingKind.KERNEL_DEGRADED, (r,)) for r in (4, 5, 6, 7)]
+    assert _found(detect_l3([_summary(_ranks(8, {5: 2.5}))], topo)) == [(FindingKind.KERNEL_DEGRADED, (5,))]
 
 
 # -- collective kernels ------------------------------------------------------------------------------
@@ -140,7 +141,7 @@ def test_whole_group_long_is_link_degradation() -> None:
     # DP groups {0, 2, 4, 6}, {1, 3, 5, 7} (one pipeline stage: groups are compared with their stage's)
     topo = build_topology("j", dp=4, tp=2)
     res = detect_l3([_summary(_ranks(8, {r: 10.0 for r in (1, 3, 5, 7)}), kernel=AR, stream=13)], topo)
-    assert _found(res) == [(L3Kind.LINK_DEGRADED, (1, 3, 5, 7))]
+    assert _found(res) == [(FindingKind.LINK_DEGRADED, (1, 3, 5, 7))]
     ev = res[0].evidence
     assert ev["group"] == "DP1" and ev["whole_group"] is True and ev["collective"] is True
     assert ev["p50_ratio"] == pytest.approx(10.0, rel=0.05)
@@ -150,7 +151,7 @@ def test_whole_group_long_is_link_degradation() -> None:
 def test_short_member_is_late_and_its_peers_are_spared() -> None:
     topo = build_topology("j", dp=8)
     res = detect_l3([_summary(_ranks(8, {5: 1 / 20}), kernel=AR)], topo)
-    assert _found(res) == [(L3Kind.COMPUTE_STRAGGLER_BY_COLLECTIVE, (5,))]
+    assert _found(res) == [(FindingKind.LATE_ARRIVAL, (5,))]
     ev = res[0].evidence
     assert ev["collective_short"] is True and ev["peers_over_rank_p50_ratio"] == pytest.approx(20, rel=0.05)
     assert ev["waiting_peers"] == [0, 1, 2, 3, 4, 6, 7]
@@ -160,7 +161,7 @@ def test_late_member_in_one_stage_explains_its_long_peers_only() -> None:
     topo = build_topology("j", dp=4, pp=2)
     factor = {0: 10.0, 1: 10.0, 3: 10.0}  # rank 2 arrived late: the rest of its DP group waited
     assert _found(detect_l3([_summary(_ranks(8, factor), kernel=AR)], topo)) == [
-        (L3Kind.COMPUTE_STRAGGLER_BY_COLLECTIVE, (2,))]
+        (FindingKind.LATE_ARRIVAL, (2,))]
     factor = {0: 3.0, 1: 3.0, 3: 3.0}  # 3x shorter: explains the waiting, too weak to name (short_ratio 5)
     assert detect_l3([_summary(_ranks(8, factor), kernel=AR)], topo) == []
 
@@ -175,14 +176,14 @@ def test_late_tp_pair_explains_every_dp_group_and_is_not_named() -> None:
     # the TP all-reduce: rank 5 short, its partner long
     tp = {r: 50.0 if r == 4 else 1.0 for r in range(16)}
     res = detect_l3([_summary(_ranks(16, tp), kernel=AR, stream=17)], topo)
-    assert _found(res) == [(L3Kind.COMPUTE_STRAGGLER_BY_COLLECTIVE, (5,))]
+    assert _found(res) == [(FindingKind.LATE_ARRIVAL, (5,))]
     assert res[0].evidence["group"] == "TP2" and res[0].evidence["waiting_peers"] == [4]
 
 
 def test_link_of_a_larger_group_is_found_before_late_arrivals_of_smaller_ones() -> None:
     topo = build_topology("j", dp=2, tp=4, pp=2)  # TP groups {0..3} {4..7}; DP pairs {0,4} {1,5} ...
     res = detect_l3([_summary(_ranks(16, {r: 8.0 for r in range(4, 8)}), kernel=AR, stream=17)], topo)
-    assert _found(res) == [(L3Kind.LINK_DEGRADED, (4, 5, 6, 7))] and res[0].evidence["group"] == "TP1"
+    assert _found(res) == [(FindingKind.LINK_DEGRADED, (4, 5, 6, 7))] and res[0].evidence["group"] == "TP1"
 
 
 def test_partial_group_slow_collective_is_no_link() -> None:
@@ -191,14 +192,14 @@ def test_partial_group_slow_collective_is_no_link() -> None:
     # Members of DP groups whose peers are not slow only waited longer (a collective ends together): no finding.
     assert _found(res) == []
     p2p = detect_l3([_summary(_ranks(8, {1: 10.0, 5: 10.0}), kernel="ncclDevKernel_SendRecv")], topo)
-    assert _found(p2p) == [(L3Kind.LINK_DEGRADED, (1, 5))] and p2p[0].evidence["group_kind"] == "PP"
+    assert _found(p2p) == [(FindingKind.LINK_DEGRADED, (1, 5))] and p2p[0].evidence["group_kind"] == "PP"
 
 
 def test_a_pipeline_stream_with_one_side_gives_that_ranks_side() -> None:
     # Sends to the next stage and receives from it on the stage-0 ranks' stream only: no whole pair.
     topo = build_topology("j", dp=4, pp=2)
     res = detect_l3([_summary(_ranks(4, {1: 2.5}), kernel="ncclDevKernel_SendRecv")], topo)
-    assert _found(res) == [(L3Kind.LINK_DEGRADED, (1,))]
+    assert _found(res) == [(FindingKind.LINK_DEGRADED, (1,))]
     ev = res[0].evidence
     assert ev["group_kind"] == PIPELINE_SIDE and ev["pp_stage"] == 0 and not ev["whole_group"]
     assert ev["pp_group"] == topo.pp_group[1]
@@ -213,7 +214,7 @@ def test_a_pipeline_side_that_waits_keeps_its_transfer_floor_and_is_no_link() ->
     waiting = _summary(rows, kernel="ncclDevKernel_SendRecv")
     assert detect_l3([waiting], topo) == []
     slow = _summary(_ranks(4, {1: 2.5}), kernel="ncclDevKernel_SendRecv")  # every call slower: the link
-    assert _found(detect_l3([slow], topo)) == [(L3Kind.LINK_DEGRADED, (1,))]
+    assert _found(detect_l3([slow], topo)) == [(FindingKind.LINK_DEGRADED, (1,))]
 
 
 def test_row_floors_follow_the_fastest_calls_of_each_piece() -> None:
@@ -226,9 +227,9 @@ def test_row_floors_follow_the_fastest_calls_of_each_piece() -> None:
 
 def test_collectives_without_topology() -> None:
     res = detect_l3([_summary(_ranks(8, {r: 10.0 for r in range(4, 8)}), kernel="ncclKernel_AllGather")])
-    assert _found(res) == [(L3Kind.KERNEL_DEGRADED, (4, 5, 6, 7))]
+    assert _found(res) == [(FindingKind.KERNEL_DEGRADED, (4, 5, 6, 7))]
     late = detect_l3([_summary(_ranks(8, {5: 1 / 20}), kernel=AR)])
-    assert _found(late) == [(L3Kind.COMPUTE_STRAGGLER_BY_COLLECTIVE, (5,))] and late[0].evidence["group"] == "JOB0"
+    assert _found(late) == [(FindingKind.LATE_ARRIVAL, (5,))] and late[0].evidence["group"] == "JOB0"
 
 
 @PROPERTY
@@ -281,7 +282,7 @@ def test_one_stray_call_in_a_small_cluster_is_no_slow_kernel() -> None:
     assert detect_l3([_summary(ranks)]) == []
     # The same spread carried by a whole cluster of slow calls (a quarter of them) is found.
     ranks[5] = (5, [(18, 1e6, 1.1e6), (6, 3.0e6, 3.3e6)])
-    assert _found(detect_l3([_summary(ranks)])) == [(L3Kind.KERNEL_DEGRADED, (5,))]
+    assert _found(detect_l3([_summary(ranks)])) == [(FindingKind.KERNEL_DEGRADED, (5,))]
 
 
 def test_cluster_median_quantile_weights_clusters_by_calls() -> None:
@@ -297,7 +298,7 @@ def test_cluster_median_quantile_weights_clusters_by_calls() -> None:
 def test_stages_of_two_ranks_compare_a_kernel_every_rank_runs_job_wide() -> None:
     topo = build_topology("j", dp=2, pp=4)  # two ranks per stage: x1.25 is within a pair's own gate
     res = detect_l3([_summary(_ranks(8, {5: 1.25}))], topo)
-    assert _found(res) == [(L3Kind.KERNEL_DEGRADED, (5,))]
+    assert _found(res) == [(FindingKind.KERNEL_DEGRADED, (5,))]
     # A whole stage slow (both its ranks) is the stage detectors' to name, not two degraded kernels.
     assert detect_l3([_summary(_ranks(8, {6: 1.25, 7: 1.25}))], topo) == []
 
@@ -309,7 +310,7 @@ def test_two_named_groups_of_many_members_compare_like_many() -> None:
     summary = _summary(_ranks(16, slow), kernel=AR)
     # The trace named the stream's process group: each group's fastest member is a pure transfer.
     res = detect_l3([summary], topo, group_kind=ParallelGroup.DP)
-    assert _found(res) == [(L3Kind.LINK_DEGRADED, tuple(range(1, 16, 2)))] and res[0].evidence["group_known"]
+    assert _found(res) == [(FindingKind.LINK_DEGRADED, tuple(range(1, 16, 2)))] and res[0].evidence["group_known"]
     # Inferred from durations alone, two groups need a larger gap.
     assert detect_l3([summary], topo) == []
 
@@ -320,5 +321,5 @@ def test_a_collective_with_few_calls_is_judged_only_in_its_named_group() -> None
     topo = build_topology("j", dp=8, tp=2)
     summary = _summary(_ranks(16, {r: 3.0 for r in range(1, 16, 2)}, count=6), kernel=AR)
     assert _found(detect_l3([summary], topo, group_kind=ParallelGroup.DP)) == [
-        (L3Kind.LINK_DEGRADED, tuple(range(1, 16, 2)))]
+        (FindingKind.LINK_DEGRADED, tuple(range(1, 16, 2)))]
     assert detect_l3([summary], topo) == []

@@ -372,8 +372,8 @@ def test_detect_l3_cases_with_findings_are_covered(monkeypatch: pytest.MonkeyPat
     for seed in range(120):
         fast, _ = _both(*_job(seed), monkeypatch=monkeypatch)
         kinds |= {r.kind for r in fast}
-    assert {l3_kernels.L3Kind.KERNEL_DEGRADED, l3_kernels.L3Kind.LINK_DEGRADED,
-            l3_kernels.L3Kind.COMPUTE_STRAGGLER_BY_COLLECTIVE} <= kinds
+    assert {l3_kernels.FindingKind.KERNEL_DEGRADED, l3_kernels.FindingKind.LINK_DEGRADED,
+            l3_kernels.FindingKind.LATE_ARRIVAL} <= kinds
 
 
 def test_detect_l3_edge_cases(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -7,7 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from argus.detectors import L3Kind, MixtureBatch, detect_l3, score_ranks
+from argus.core.kinds import FindingKind
+from argus.detectors import MixtureBatch, detect_l3, score_ranks
 from argus.detectors.kernel_modes import mode_quantiles, reference_modes
 from argus.producers.topology import build_topology
 from argus.schemas.records import KernelSummary
@@ -62,7 +63,7 @@ def test_reference_modes_are_the_shapes_and_quantiles_their_medians() -> None:
 def test_one_shape_slower_on_one_rank_is_found_though_the_mixture_barely_moves() -> None:
     s = _summary(_multimodal(16, 1, 0.02, slow={5: (1, 1.35)}))
     res = detect_l3([s])
-    assert [(r.kind, r.ranks) for r in res] == [(L3Kind.KERNEL_DEGRADED, (5,))]
+    assert [(r.kind, r.ranks) for r in res] == [(FindingKind.KERNEL_DEGRADED, (5,))]
     ev = res[0].evidence
     assert ev["top_mode_ratio"] == pytest.approx(1.35, rel=0.05)
     assert ev["top_mode_share_of_calls"] == pytest.approx(0.4, abs=0.05)
@@ -98,7 +99,7 @@ def test_a_tp_group_with_a_slower_link_is_named_with_its_group() -> None:
     for factor in (1.5, 2.0, 3.0):
         rows = _collective(32, {}, {r: 1e5 * factor for r in range(8, 16)}, tp_groups)
         res = detect_l3([_summary(rows, kernel=AR, stream=20)], topo)
-        assert [(r.kind, r.ranks) for r in res] == [(L3Kind.LINK_DEGRADED, tuple(range(8, 16)))], factor
+        assert [(r.kind, r.ranks) for r in res] == [(FindingKind.LINK_DEGRADED, tuple(range(8, 16)))], factor
         assert res[0].evidence["group"] == "TP1"
         assert res[0].evidence["transfer_ratio"] == pytest.approx(factor, rel=0.1)
 
@@ -108,7 +109,7 @@ def test_waiting_for_a_late_member_is_never_a_link() -> None:
     tp_groups = [list(range(i, i + 8)) for i in range(0, 32, 8)]
     rows = _collective(32, {13: 5e5}, {}, tp_groups)  # rank 13 arrives 5x the transfer late: its peers wait
     res = detect_l3([_summary(rows, kernel=AR, stream=20)], topo)
-    assert all(r.kind is not L3Kind.LINK_DEGRADED for r in res)
+    assert all(r.kind is not FindingKind.LINK_DEGRADED for r in res)
     assert {r.ranks for r in res} <= {(13,)}
 
 
@@ -118,7 +119,7 @@ def test_send_recv_partners_waiting_for_a_slow_stage_are_not_a_link() -> None:
     pairs = [[0, 4], [1, 5], [2, 6], [3, 7]]
     rows = _collective(8, {4: 8e5, 5: 8e5}, {}, pairs)
     res = detect_l3([_summary(rows, kernel=SR, stream=21)], topo)
-    assert all(r.kind is not L3Kind.LINK_DEGRADED for r in res)
+    assert all(r.kind is not FindingKind.LINK_DEGRADED for r in res)
 
 
 def test_a_degraded_pipeline_link_is_its_pair() -> None:
@@ -126,5 +127,5 @@ def test_a_degraded_pipeline_link_is_its_pair() -> None:
     pairs = [[r, r + 4] for r in range(4)]
     rows = _collective(8, {}, {2: 2.5e5, 6: 2.5e5}, pairs)
     res = detect_l3([_summary(rows, kernel=SR, stream=21)], topo)
-    assert [(r.kind, r.ranks) for r in res] == [(L3Kind.LINK_DEGRADED, (2, 6))]
+    assert [(r.kind, r.ranks) for r in res] == [(FindingKind.LINK_DEGRADED, (2, 6))]
     assert res[0].evidence["group_kind"] == "PP"

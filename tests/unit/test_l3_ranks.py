@@ -8,10 +8,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from argus.core.errors import DetectorError
+from argus.core.kinds import FindingKind
 from argus.detectors.impact import StepClock, impact_of, worth_raising
-from argus.detectors.l1_iteration import L1Kind, L1Result
-from argus.detectors.l2_phases import L2Kind, L2Result
-from argus.detectors.l3_kernels import L3Kind, L3Result
+from argus.detectors.l1_iteration import L1Result
+from argus.detectors.l2_phases import L2Result
+from argus.detectors.l3_kernels import L3Result
 from argus.detectors.l3_ranks import KernelTotals, RankExcessParams, detect_rank_excess
 from argus.producers.topology import build_topology
 from argus.schemas.records import KernelSummary
@@ -39,7 +40,7 @@ def _job(n_ranks: int, seed: int, noise: float, slow: dict[int, float] | None = 
 @pytest.mark.parametrize("factor", [1.3, 1.6])
 def test_a_rank_slower_in_every_gemm_is_named_from_one_call_each(factor: float) -> None:
     res = detect_rank_excess(_job(8, 3, 0.05, {6: factor}))
-    assert [(r.kind, r.ranks) for r in res] == [(L3Kind.RANK_DEGRADED, (6,))]
+    assert [(r.kind, r.ranks) for r in res] == [(FindingKind.RANK_DEGRADED, (6,))]
     ev = res[0].evidence
     assert all("gemm" in k for k in ev["top_kernels_excess_ms"])
     assert ev["rank_score_z"] >= 4.5 and res[0].excess_ns > 0
@@ -79,14 +80,14 @@ def test_step_clock_and_impacts() -> None:
     clock = StepClock.of([300, 100, 200, 400], [10.0, 12.0, 11.0, 100.0])
     assert clock.median_step_ns == 11.5 and clock.starts_ns == (100, 200, 300, 400)
     assert clock.steps_in(100, 300) == 2 and clock.steps_in(1000, 2000) == 1
-    l3 = L3Result(L3Kind.RANK_DEGRADED, (1,), "k", 7, 0.3, excess_ns=40.0)
+    l3 = L3Result(FindingKind.RANK_DEGRADED, (1,), "k", 7, 0.3, excess_ns=40.0)
     imp = impact_of(l3, world_size=8, window_steps=4)
     assert (imp.delay_ns_per_step, imp.steps, imp.gpu_ns_per_step, imp.gpu_ns) == (10.0, 4, 80.0, 320.0)
-    l2 = L2Result(L2Kind.COMPUTE_STRAGGLER, (2,), "fwd", 2.0, delay_ns_per_step=0.1, steps_affected=30)
+    l2 = L2Result(FindingKind.COMPUTE_STRAGGLER, (2,), "fwd", 2.0, delay_ns_per_step=0.1, steps_affected=30)
     assert impact_of(l2, 8).gpu_ns == pytest.approx(24.0)
     assert not worth_raising(impact_of(l2, 8), clock, 0.01)  # 0.1 ns of an 11.5 ns step
     assert worth_raising(imp, clock, 0.01) and worth_raising(impact_of(l2, 8), StepClock(), 0.01)
-    l1 = L1Result(L1Kind.STEP_REGRESSION, (12,), 1.2, {}, delay_ns_per_step=2.0, steps_affected=5)
+    l1 = L1Result(FindingKind.STEP_REGRESSION, (12,), 1.2, {}, delay_ns_per_step=2.0, steps_affected=5)
     assert impact_of(l1, 4).gpu_ns == 40.0
 
 

@@ -4,7 +4,8 @@ episode with ``job_resumed``, a rank that stops while its peers go on is silent,
 
 from __future__ import annotations
 
-from argus.detectors.hangs import HangKind, HangParams
+from argus.core.kinds import FindingKind
+from argus.detectors.hangs import HangParams
 from argus.producers.topology import build_topology
 from argus.schemas.records import Heartbeat, ParallelGroup, PhaseBatch, PhaseKind, Step
 from argus.streams.liveness import JobLiveness
@@ -14,7 +15,7 @@ STEP = 100_000_000  # 100 ms steps
 P = HangParams(stall_k=2.0, stall_floor_ns=100_000_000, heartbeat_interval_ns=100_000_000, silent_heartbeats=3)
 
 
-def _steps(live: JobLiveness, ranks: range, step: int, clock: float) -> list[HangKind]:
+def _steps(live: JobLiveness, ranks: range, step: int, clock: float) -> list[FindingKind]:
     out = []
     for r in ranks:
         out += [x.kind for x in live.observe(Step("j", r, step, T0 + step * STEP, STEP, STEP), clock)]
@@ -61,13 +62,13 @@ def test_hang_is_named_then_closed_by_the_next_step() -> None:
                                    old.group_index, old.seq, old.in_flight_since_ns), clock + i * 0.1)
     found = live.judge(topo, STEP, clock + 0.3)
     kinds = [f.kind for f in found]
-    assert HangKind.JOB_STALLED in kinds and HangKind.RANK_SILENT not in kinds
-    wave = [f for f in found if f.kind is HangKind.HANG_WAVEFRONT and f.evidence["group"] == "DP"]
+    assert FindingKind.JOB_STALLED in kinds and FindingKind.RANK_SILENT not in kinds
+    wave = [f for f in found if f.kind is FindingKind.HANG_WAVEFRONT and f.evidence["group"] == "DP"]
     assert len(wave) == 1 and wave[0].ranks == (hung,) and wave[0].evidence["first_ranks"] == [hung]
     assert live.stalled_since_ns == T0 + 5 * STEP
     # The job resumes: the next completed step closes the episode.
     resumed = live.observe(Step("j", 0, 5, T0 + 5 * STEP, 8 * STEP, 8 * STEP), clock + 1.0)
-    assert [r.kind for r in resumed] == [HangKind.JOB_RESUMED]
+    assert [r.kind for r in resumed] == [FindingKind.JOB_RESUMED]
     assert abs(resumed[0].evidence["seconds_stalled"] - 0.8) < 1e-9 and live.stalled_since_ns is None
     assert live.observe(Step("j", 1, 5, T0 + 5 * STEP, 8 * STEP, 8 * STEP), clock + 1.0) == []
 
@@ -79,14 +80,14 @@ def test_quiet_job_ages_by_the_worker_clock_and_a_silent_rank_is_named() -> None
     _steps(live, range(2), 0, clock)
     # Nothing arrives: after the stall bound on the worker clock, the whole job is stalled (all silent).
     found = live.judge(topo, STEP, clock + 0.5)
-    assert [f.kind for f in found] == [HangKind.JOB_STALLED] and found[0].evidence["all_ranks_silent"]
+    assert [f.kind for f in found] == [FindingKind.JOB_STALLED] and found[0].evidence["all_ranks_silent"]
     # Rank 0 goes on, rank 1 stops: rank 1 is silent (and the episode closes at rank 0's next step).
     live2 = JobLiveness("j", P)
     _steps(live2, range(2), 0, clock)
     for step in range(1, 8):
         live2.observe(Step("j", 0, step, T0 + step * STEP, STEP, STEP), clock + step * 0.1)
     found = live2.judge(topo, STEP, clock + 0.8)
-    silent = [f for f in found if f.kind is HangKind.RANK_SILENT]
+    silent = [f for f in found if f.kind is FindingKind.RANK_SILENT]
     assert len(silent) == 1 and silent[0].ranks == (1,)
 
 
@@ -113,7 +114,7 @@ def test_a_producer_slower_than_its_event_time_is_not_stalled_between_steps() ->
         _steps(live, range(2), step, 10.0 + step)
     assert live.pace(STEP) == 0.1
     assert live.judge(topo, STEP, 19.0 + 1.5) == []
-    assert [f.kind for f in live.judge(topo, STEP, 19.0 + 10.5)] == [HangKind.JOB_STALLED]
+    assert [f.kind for f in live.judge(topo, STEP, 19.0 + 10.5)] == [FindingKind.JOB_STALLED]
 
 
 def test_a_job_is_alive_only_while_its_heartbeats_arrive() -> None:
@@ -139,7 +140,7 @@ def test_ranks_are_not_silent_when_steps_are_read_ahead_of_heartbeats() -> None:
     for r in range(4):  # ranks 0-3 resumed: their step 5 is read, the others' pause heartbeats are not yet
         live.observe(Step("j", r, 5, T0 + 5 * STEP + pause, STEP, STEP), clock)
     found = live.judge(topo, STEP, clock)
-    assert not any(f.kind is HangKind.RANK_SILENT for f in found), found
+    assert not any(f.kind is FindingKind.RANK_SILENT for f in found), found
 
 
 def test_heartbeats_ahead_of_the_steps_topic_are_no_stall() -> None:
@@ -172,4 +173,4 @@ def test_a_lull_after_the_last_heartbeat_is_no_stall() -> None:
     assert live.judge(topo, STEP, 10.3 + 1.0) == []
     for r in range(2):  # the ranks heartbeat on, stuck in step 4: now it is a stall
         live.observe(Heartbeat("j", r, T0 + 4 * STEP + STEP // 2, 4, "forward", PhaseKind.FORWARD), 11.3)
-    assert [f.kind for f in live.judge(topo, STEP, 11.3 + 1.0)] == [HangKind.JOB_STALLED]
+    assert [f.kind for f in live.judge(topo, STEP, 11.3 + 1.0)] == [FindingKind.JOB_STALLED]

@@ -95,10 +95,10 @@ def test_a_named_stragglers_kernels_are_its_evidence_not_findings_of_their_own()
         return Finding(finding_id=f"{kind}{ranks}", job_id="j", level=Level.L3, kind=kind, ranks=ranks, steps=(),
                        score=1.0, evidence_json="{}", time_ns=1)
 
-    found = [l3("kernel_degraded", (5,)), l3("kernel_degraded", (6,)), l3("compute_straggler", (5,)),
-             l3("compute_straggler", (7,)), l3("rank_degraded", (5,))]
+    found = [l3("kernel_degraded", (5,)), l3("kernel_degraded", (6,)), l3("late_arrival", (5,)),
+             l3("late_arrival", (7,)), l3("rank_degraded", (5,))]
     assert [(f.kind, f.ranks) for f in drop_victims(found, {5})] == [
-        ("kernel_degraded", (6,)), ("compute_straggler", (5,)), ("rank_degraded", (5,))]
+        ("kernel_degraded", (6,)), ("late_arrival", (5,)), ("rank_degraded", (5,))]
 
 
 def test_findings_carry_the_version_of_the_detectors_that_made_them() -> None:
