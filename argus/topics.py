@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import enum
 import logging
+from typing import Any, Protocol
 
 from confluent_kafka import KafkaException
 from confluent_kafka.admin import AdminClient, NewTopic
@@ -52,7 +53,8 @@ from argus.schemas.records import (
     Step,
 )
 
-__all__ = ["PARTITIONER", "RECORD_OF", "Topic", "ensure_topics", "job_key", "kernel_key", "key_partition", "rank_key"]
+__all__ = ["PARTITIONER", "RECORD_OF", "PublisherLike", "Topic", "ensure_topics", "job_key", "kernel_key",
+           "key_partition", "rank_key"]
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +101,20 @@ def rank_key(job_id: str, rank: int) -> bytes:
 
 def kernel_key(job_id: str, kernel: str, stream: int) -> bytes:
     return f"{job_id}/{kernel}/{stream}".encode()
+
+
+class PublisherLike(Protocol):
+    """What argus publishes records through: the rank-side :class:`~argus.producers.publisher.Publisher`, the
+    in-process collector of :mod:`argus.streams.offline`, or a test double.
+
+    ``publish(topic, key, record)``: queue ``record`` (a record of ``RECORD_OF[topic]``) under ``key``; False when
+    it was dropped (and counted), never an exception for a full queue. ``flush(timeout_s)``: wait up to
+    ``timeout_s`` seconds (default 30) for queued messages; the number still queued.
+    """
+
+    def publish(self, topic: Topic, key: bytes, record: Any) -> bool: ...
+
+    def flush(self, timeout_s: float = 30.0) -> int: ...
 
 
 def job_key(job_id: str) -> bytes:

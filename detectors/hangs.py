@@ -35,11 +35,10 @@ from typing import Any
 from argus.core.kinds import FindingKind
 from argus.schemas.records import Heartbeat, JobTopology, Level, ParallelGroup, PhaseKind
 
-__all__ = ["FindingKind", "HangParams", "HangResult", "RankLiveness", "detect_hangs", "job_resumed"]
+__all__ = ["HangParams", "HangResult", "RankLiveness", "detect_hangs", "job_resumed"]
 
 _NS = 1e9
-_GROUP_COLUMNS = {ParallelGroup.DP: "dp_group", ParallelGroup.TP: "tp_group", ParallelGroup.PP: "pp_group",
-                  ParallelGroup.EP: "ep_group"}
+_GROUP_COLUMNS = {g: g.column for g in (ParallelGroup.DP, ParallelGroup.TP, ParallelGroup.PP, ParallelGroup.EP)}
 
 
 @dataclass(frozen=True)

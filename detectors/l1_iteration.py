@@ -110,7 +110,7 @@ from argus.core.errors import DetectorError
 from argus.core.kinds import FindingKind
 from argus.schemas.records import Level, Step
 
-__all__ = ["FindingKind", "IterationSeries", "L1Params", "L1Result", "detect_l1"]
+__all__ = ["IterationSeries", "L1Params", "L1Result", "detect_l1"]
 
 F64 = npt.NDArray[np.float64]
 I64 = npt.NDArray[np.int64]

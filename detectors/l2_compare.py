@@ -16,6 +16,7 @@ import numpy as np
 import numpy.typing as npt
 
 from argus.detectors.l2_groups import loo_median_rows
+from argus.detectors.victims import LATE_ARRIVAL_RATIO
 from argus.schemas.records import PhaseKind
 
 if TYPE_CHECKING:
@@ -28,7 +29,6 @@ I64 = npt.NDArray[np.int64]
 _MAD_SCALE = 1.4826
 # A member this many times shorter than its peers' median arrived late: its group's long collectives are
 # explained (the same 2x rule as L3's link check).
-_LATE_EXPLAINS = 2.0
 
 
 @dataclass
@@ -63,7 +63,7 @@ def compare_rows(value: F64, p: L2Params, collective: bool) -> tuple[F64, F64, F
         cv = np.where(mean > 0, value.std(axis=1) / mean, 0.0)
     use_z = value.shape[1] >= 3
     if collective:  # only short members (late arrivals); long ones waited or arrived early
-        hit = (ratio <= 1.0 / _LATE_EXPLAINS) & ((z <= -p.min_z) if use_z else True)
+        hit = (ratio <= 1.0 / LATE_ARRIVAL_RATIO) & ((z <= -p.min_z) if use_z else True)
     else:
         hit = (ratio >= p.min_elevation) & ((z >= p.min_z) if use_z else True)
     return ratio, z, peers, cv, hit

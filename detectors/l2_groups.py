@@ -7,14 +7,12 @@ import numpy as np
 import numpy.typing as npt
 
 from argus.core.errors import DetectorError
-from argus.schemas.records import JobTopology
 
-__all__ = ["cell_median", "loo_median", "loo_median_rows", "waiting_victims"]
+__all__ = ["cell_median", "loo_median", "loo_median_rows"]
 
 F64 = npt.NDArray[np.float64]
 I64 = npt.NDArray[np.int64]
 #: Groups whose collectives block the compute stream mid-step: waiting there delays all that follows.
-_BLOCKING_COLUMNS = ("tp_group", "pp_group", "ep_group")
 
 
 def cell_median(cell: I64, values: F64, size: int) -> F64:
@@ -81,23 +79,3 @@ def loo_median_rows(values: npt.ArrayLike) -> F64:
     if m % 2:
         return remaining((m - 1) // 2)
     return 0.5 * (remaining(m // 2 - 1) + remaining(m // 2))
-
-
-def waiting_victims(stragglers: set[int], late: set[int], topology: JobTopology) -> set[int]:
-    """The ``late`` arrivals that waited for a straggler: those sharing a TP, PP or EP group with one of
-    ``stragglers`` (e.g. its TP partner, held up in their blocking TP all-reduce and so late to its DP
-    all-reduce), then those sharing one with such a victim (e.g. the victim's next pipeline stage), and
-    so on. A shared DP group is no link: the DP all-reduce ends the step, nothing waits behind it.
-    ``stragglers`` themselves are never victims."""
-    pos = {r: i for i, r in enumerate(topology.rank)}
-    columns = [np.asarray(getattr(topology, c)) for c in _BLOCKING_COLUMNS]
-
-    def shares(r: int, s: int) -> bool:
-        return any(col[pos[s]] == col[pos[r]] for col in columns)
-
-    victims: set[int] = set()
-    frontier = set(stragglers)
-    while frontier:
-        frontier = {r for r in late - stragglers - victims if any(shares(r, s) for s in frontier)}
-        victims |= frontier
-    return victims

@@ -65,11 +65,12 @@ import numpy.typing as npt
 from argus.core.errors import DetectorError
 from argus.core.kinds import FindingKind
 from argus.detectors.l2_compare import Flag, phase_flags
-from argus.detectors.l2_groups import cell_median, loo_median, waiting_victims
+from argus.detectors.l2_groups import cell_median, loo_median
 from argus.detectors.phase_layout import BLOCKING_GROUPS, COMPUTE_KINDS, PhaseLayout
+from argus.detectors.victims import waiting_victims
 from argus.schemas.records import JobTopology, Level, ParallelGroup, PhaseBatch, PhaseKind
 
-__all__ = ["BLOCKING_GROUPS", "FindingKind", "L2Params", "L2Result", "PhaseTable", "detect_l2", "loo_median"]
+__all__ = ["BLOCKING_GROUPS", "L2Params", "L2Result", "PhaseTable", "detect_l2", "loo_median"]
 
 F64 = npt.NDArray[np.float64]
 I64 = npt.NDArray[np.int64]

@@ -65,18 +65,18 @@ from argus.detectors.kernel_modes import ReferenceModes, mode_quantiles, referen
 from argus.detectors.kernel_rows import merge_rows, one_key, row_floors, window_end
 from argus.detectors.l2_groups import loo_median, loo_median_rows
 from argus.detectors.mixture import MixtureBatch, geometric_grid, mixture_cdf
+from argus.detectors.victims import LATE_ARRIVAL_RATIO
 from argus.schemas.records import JobTopology, KernelSummary, Level, ParallelGroup
 
-__all__ = ["PIPELINE_SIDE", "FindingKind", "L3Params", "L3Result", "RankScores", "Scope", "cluster_median_quantile",
+__all__ = ["PIPELINE_SIDE", "L3Params", "L3Result", "RankScores", "Scope", "cluster_median_quantile",
            "detect_l3", "is_collective", "primary_p50", "score_ranks"]
 
 F64 = npt.NDArray[np.float64]
 I64 = npt.NDArray[np.int64]
 #: Smallest W1 (as a fraction of the reference mean) the inter/intra ratio divides by.
 _W1_RESOLUTION = 1e-4
-#: A member this many times shorter than its group peers arrived late (explains their long collectives).
-_LATE_EXPLAINS = 2.0
-_GROUP_KINDS = (("DP", "dp_group"), ("TP", "tp_group"), ("EP", "ep_group"), ("PP", "pp_group"))
+_GROUP_KINDS = tuple((g.value, g.column)
+                     for g in (ParallelGroup.DP, ParallelGroup.TP, ParallelGroup.EP, ParallelGroup.PP))
 _MAD_SCALE = 1.4826
 #: ``group_kind`` of a link result that is one rank's side of its pipeline transfers (see :func:`_pipeline_sides`):
 #: evidence to pair with the adjacent stage's side, not a finding on its own.
@@ -451,7 +451,7 @@ def _groups(topology: JobTopology | None, ranks: I64, p2p: bool,
     if only is not None and only is not ParallelGroup.NONE:
         kinds = tuple(k for k in _GROUP_KINDS if k[0] == only.value)
     else:
-        kinds = (("PP", "pp_group"), ("EP", "ep_group")) if p2p else _GROUP_KINDS[:2]
+        kinds = (_GROUP_KINDS[3], _GROUP_KINDS[2]) if p2p else _GROUP_KINDS[:2]
     out = []
     for kind, col in kinds:
         column = np.asarray(getattr(topology, col))
@@ -640,11 +640,11 @@ def _late_candidates(groups: list[tuple[str, int, I64]], p50: F64) -> list[tuple
     members = np.stack([rows for _, _, rows in groups])
     v = p50[members]
     size = members.shape[1]
-    calm = np.sum(_LATE_EXPLAINS * v <= np.median(v, axis=1, keepdims=True), axis=1) <= max(1, size // 4)
+    calm = np.sum(LATE_ARRIVAL_RATIO * v <= np.median(v, axis=1, keepdims=True), axis=1) <= max(1, size // 4)
     peers = loo_median_rows(v)
     ratio = peers / v
     out = [(float(ratio[i, j]), groups[i][0], groups[i][1], int(members[i, j]), groups[i][2], float(peers[i, j]))
-           for i, j in zip(*np.nonzero(calm[:, None] & (ratio >= _LATE_EXPLAINS)), strict=True)]
+           for i, j in zip(*np.nonzero(calm[:, None] & (ratio >= LATE_ARRIVAL_RATIO)), strict=True)]
     out.sort(key=lambda c: (-c[0], c[3]))
     return out
 

@@ -35,14 +35,14 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from argus.core.errors import ProducerError, SchemaError
 from argus.core.kafka_security import client_config
 from argus.core.settings import Settings
 from argus.producers.rank_registry import RankRegistry
 from argus.schemas.records import CpuStack, Finding
-from argus.topics import Topic, rank_key
+from argus.topics import PublisherLike, Topic, rank_key
 
 __all__ = ["StackCaptureError", "StackCapturer", "StackCollector", "capture_stacks", "find_py_spy"]
 
@@ -58,12 +58,6 @@ class StackCaptureError(ProducerError):
     def __init__(self, message: str, permission: bool = False) -> None:
         super().__init__(message)
         self.permission = permission
-
-
-class PublisherLike(Protocol):
-    def publish(self, topic: Topic, key: bytes, record: Any) -> bool: ...
-
-    def flush(self, timeout_s: float = 30.0) -> int: ...
 
 
 def find_py_spy() -> str | None:

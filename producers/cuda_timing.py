@@ -29,10 +29,10 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
 from argus.schemas.records import ParallelGroup, PhaseBatch, PhaseKind, Step
-from argus.topics import Topic, job_key
+from argus.topics import PublisherLike, Topic, job_key
 
 __all__ = ["EPOCH_ANCHOR_NS", "EventPool", "PhaseOpener", "PhaseRec", "StepRec", "StepResolver", "epoch_ns"]
 
@@ -45,10 +45,6 @@ EPOCH_ANCHOR_NS = time.time_ns() - time.perf_counter_ns()
 def epoch_ns(perf_ns: int) -> int:
     """A ``perf_counter_ns`` stamp as integer ns since the Unix epoch."""
     return perf_ns + EPOCH_ANCHOR_NS
-
-
-class PublisherLike(Protocol):
-    def publish(self, topic: Topic, key: bytes, record: Any) -> bool: ...
 
 
 class PhaseRec:

@@ -48,7 +48,7 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from argus.producers.cupti_parse import (
     KIND_CONCURRENT_KERNEL,
@@ -62,15 +62,11 @@ from argus.producers.cupti_parse import (
     extract_columns,
 )
 from argus.schemas.records import KernelBatch
-from argus.topics import Topic, rank_key
+from argus.topics import PublisherLike, Topic, rank_key
 
 __all__ = ["CuptiKernels", "CuptiState", "CuptiStats", "CuptiStatus", "StepMarks"]
 
 log = logging.getLogger(__name__)
-
-
-class PublisherLike(Protocol):
-    def publish(self, topic: Topic, key: bytes, record: Any) -> bool: ...
 
 
 class CuptiState(enum.Enum):

@@ -21,11 +21,11 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, Protocol
+from typing import Any
 
 from argus.producers.cuda_timing import PhaseRec, epoch_ns
 from argus.schemas.records import Heartbeat, ParallelGroup, PhaseKind
-from argus.topics import Topic, job_key
+from argus.topics import PublisherLike, Topic, job_key
 
 __all__ = ["MAX_DEPTH", "HeartbeatThread", "LiveState"]
 
@@ -35,10 +35,6 @@ log = logging.getLogger(__name__)
 MAX_DEPTH = 16
 _GROUPS = tuple(ParallelGroup)
 _GROUP_IDX = {g: i for i, g in enumerate(_GROUPS)}
-
-
-class _Publisher(Protocol):
-    def publish(self, topic: Topic, key: bytes, record: Any) -> bool: ...
 
 
 def _completed(work: Any) -> bool:
@@ -150,7 +146,7 @@ class HeartbeatThread:
         group_index: per group kind, the index of this rank's group (the topology's ``*_group`` column).
     """
 
-    def __init__(self, job_id: str, rank: int, state: LiveState, publisher: _Publisher, interval_s: float,
+    def __init__(self, job_id: str, rank: int, state: LiveState, publisher: PublisherLike, interval_s: float,
                  group_index: dict[ParallelGroup, int] | None = None) -> None:
         self.job_id, self.rank, self.state = job_id, rank, state
         self._publisher = publisher

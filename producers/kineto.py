@@ -38,7 +38,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
@@ -57,7 +57,7 @@ from argus.schemas.records import (
     Record,
     Step,
 )
-from argus.topics import Topic, job_key, rank_key
+from argus.topics import PublisherLike, Topic, job_key, rank_key
 
 __all__ = ["ALIGN_THRESHOLD_NS", "ImportReport", "PublisherLike", "find_traces", "import_kineto", "kernel_batches",
            "parse_topology", "rank_records", "read_trace", "step_records", "topology_from_pg_config",
@@ -70,12 +70,6 @@ ALIGN_THRESHOLD_NS = 10_000_000
 _SUFFIXES = (".json", ".json.gz")
 _COLUMN = {ParallelGroup.DP: "dp_group", ParallelGroup.TP: "tp_group", ParallelGroup.PP: "pp_group",
            ParallelGroup.EP: "ep_group"}
-
-
-class PublisherLike(Protocol):
-    def publish(self, topic: Topic, key: bytes, record: Any) -> bool: ...
-
-    def flush(self, timeout_s: float = ...) -> int: ...
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -58,7 +58,7 @@ from argus.schemas.records import (
     PhaseKind,
     Step,
 )
-from argus.topics import Topic, job_key, rank_key
+from argus.topics import PublisherLike, Topic, job_key, rank_key
 
 __all__ = ["JobSimulator", "JobSpec", "PublisherLike", "SimRecord", "SimStats", "paper_case", "simulate"]
 
@@ -172,14 +172,6 @@ def paper_case(fault: Fault, job_id: str | None = None, steps: int = 40, seed: i
     topo = build_topology(jid, 8)
     return JobSpec(jid, 8, steps=steps, seed=seed, grad_sync=GradSync.DISTRIBUTED,
                    fault=FaultSpec.compute_straggler_short_collectives(topo))
-
-
-class PublisherLike(Protocol):
-    """What :meth:`JobSimulator.run` publishes through (e.g. the argus rank-side publisher)."""
-
-    def publish(self, topic: Topic, key: bytes, record: Any) -> bool: ...
-
-    def flush(self, timeout_s: float) -> int: ...
 
 
 class SimRecord(NamedTuple):

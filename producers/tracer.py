@@ -52,7 +52,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from argus.core.settings import Settings
 from argus.producers.cuda_timing import EventPool, PhaseRec, StepRec, StepResolver, epoch_ns
@@ -65,7 +65,7 @@ from argus.producers.tracer_ddp import DDPMixin
 from argus.producers.tracer_hooks import HookMixin
 from argus.producers.tracer_patch import PatchMixin
 from argus.schemas.records import JobLifecycle, JobTopology, LifecycleEvent, ParallelGroup, PhaseKind
-from argus.topics import Topic, job_key
+from argus.topics import PublisherLike, Topic, job_key
 
 try:  # torch is optional: without it the tracer still times steps and phases with the host clock
     import torch as _torch
@@ -78,14 +78,6 @@ __all__ = ["PublisherLike", "Tracer", "TracerStats"]
 log = logging.getLogger(__name__)
 
 _perf = time.perf_counter_ns
-
-
-class PublisherLike(Protocol):
-    """What the tracer publishes through (the argus :class:`~argus.producers.publisher.Publisher`, or a fake)."""
-
-    def publish(self, topic: Topic, key: bytes, record: Any) -> bool: ...
-
-    def flush(self, timeout_s: float = 30.0) -> int: ...
 
 
 class _NullPublisher:

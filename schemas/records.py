@@ -111,6 +111,11 @@ class ParallelGroup(enum.Enum):
     PP = "PP"
     EP = "EP"
 
+    @property
+    def column(self) -> str:
+        """The :class:`JobTopology` column of this kind's group ids (``dp_group``, ...); '' for NONE."""
+        return "" if self is ParallelGroup.NONE else f"{self.value.lower()}_group"
+
 
 class LifecycleEvent(enum.Enum):
     START = "START"

@@ -39,16 +39,14 @@ from argus.detectors.l1_iteration import IterationSeries, L1Params, L1Result, de
 from argus.detectors.l2_phases import L2Params, L2Result, PhaseTable, detect_l2
 from argus.detectors.l3_kernels import PIPELINE_SIDE, L3Params, L3Result, detect_l3
 from argus.detectors.l3_ranks import KernelTotals, RankExcessParams, detect_rank_excess, detect_stage_excess
+from argus.detectors.victims import straggler_ranks
 from argus.schemas.records import Finding, JobLifecycle, JobTopology, KernelSummary, ParallelGroup, PhaseBatch, Step
 
 __all__ = ["CORROBORATES_ONLY", "DiagnosisParams", "JobDiagnosis", "KernelDiagnosis", "LinkLedger", "RankDiagnosis",
-           "corroborates_only", "detector_version", "drop_victims", "judge", "straggler_ranks"]
+           "corroborates_only", "detector_version", "judge"]
 
 #: Evidence key of a link result under the impact threshold: corroboration for the ledger, never published.
 CORROBORATES_ONLY = "corroborates_only"
-
-#: (level, kind) of findings that name a rank slow by its own work.
-_STRAGGLER_KINDS = frozenset({FindingKind.COMPUTE_STRAGGLER, FindingKind.RANK_DEGRADED})
 
 
 @dataclass(frozen=True)
@@ -484,25 +482,3 @@ def _row(s: KernelSummary, i: int) -> KernelSummary:
         cluster_p99_ns=s.cluster_p99_ns[sl], cluster_min_ns=s.cluster_min_ns[sl],
         cluster_max_ns=s.cluster_max_ns[sl], cluster_sum_ns=s.cluster_sum_ns[sl],
     )
-
-
-def straggler_ranks(findings: list[Finding]) -> set[int]:
-    """Ranks named compute stragglers: by L2 (phases) or by L3 across kernels (``rank_degraded``)."""
-    return {r for f in findings if f.kind in _STRAGGLER_KINDS for r in f.ranks}
-
-
-def drop_victims(findings: list[Finding], stragglers: set[int]) -> list[Finding]:
-    """Keep L3 late-arrival findings only for ranks L2 named compute stragglers (``stragglers``), and drop
-    per-kernel findings of ranks already named stragglers.
-
-    A member that reaches a collective last is late, not necessarily the cause: a rank sharing a blocking
-    group (TP, PP or EP: collectives inside the layer) with a straggler waits for it there and reaches its
-    *other* collectives late as well, and so does a pipeline stage waiting for another. A single (kernel,
-    stream) cannot tell why; L2 (the phases of every group) and the compute kernels can, so an L3 late
-    arrival is only raised as corroboration of a straggler found there. A straggler's slower kernels are
-    its finding's evidence already; raised one by one, the smallest of them would come and go with the
-    noise of their impact.
-    """
-    return [f for f in findings
-            if not (f.kind is FindingKind.LATE_ARRIVAL and not set(f.ranks) <= stragglers)
-            and not (f.kind is FindingKind.KERNEL_DEGRADED and set(f.ranks) <= stragglers)]

@@ -82,6 +82,7 @@ from argus.core.settings import Settings
 from argus.detectors.findings import finding_json, to_finding
 from argus.detectors.hangs import HangParams, HangResult
 from argus.detectors.impact import Impact, StepClock
+from argus.detectors.victims import drop_victims, straggler_ranks
 from argus.metrics import DELAY_BUCKETS_S, Histogram
 from argus.schemas.job_context import CONTEXT_JOB_PART, JobContext
 from argus.schemas.records import (
@@ -104,8 +105,6 @@ from argus.streams.diagnosis import (
     LinkLedger,
     RankDiagnosis,
     detector_version,
-    drop_victims,
-    straggler_ranks,
 )
 from argus.streams.idle import IdleJobs, QuietClock, abandon_reason
 from argus.streams.job_context import (

@@ -18,6 +18,7 @@ from typing import Any
 
 from argus.core.settings import Settings
 from argus.detectors.findings import finding_json
+from argus.detectors.victims import drop_victims, straggler_ranks
 from argus.schemas.records import (
     Finding,
     JobLifecycle,
@@ -37,8 +38,6 @@ from argus.streams.diagnosis import (
     LinkLedger,
     RankDiagnosis,
     detector_version,
-    drop_victims,
-    straggler_ranks,
 )
 from argus.streams.windows import ClosedWindow, WindowBuffer
 from argus.topics import Topic

@@ -116,8 +116,8 @@ def test_a_window_is_judged_live_only_once_its_steps_are_known() -> None:
 
 
 def test_l3_late_arrivals_only_corroborate_l2_stragglers() -> None:
+    from argus.detectors.victims import drop_victims
     from argus.schemas.records import Finding, Level
-    from argus.streams.diagnosis import drop_victims
 
     # DP 8 x TP 2 x PP 2: ranks 4 and 5 form TP group 2
 

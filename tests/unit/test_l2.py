@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from argus.core.errors import DetectorError
 from argus.core.kinds import FindingKind
 from argus.detectors import L2Params, PhaseTable, detect_l2, loo_median
-from argus.detectors.l2_groups import waiting_victims
+from argus.detectors.victims import waiting_victims
 from argus.producers.topology import build_topology
 from argus.schemas.records import JobTopology, Level, ParallelGroup, PhaseBatch, PhaseKind
 

@@ -89,7 +89,7 @@ def test_pipeline_sides_are_not_paired_once_a_straggler_is_known() -> None:
 
 
 def test_a_named_stragglers_kernels_are_its_evidence_not_findings_of_their_own() -> None:
-    from argus.streams.diagnosis import drop_victims
+    from argus.detectors.victims import drop_victims
 
     def l3(kind: str, ranks: tuple[int, ...]) -> Finding:
         return Finding(finding_id=f"{kind}{ranks}", job_id="j", level=Level.L3, kind=kind, ranks=ranks, steps=(),
