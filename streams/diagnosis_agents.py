@@ -76,7 +76,7 @@ import faust
 from confluent_kafka import Consumer, TopicPartition
 from faust.types import EventT
 
-from argus.core.errors import DeadLetterError, RejectedRecordError, SchemaError
+from argus.core.errors import DeadLetterError, RejectedRecordError, SchemaError, failure_reason
 from argus.core.kafka_security import client_config
 from argus.core.settings import Settings
 from argus.detectors.findings import finding_json, to_finding
@@ -120,7 +120,7 @@ from argus.streams.job_context import (
 from argus.streams.liveness import JobLiveness
 from argus.topics import RECORD_OF, Topic, job_key, key_partition
 
-__all__ = ["DeadLetters", "DiagnosisStats", "PieceLedger", "failure_reason", "foreign_ranks", "install_diagnosis",
+__all__ = ["DeadLetters", "DiagnosisStats", "PieceLedger", "foreign_ranks", "install_diagnosis",
            "merge_pieces", "scan_diagnosed", "select_rows", "summary_end_marker"]
 
 log = logging.getLogger(__name__)
@@ -193,11 +193,6 @@ def _is_end_marker(s: KernelSummary) -> bool:
 #: Largest payload kept in a dead letter (bytes): with the record around it, it must stay under the
 #: producer's 8 MB request size. A longer one is cut; the original stays on its topic for the retention.
 _MAX_DEAD_PAYLOAD = 7_000_000
-
-
-def failure_reason(exc: BaseException) -> str:
-    """A dead letter's reason for ``exc``: schema errors as they read, anything else after its class name."""
-    return str(exc) if isinstance(exc, SchemaError) else f"{type(exc).__name__}: {exc}"
 
 
 class DeadLetters:

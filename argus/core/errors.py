@@ -18,6 +18,7 @@ __all__ = [
     "SinkError",
     "StreamError",
     "TraceExportError",
+    "failure_reason",
 ]
 
 
@@ -66,3 +67,8 @@ class KafkaLocalError(ArgusError):
 class TraceExportError(ArgusError):
     """``argus export-trace`` was asked for data the store does not hold (no such job, ranks or steps, an empty
     step range) or could not write its output."""
+
+
+def failure_reason(exc: BaseException) -> str:
+    """A dead letter's reason for ``exc``: schema errors as they read, anything else after its class name."""
+    return str(exc) if isinstance(exc, SchemaError) else f"{type(exc).__name__}: {exc}"

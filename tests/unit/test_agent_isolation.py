@@ -9,13 +9,12 @@ from typing import Any
 
 import pytest
 
-from argus.core.errors import DeadLetterError, DetectorError, SchemaError
+from argus.core.errors import DeadLetterError, DetectorError, SchemaError, failure_reason
 from argus.schemas.records import DeadLetter, KernelSummary
 from argus.streams.diagnosis import DiagnosisParams
 from argus.streams.diagnosis_agents import (
     DeadLetters,
     _BoundedKernelDiagnosis,
-    failure_reason,
     foreign_ranks,
     select_rows,
 )
