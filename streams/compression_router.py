@@ -102,8 +102,8 @@ class Emission(Generic[H]):
 class Routed(Generic[H]):
     """What the agent does for one message, in this order: send ``dead`` (each delivered before anything is
     acked), send ``emission``'s summaries, pass ``end_marker`` on (``(job, kernel partition)``: after every
-    summary sent so far is delivered, a :func:`summary_end_marker` to each summaries partition), then ack
-    ``ack``."""
+    summary sent so far is delivered, a :func:`~argus.streams.summary_pieces.summary_end_marker` to each
+    summaries partition), then ack ``ack``."""
 
     ack: list[H] = field(default_factory=list)
     dead: list[DeadLetter] = field(default_factory=list)

@@ -15,6 +15,9 @@
   :class:`argus.streams.diagnosis.RankDiagnosis`, judged before the DIAGNOSED of the last partition this worker
   finishes the job on, when this worker has held all partitions of the job.
 
+The L3 agent decodes each summary and hands it to its :class:`~argus.streams.summary_router.SummaryRouter`
+(what to hold, ack, dead-letter and judge; unit-tested without a broker), then carries out what it answers.
+
 Each DIAGNOSED record lists the ids of the job's findings published before it, so ``argus findings --wait``
 can wait for those findings (and the job's records) to be stored, not only for the markers.
 
@@ -63,13 +66,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import itertools
 import json
 import logging
 import time
 from collections import OrderedDict, defaultdict
-from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import faust
@@ -82,8 +82,7 @@ from argus.core.settings import Settings
 from argus.detectors.findings import finding_json, to_finding
 from argus.detectors.hangs import HangParams, HangResult
 from argus.detectors.impact import Impact, StepClock
-from argus.detectors.victims import drop_victims, straggler_ranks
-from argus.metrics import DELAY_BUCKETS_S, Histogram
+from argus.detectors.victims import straggler_ranks
 from argus.schemas.job_context import CONTEXT_JOB_PART, JobContext
 from argus.schemas.records import (
     DeadLetter,
@@ -101,11 +100,11 @@ from argus.schemas.records import (
 from argus.streams.diagnosis import (
     DiagnosisParams,
     JobDiagnosis,
-    KernelDiagnosis,
     LinkLedger,
     RankDiagnosis,
     detector_version,
 )
+from argus.streams.diagnosis_stats import DiagnosisStats
 from argus.streams.idle import IdleJobs, QuietClock, abandon_reason
 from argus.streams.job_context import (
     ContextTable,
@@ -118,76 +117,20 @@ from argus.streams.job_context import (
     totals_context,
 )
 from argus.streams.liveness import JobLiveness
+from argus.streams.summary_pieces import (
+    foreign_ranks,
+)
+from argus.streams.summary_router import SummaryRouter, SummaryStep
 from argus.topics import RECORD_OF, Topic, job_key, key_partition
 
-__all__ = ["DeadLetters", "DiagnosisStats", "PieceLedger", "foreign_ranks", "install_diagnosis",
-           "merge_pieces", "scan_diagnosed", "select_rows", "summary_end_marker"]
+__all__ = ["DeadLetters", "install_diagnosis", "scan_diagnosed"]
 
 log = logging.getLogger(__name__)
 _V = TypeVar("_V")
 
 
-@dataclass
-class DiagnosisStats:
-    records: int = 0
-    findings: int = 0
-    jobs_diagnosed: int = 0
-    l3_parts_diagnosed: int = 0
-    undecodable: int = 0
-    #: Records dead-lettered by these agents (rejected or failed), and job / L3 states repaired or discarded.
-    dead_letters: int = 0
-    states_repaired: int = 0
-    states_discarded: int = 0
-    #: Summary rows ignored because their window was already dropped from the bounded L3 state.
-    l3_rows_ignored: int = 0
-    #: Copies ignored: Step/PhaseBatch records already taken, summary rows of pieces already taken.
-    duplicates: int = 0
-    #: Records of jobs (or L3 parts) already diagnosed, re-read after a restart and not diagnosed live again.
-    replayed: int = 0
-    #: Wall-clock time of the last finding published, ns since the epoch (for latency measurements).
-    last_finding_ns: int = 0
-    #: Jobs this worker abandoned (idle past ``job_idle_timeout_s`` or beyond ``max_open_jobs``: ABANDONED
-    #: written), and jobs closed on an ABANDONED record read back (final diagnosis, state dropped, acked).
-    jobs_abandoned: int = 0
-    jobs_closed_abandoned: int = 0
-    #: Jobs open in the L1/L2 agent, and messages held un-acked for them.
-    open_jobs: int = 0
-    held_messages: int = 0
-    #: Heartbeats taken (acked at once: liveness only), and hang findings (stalled, silent, wavefront, resumed).
-    heartbeats: int = 0
-    hang_findings: int = 0
-    #: Final L3 parts that waited for their job's final steps, and those judged without them (gave up).
-    finals_deferred: int = 0
-    finals_without_steps: int = 0
-    #: The jobs holding state here, longest open first (at most ``_LISTED_JOBS``): job, state (``open``,
-    #: ``abandoning``: ABANDONED written, not read back yet; ``awaiting L3``: finished, records held until its
-    #: L3 parts are diagnosed), age_s (since its first record here), idle_s, last_step, held_messages.
-    jobs: list[dict[str, Any]] = dataclasses.field(default_factory=list)
-    #: Jobs with diagnosis context here (topology, steps, stragglers, ...): running or not fully diagnosed.
-    context_jobs: int = 0
-    #: Findings published, per level and kind: ``{level: {kind: count}}`` (for ``/metrics``).
-    findings_by_kind: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
-    #: Seconds from a job's END record read here to its DIAGNOSED ``l1l2`` written (``l1l2``), and to every
-    #: part of the job DIAGNOSED (``job``: when ``argus findings --wait`` returns).
-    diagnosis_latency_s: dict[str, Histogram] = dataclasses.field(
-        default_factory=lambda: {"l1l2": Histogram(), "job": Histogram()})
-    #: Seconds from each finding's event time (``time_ns``, the ranks' clocks) to its publication here.
-    finding_delay_s: Histogram = dataclasses.field(default_factory=lambda: Histogram(DELAY_BUCKETS_S))
-
-
 #: Most jobs listed in :attr:`DiagnosisStats.jobs` (the counts cover all of them).
 _LISTED_JOBS = 100
-
-
-def summary_end_marker(job_id: str, source_partition: int) -> KernelSummary:
-    """What a compressor partition sends to every summaries partition when it has finished a job."""
-    return KernelSummary(job_id=job_id, kernel="", stream=source_partition, rank=(), window_start_ns=(),
-                         window_end_ns=(), n_events=(), n_clusters=(), cluster_count=(), cluster_p50_ns=(),
-                         cluster_p99_ns=(), cluster_min_ns=(), cluster_max_ns=(), cluster_sum_ns=())
-
-
-def _is_end_marker(s: KernelSummary) -> bool:
-    return s.kernel == "" and not s.rank
 
 
 #: Largest payload kept in a dead letter (bytes): with the record around it, it must stay under the
@@ -238,176 +181,9 @@ class DeadLetters:
                 return
 
 
-def foreign_ranks(ranks: Iterable[int], topology: JobTopology | None, world_size: int | None) -> list[int]:
-    """The ranks of ``ranks`` that are not in their job: absent from its topology when that is known, else
-    not below its world size when that is known (sorted, each once)."""
-    if topology is not None:
-        members = set(topology.rank)
-        return sorted({r for r in ranks if r not in members})
-    if world_size:
-        return sorted({r for r in ranks if r >= world_size})
-    return []
-
-
-def select_rows(s: KernelSummary, rows: list[int]) -> KernelSummary:
-    """The summary with only rows ``rows`` (indices, ascending, each once) and their clusters."""
-    if len(rows) == len(s.rank):
-        return s
-    first = [0, *itertools.accumulate(s.n_clusters)]
-    cl = [j for i in rows for j in range(first[i], first[i + 1])]
-
-    def pick(col: tuple[int, ...], idx: list[int]) -> tuple[int, ...]:
-        return tuple(col[i] for i in idx)
-
-    return KernelSummary(
-        job_id=s.job_id, kernel=s.kernel, stream=s.stream, rank=pick(s.rank, rows),
-        window_start_ns=pick(s.window_start_ns, rows), window_end_ns=pick(s.window_end_ns, rows),
-        n_events=pick(s.n_events, rows), n_clusters=pick(s.n_clusters, rows),
-        cluster_count=pick(s.cluster_count, cl), cluster_p50_ns=pick(s.cluster_p50_ns, cl),
-        cluster_p99_ns=pick(s.cluster_p99_ns, cl), cluster_min_ns=pick(s.cluster_min_ns, cl),
-        cluster_max_ns=pick(s.cluster_max_ns, cl), cluster_sum_ns=pick(s.cluster_sum_ns, cl),
-        piece=pick(s.piece, rows) if s.piece else (),
-    )
-
-
-def merge_pieces(pieces: Iterable[KernelSummary]) -> KernelSummary:
-    """One row from one-row summaries of the same (rank, window): events summed, clusters concatenated and
-    ordered by p50 (the row's mixture is the pieces' mixtures together)."""
-    rows = list(pieces)
-    if len(rows) == 1:
-        return rows[0]
-    first = rows[0]
-    clusters = sorted(zip(*(tuple(itertools.chain.from_iterable(getattr(r, c) for r in rows)) for c in _CLUSTER_COLS),
-                          strict=True), key=lambda c: (c[1], c[0], c[2]))
-    cols = dict(zip(_CLUSTER_COLS, (tuple(col) for col in zip(*clusters, strict=True)), strict=True))
-    return KernelSummary(
-        job_id=first.job_id, kernel=first.kernel, stream=first.stream, rank=first.rank,
-        window_start_ns=first.window_start_ns, window_end_ns=first.window_end_ns,
-        n_events=(sum(r.n_events[0] for r in rows),), n_clusters=(len(clusters),), **cols)
-
-
-_CLUSTER_COLS = ("cluster_count", "cluster_p50_ns", "cluster_p99_ns", "cluster_min_ns", "cluster_max_ns",
-                 "cluster_sum_ns")
-
-
-class PieceLedger:
-    """The summary pieces taken so far, per (kernel, stream, rank, window, piece), with their event counts.
-
-    :meth:`fresh` keeps the rows of a summary that add something: a piece not seen before, or a larger copy
-    of one (a complete re-summary after a partial one); copies with no more events are dropped.
-    """
-
-    def __init__(self) -> None:
-        self._events: dict[tuple[str, int, int, int, int], int] = {}
-
-    def fresh(self, s: KernelSummary) -> tuple[KernelSummary | None, KernelSummary | None]:
-        """(rows of ``s`` that are new or larger copies, rows of ``s`` that are new pieces); ``None`` when
-        there are none."""
-        grown, new = [], []
-        for i, (rank, ws, piece) in enumerate(zip(s.rank, s.window_start_ns, s.pieces(), strict=True)):
-            key = (s.kernel, s.stream, rank, ws, piece)
-            had = self._events.get(key)
-            if had is not None and had >= s.n_events[i]:
-                continue
-            self._events[key] = s.n_events[i]
-            grown.append(i)
-            if had is None:
-                new.append(i)
-
-        def pick(rows: list[int]) -> KernelSummary | None:
-            if not rows:
-                return None
-            return s if len(rows) == len(s.rank) else select_rows(s, rows)
-
-        return pick(grown), pick(new)
-
-
 #: Heartbeat intervals without a heartbeat after which a job is no longer judged for hangs (see
 #: :meth:`argus.streams.liveness.JobLiveness.alive`).
 _ALIVE_HEARTBEATS = 3.0
-
-class _BoundedKernelDiagnosis(KernelDiagnosis):
-    """:class:`KernelDiagnosis` that forgets its oldest judged windows beyond ``max_windows``.
-
-    Each window is judged on its own rows, so dropping judged ones changes no later judgement; rows that
-    arrive afterwards for a dropped window are ignored (counted in :attr:`rows_ignored`), since judging them
-    without the window's other ranks would compare a rank against nobody.
-    """
-
-    def __init__(self, job_id: str, kernel: str, stream: int, params: DiagnosisParams, max_windows: int) -> None:
-        super().__init__(job_id, kernel, stream, params)
-        self.max_windows = max_windows
-        self.forgotten_through: int | None = None
-        self.rows_ignored = 0
-        self._pieces: dict[tuple[int, int], dict[int, KernelSummary]] = {}
-        # Each window's merged row per rank; the rank-ordered row lists are rebuilt only for the windows
-        # changed since the last judgement (a per-row re-sort costs O(ranks^2) per window at 10k ranks).
-        self._by_rank: dict[int, dict[int, KernelSummary]] = {}
-        self._dirty: set[int] = set()
-
-    def add(self, summary: KernelSummary) -> None:
-        """Take the rows of ``summary``; the pieces of one (rank, window) become one merged row (a copy of a
-        piece replaces it when larger), and a window judged before a piece arrived is judged again. Rows of
-        a window are kept ordered by rank, so the judgement does not depend on arrival order."""
-        if self.forgotten_through is not None:
-            limit = self.forgotten_through
-            rows = [i for i, ws in enumerate(summary.window_start_ns) if ws > limit]
-            self.rows_ignored += len(summary.rank) - len(rows)
-            if not rows:
-                return
-            if len(rows) < len(summary.rank):
-                summary = select_rows(summary, rows)
-        for i, (rank, ws, piece) in enumerate(zip(summary.rank, summary.window_start_ns, summary.pieces(),
-                                                  strict=True)):
-            have = self._pieces.setdefault((ws, rank), {})
-            old = have.get(piece)
-            if old is not None and old.n_events[0] >= summary.n_events[i]:
-                continue
-            row = select_rows(summary, [i])
-            have[piece] = dataclasses.replace(row, piece=()) if row.piece else row
-            self._by_rank.setdefault(ws, {})[rank] = merge_pieces(have[p] for p in sorted(have))
-            self._windows.setdefault(ws, [])
-            self._dirty.add(ws)
-            self._ranks[ws].add(rank)
-            self._seen_ranks.add(rank)
-            if len(have) > 1 or old is not None:
-                self._judged.pop(ws, None)  # judged without this piece: judge again
-
-    def diagnose(self, topology: JobTopology | None, final: bool = False,
-                 group_kind: ParallelGroup | None = None, clock: StepClock | None = None) -> list[Finding]:
-        self._materialize()
-        return super().diagnose(topology, final=final, group_kind=group_kind, clock=clock)
-
-    def window_rows(self, window_start_ns: int) -> list[KernelSummary]:
-        """The merged rows of one window, ordered by rank."""
-        self._materialize()
-        return list(self._windows.get(window_start_ns, []))
-
-    def _materialize(self) -> None:
-        for ws in self._dirty:
-            rows = self._by_rank[ws]
-            self._windows[ws] = [rows[r] for r in sorted(rows)]
-        self._dirty.clear()
-
-    def prune(self) -> None:
-        """Drop the oldest windows beyond ``max_windows``, as far as they have been judged."""
-        starts = sorted(self._windows)
-        for ws in starts[: max(len(starts) - self.max_windows, 0)]:
-            if ws not in self._judged:
-                break
-            del self._windows[ws]
-            self._by_rank.pop(ws, None)
-            self._dirty.discard(ws)
-            self._ranks.pop(ws, None)
-            self._judged.pop(ws, None)
-            for key in [k for k in self._pieces if k[0] == ws]:
-                del self._pieces[key]
-            self.forgotten_through = ws
-
-    @property
-    def windows(self) -> int:
-        return len(self._windows)
-
 
 class _Recent(OrderedDict[str, _V]):
     """A dict of the ``limit`` most recently written jobs."""
@@ -501,8 +277,6 @@ def install_diagnosis(app: faust.App, settings: Settings, params: DiagnosisParam
     # The job's steps as L1/L2 know them (impacts are judged against the step time); final once finished.
     clocks: _Recent[StepClock] = _Recent(max_jobs)
     final_clocks: _Recent[StepClock] = _Recent(max_jobs)
-    # The job's rank aggregate per L3 part here (summaries partition -> its kernels' per-rank totals).
-    rank_parts: _Recent[dict[int, RankDiagnosis]] = _Recent(max_jobs)
     # What other workers know of their jobs (and this one of its own, read back): topology, groups,
     # stragglers, steps, and every L3 part's totals (see argus.streams.job_context).
     shared = ContextTable(settings, max_jobs)
@@ -696,9 +470,9 @@ def install_diagnosis(app: faust.App, settings: Settings, params: DiagnosisParam
                 stats.diagnosis_latency_s["job"].observe(time.monotonic() - started)
             # Every part is diagnosed: nothing judges the job again here (copies are acked by finished_here and
             # the DIAGNOSED parts), so its context goes too -- a long-lived worker keeps no state per past job.
-            for d in (topologies, stream_groups, stragglers, clocks, final_clocks, links, published, parts_done,
-                      rank_parts):
+            for d in (topologies, stream_groups, stragglers, clocks, final_clocks, links, published, parts_done):
                 d.pop(job_id, None)
+            router.forget_job(job_id)
             if shared_sent.pop(job_id, None) is not None:  # its writer forgets the job on the context topic too
                 forget_context(job_id)
 
@@ -910,15 +684,13 @@ def install_diagnosis(app: faust.App, settings: Settings, params: DiagnosisParam
                                 job_id, set()) if p.startswith("l3/")}), time.monotonic() - at)
                 release(job_id)
         stats.open_jobs = len(jobs)
-        stats.held_messages = sum(len(v) for v in job_events.values()) + sum(len(v) for v in summary_events.values())
+        stats.held_messages = sum(len(v) for v in job_events.values()) + router.held_messages
         stats.jobs = list_jobs(time.monotonic())
         stats.context_jobs = len({*topologies, *stream_groups, *stragglers, *clocks, *final_clocks, *links,
-                                  *published, *parts_done, *rank_parts})
+                                  *published, *parts_done, *router.jobs()})
 
     def list_jobs(now: float) -> list[dict[str, Any]]:
-        held: defaultdict[str, int] = defaultdict(int)
-        for (job_id, _), events in summary_events.items():
-            held[job_id] += len(events)
+        held = router.held_by_job()
         listed = []
         for job_id in sorted({*jobs, *finished_at}, key=lambda j: opened_at.get(j, now))[:_LISTED_JOBS]:
             state = "awaiting L3" if job_id in finished_at else "abandoning" if job_id in abandoning else "open"
@@ -926,7 +698,7 @@ def install_diagnosis(app: faust.App, settings: Settings, params: DiagnosisParam
             listed.append({"job": job_id, "state": state, "age_s": round(now - opened_at.get(job_id, now), 1),
                            "idle_s": round(idle, 1) if idle is not None else None,
                            "last_step": last_steps.get(job_id, -1),
-                           "held_messages": len(job_events.get(job_id, ())) + held[job_id]})
+                           "held_messages": len(job_events.get(job_id, ())) + held.get(job_id, 0)})
         return listed
 
     def take_heartbeat(hb: Heartbeat) -> None:
@@ -984,43 +756,45 @@ def install_diagnosis(app: faust.App, settings: Settings, params: DiagnosisParam
                 await job_failed(rec, event, exc)
             yield None
 
-    # L3 state per (job, summaries partition): a job's keys spread over partitions, each finishes alone.
-    kernels: defaultdict[tuple[str, int], dict[tuple[str, int], _BoundedKernelDiagnosis]] = defaultdict(dict)
-    markers: defaultdict[tuple[str, int], set[int]] = defaultdict(set)
-    summary_events: defaultdict[tuple[str, int], list[EventT]] = defaultdict(list)
-    last_window: dict[tuple[str, int], int] = {}
-    ledgers: defaultdict[tuple[str, int], PieceLedger] = defaultdict(PieceLedger)
+    # L3 per (job, summaries partition): a job's keys spread over partitions, each finishes alone.
+    router: SummaryRouter[EventT] = SummaryRouter(params, stats, lambda e: KernelSummary.decode(e.value),
+                                                  settings.partitions, settings.l3_max_windows, max_pending,
+                                                  max_jobs)
 
-    def admit_rows(s: KernelSummary) -> tuple[KernelSummary | None, list[int]]:
-        """``s`` without rows of ranks outside the job (``None`` if none is left), and those ranks."""
-        topo = topology_of(s.job_id)
-        bad = foreign_ranks(s.rank, topo, topo.world_size if topo else None)
-        if not bad:
-            return s, []
-        rows = [i for i, r in enumerate(s.rank) if r not in bad]
-        return (select_rows(s, rows) if rows else None), bad
+    class View:
+        """The L3 router's view of a job: this worker's state, else what the job's holder shared."""
 
-    def kernel_state(part: tuple[str, int], s: KernelSummary) -> _BoundedKernelDiagnosis:
-        key = (s.kernel, s.stream)
-        state = kernels[part].get(key)
-        if state is None:
-            state = kernels[part][key] = _BoundedKernelDiagnosis(s.job_id, s.kernel, s.stream, params,
-                                                                 settings.l3_max_windows)
-        return state
+        def is_diagnosed(self, job_id: str, part: str) -> bool:
+            return is_diagnosed(job_id, part)
 
-    async def judge_kernel(state: _BoundedKernelDiagnosis) -> None:
-        job_id = state.job_id
-        found = state.diagnose(topology_of(job_id), group_kind=groups_of(job_id).get(state.stream),
-                               clock=clocks.get(job_id) or context_clock(remote(job_id)))
-        before = state.rows_ignored
-        state.prune()
-        stats.l3_rows_ignored += state.rows_ignored - before
-        await publish(drop_victims(found, stragglers_of(job_id)))
+        def topology_of(self, job_id: str) -> JobTopology | None:
+            return topology_of(job_id)
+
+        def groups_of(self, job_id: str) -> dict[int, ParallelGroup]:
+            return groups_of(job_id)
+
+        def stragglers_of(self, job_id: str) -> set[int]:
+            return stragglers_of(job_id)
+
+        def clock_of(self, job_id: str) -> StepClock | None:
+            return clock_of(job_id)
+
+    view = View()
 
     def holds_job(job_id: str) -> bool:
         """Whether this worker's job agent reads ``job_id``'s records (its partition of the job topics)."""
         tp = (Topic.STEPS.full(settings), key_partition(job_key(job_id), settings.partitions))
         return any((t.topic, t.partition) == tp for t in app.consumer.assignment())
+
+    async def carry_out(step: SummaryStep[EventT], s: KernelSummary, event: EventT) -> None:
+        """Do what the router said, in its order: dead letters, findings, acks; then end the part."""
+        for r in step.rejected:
+            await reject(event, "diagnose-kernels", r.reason, s.job_id, r.rank)
+        await publish(step.findings)
+        for e in step.ack:
+            e.ack()
+        if step.ended is not None:
+            await end_part(s, step.ended, event)
 
     async def end_part(s: KernelSummary, part: tuple[str, int], event: EventT) -> None:
         """All of the part's summaries of the job are in: its final L3 now, or, while the job agent here has
@@ -1053,21 +827,11 @@ def install_diagnosis(app: faust.App, settings: Settings, params: DiagnosisParam
                 await finish_part(*args)
 
     async def finish_part(s: KernelSummary, part: tuple[str, int], event: EventT) -> None:
-        clock = clock_of(s.job_id)
-        topo = topology_of(s.job_id)
-        groups = groups_of(s.job_id)
-        victims = stragglers_of(s.job_id)
-        failures = []
-        for state in kernels.pop(part, {}).values():
-            try:
-                found = state.diagnose(topo, final=True, group_kind=groups.get(state.stream), clock=clock)
-            except Exception as exc:  # one kernel's state must not cost the job's other kernels
-                failures.append(f"final L3 of {state.kernel!r} stream {state.stream}: {failure_reason(exc)}")
-                continue
-            await publish(drop_victims(found, victims))
+        found, failures = router.final(part, view)
+        for findings in found:
+            await publish(findings)
         parts_done[s.job_id] = parts_done.get(s.job_id, set()) | {part[1]}
-        mine = rank_parts.get(s.job_id, {}).get(part[1])
-        totals = totals_context(s.job_id, part[1], mine.last_time_ns if mine else 0, mine.totals() if mine else ())
+        totals = totals_context(s.job_id, part[1], *router.rank_totals(s.job_id, part[1]))
         fut = await context_topic.send(key=context_key(s.job_id, totals.part), value=totals.encode(), force=True)
         await fut
         shared.put(totals)
@@ -1107,11 +871,9 @@ def install_diagnosis(app: faust.App, settings: Settings, params: DiagnosisParam
             stats.states_discarded += len(failures)
             await reject(event, "diagnose-kernels", "; ".join(failures), job_id)
         topo = topology_of(job_id)
-        await diagnosed(job_id, f"l3/{part[1]}", last_window.pop(part, 0), topo.world_size if topo else 0)
+        await diagnosed(job_id, f"l3/{part[1]}", router.last_window_ns(part), topo.world_size if topo else 0)
         stats.l3_parts_diagnosed += 1
-        markers.pop(part, None)
-        ledgers.pop(part, None)
-        for e in summary_events.pop(part, []):
+        for e in router.close(part)[1]:
             e.ack()
 
     async def judge_pending_ranks(now: float) -> None:
@@ -1129,85 +891,13 @@ def install_diagnosis(app: faust.App, settings: Settings, params: DiagnosisParam
                 pending_ranks.setdefault(job_id, entry)
 
     async def take_summary(s: KernelSummary, event: EventT, part: tuple[str, int]) -> None:
-        if all(is_diagnosed(s.job_id, f"l3/{p}") for p in range(settings.partitions)):
-            # A copy (or a re-sent end marker) after every L3 part of the job and its rank aggregate were
-            # diagnosed: judging again would rewrite its DIAGNOSED records without the finding ids.
-            stats.replayed += 1
-            event.ack()
-            return
-        if _is_end_marker(s):
-            hold(summary_events[part], event)
-            markers[part].add(s.stream)
-            if len(markers[part]) >= settings.partitions:
-                await end_part(s, part, event)
-            return
-        admitted, bad = admit_rows(s)
-        if bad:
-            await reject(event, "diagnose-kernels", failure_reason(RejectedRecordError(
-                f"rows of ranks {bad} are not in job {s.job_id}'s topology; "
-                f"{0 if admitted is None else len(admitted.rank)} of {len(s.rank)} rows kept")), s.job_id, bad[0])
-        if admitted is None:
-            event.ack()
-            return
-        grown, new = ledgers[part].fresh(admitted)
-        if grown is None:
-            stats.duplicates += 1  # copies of pieces already taken
-            event.ack()
-            return
-        hold(summary_events[part], event)
-        if new is not None:  # the rank totals add pieces up, so each counts once
-            per_part = rank_parts.get(s.job_id)
-            if per_part is None:
-                per_part = rank_parts[s.job_id] = {}
-            per_part.setdefault(part[1], RankDiagnosis(s.job_id, params)).add(new)
-        last_window[part] = max(last_window.get(part, 0), *grown.window_end_ns)
-        if is_diagnosed(s.job_id, f"l3/{part[1]}"):
-            stats.replayed += 1  # diagnosed before a restart: feeds the job's rank aggregate only
-            return
-        state = kernel_state(part, grown)
-        state.add(grown)
-        await judge_kernel(state)
-
-    async def rebuild_kernel(part: tuple[str, int], s: KernelSummary, skip: EventT | None) -> bool:
-        """Rebuild the (kernel, stream) state of ``s`` in ``part`` from the held summaries (without ``skip``);
-        whether the rebuilt state works."""
-        kernels[part].pop((s.kernel, s.stream), None)
-        state = kernel_state(part, s)
-        for e in summary_events.get(part, []):
-            if e is skip:
-                continue
-            held = KernelSummary.decode(e.value)
-            if (held.kernel, held.stream) == (s.kernel, s.stream):
-                admitted, _ = admit_rows(held)  # the rejected rows were dead-lettered on arrival
-                if admitted is not None:
-                    state.add(admitted)
-        try:
-            await judge_kernel(state)
-        except Exception as exc:
-            log.warning("L3 state of job %s kernel %r stream %s still fails after a rebuild: %s", s.job_id,
-                        s.kernel, s.stream, failure_reason(exc))
-            kernels[part].pop((s.kernel, s.stream), None)
-            return False
-        return True
+        await carry_out(router.take(s, event, part[1], view), s, event)
 
     async def summary_failed(s: KernelSummary, event: EventT, part: tuple[str, int], exc: Exception) -> None:
         msg = event.message
         log.error("job %s: summary of %r stream %s at %s[%d]@%d raised %s; repairing its L3 state", s.job_id,
                   s.kernel, s.stream, msg.topic, msg.partition, msg.offset, failure_reason(exc))
-        if not _is_end_marker(s) and await rebuild_kernel(part, s, skip=None):
-            stats.states_repaired += 1
-            return
-        held = summary_events.get(part, [])
-        if event in held:
-            held.remove(event)
-        await reject(event, "diagnose-kernels", failure_reason(exc), s.job_id, s.rank[0] if s.rank else None)
-        event.ack()
-        if _is_end_marker(s):
-            return
-        if await rebuild_kernel(part, s, skip=event):
-            stats.states_repaired += 1
-        else:
-            stats.states_discarded += 1
+        await carry_out(router.failed(s, event, part[1], exc, view), s, event)
 
     @app.timer(interval=0.5, name="argus.shared-context")
     async def take_shared_context() -> None:
@@ -1243,9 +933,9 @@ def install_diagnosis(app: faust.App, settings: Settings, params: DiagnosisParam
     @app.on_partitions_revoked.connect  # type: ignore[arg-type]
     async def on_revoked(sender: Any, *args: Any, **kwargs: Any) -> None:
         # Un-acked messages come back from the committed offsets after the rebalance.
-        for d in (jobs, job_events, kernels, markers, summary_events, last_window, stream_groups, stragglers,
-                  rank_parts, parts_done, links, ledgers, taken, finished_here, last_steps, finished_at,
-                  pending_finals, pending_since, opened_at, pending_ranks, shared_sent):
+        router.revoked()
+        for d in (jobs, job_events, stream_groups, stragglers, parts_done, links, taken, finished_here, last_steps,
+                  finished_at, pending_finals, pending_since, opened_at, pending_ranks, shared_sent):
             d.clear()
         abandoning.clear()
         activity.clear()

@@ -43,7 +43,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import Metric
 
 from argus.metrics import counter, gauge, histogram
-from argus.streams.diagnosis_agents import DiagnosisStats
+from argus.streams.diagnosis_stats import DiagnosisStats
 
 __all__ = ["WorkerCollector", "consumer_lag", "worker_registry"]
 

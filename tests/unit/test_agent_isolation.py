@@ -12,12 +12,8 @@ import pytest
 from argus.core.errors import DeadLetterError, DetectorError, SchemaError, failure_reason
 from argus.schemas.records import DeadLetter, KernelSummary
 from argus.streams.diagnosis import DiagnosisParams
-from argus.streams.diagnosis_agents import (
-    DeadLetters,
-    _BoundedKernelDiagnosis,
-    foreign_ranks,
-    select_rows,
-)
+from argus.streams.diagnosis_agents import DeadLetters
+from argus.streams.summary_pieces import BoundedKernelDiagnosis, foreign_ranks, select_rows
 from tests.samples import T0, samples
 
 W = 1_000_000_000
@@ -49,7 +45,7 @@ def _summary(ws: int, rank: int) -> KernelSummary:
 
 
 def test_l3_state_keeps_at_most_max_windows_judged_windows() -> None:
-    state = _BoundedKernelDiagnosis("j", "gemm", 7, DiagnosisParams(), max_windows=3)
+    state = BoundedKernelDiagnosis("j", "gemm", 7, DiagnosisParams(), max_windows=3)
     for i in range(10):
         for rank in range(2):
             state.add(_summary(T0 + i * W, rank))
@@ -62,7 +58,7 @@ def test_l3_state_keeps_at_most_max_windows_judged_windows() -> None:
 
 
 def test_unjudged_windows_are_never_pruned() -> None:
-    state = _BoundedKernelDiagnosis("j", "gemm", 7, DiagnosisParams(), max_windows=3)
+    state = BoundedKernelDiagnosis("j", "gemm", 7, DiagnosisParams(), max_windows=3)
     for i in range(6):
         state.add(_summary(T0 + i * W, 0))
         state.prune()

@@ -17,7 +17,7 @@ from argus.sinks.metrics import sink_registry
 from argus.sinks.tables import TABLES
 from argus.sinks.writer import SinkWriter, _Pending
 from argus.streams.app import CompressionStats
-from argus.streams.diagnosis_agents import DiagnosisStats
+from argus.streams.diagnosis_stats import DiagnosisStats
 from argus.streams.metrics import WorkerCollector, worker_registry
 from argus.topics import Topic
 from tests.dashboards import (

@@ -17,7 +17,7 @@ from argus.schemas.records import (
 from argus.sinks.tables import PHASE_MARKER_IDX, TABLES
 from argus.streams.compression import summarize_windows
 from argus.streams.diagnosis import DiagnosisParams
-from argus.streams.diagnosis_agents import PieceLedger, _BoundedKernelDiagnosis, merge_pieces
+from argus.streams.summary_pieces import BoundedKernelDiagnosis, PieceLedger, merge_pieces
 from argus.streams.windows import ClosedWindow, WindowBuffer
 
 W = 1_000_000_000
@@ -102,7 +102,7 @@ def test_summaries_carry_pieces_and_ledger_keeps_new_or_larger_copies() -> None:
 
 def test_l3_merges_the_pieces_of_a_window_and_judges_it_again() -> None:
     (s,) = _pieces()
-    state = _BoundedKernelDiagnosis("j", "k", 7, DiagnosisParams(), max_windows=8)
+    state = BoundedKernelDiagnosis("j", "k", 7, DiagnosisParams(), max_windows=8)
     state.add(s)
     state.add(s)  # a copy
     rows = state.window_rows(T0)

@@ -25,7 +25,7 @@ from argus.sinks.metrics import sink_registry, start_sink_metrics
 from argus.sinks.tables import TABLES
 from argus.sinks.writer import SinkWriter, _Pending
 from argus.streams.app import CompressionStats
-from argus.streams.diagnosis_agents import DiagnosisStats
+from argus.streams.diagnosis_stats import DiagnosisStats
 from argus.streams.metrics import WorkerCollector, consumer_lag, worker_registry
 from argus.topics import Topic
 from tests.samples import kernel_batch
