@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections.abc import Callable
 from typing import Any
@@ -11,6 +12,7 @@ from argus.core.errors import ArgusError
 from argus.core.settings import Settings
 from argus.producers.faults import Fault, FaultSpec
 from argus.producers.publisher import Publisher
+from argus.producers.seed_cases import SEED_CASES, seed_case
 from argus.producers.simulator import JobSimulator, JobSpec, SimStats
 from argus.producers.topology import build_topology
 from argus.sinks.findings_query import fetch_findings, wait_diagnosed
@@ -19,18 +21,15 @@ from argus.topics import Topic
 
 __all__ = ["FAULTS", "build_spec", "run_demo", "simulate_job", "wait_processed"]
 
-#: CLI names of the paper's five cases.
+#: CLI names of the faults: the paper's five cases (argus.producers.seed_cases), then the liveness faults.
 FAULTS: dict[str, Fault] = {
-    "case1": Fault.COMPUTE_STRAGGLER,
-    "case2": Fault.LINK_DEGRADATION,
-    "case3": Fault.PP_LAST_STAGE_SLOW,
-    "case4": Fault.HOST_JIT_STALL,
-    "case5": Fault.COMPUTE_STRAGGLER_SHORT_COLLECTIVES,
+    **{c.name: c.fault for c in SEED_CASES},
     "hang": Fault.HANG,
     "silent-rank": Fault.SILENT_RANK,
     "crash": Fault.CRASH,
 }
 
+CASE_NAMES = frozenset(c.name for c in SEED_CASES)
 Progress = Callable[[str], None]
 
 
@@ -46,23 +45,20 @@ def build_spec(job_id: str, dp: int, tp: int, pp: int, steps: int, fault: str, s
     spec: FaultSpec | None
     hang_ns = round(hang_s * 1e9)
     try:
-        spec = {
+        makers: dict[str, Callable[[], FaultSpec | None]] = {
             "none": lambda: None,
-            "case1": lambda: FaultSpec.compute_straggler(topo),
-            "case2": lambda: FaultSpec.link_degradation(topo),
-            "case3": lambda: FaultSpec.pp_last_stage_slow(topo),
-            "case4": lambda: FaultSpec.host_jit_stall(topo),
-            "case5": lambda: FaultSpec.compute_straggler_short_collectives(topo),
+            **{c.name: functools.partial(c.fault_on, topo) for c in SEED_CASES},
             "hang": lambda: FaultSpec.hang(topo, hang_rank, hang_step, hang_ns, hang_resume),
             "silent-rank": lambda: FaultSpec.silent_rank(topo, hang_rank, hang_step, hang_ns),
             "crash": lambda: FaultSpec.crash(topo),
-        }[fault]()
+        }
+        spec = makers[fault]()
     except KeyError as exc:
         raise ArgusError(f"unknown fault {fault!r}; use none, case1..case5, hang, silent-rank or crash") from exc
     except ValueError as exc:
         raise ArgusError(f"fault {fault} does not fit a {dp}x{tp}x{pp} job: {exc}") from exc
-    # A host stall of 80 ms is a spike only against short steps (the paper's case: 40 ms steps).
-    step_time_ns = 40_000_000 if fault == "case4" else 200_000_000
+    # The case's step time (a host stall of 80 ms is a spike only against short steps: case 4's 40 ms).
+    step_time_ns = seed_case(fault).step_time_ns if fault in CASE_NAMES else JobSpec.step_time_ns
     try:
         return JobSpec(job_id, dp, tp=tp, pp=pp, steps=steps, seed=seed, fault=spec, step_time_ns=step_time_ns,
                        heartbeat_interval_ns=round(heartbeat_interval_s * 1e9), pause_step=pause_step,

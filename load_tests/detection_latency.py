@@ -40,7 +40,8 @@ from argus.core.settings import Settings  # noqa: E402
 from argus.local_kafka import LocalKafka  # noqa: E402
 from argus.producers.faults import Fault, FaultSpec  # noqa: E402
 from argus.producers.publisher import Publisher  # noqa: E402
-from argus.producers.simulator import JobSimulator, JobSpec, paper_case  # noqa: E402
+from argus.producers.seed_cases import paper_case  # noqa: E402
+from argus.producers.simulator import JobSimulator, JobSpec  # noqa: E402
 from argus.producers.topology import build_topology  # noqa: E402
 from argus.schemas.records import Finding, Heartbeat, Step  # noqa: E402
 from argus.topics import Topic, ensure_topics  # noqa: E402

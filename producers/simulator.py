@@ -60,7 +60,7 @@ from argus.schemas.records import (
 )
 from argus.topics import PublisherLike, Topic, job_key, rank_key
 
-__all__ = ["JobSimulator", "JobSpec", "PublisherLike", "SimRecord", "SimStats", "paper_case", "simulate"]
+__all__ = ["JobSimulator", "JobSpec", "PublisherLike", "SimRecord", "SimStats", "simulate"]
 
 log = logging.getLogger(__name__)
 
@@ -138,40 +138,6 @@ class JobSpec:
     def pauses_before(self, step: int) -> bool:
         """Whether the job pauses (a checkpoint) between ``step - 1`` and ``step``."""
         return self.pause_ns > 0 and step == self.pause_step
-
-
-def paper_case(fault: Fault, job_id: str | None = None, steps: int = 40, seed: int = 0) -> JobSpec:
-    """The job of one of the paper's case studies, with its default fault.
-
-    ====  =====================  ================================================================
-    case  layout                 notes
-    ====  =====================  ================================================================
-    1     dp=8                   DDP AllReduce; rank 5 slow from step 15
-    2     dp=4, pp=2             distributed optimizer; ranks 4-7 (stage 1's DP group) degraded
-    3     pp=4, 8 microbatches   stage 3 backward x1.9
-    4     dp=4, 40 ms steps      80 ms host stall before steps 12 and 27 (spike ~3x the step)
-    5     dp=8                   distributed optimizer; rank 5 mlp x3
-    ====  =====================  ================================================================
-    """
-    jid = job_id or f"case-{fault.value.lower().replace('_', '-')}"
-    if fault is Fault.COMPUTE_STRAGGLER:
-        topo = build_topology(jid, 8)
-        return JobSpec(jid, 8, steps=steps, seed=seed, fault=FaultSpec.compute_straggler(topo))
-    if fault is Fault.LINK_DEGRADATION:
-        topo = build_topology(jid, 4, pp=2)
-        return JobSpec(jid, 4, pp=2, steps=steps, seed=seed, grad_sync=GradSync.DISTRIBUTED,
-                       fault=FaultSpec.link_degradation(topo))
-    if fault is Fault.PP_LAST_STAGE_SLOW:
-        topo = build_topology(jid, 1, pp=4)
-        return JobSpec(jid, 1, pp=4, steps=steps, seed=seed, microbatches=8,
-                       fault=FaultSpec.pp_last_stage_slow(topo))
-    if fault is Fault.HOST_JIT_STALL:
-        topo = build_topology(jid, 4)
-        return JobSpec(jid, 4, steps=steps, seed=seed, step_time_ns=40_000_000,
-                       fault=FaultSpec.host_jit_stall(topo))
-    topo = build_topology(jid, 8)
-    return JobSpec(jid, 8, steps=steps, seed=seed, grad_sync=GradSync.DISTRIBUTED,
-                   fault=FaultSpec.compute_straggler_short_collectives(topo))
 
 
 class SimRecord(NamedTuple):

@@ -15,7 +15,8 @@ from argus.core.kafka_security import client_config
 from argus.core.settings import Settings
 from argus.producers.faults import Fault
 from argus.producers.publisher import Publisher
-from argus.producers.simulator import JobSimulator, paper_case
+from argus.producers.seed_cases import paper_case
+from argus.producers.simulator import JobSimulator
 from argus.schemas.records import JobLifecycle, KernelBatch, LifecycleEvent
 from argus.sinks.findings_query import fetch_findings, pending_reasons, wait_diagnosed
 from argus.topics import Topic

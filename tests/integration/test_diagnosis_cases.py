@@ -11,7 +11,8 @@ import pytest
 from argus.core.settings import Settings
 from argus.producers.faults import Fault
 from argus.producers.publisher import Publisher
-from argus.producers.simulator import JobSimulator, JobSpec, paper_case
+from argus.producers.seed_cases import paper_case
+from argus.producers.simulator import JobSimulator, JobSpec
 from argus.sinks.findings_query import fetch_findings, wait_diagnosed
 from tests.integration.conftest import SinkThread, WorkerProcess
 

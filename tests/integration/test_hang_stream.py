@@ -13,7 +13,8 @@ import pytest
 from argus.core.settings import Settings
 from argus.producers.faults import Fault
 from argus.producers.publisher import Publisher
-from argus.producers.simulator import JobSimulator, paper_case
+from argus.producers.seed_cases import paper_case
+from argus.producers.simulator import JobSimulator
 from argus.schemas.records import (
     Heartbeat,
     JobLifecycle,

@@ -16,7 +16,8 @@ from argus.core.settings import Settings
 from argus.metrics import CONTENT_TYPE
 from argus.producers.faults import Fault
 from argus.producers.publisher import Publisher
-from argus.producers.simulator import JobSimulator, paper_case
+from argus.producers.seed_cases import paper_case
+from argus.producers.simulator import JobSimulator
 from argus.sinks.metrics import start_sink_metrics
 from argus.topics import Topic
 from tests.dashboards import clickhouse_sql, dashboard, exported_names, metric_names, prometheus_exprs, runnable_sql

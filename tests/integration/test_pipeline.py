@@ -10,7 +10,8 @@ import pytest
 from argus.core.settings import Settings
 from argus.producers.faults import Fault
 from argus.producers.publisher import Publisher
-from argus.producers.simulator import JobSimulator, SimRecord, paper_case
+from argus.producers.seed_cases import paper_case
+from argus.producers.simulator import JobSimulator, SimRecord
 from argus.streams.compression import summarize_windows
 from argus.streams.windows import WindowBuffer
 from argus.topics import Topic

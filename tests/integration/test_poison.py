@@ -12,7 +12,8 @@ from confluent_kafka import Producer
 from argus.core.settings import Settings
 from argus.producers.faults import Fault
 from argus.producers.publisher import Publisher
-from argus.producers.simulator import JobSimulator, SimRecord, paper_case
+from argus.producers.seed_cases import paper_case
+from argus.producers.simulator import JobSimulator, SimRecord
 from argus.schemas.records import JobLifecycle, KernelBatch, LifecycleEvent, Step
 from argus.sinks.findings_query import fetch_findings, wait_diagnosed
 from argus.topics import Topic, job_key, rank_key

@@ -16,7 +16,8 @@ from argus.core.errors import ArgusError
 from argus.core.settings import Settings
 from argus.producers.faults import Fault
 from argus.producers.publisher import Publisher
-from argus.producers.simulator import JobSimulator, paper_case
+from argus.producers.seed_cases import paper_case
+from argus.producers.simulator import JobSimulator
 from argus.report import build_report
 from argus.sinks.findings_query import fetch_findings, wait_diagnosed
 from tests.integration.conftest import SinkThread, WorkerProcess

@@ -26,7 +26,8 @@ from argus.core.errors import TraceExportError
 from argus.core.settings import Settings
 from argus.producers.faults import Fault
 from argus.producers.publisher import Publisher
-from argus.producers.simulator import JobSimulator, paper_case
+from argus.producers.seed_cases import paper_case
+from argus.producers.simulator import JobSimulator
 from argus.schemas.records import KernelBatch, Step
 from argus.sinks.findings_query import wait_diagnosed
 from argus.sinks.query_server import QueryServer

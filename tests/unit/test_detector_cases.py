@@ -27,8 +27,9 @@ from argus.detectors import (
     to_findings,
 )
 from argus.producers.faults import Fault
+from argus.producers.seed_cases import paper_case
 from argus.producers.sim_workload import K_ALL_GATHER, K_ALL_REDUCE, K_REDUCE_SCATTER, GradSync
-from argus.producers.simulator import JobSimulator, JobSpec, paper_case
+from argus.producers.simulator import JobSimulator, JobSpec
 from argus.schemas.records import Finding, JobTopology, KernelBatch, KernelSummary, PhaseBatch, Step
 from argus.streams.compression import summarize_windows
 from argus.streams.offline import diagnose_records

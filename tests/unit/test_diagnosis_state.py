@@ -7,7 +7,8 @@ import functools
 
 from argus.detectors.impact import StepClock
 from argus.producers.faults import Fault
-from argus.producers.simulator import JobSimulator, SimRecord, paper_case
+from argus.producers.seed_cases import paper_case
+from argus.producers.simulator import JobSimulator, SimRecord
 from argus.schemas.records import JobTopology, KernelSummary, LifecycleEvent, ParallelGroup
 from argus.streams.compression import summarize_windows
 from argus.streams.diagnosis import DiagnosisParams, JobDiagnosis, KernelDiagnosis, _row

@@ -8,7 +8,8 @@ import json
 
 from argus.detectors.l3_kernels import PIPELINE_SIDE
 from argus.producers.faults import Fault
-from argus.producers.simulator import JobSimulator, paper_case
+from argus.producers.seed_cases import paper_case
+from argus.producers.simulator import JobSimulator
 from argus.schemas.records import Finding, Level
 from argus.streams.diagnosis import CORROBORATES_ONLY, LinkLedger
 from argus.streams.offline import diagnose_records, finding_json

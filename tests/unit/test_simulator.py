@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from argus.producers.faults import Fault, FaultSpec
+from argus.producers.seed_cases import paper_case
 from argus.producers.sim_workload import (
     COMPUTE_STREAM,
     DP_STREAM,
@@ -23,7 +24,7 @@ from argus.producers.sim_workload import (
     TP_STREAM,
     GradSync,
 )
-from argus.producers.simulator import JobSimulator, JobSpec, paper_case, simulate
+from argus.producers.simulator import JobSimulator, JobSpec, simulate
 from argus.producers.topology import build_topology
 from argus.schemas.records import (
     Heartbeat,
