@@ -205,7 +205,7 @@ class LocalKafka:
         self.log_path = self.dir / "logs" / "server.log"
         self._proc: subprocess.Popen[bytes] | None = None  # the broker, when this object launched it
         self._log_offset = 0  # size of the broker log when this object launched the broker
-        self._watch = AuthWatch(settings)  # whether the broker refused our credentials (last probe)
+        self._watch = AuthWatch(settings.kafka)  # whether the broker refused our credentials (last probe)
 
     @property
     def bootstrap(self) -> str:
@@ -235,7 +235,7 @@ class LocalKafka:
     def _admin(self) -> Any:
         from confluent_kafka.admin import AdminClient
 
-        conf = client_config(self.settings, {
+        conf = client_config(self.settings.kafka, {
             "bootstrap.servers": self.bootstrap,
             "log_level": 0,  # connection-refused noise while the broker boots
             "error_cb": self._watch,

@@ -137,10 +137,10 @@ def copy_job_records(source: Settings, target: Settings, job_id: str, from_ms: i
         ArgusError: the broker cannot be reached, a topic is missing, or a copy is not delivered.
     """
     job = job_id.encode()
-    consumer = Consumer(client_config(source, {"group.id": f"{source.app_id}-replay-reader",
+    consumer = Consumer(client_config(source.kafka, {"group.id": f"{source.app_id}-replay-reader",
                                                "enable.auto.commit": False, "auto.offset.reset": "earliest",
                                                "fetch.max.bytes": 64 << 20}))
-    producer = Producer(client_config(target, {"partitioner": PARTITIONER, "linger.ms": 20,
+    producer = Producer(client_config(target.kafka, {"partitioner": PARTITIONER, "linger.ms": 20,
                                                "compression.type": target.compression,
                                                "message.max.bytes": 16 << 20, "enable.idempotence": True}))
     failed: list[str] = []

@@ -160,8 +160,8 @@ def ensure_topics(settings: Settings, timeout_s: float = 30.0) -> list[str]:
 
     Returns the names created. Raises :class:`ArgusError` when the broker refuses.
     """
-    watch = AuthWatch(settings)
-    admin = AdminClient(client_config(settings, {"error_cb": watch}))
+    watch = AuthWatch(settings.kafka)
+    admin = AdminClient(client_config(settings.kafka, {"error_cb": watch}))
     try:
         existing = set(admin.list_topics(timeout=timeout_s).topics)
     except KafkaException as exc:

@@ -345,7 +345,7 @@ def _read_kernels(settings: Settings, job_id: str, spans: dict[int, tuple[int, i
     found: dict[int, _Kernels] = {}
     kept, truncated = 0, False
     try:
-        consumer = Consumer(client_config(settings, {
+        consumer = Consumer(client_config(settings.kafka, {
             "group.id": f"{settings.app_id}-trace-export", "enable.auto.commit": False,
             "auto.offset.reset": "earliest", "fetch.max.bytes": 64 << 20}))
     except KafkaException as exc:

@@ -109,7 +109,7 @@ def main() -> int:
     stop = threading.Event()
 
     def consume() -> None:
-        c = Consumer(client_config(settings, {"group.id": f"lat-reader-{tag}", "auto.offset.reset": "earliest"}))
+        c = Consumer(client_config(settings.kafka, {"group.id": f"lat-reader-{tag}", "auto.offset.reset": "earliest"}))
         c.subscribe([Topic.FINDINGS.full(settings)])
         try:
             while not stop.is_set():

@@ -239,7 +239,7 @@ class StackCollector:
         from confluent_kafka import Consumer, KafkaException
 
         try:
-            consumer = Consumer(client_config(self.settings, {
+            consumer = Consumer(client_config(self.settings.kafka, {
                 "group.id": self.group_id, "auto.offset.reset": "latest", "enable.auto.commit": True,
                 "session.timeout.ms": int(self.settings.session_timeout_s * 1000),
             }))

@@ -96,7 +96,7 @@ class Publisher:
         config.update(extra_config or {})
         try:
             # Brokers, TLS and SASL from the kafka_* settings, as every argus client (argus.core.kafka_security).
-            self._producer = Producer(client_config(settings, config))
+            self._producer = Producer(client_config(settings.kafka, config))
         except KafkaException as exc:
             raise ProducerError(f"cannot create Kafka producer: {exc}") from exc
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=settings.publisher_queue_max)

@@ -52,7 +52,7 @@ def follow_findings(settings: Settings, job_id: str | None = None, from_beginnin
         SinkError: the broker cannot be reached or the topic does not exist.
     """
     topic = Topic.FINDINGS.full(settings)
-    consumer = Consumer(client_config(settings, {"group.id": f"{settings.app_id}-follow-{uuid.uuid4().hex[:8]}",
+    consumer = Consumer(client_config(settings.kafka, {"group.id": f"{settings.app_id}-follow-{uuid.uuid4().hex[:8]}",
                                                  "enable.auto.commit": False}))
     seen: dict[str, None] = {}
     try:

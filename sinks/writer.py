@@ -119,9 +119,9 @@ class SinkWriter:
             # scrape never calls into the consumer, which could wait for the sink thread's consume().
             consumer_config.update({"statistics.interval.ms": _STATS_INTERVAL_MS, "stats_cb": self._on_stats})
         try:
-            self._consumer = Consumer(client_config(settings, consumer_config))
+            self._consumer = Consumer(client_config(settings.kafka, consumer_config))
             # A dead letter wraps a message of up to a fetch's size, so it needs more than the 1 MB default.
-            self._dlq = Producer(client_config(settings, {
+            self._dlq = Producer(client_config(settings.kafka, {
                 "enable.idempotence": True, "compression.type": settings.compression, "linger.ms": 5,
                 "message.max.bytes": DEAD_LETTER_MAX_BYTES, "partitioner": PARTITIONER}))
         except KafkaException as exc:

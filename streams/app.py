@@ -55,7 +55,7 @@ def create_app(settings: Settings) -> faust.App:
     app = faust.App(
         settings.app_id,
         broker=brokers,
-        broker_credentials=faust_credentials(settings),  # TLS/SASL as every other client (argus.core.kafka_security)
+        broker_credentials=faust_credentials(settings.kafka),  # TLS/SASL as every other client
         store="memory://",
         # Faust writes a data folder even with the memory store; keep it with argus's own state.
         datadir=str(datadir),
@@ -86,7 +86,7 @@ def create_app(settings: Settings) -> faust.App:
     kernels = app.topic(Topic.KERNELS.full(settings), key_type=bytes, value_type=bytes)
     lifecycle = app.topic(Topic.LIFECYCLE.full(settings), key_type=bytes, value_type=bytes)
     summaries = app.topic(Topic.SUMMARIES.full(settings), key_type=bytes, value_type=bytes)
-    router: CompressionRouter[EventT] = CompressionRouter(settings, time.monotonic())
+    router: CompressionRouter[EventT] = CompressionRouter(settings.worker, settings.detector, time.monotonic())
     stats = router.stats
     deliveries: set[asyncio.Future[None]] = set()  # summaries sent, their windows' messages not acked yet
     delivery_failures: list[BaseException] = []

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 from argus.core.errors import failure_reason
-from argus.core.settings import Settings
+from argus.core.settings import DetectorSettings, WorkerSettings
 from argus.detectors.kde_clusters import KdeParams
 from argus.schemas.records import JobLifecycle, KernelBatch, KernelSummary, LifecycleEvent
 from argus.streams.compression import summarize_isolated
@@ -114,18 +114,19 @@ class Routed(Generic[H]):
 class CompressionRouter(Generic[H]):
     """The compression agent's state and rules (see the module's docstring). Not thread-safe: one per agent.
 
-    ``settings``: windows (``window_ns``, ``allowed_lateness_ns``, ``max_event_skew_ns``, ``max_kernel_names``),
-    KDE parameters and ``job_idle_timeout_s``. ``now``: the worker's monotonic clock in seconds at creation.
+    ``worker``: windows (``window_ns``, ``allowed_lateness_ns``, ``max_event_skew_ns``, ``max_kernel_names``)
+    and ``job_idle_timeout_s`` (``settings.worker``); ``detector``: the KDE parameters (``settings.detector``).
+    ``now``: the worker's monotonic clock in seconds at creation.
     """
 
-    def __init__(self, settings: Settings, now: float = 0.0) -> None:
-        self.settings = settings
+    def __init__(self, worker: WorkerSettings, detector: DetectorSettings, now: float = 0.0) -> None:
+        self.settings = settings = worker
         self.stats = CompressionStats()
         self.buffer = WindowBuffer(settings.window_ns, settings.allowed_lateness_ns,
                                    max_skew_ns=settings.max_event_skew_ns, max_names=settings.max_kernel_names,
                                    late_pieces=True)
-        self.params = KdeParams(grid_points=settings.kde_grid_points, min_samples=settings.kde_min_samples,
-                                min_log_gap=settings.kde_min_log_gap)
+        self.params = KdeParams(grid_points=detector.kde_grid_points, min_samples=detector.kde_min_samples,
+                                min_log_gap=detector.kde_min_log_gap)
         #: Often enough that a kernel-only job is abandoned within about a quarter of its timeout after it passes.
         self.idle_tick_s = min(max(settings.job_idle_timeout_s / 4, 0.05), 10.0)
         self._pending: dict[int, tuple[H, int]] = {}  # token -> (handle, offset), not acked yet

@@ -209,7 +209,7 @@ def scan_diagnosed(settings: Settings, timeout_s: float = 30.0) -> dict[str, set
     out: dict[str, set[str]] = {}
     deadline = time.monotonic() + timeout_s
     try:
-        consumer = Consumer(client_config(settings, {"group.id": f"{settings.app_id}-scan",
+        consumer = Consumer(client_config(settings.kafka, {"group.id": f"{settings.app_id}-scan",
                                                      "enable.auto.commit": False, "auto.offset.reset": "earliest"}))
     except Exception as exc:  # as below: never fatal
         log.warning("lifecycle scan for DIAGNOSED jobs not started: %s", exc)
@@ -255,7 +255,7 @@ def install_diagnosis(app: faust.App, settings: Settings, params: DiagnosisParam
 
     ``dead``: where rejected records go (default: a :class:`DeadLetters` on the dead-letter topic).
     """
-    params = params or DiagnosisParams(min_impact_fraction=settings.min_impact_fraction)
+    params = params or DiagnosisParams(min_impact_fraction=settings.detector.min_impact_fraction)
     stats = DiagnosisStats()
     names = {t.full(settings): t for t in (Topic.STEPS, Topic.PHASES, Topic.TOPOLOGY, Topic.LIFECYCLE,
                                            Topic.HEARTBEATS)}

@@ -150,7 +150,7 @@ class ContextTable:
 
     def _run(self) -> None:
         topic = Topic.CONTEXT.full(self.settings)
-        consumer = Consumer(client_config(self.settings, {
+        consumer = Consumer(client_config(self.settings.kafka, {
             "group.id": f"{self.settings.app_id}-context-{uuid.uuid4().hex[:8]}", "enable.auto.commit": False,
             "auto.offset.reset": "earliest"}))
         try:

@@ -1,4 +1,5 @@
-"""Kafka client configuration from :class:`~argus.core.settings.Settings`: brokers, TLS and SASL, in one place.
+"""Kafka client configuration from :class:`~argus.core.settings.KafkaSettings` (``settings.kafka``): brokers,
+TLS and SASL, in one place.
 
 Every Kafka client of argus is built from here, so a cluster that needs TLS or SASL is reached by all of
 them alike: :func:`client_config` for confluent-kafka (the rank-side publisher, the sink's consumer and
@@ -19,29 +20,29 @@ from collections.abc import Mapping
 from typing import Any
 
 from argus.core.errors import ConfigError
-from argus.core.settings import Settings
+from argus.core.settings import KafkaSettings
 
 __all__ = ["AuthWatch", "client_config", "faust_credentials", "ssl_context"]
 
 
-def client_config(settings: Settings, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+def client_config(kafka: KafkaSettings, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """A librdkafka (confluent-kafka) configuration: bootstrap servers and security, then ``extra``.
 
     ``extra`` holds the client's own options (group, acks, sizes); it cannot turn security off, since a
     security key in it raises :class:`ConfigError` rather than silently replacing the settings.
     """
     conf: dict[str, Any] = {
-        "bootstrap.servers": settings.bootstrap_servers,
-        "security.protocol": settings.kafka_security_protocol.lower(),
+        "bootstrap.servers": kafka.bootstrap_servers,
+        "security.protocol": kafka.security_protocol.lower(),
     }
-    if settings.kafka_security_protocol.startswith("SASL_"):
-        conf["sasl.mechanism"] = settings.kafka_sasl_mechanism
-        conf["sasl.username"] = settings.kafka_sasl_username
-        conf["sasl.password"] = settings.kafka_sasl_password.reveal()
-    if settings.kafka_security_protocol.endswith("SSL"):
-        for key, value in (("ssl.ca.location", settings.kafka_ssl_ca_file),
-                           ("ssl.certificate.location", settings.kafka_ssl_cert_file),
-                           ("ssl.key.location", settings.kafka_ssl_key_file)):
+    if kafka.security_protocol.startswith("SASL_"):
+        conf["sasl.mechanism"] = kafka.sasl_mechanism
+        conf["sasl.username"] = kafka.sasl_username
+        conf["sasl.password"] = kafka.sasl_password.reveal()
+    if kafka.security_protocol.endswith("SSL"):
+        for key, value in (("ssl.ca.location", kafka.ssl_ca_file),
+                           ("ssl.certificate.location", kafka.ssl_cert_file),
+                           ("ssl.key.location", kafka.ssl_key_file)):
             if value:
                 conf[key] = value
     for key in extra or {}:
@@ -59,8 +60,8 @@ class AuthWatch:
     reading :attr:`refused`.
     """
 
-    def __init__(self, settings: Settings) -> None:
-        self.settings = settings
+    def __init__(self, kafka: KafkaSettings) -> None:
+        self.kafka = kafka
         #: librdkafka's text of the last authentication failure, or None.
         self.refused: str | None = None
 
@@ -74,33 +75,33 @@ class AuthWatch:
         """What the broker refused, for an error message ("" when it refused nothing)."""
         if self.refused is None:
             return ""
-        s = self.settings
-        who = (f"SASL user {s.kafka_sasl_username!r} ({s.kafka_sasl_mechanism})"
-               if s.kafka_security_protocol.startswith("SASL_") else f"the {s.kafka_security_protocol} connection")
+        s = self.kafka
+        who = (f"SASL user {s.sasl_username!r} ({s.sasl_mechanism})"
+               if s.security_protocol.startswith("SASL_") else f"the {s.security_protocol} connection")
         return (f"Kafka on {s.bootstrap_servers} refused {who}: {self.refused}; check the ARGUS_KAFKA_* "
                 "settings")
 
 
-def ssl_context(settings: Settings) -> ssl.SSLContext | None:
+def ssl_context(kafka: KafkaSettings) -> ssl.SSLContext | None:
     """The TLS context of the ``SSL``/``SASL_SSL`` protocols (server verified against ``kafka_ssl_ca_file``
     or the system CAs, host name checked, client certificate loaded for mutual TLS); ``None`` without TLS.
 
     Raises:
         ConfigError: a CA, certificate or key file cannot be loaded.
     """
-    if not settings.kafka_security_protocol.endswith("SSL"):
+    if not kafka.security_protocol.endswith("SSL"):
         return None
     try:
-        context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=settings.kafka_ssl_ca_file or None)
-        if settings.kafka_ssl_cert_file:
-            context.load_cert_chain(settings.kafka_ssl_cert_file, settings.kafka_ssl_key_file or None)
+        context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=kafka.ssl_ca_file or None)
+        if kafka.ssl_cert_file:
+            context.load_cert_chain(kafka.ssl_cert_file, kafka.ssl_key_file or None)
     except (OSError, ssl.SSLError) as exc:
         raise ConfigError(f"cannot load the Kafka TLS files: {exc}") from exc
     return context
 
 
-def faust_credentials(settings: Settings) -> Any:
-    """Faust's ``broker_credentials`` for ``settings``: ``SASLCredentials`` (with the TLS context under
+def faust_credentials(kafka: KafkaSettings) -> Any:
+    """Faust's ``broker_credentials`` for ``kafka``: ``SASLCredentials`` (with the TLS context under
     ``SASL_SSL``), ``SSLCredentials``, or ``None`` for ``PLAINTEXT``.
 
     Faust is imported here, not at module level, so rank-side processes never load it.
@@ -110,12 +111,12 @@ def faust_credentials(settings: Settings) -> Any:
     """
     import faust
 
-    protocol = settings.kafka_security_protocol
-    context = ssl_context(settings)
+    protocol = kafka.security_protocol
+    context = ssl_context(kafka)
     if protocol.startswith("SASL_"):
-        return faust.SASLCredentials(username=settings.kafka_sasl_username,
-                                     password=settings.kafka_sasl_password.reveal(),
-                                     mechanism=settings.kafka_sasl_mechanism, ssl_context=context)
+        return faust.SASLCredentials(username=kafka.sasl_username,
+                                     password=kafka.sasl_password.reveal(),
+                                     mechanism=kafka.sasl_mechanism, ssl_context=context)
     if context is not None:
         return faust.SSLCredentials(context)
     return None

@@ -37,7 +37,7 @@ def settings(settings: Settings) -> Settings:
 
 def _uncommitted(settings: Settings) -> dict[str, int]:
     """Messages per consumed topic past the worker group's committed offsets."""
-    consumer = Consumer(client_config(settings, {"group.id": settings.app_id, "enable.auto.commit": False}))
+    consumer = Consumer(client_config(settings.kafka, {"group.id": settings.app_id, "enable.auto.commit": False}))
     try:
         out = {}
         for topic in CONSUMED:

@@ -37,7 +37,7 @@ class Agent:
     """Plays the shell: takes messages in order, 'delivers' emissions when told, records the acks."""
 
     def __init__(self, settings: Settings = SETTINGS) -> None:
-        self.router: CompressionRouter[Msg] = CompressionRouter(settings)
+        self.router: CompressionRouter[Msg] = CompressionRouter(settings.worker, settings.detector)
         self.acked: list[int] = []
         self.sent: list[KernelSummary] = []
         self.in_flight: list[Emission[Msg]] = []

@@ -17,8 +17,8 @@ SASL = {"ARGUS_KAFKA_SECURITY_PROTOCOL": "SASL_PLAINTEXT", "ARGUS_KAFKA_SASL_MEC
 
 def test_defaults_are_plaintext_everywhere() -> None:
     s = Settings.load(env={})
-    assert client_config(s) == {"bootstrap.servers": s.bootstrap_servers, "security.protocol": "plaintext"}
-    assert faust_credentials(s) is None and ssl_context(s) is None
+    assert client_config(s.kafka) == {"bootstrap.servers": s.bootstrap_servers, "security.protocol": "plaintext"}
+    assert faust_credentials(s.kafka) is None and ssl_context(s.kafka) is None
 
 
 @pytest.mark.parametrize(
@@ -48,18 +48,18 @@ def test_sasl_reaches_confluent_and_faust_and_stays_secret(tmp_path: Path) -> No
     del env["ARGUS_KAFKA_SASL_PASSWORD"]
     s = Settings.load(env=env)
     assert s.kafka_sasl_password.reveal() == "s3cret" and "s3cret" not in repr(s)
-    conf = client_config(s, {"group.id": "g"})
+    conf = client_config(s.kafka, {"group.id": "g"})
     assert conf == {"bootstrap.servers": s.bootstrap_servers, "security.protocol": "sasl_plaintext",
                     "sasl.mechanism": "SCRAM-SHA-512", "sasl.username": "trainer", "sasl.password": "s3cret",
                     "group.id": "g"}
-    creds = faust_credentials(s)
+    creds = faust_credentials(s.kafka)
     assert (creds.username, creds.password, creds.mechanism.value, creds.protocol.value) == (
         "trainer", "s3cret", "SCRAM-SHA-512", "SASL_PLAINTEXT")
     assert "s3cret" not in repr(creds)
     # Child processes (worker, sink) get the same settings through the environment.
     assert Settings.load(env=s.to_env()).kafka_sasl_password.reveal() == "s3cret"
     with pytest.raises(ConfigError, match="comes from the kafka_"):
-        client_config(s, {"security.protocol": "plaintext"})
+        client_config(s.kafka, {"security.protocol": "plaintext"})
 
 
 def test_tls_files_reach_both_client_kinds(tmp_path: Path) -> None:
@@ -68,24 +68,24 @@ def test_tls_files_reach_both_client_kinds(tmp_path: Path) -> None:
         pytest.skip("no system CA bundle file")
     s = Settings.load(env={}, kafka_security_protocol="SASL_SSL", kafka_sasl_mechanism="PLAIN",
                       kafka_sasl_username="u", kafka_sasl_password="p", kafka_ssl_ca_file=str(ca))
-    conf = client_config(s)
+    conf = client_config(s.kafka)
     assert conf["security.protocol"] == "sasl_ssl" and conf["ssl.ca.location"] == str(ca)
-    creds = faust_credentials(s)
+    creds = faust_credentials(s.kafka)
     assert creds.protocol.value == "SASL_SSL" and isinstance(creds.ssl_context, ssl.SSLContext)
     assert creds.ssl_context.check_hostname and creds.ssl_context.verify_mode == ssl.CERT_REQUIRED
     tls = Settings.load(env={}, kafka_security_protocol="SSL", kafka_ssl_ca_file=str(ca))
-    assert faust_credentials(tls).context is not None
+    assert faust_credentials(tls.kafka).context is not None
     bogus = tmp_path / "ca.pem"
     bogus.write_text("not a certificate")
     with pytest.raises(ConfigError, match="cannot load the Kafka TLS files"):
-        ssl_context(tls.replace(kafka_ssl_ca_file=str(bogus)))
+        ssl_context(tls.replace(kafka_ssl_ca_file=str(bogus)).kafka)
 
 
 def test_auth_watch_explains_a_refusal() -> None:
     from confluent_kafka import KafkaError
 
     s = Settings.load(env=SASL)
-    watch = AuthWatch(s)
+    watch = AuthWatch(s.kafka)
     watch(KafkaError(KafkaError._TRANSPORT, "connection refused"))
     assert watch.explain() == ""
     watch(KafkaError(KafkaError._AUTHENTICATION, "SASL authentication error: Authentication failed"))
