@@ -75,8 +75,9 @@ __all__ = ["BLOCKING_GROUPS", "L2Params", "L2Result", "PhaseTable", "detect_l2",
 F64 = npt.NDArray[np.float64]
 I64 = npt.NDArray[np.int64]
 _MS = 1e6
-_GROUP_COLUMN = {ParallelGroup.DP: "dp_group", ParallelGroup.TP: "tp_group", ParallelGroup.PP: "pp_group",
-                 ParallelGroup.EP: "ep_group", ParallelGroup.NONE: "dp_group"}
+#: Blocking groups whose members wait for each other inside a layer, so look slow together (not PP: its
+#: members are stages, which wait for each other across the step and are judged as stages).
+_WAIT_TOGETHER = tuple(sorted(BLOCKING_GROUPS - {ParallelGroup.PP}, key=lambda g: g.value))
 _COMPUTE = COMPUTE_KINDS
 # A late arrival that spent this fraction of its lateness in its own blocking collectives (more than its peers
 # did) waited there, for a degraded link or a late TP partner: it is no straggler.
@@ -299,7 +300,7 @@ def detect_l2(phases: PhaseTable, topology: JobTopology, params: L2Params | None
             # A reduction over a group that spans the pipeline's stages: which stage reaches it last is the
             # schedule's doing (the first stage ends its backward last), not a late member.
             continue
-        column = np.asarray(getattr(topology, _GROUP_COLUMN[gkind]))
+        column = np.asarray(getattr(topology, (ParallelGroup.DP if gkind is ParallelGroup.NONE else gkind).column))
         target = short_flags if collective else compute_flags if kind in _COMPUTE else host_flags
         target += phase_flags(phases.names[k], kind, gkind.value, column, n_steps[:, k] > 0, per_step[:, k],
                               occ[:, k], longest, in_blocking, ranks, p)
@@ -388,8 +389,8 @@ def _waited_together(elevation: dict[int, float], topology: JobTopology) -> set[
     that reached a later collective late together. ``elevation``: per flagged rank, its top ratio (> 1)."""
     pos = {r: i for i, r in enumerate(topology.rank)}
     out: set[int] = set()
-    for col in ("tp_group", "ep_group"):
-        column = np.asarray(getattr(topology, col))
+    for group in _WAIT_TOGETHER:
+        column = np.asarray(getattr(topology, group.column))
         members: dict[int, list[int]] = {}
         for r in elevation:
             members.setdefault(int(column[pos[r]]), []).append(r)
