@@ -27,6 +27,9 @@ __all__ = ["Flag", "compare_rows", "phase_flags"]
 F64 = npt.NDArray[np.float64]
 I64 = npt.NDArray[np.int64]
 _MAD_SCALE = 1.4826
+#: Times are integer nanoseconds: a phase's time per step below one is no time measured, and a ratio to it
+#: is no ratio (a member whose collective took "0 ns" arrived last, by at most its peers' time).
+_RESOLUTION_NS = 1.0
 # A member this many times shorter than its peers' median arrived late: its group's long collectives are
 # explained (the same 2x rule as L3's link check).
 
@@ -58,7 +61,7 @@ def compare_rows(value: F64, p: L2Params, collective: bool) -> tuple[F64, F64, F
     scale = np.maximum(np.median(np.abs(value - med), axis=1, keepdims=True) * _MAD_SCALE, p.mad_floor * peers)
     with np.errstate(invalid="ignore", divide="ignore"):
         z = (value - peers) / scale
-        ratio = value / peers
+        ratio = np.maximum(value, _RESOLUTION_NS) / np.maximum(peers, _RESOLUTION_NS)
         mean = value.mean(axis=1)
         cv = np.where(mean > 0, value.std(axis=1) / mean, 0.0)
     use_z = value.shape[1] >= 3

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from argus.core.errors import DetectorError
 from argus.core.kinds import FindingKind
 from argus.detectors import L2Params, PhaseTable, detect_l2, loo_median
+from argus.detectors.l2_compare import compare_rows
 from argus.detectors.victims import waiting_victims
 from argus.producers.topology import build_topology
 from argus.schemas.records import JobTopology, Level, ParallelGroup, PhaseBatch, PhaseKind
@@ -300,3 +301,12 @@ def test_a_reduction_across_pipeline_stages_names_no_late_stage() -> None:
                 (PhaseKind.ALL_REDUCE, "grad-norm", PP, wait * MS)]
 
     assert detect_l2(_job(topo, 5, phases), topo) == []
+
+
+def test_a_member_whose_collective_took_no_measurable_time_gets_a_finite_ratio() -> None:
+    # A last arrival whose collective ended at once reads 0 ns: the ratio to its peers is floored at the clock's
+    # 1 ns resolution (an infinite score is no finding: it raised instead of being judged).
+    value = np.array([[0.0, 2e5, 2.1e5, 1.9e5], [0.0, 0.0, 0.0, 0.0]])
+    ratio, _, _, _, hit = compare_rows(value, L2Params(), collective=True)
+    assert np.isfinite(ratio).all() and ratio[0, 0] == pytest.approx(1.0 / 2e5) and hit[0, 0]
+    assert (ratio[1] == 1.0).all() and not hit[1].any()

@@ -51,7 +51,7 @@ def ref_phase_flags(name: str, kind: PhaseKind, label: str, column: np.ndarray, 
             v, pm = values[j], peers[j]
             scale = max(mad, p.mad_floor * pm)
             z = (v - pm) / scale if scale else math.copysign(math.inf, v - pm) if v != pm else math.nan
-            ratio = v / pm if pm else math.inf
+            ratio = max(v, 1.0) / max(pm, 1.0)  # times below 1 ns are no time measured
             if kind.is_collective:
                 hit = ratio <= 0.5 and (len(members) < 3 or z <= -p.min_z)
             else:
