@@ -120,7 +120,7 @@ class CompressionRouter(Generic[H]):
     """
 
     def __init__(self, worker: WorkerSettings, detector: DetectorSettings, now: float = 0.0) -> None:
-        self.settings = settings = worker
+        self.worker = settings = worker
         self.stats = CompressionStats()
         self.buffer = WindowBuffer(settings.window_ns, settings.allowed_lateness_ns,
                                    max_skew_ns=settings.max_event_skew_ns, max_names=settings.max_kernel_names,
@@ -185,7 +185,7 @@ class CompressionRouter(Generic[H]):
                 self.stats.folded_events += w.folded_events
                 log.warning("%s/%s window [%d, %d): more than %d kernel names, %d events summarized as "
                             "'[other kernels]'", w.job_id, w.rank, w.start_ns, w.end_ns,
-                            self.settings.max_kernel_names, w.folded_events)
+                            self.worker.max_kernel_names, w.folded_events)
             free.extend(self.buffer.release(w))
         return Routed(ack=self._acks(free), dead=self._dead(dead))
 
@@ -204,7 +204,7 @@ class CompressionRouter(Generic[H]):
         ``job_idle_timeout_s`` (a job of kernels only never reaches the diagnosis agents, which abandon the
         others long before). ``now``: the worker's monotonic clock (s)."""
         now = self._quiet.read(now)  # a busy worker has not seen what may have arrived
-        timeout_s = 2 * self.settings.job_idle_timeout_s
+        timeout_s = 2 * self.worker.job_idle_timeout_s
         idle = self._arrivals.idle(now, timeout_s)
         if not idle:
             return []
@@ -218,7 +218,7 @@ class CompressionRouter(Generic[H]):
             world = 1 + max((r for j, r in self._partition_of if j == job_id), default=0)
             out.append(JobLifecycle(job_id, LifecycleEvent.ABANDONED, end_ns, world, source="streams",
                                     reason=f"kernels only: no kernel batch for {age or 0.0:.1f} s (twice "
-                                           f"job_idle_timeout_s = {self.settings.job_idle_timeout_s:g})",
+                                           f"job_idle_timeout_s = {self.worker.job_idle_timeout_s:g})",
                                     last_step=step))
             self.stats.jobs_abandoned += 1
             log.warning("job %s: ABANDONED by the compressor (kernels only, idle %.1f s, last step %d)", job_id,
@@ -257,7 +257,7 @@ class CompressionRouter(Generic[H]):
         if update.skewed is not None:
             st.skewed_events += len(update.skewed)
             dead.append(DeadLetter(f"skew: {len(update.skewed)} events of {where} start more than "
-                                   f"{self.settings.max_event_skew_ns} ns after the rank's watermark (first at "
+                                   f"{self.worker.max_event_skew_ns} ns after the rank's watermark (first at "
                                    f"{int(update.skewed.start_ns.min())} ns)", payload=update.skewed.encode(),
                                    job=batch.job_id, rank=batch.rank))
         if update.late is not None:  # not with late_pieces; kept for a buffer that returns late events

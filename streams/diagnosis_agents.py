@@ -871,9 +871,10 @@ def install_diagnosis(app: faust.App, settings: Settings, params: DiagnosisParam
             stats.states_discarded += len(failures)
             await reject(event, "diagnose-kernels", "; ".join(failures), job_id)
         topo = topology_of(job_id)
-        await diagnosed(job_id, f"l3/{part[1]}", router.last_window_ns(part), topo.world_size if topo else 0)
+        last_ns, held = router.close(part)
+        await diagnosed(job_id, f"l3/{part[1]}", last_ns, topo.world_size if topo else 0)
         stats.l3_parts_diagnosed += 1
-        for e in router.close(part)[1]:
+        for e in held:
             e.ack()
 
     async def judge_pending_ranks(now: float) -> None:

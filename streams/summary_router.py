@@ -215,9 +215,6 @@ class SummaryRouter(Generic[H]):
         self._kernels.pop(part, None)
         return self._last_window.pop(part, 0), self._held.pop(part, [])
 
-    def last_window_ns(self, part: Part) -> int:
-        return self._last_window.get(part, 0)
-
     def forget_job(self, job_id: str) -> None:
         """Every part of the job is diagnosed: its rank totals go."""
         self._rank_parts.pop(job_id, None)

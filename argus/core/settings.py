@@ -33,15 +33,15 @@ _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_-]{0,127}")
 
 class _Part(Generic[_P]):
     """A part of :class:`Settings` as an attribute: ``settings.kafka`` is the :class:`KafkaSettings` of its
-    fields (named in the module, built on each read: the parts are small and Settings is frozen)."""
+    fields (built on each read: the parts are small and Settings is frozen)."""
 
-    def __init__(self, cls_name: str) -> None:
-        self.cls_name = cls_name
+    def __init__(self, cls: type[_P]) -> None:
+        self.cls = cls
 
     def __get__(self, settings: Any, owner: Any = None) -> _P:
-        cls = globals()[self.cls_name]
         # A part's field is the Settings field of its name, or the one its metadata names (parts drop prefixes).
-        return cls(**{f.name: getattr(settings, f.metadata.get("from", f.name)) for f in dataclasses.fields(cls)})
+        fields = dataclasses.fields(self.cls)  # type: ignore[arg-type]  # every part is a dataclass
+        return self.cls(**{f.name: getattr(settings, f.metadata.get("from", f.name)) for f in fields})
 
 
 @dataclass(frozen=True)
@@ -55,6 +55,77 @@ class Secret:
 
     def __str__(self) -> str:
         return "********" if self.value else ""
+
+
+@dataclass(frozen=True)
+class KafkaSettings:
+    """What every Kafka client takes (part of :class:`Settings`: ``settings.kafka``): the brokers, the topics,
+    TLS/SASL and the producers' compression. Fields as the ``kafka_*`` settings without their prefix."""
+
+    bootstrap_servers: str
+    topic_prefix: str
+    partitions: int
+    replication_factor: int
+    retention_ms: int
+    security_protocol: str = field(metadata={"from": "kafka_security_protocol"})
+    sasl_mechanism: str = field(metadata={"from": "kafka_sasl_mechanism"})
+    sasl_username: str = field(metadata={"from": "kafka_sasl_username"})
+    sasl_password: Secret = field(metadata={"from": "kafka_sasl_password"})
+    ssl_ca_file: str = field(metadata={"from": "kafka_ssl_ca_file"})
+    ssl_cert_file: str = field(metadata={"from": "kafka_ssl_cert_file"})
+    ssl_key_file: str = field(metadata={"from": "kafka_ssl_key_file"})
+    compression: str = field(metadata={"from": "compression"})
+    session_timeout_s: float = field(metadata={"from": "session_timeout_s"})
+
+    def topic(self, name: str) -> str:
+        """The full topic name for a logical topic (e.g. ``kernels`` -> ``argus.kernels``)."""
+        return f"{self.topic_prefix}{name}"
+
+
+@dataclass(frozen=True)
+class ClickHouseSettings:
+    """What the ClickHouse store and the sink take (``settings.clickhouse``): where, as whom, into which
+    database and cluster, and the sink's consumer group and batching."""
+
+    dsn: str = field(metadata={"from": "clickhouse_dsn"})
+    database: str = field(metadata={"from": "clickhouse_database"})
+    user: str = field(metadata={"from": "clickhouse_user"})
+    password: Secret = field(metadata={"from": "clickhouse_password"})
+    cluster: str = field(metadata={"from": "clickhouse_cluster"})
+    sink_group: str = field(metadata={"from": "sink_group"})
+    sink_batch_max: int = field(metadata={"from": "sink_batch_max"})
+    sink_flush_ms: int = field(metadata={"from": "sink_flush_ms"})
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    """What the stream worker's agents take (``settings.worker``): its identity, event-time windows, the bounds
+    of its state, liveness and its web server."""
+
+    app_id: str
+    home: Path
+    window_ns: int
+    allowed_lateness_ns: int
+    max_event_skew_ns: int
+    max_kernel_names: int
+    job_idle_timeout_s: float
+    max_open_jobs: int
+    max_ranks_per_job: int
+    l3_max_windows: int
+    heartbeat_interval_s: float
+    metrics_host: str
+    web_port: int = field(metadata={"from": "worker_web_port"})
+
+
+@dataclass(frozen=True)
+class DetectorSettings:
+    """The detector parameters that are settings (``settings.detector``): the KDE compression of durations
+    and the least impact a finding must have to be raised."""
+
+    kde_grid_points: int
+    kde_min_samples: int
+    kde_min_log_gap: float
+    min_impact_fraction: float
 
 
 @dataclass(frozen=True)
@@ -356,81 +427,10 @@ class Settings:
         return f"{self.topic_prefix}{name}"
 
     # The parts each component takes, read from these settings (validated here, in one place).
-    kafka = _Part["KafkaSettings"]("KafkaSettings")
-    clickhouse = _Part["ClickHouseSettings"]("ClickHouseSettings")
-    worker = _Part["WorkerSettings"]("WorkerSettings")
-    detector = _Part["DetectorSettings"]("DetectorSettings")
-
-
-@dataclass(frozen=True)
-class KafkaSettings:
-    """What every Kafka client takes (part of :class:`Settings`: ``settings.kafka``): the brokers, the topics,
-    TLS/SASL and the producers' compression. Fields as the ``kafka_*`` settings without their prefix."""
-
-    bootstrap_servers: str
-    topic_prefix: str
-    partitions: int
-    replication_factor: int
-    retention_ms: int
-    security_protocol: str = field(metadata={"from": "kafka_security_protocol"})
-    sasl_mechanism: str = field(metadata={"from": "kafka_sasl_mechanism"})
-    sasl_username: str = field(metadata={"from": "kafka_sasl_username"})
-    sasl_password: Secret = field(metadata={"from": "kafka_sasl_password"})
-    ssl_ca_file: str = field(metadata={"from": "kafka_ssl_ca_file"})
-    ssl_cert_file: str = field(metadata={"from": "kafka_ssl_cert_file"})
-    ssl_key_file: str = field(metadata={"from": "kafka_ssl_key_file"})
-    compression: str = field(metadata={"from": "compression"})
-    session_timeout_s: float = field(metadata={"from": "session_timeout_s"})
-
-    def topic(self, name: str) -> str:
-        """The full topic name for a logical topic (e.g. ``kernels`` -> ``argus.kernels``)."""
-        return f"{self.topic_prefix}{name}"
-
-
-@dataclass(frozen=True)
-class ClickHouseSettings:
-    """What the ClickHouse store and the sink take (``settings.clickhouse``): where, as whom, into which
-    database and cluster, and the sink's consumer group and batching."""
-
-    dsn: str = field(metadata={"from": "clickhouse_dsn"})
-    database: str = field(metadata={"from": "clickhouse_database"})
-    user: str = field(metadata={"from": "clickhouse_user"})
-    password: Secret = field(metadata={"from": "clickhouse_password"})
-    cluster: str = field(metadata={"from": "clickhouse_cluster"})
-    sink_group: str = field(metadata={"from": "sink_group"})
-    sink_batch_max: int = field(metadata={"from": "sink_batch_max"})
-    sink_flush_ms: int = field(metadata={"from": "sink_flush_ms"})
-
-
-@dataclass(frozen=True)
-class WorkerSettings:
-    """What the stream worker's agents take (``settings.worker``): its identity, event-time windows, the bounds
-    of its state, liveness and its web server."""
-
-    app_id: str
-    home: Path
-    window_ns: int
-    allowed_lateness_ns: int
-    max_event_skew_ns: int
-    max_kernel_names: int
-    job_idle_timeout_s: float
-    max_open_jobs: int
-    max_ranks_per_job: int
-    l3_max_windows: int
-    heartbeat_interval_s: float
-    metrics_host: str
-    web_port: int = field(metadata={"from": "worker_web_port"})
-
-
-@dataclass(frozen=True)
-class DetectorSettings:
-    """The detector parameters that are settings (``settings.detector``): the KDE compression of durations
-    and the least impact a finding must have to be raised."""
-
-    kde_grid_points: int
-    kde_min_samples: int
-    kde_min_log_gap: float
-    min_impact_fraction: float
+    kafka = _Part(KafkaSettings)
+    clickhouse = _Part(ClickHouseSettings)
+    worker = _Part(WorkerSettings)
+    detector = _Part(DetectorSettings)
 
 
 def check_identifier(setting: str, value: str) -> str:
