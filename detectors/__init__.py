@@ -7,7 +7,8 @@ runs on top: :mod:`argus.detectors.l1_iteration` (iteration-time spikes and regr
 :mod:`argus.detectors.l2_phases` (straggler rank and phase within parallel groups, slow pipeline stages),
 :mod:`argus.detectors.l3_kernels` (degraded kernels, mode by mode with :mod:`argus.detectors.kernel_modes`, and links
 from argus.core.kinds import FindingKind
-from the compressed windows), :mod:`argus.detectors.l3_ranks` (ranks and pipeline stages slow across kernels);
+from the compressed windows), :mod:`argus.detectors.l3_ranks` (ranks and pipeline stages slow across kernels),
+:mod:`argus.detectors.kernel_excess` (a kernel slower on a rank than the rank's own speed predicts);
 :mod:`argus.detectors.hangs` names stalled jobs, silent ranks and the ranks a hung collective waits for;
 :mod:`argus.detectors.impact` gives each result the GPU time the job lost to it and :mod:`argus.detectors.findings`
 turns results into Finding records.
@@ -24,6 +25,7 @@ from argus.detectors.kde_clusters import (
     cluster_by_group,
     cluster_durations,
 )
+from argus.detectors.kernel_excess import detect_kernel_excess
 from argus.detectors.kernel_modes import ReferenceModes, mode_quantiles, reference_modes
 from argus.detectors.l1_iteration import IterationSeries, L1Params, L1Result, detect_l1
 from argus.detectors.l2_phases import L2Params, L2Result, PhaseTable, detect_l2, loo_median
@@ -84,6 +86,7 @@ __all__ = [
     "cluster_by_group",
     "cluster_durations",
     "detect_hangs",
+    "detect_kernel_excess",
     "detect_l1",
     "detect_l2",
     "detect_l3",

@@ -56,7 +56,8 @@ _STAGE_MIN_SLOWER_KERNELS = 3
 #: Calls per rank a kernel needs to count in the stage comparison (a one-step trace is no stage verdict).
 _STAGE_MIN_CALLS = 4
 
-__all__ = ["KernelTotals", "RankExcessParams", "detect_rank_excess", "detect_stage_excess", "kernel_family"]
+__all__ = ["KernelTotals", "RankExcessParams", "comparison_sets", "detect_rank_excess", "detect_stage_excess",
+           "kernel_family", "totals_matrix"]
 
 F64 = npt.NDArray[np.float64]
 I64 = npt.NDArray[np.int64]
@@ -64,12 +65,16 @@ I64 = npt.NDArray[np.int64]
 
 @dataclass
 class KernelTotals:
-    """Per rank: total time (ns) and calls of one (kernel, stream) over a job, accumulated from summaries."""
+    """Per rank: total time (ns) and calls of one (kernel, stream) over a job, accumulated from summaries.
+
+    ``median_ns``: the time as the clusters' medians give it (``sum(count * p50)``), which a few outlier calls
+    do not move; absent for a rank whose totals came from a context without it (schema v1)."""
 
     kernel: str
     stream: int
     total_ns: dict[int, float] = field(default_factory=dict)
     calls: dict[int, float] = field(default_factory=dict)
+    median_ns: dict[int, float] = field(default_factory=dict)
 
     def add(self, summary: KernelSummary) -> None:
         """Add the rows of one summary of this (kernel, stream). Raises :class:`DetectorError` for another key
@@ -82,7 +87,23 @@ class KernelTotals:
         for rank, k in zip(summary.rank, summary.n_clusters, strict=True):
             self.total_ns[rank] = self.total_ns.get(rank, 0.0) + float(sum(summary.cluster_sum_ns[at:at + k]))
             self.calls[rank] = self.calls.get(rank, 0.0) + float(sum(summary.cluster_count[at:at + k]))
+            self.median_ns[rank] = self.median_ns.get(rank, 0.0) + float(sum(
+                c * p for c, p in zip(summary.cluster_count[at:at + k], summary.cluster_p50_ns[at:at + k],
+                                      strict=True)))
             at += k
+
+    def merge(self, other: KernelTotals) -> None:
+        """Add another part's totals of this (kernel, stream). A rank's ``median_ns`` stays known only while
+        every part that added to it knew it. Raises :class:`DetectorError` for another key."""
+        if (other.kernel, other.stream) != (self.kernel, self.stream):
+            raise DetectorError(f"totals of {other.kernel}/{other.stream} merged into {self.kernel}/{self.stream}")
+        for r, v in other.total_ns.items():
+            if r in other.median_ns and (r not in self.total_ns or r in self.median_ns):
+                self.median_ns[r] = self.median_ns.get(r, 0.0) + other.median_ns[r]
+            else:
+                self.median_ns.pop(r, None)
+            self.total_ns[r] = self.total_ns.get(r, 0.0) + v
+            self.calls[r] = self.calls.get(r, 0.0) + other.calls.get(r, 0.0)
 
 
 @dataclass(frozen=True)
@@ -101,6 +122,10 @@ class RankExcessParams:
     ``collective_markers``: lower-case substrings of collective kernels, left out [("nccl",)].
     ``stage_min_excess``: least excess of a pipeline stage over the others, as a share of its expected time,
     in :func:`detect_stage_excess` [0.1].
+    :func:`~argus.detectors.kernel_excess.detect_kernel_excess`: a kernel's time over what its rank's speed
+    predicts must be at least ``kernel_min_ratio`` [1.05] with a z-score of at least ``kernel_min_z`` [4.0]
+    (and the Bonferroni bound of ``alpha``), in kernels of at least ``kernel_min_calls`` [8] calls per rank,
+    with at least ``kernel_min_kernels`` [5] such kernels to tell the rank's speed.
     """
 
     min_z: float = 3.0
@@ -115,6 +140,10 @@ class RankExcessParams:
     min_kernels: int = 3
     top_kernels: int = 5
     collective_markers: tuple[str, ...] = ("nccl",)
+    kernel_min_ratio: float = 1.05
+    kernel_min_z: float = 4.0
+    kernel_min_calls: int = 8
+    kernel_min_kernels: int = 5
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.min_z) and self.min_z >= 0.0 and 0.0 <= self.min_excess_fraction < 1.0
@@ -123,6 +152,10 @@ class RankExcessParams:
                                 "slower_ratio > 1")
         if self.min_ranks < 2 or self.min_kernels < 1 or self.top_kernels < 1:
             raise DetectorError("need min_ranks >= 2, min_kernels >= 1 and top_kernels >= 1")
+        if not (self.kernel_min_ratio >= 1.0 and self.kernel_min_z >= 0.0 and self.kernel_min_calls >= 1
+                and self.kernel_min_kernels >= 3):
+            raise DetectorError("need kernel_min_ratio >= 1, kernel_min_z >= 0, kernel_min_calls >= 1 and "
+                                "kernel_min_kernels >= 3")
 
 
 def detect_rank_excess(totals: Iterable[KernelTotals], topology: JobTopology | None = None,
@@ -137,12 +170,26 @@ def detect_rank_excess(totals: Iterable[KernelTotals], topology: JobTopology | N
     usable = [t for t in totals if t.calls and not is_collective(t.kernel, p.collective_markers)]
     if not usable:
         return []
-    ranks = np.array(sorted({r for t in usable for r in t.calls}), dtype=np.int64)
+    ranks, total, calls, part = totals_matrix(usable, topology)
+    keys = [(t.kernel, t.stream) for t in usable]
+    out: list[L3Result] = []
+    for label, rows, cols, judged in comparison_sets(part, calls, p):
+        named = {r.ranks[0] for r in out}
+        found = _judge(ranks[rows], total[np.ix_(rows, cols)], calls[np.ix_(rows, cols)],
+                       [keys[j] for j in cols.tolist()], label, p)
+        out += [r for r in found if judged[int(np.searchsorted(ranks[rows], r.ranks[0]))] and r.ranks[0] not in named]
+    return out
+
+
+def totals_matrix(totals: Sequence[KernelTotals], topology: JobTopology | None) -> tuple[I64, F64, F64, I64]:
+    """The job's ranks (ascending), their total time and calls per kernel (ranks x kernels, NaN time and 0
+    calls where a rank does not run it) and each rank's comparison part (its pipeline stage with a
+    topology, -1 for a rank outside it; all 0 without)."""
+    ranks = np.array(sorted({r for t in totals for r in t.calls}), dtype=np.int64)
     pos = {r: i for i, r in enumerate(ranks.tolist())}
-    n_r, n_k = ranks.size, len(usable)
-    total = np.full((n_r, n_k), np.nan)
-    calls = np.zeros((n_r, n_k))
-    for k, t in enumerate(usable):
+    total = np.full((ranks.size, len(totals)), np.nan)
+    calls = np.zeros((ranks.size, len(totals)))
+    for k, t in enumerate(totals):
         for r, c in t.calls.items():
             if c > 0:
                 total[pos[r], k], calls[pos[r], k] = t.total_ns.get(r, 0.0), c
@@ -150,24 +197,29 @@ def detect_rank_excess(totals: Iterable[KernelTotals], topology: JobTopology | N
         stage_of = dict(zip(topology.rank, topology.pp_stage, strict=True))
         part = np.array([stage_of.get(r, -1) for r in ranks.tolist()], dtype=np.int64)
     else:
-        part = np.zeros(n_r, dtype=np.int64)
-    keys = [(t.kernel, t.stream) for t in usable]
-    out: list[L3Result] = []
+        part = np.zeros(ranks.size, dtype=np.int64)
+    return ranks, total, calls, part
+
+
+def comparison_sets(part: I64, calls: F64, p: RankExcessParams) -> list[tuple[int, I64, I64, npt.NDArray[np.bool_]]]:
+    """The sets of ranks compared with each other, as ``(label, rows, kernel columns, judged)``: each part
+    (pipeline stage) of at least ``min_ranks`` ranks over every kernel, labelled by the part; and, when
+    some part has fewer than five ranks, every rank over the kernels all ranks run with the same calls,
+    labelled -1, where only the small parts' ranks (``judged``, per row of the set) are judged."""
+    every = np.arange(calls.shape[1], dtype=np.int64)
+    out = []
     stages, sizes = np.unique(part, return_counts=True)
     for g in stages.tolist():
         rows = np.flatnonzero(part == g)
         if rows.size >= p.min_ranks:
-            out += _judge(ranks[rows], total[rows], calls[rows], keys, int(g), p)
-    small = set(stages[sizes < _SPREAD_RANKS].tolist())
-    if small and stages.size >= 2:
+            out.append((int(g), rows, every, np.ones(rows.size, dtype=bool)))
+    small = stages[sizes < _SPREAD_RANKS]
+    if small.size and stages.size >= 2:
         # Stages of a few ranks have little to compare with, but their transformer layers run the same
         # kernels as every other stage's: the kernels every rank runs, with the same calls, compare job-wide.
         shared = (calls > 0).all(axis=0) & (calls.min(axis=0) == calls.max(axis=0))
-        named = {r.ranks[0] for r in out}
         if int(shared.sum()) >= p.min_kernels:
-            cols = np.flatnonzero(shared)
-            out += [r for r in _judge(ranks, total[:, cols], calls[:, cols], [keys[j] for j in cols.tolist()], -1, p)
-                    if int(part[np.searchsorted(ranks, r.ranks[0])]) in small and r.ranks[0] not in named]
+            out.append((-1, np.arange(part.size, dtype=np.int64), np.flatnonzero(shared), np.isin(part, small)))
     return out
 
 

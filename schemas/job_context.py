@@ -1,5 +1,5 @@
 """The :class:`JobContext` record: what one stream worker knows of a job that others need (see
-``schemas/job_context.v1.avsc``)."""
+``schemas/job_context.v2.avsc``; v1 still read)."""
 
 from __future__ import annotations
 
@@ -38,6 +38,7 @@ class JobContext(Record):
     totals_rank: tuple[int, ...] = ()
     totals_ns: tuple[float, ...] = ()
     totals_calls: tuple[float, ...] = ()
+    totals_median_ns: tuple[float, ...] = ()
 
     @classmethod
     def _enum_fields(cls) -> dict[str, type[enum.Enum]]:
@@ -54,6 +55,9 @@ class JobContext(Record):
                      "the number of totals_kernel")
         _bounded(what, "totals_rows", self.totals_rows, 0, 2**31 - 1)
         _same_length(what, self, ("totals_ns", "totals_calls"), len(self.totals_rank), "the number of totals_rank")
+        if self.totals_median_ns and len(self.totals_median_ns) != len(self.totals_rank):
+            raise SchemaError(f"{what}: totals_median_ns has {len(self.totals_median_ns)} entries, not one per "
+                              f"totals_rank ({len(self.totals_rank)}) or none")
         if sum(self.totals_rows) != len(self.totals_rank):
             raise SchemaError(f"{what}: totals_rows add up to {sum(self.totals_rows)}, not {len(self.totals_rank)}")
         _bounded(what, "stragglers", self.stragglers, 0, 2**31 - 1)

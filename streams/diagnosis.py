@@ -35,6 +35,7 @@ from argus.core.kinds import FindingKind
 from argus.core.settings import Settings
 from argus.detectors.findings import DetectorResult, finding_id, to_finding
 from argus.detectors.impact import StepClock, impact_of, worth_raising
+from argus.detectors.kernel_excess import detect_kernel_excess
 from argus.detectors.l1_iteration import IterationSeries, L1Params, L1Result, detect_l1
 from argus.detectors.l2_phases import L2Params, L2Result, PhaseTable, detect_l2
 from argus.detectors.l3_kernels import PIPELINE_SIDE, L3Params, L3Result, detect_l3
@@ -422,7 +423,9 @@ class LinkLedger:
 
 class RankDiagnosis:
     """Job-level L3 state: every compute kernel's time and calls per rank (:class:`KernelTotals`), judged
-    once at the job's end by :func:`~argus.detectors.l3_ranks.detect_rank_excess`."""
+    once at the job's end by :func:`~argus.detectors.l3_ranks.detect_rank_excess` (ranks slow across
+    kernels), :func:`~argus.detectors.kernel_excess.detect_kernel_excess` (kernels slower than their rank's
+    speed predicts) and, with a topology, :func:`~argus.detectors.l3_ranks.detect_stage_excess`."""
 
     def __init__(self, job_id: str, params: DiagnosisParams | None = None) -> None:
         self.job_id = job_id
@@ -450,9 +453,7 @@ class RankDiagnosis:
             mine = self._totals.get((t.kernel, t.stream))
             if mine is None:
                 mine = self._totals[(t.kernel, t.stream)] = KernelTotals(t.kernel, t.stream)
-            for r, v in t.total_ns.items():
-                mine.total_ns[r] = mine.total_ns.get(r, 0.0) + v
-                mine.calls[r] = mine.calls.get(r, 0.0) + t.calls.get(r, 0.0)
+            mine.merge(t)
             self._ranks.update(t.total_ns)
         self.last_time_ns = max(self.last_time_ns, last_time_ns)
 
@@ -461,6 +462,8 @@ class RankDiagnosis:
         world = topology.world_size if topology is not None else len(self._ranks)
         slow = detect_rank_excess(self._totals.values(), topology, self.params.ranks)
         results: list[DetectorResult] = list(slow)
+        results += detect_kernel_excess(self._totals.values(), topology, self.params.ranks,
+                                        exclude={r for res in slow for r in res.ranks})
         if topology is not None:
             steps = max(len(clock.starts_ns), 1) if clock is not None else 1
             stages = detect_stage_excess(self._totals.values(), topology, self.params.ranks,

@@ -17,6 +17,7 @@ The conversions here are pure; the table is the only thread.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 import uuid
@@ -78,8 +79,9 @@ def context_clock(ctx: JobContext | None) -> StepClock | None:
 
 
 def totals_context(job_id: str, part: int, time_ns: int, totals: Iterable[KernelTotals]) -> JobContext:
-    """L3 part ``part``'s per-rank kernel totals of ``job_id`` (part ``l3/<part>``)."""
-    kernels, streams, rows, ranks, ns, calls = [], [], [], [], [], []
+    """L3 part ``part``'s per-rank kernel totals of ``job_id`` (part ``l3/<part>``). A rank whose median
+    time is unknown has NaN in ``totals_median_ns`` (empty when no rank's is known)."""
+    kernels, streams, rows, ranks, ns, calls, medians = [], [], [], [], [], [], []
     for t in sorted(totals, key=lambda t: (t.kernel, t.stream)):
         kernels.append(t.kernel)
         streams.append(t.stream)
@@ -88,17 +90,22 @@ def totals_context(job_id: str, part: int, time_ns: int, totals: Iterable[Kernel
             ranks.append(r)
             ns.append(t.total_ns[r])
             calls.append(t.calls.get(r, 0.0))
+            medians.append(t.median_ns.get(r, math.nan))
+    known = any(not math.isnan(m) for m in medians)
     return JobContext(job_id=job_id, part=f"l3/{part}", time_ns=max(time_ns, 0), totals_kernel=tuple(kernels),
                       totals_stream=tuple(streams), totals_rows=tuple(rows), totals_rank=tuple(ranks),
-                      totals_ns=tuple(ns), totals_calls=tuple(calls))
+                      totals_ns=tuple(ns), totals_calls=tuple(calls),
+                      totals_median_ns=tuple(medians) if known else ())
 
 
 def context_totals(ctx: JobContext) -> list[KernelTotals]:
     out, at = [], 0
     for kernel, stream, n in zip(ctx.totals_kernel, ctx.totals_stream, ctx.totals_rows, strict=True):
         sl = slice(at, at + n)
+        medians = ({r: m for r, m in zip(ctx.totals_rank[sl], ctx.totals_median_ns[sl], strict=True)
+                    if not math.isnan(m)} if ctx.totals_median_ns else {})
         out.append(KernelTotals(kernel, stream, dict(zip(ctx.totals_rank[sl], ctx.totals_ns[sl], strict=True)),
-                                dict(zip(ctx.totals_rank[sl], ctx.totals_calls[sl], strict=True))))
+                                dict(zip(ctx.totals_rank[sl], ctx.totals_calls[sl], strict=True)), medians))
         at += n
     return out
 

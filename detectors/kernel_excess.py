@@ -1,0 +1,151 @@
+"""L3 per (rank, kernel): one kernel slower on a rank than the rank's own speed predicts.
+
+A fault often hits one shape of one kernel on one rank (a GEMM whose tile config fell back, a throttled
+unit used by one op): the kernel name runs several shapes, so the slowed shape is one mode of a multimodal
+kernel, and when its durations lie close to another shape's the KDE merges both into one cluster and the
+shift is diluted (one shape x1.4 of three gives the cluster x1.1). Per-kernel W1 on one window does not see
+a tenth; summed over the job's windows it is plain, once two things are taken out:
+
+- **the rank's own speed**: GPUs of one job differ by a few percent in everything they run (clocks,
+  thermals), so a rank 5 % slower in all its kernels is no fault. :func:`detect_kernel_excess` fits a
+  two-way model on log time per call, ``x[r, k] = ref[k] + speed[r] + e[r, k]``, with ``ref`` the
+  leave-one-out median of the rank's peers in kernel ``k`` and ``speed`` the rank's median deviation
+  over its kernels; the residual ``e`` is the kernel's excess beyond what the rank's speed predicts.
+- **the noise**: a kernel's residuals are judged in units of its noise -- the set's pooled robust scale
+  (1.4826 MAD of all residuals), widened for kernels with fewer calls than the set's median kernel (the
+  mean of fewer calls is noisier) and, in sets of five or more ranks, at least the kernel's own robust
+  spread over the ranks.
+
+A (rank, kernel) is slow when its residual in the plain totals is at least ``kernel_min_ratio`` and its
+z-score passes the Bonferroni bound of ``alpha`` over the set's ranks x kernels both in the plain totals and
+in the cluster-median totals (:attr:`~argus.detectors.l3_ranks.KernelTotals.median_ns`). The plain total is
+what the job lost but a few outlier calls move it; the median total ignores outliers but moves when the KDE
+splits one rank's modes differently; a real slowdown is significant in both (though the median of a merged
+cluster moves less than its mean when only one of its shapes slows, so the size is the plain total's).
+A kernel slow on most ranks of a set is the kernel's work, not a rank: it names none. Each rank with slow
+kernels is one :attr:`~argus.core.kinds.FindingKind.KERNEL_DEGRADED` result naming the kernel with the most
+excess (score: its time over the predicted one, less 1), the others in the evidence.
+
+Only kernels that every rank of the set runs with the same calls (at least ``kernel_min_calls``) are
+compared: the same work. Collectives are left out (they wait for their group).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+import numpy.typing as npt
+from scipy.special import ndtri
+
+from argus.core.kinds import FindingKind
+from argus.detectors.l2_groups import loo_median_rows
+from argus.detectors.l3_kernels import L3Result, is_collective
+from argus.detectors.l3_ranks import KernelTotals, RankExcessParams, comparison_sets, totals_matrix
+from argus.schemas.records import JobTopology
+
+__all__ = ["detect_kernel_excess"]
+
+F64 = npt.NDArray[np.float64]
+I64 = npt.NDArray[np.int64]
+
+_MAD_SCALE = 1.4826
+#: Least noise of a kernel's log time per call (1e-3: 0.1 %), so identical ranks give no infinite z.
+_SCALE_FLOOR = 1e-3
+#: Most spread of a kernel's calls over the set's ranks that still counts as the same work.
+_SAME_CALLS = 0.02
+#: Fewest ranks whose spread in one kernel is a noise scale of its own.
+_SPREAD_RANKS = 5
+
+
+def detect_kernel_excess(totals: Iterable[KernelTotals], topology: JobTopology | None = None,
+                         params: RankExcessParams | None = None, exclude: Iterable[int] = ()) -> list[L3Result]:
+    """Ranks with kernels slower than their own speed predicts (see the module docstring).
+
+    ``totals``: one :class:`KernelTotals` per (kernel, stream) of the job, with ``median_ns`` (ranks
+    without it are left out of a kernel). ``topology``: ranks are compared within their pipeline stage
+    (small stages job-wide in the kernels every rank shares) when given, else across the job.
+    ``exclude``: ranks not to name (already named slow across kernels). One result per named rank.
+    """
+    p = params if params is not None else RankExcessParams()
+    usable = [t for t in totals if t.calls and not is_collective(t.kernel, p.collective_markers)]
+    if not usable:
+        return []
+    ranks, total, calls, part = totals_matrix(usable, topology)
+    median = np.full(total.shape, np.nan)
+    pos = {r: i for i, r in enumerate(ranks.tolist())}
+    for k, t in enumerate(usable):
+        for r, v in t.median_ns.items():
+            if r in pos and calls[pos[r], k] > 0:
+                median[pos[r], k] = v
+    keys = [(t.kernel, t.stream) for t in usable]
+    skip = set(exclude)
+    out: dict[int, L3Result] = {}
+    for label, rows, cols, judged in comparison_sets(part, calls, p):
+        for res in _judge(ranks[rows], total[np.ix_(rows, cols)], median[np.ix_(rows, cols)],
+                          calls[np.ix_(rows, cols)], [keys[j] for j in cols.tolist()], label, p):
+            r = res.ranks[0]
+            if r in skip or r in out or not judged[int(np.searchsorted(ranks[rows], r))]:
+                continue
+            out[r] = res
+    return [out[r] for r in sorted(out)]
+
+
+def _residuals(per_call: F64, calls: F64) -> tuple[F64, F64, F64]:
+    """The two-way model's residuals, their z-scores and the ranks' speeds (log), for ranks x kernels."""
+    x = np.log(per_call)
+    n = x.shape[0]
+    ref = loo_median_rows(x.T).T  # each rank against its peers' median, kernel by kernel
+    y = x - ref
+    speed = np.median(y, axis=1, keepdims=True)
+    e = y - speed
+    c = np.median(calls, axis=0)
+    widen = np.sqrt(np.maximum(np.median(c) / c, 1.0))  # fewer calls than the median kernel: a noisier mean
+    pooled = _MAD_SCALE * float(np.median(np.abs(e) / widen))
+    scale = np.maximum(pooled * widen, _SCALE_FLOOR)
+    if n >= _SPREAD_RANKS:
+        own = _MAD_SCALE * np.median(np.abs(e - np.median(e, axis=0)), axis=0)
+        scale = np.maximum(scale, own)
+    return e, e / scale, speed[:, 0]
+
+
+def _judge(ranks: I64, total: F64, median: F64, calls: F64, keys: Sequence[tuple[str, int]], part: int,
+           p: RankExcessParams) -> list[L3Result]:
+    n = ranks.size
+    same = ((calls >= p.kernel_min_calls).all(axis=0) & (calls.max(axis=0) <= (1.0 + _SAME_CALLS) * calls.min(axis=0))
+            & (total > 0).all(axis=0) & (np.nan_to_num(median) > 0).all(axis=0))
+    if n < p.min_ranks or int(same.sum()) < p.kernel_min_kernels:
+        return []
+    cols = np.flatnonzero(same)
+    c = calls[:, cols]
+    e_plain, z_plain, speed = _residuals(total[:, cols] / c, c)
+    _, z_median, _ = _residuals(median[:, cols] / c, c)
+    z = np.minimum(z_plain, z_median)
+    bound = max(p.kernel_min_z if n >= 3 else p.min_z_two_ranks, float(ndtri(1.0 - p.alpha / (n * cols.size))))
+    # The size is the plain total's (a merged cluster's median moves less than its mean when one of its shapes
+    # slows); its significance must hold in both.
+    e = e_plain
+    hit = (z >= bound) & (e >= math.log(p.kernel_min_ratio))
+    hit[:, 2 * hit.sum(axis=0) > n] = False  # slower on most ranks: the kernel's work changed, not a rank
+    if not hit.any():
+        return []
+    per_call = total[:, cols] / c
+    expected = per_call / np.exp(e_plain)
+    extra = np.where(hit, c * expected * np.expm1(e), 0.0)
+    out = []
+    for i in np.flatnonzero(hit.any(axis=1)).tolist():
+        order = [j for j in np.argsort(-extra[i], kind="stable").tolist() if hit[i, j]][: p.top_kernels]
+        top = order[0]
+        kernel, stream = keys[int(cols[top])]
+        named = {f"{keys[int(cols[j])][0]}@{keys[int(cols[j])][1]}": j for j in order}
+        out.append(L3Result(FindingKind.KERNEL_DEGRADED, (int(ranks[i]),), kernel, stream, float(np.expm1(e[i, top])), {
+            "detector": "kernel_excess", "partition": part, "n_ranks": n, "kernels_compared": int(cols.size),
+            "kernels_slower": int(hit[i].sum()), "rank_speed_ratio": float(math.exp(speed[i])),
+            "excess_ms": float(extra[i].sum()) / 1e6, "z_bound": bound,
+            "top_kernels_ratio": {k: float(math.exp(e[i, j])) for k, j in named.items()},
+            "top_kernels_z": {k: float(z[i, j]) for k, j in named.items()},
+            "top_kernels_excess_ms": {k: float(extra[i, j]) / 1e6 for k, j in named.items()},
+            "top_kernels_calls": {k: float(c[i, j]) for k, j in named.items()},
+        }, excess_ns=float(extra[i].sum())))
+    return out

@@ -1,0 +1,159 @@
+"""L3 per (rank, kernel): one kernel slower than its rank's speed predicts (argus.detectors.kernel_excess)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from argus.core.errors import DetectorError
+from argus.core.kinds import FindingKind
+from argus.detectors.kernel_excess import detect_kernel_excess
+from argus.detectors.l3_ranks import KernelTotals, RankExcessParams
+from argus.producers.topology import build_topology
+from argus.schemas.records import KernelSummary
+from argus.streams.job_context import context_totals, totals_context
+
+
+def _job(n_ranks: int, seed: int, noise: float = 0.08, kernels: int = 16, calls: int = 300,
+         slow: dict[tuple[int, int], float] | None = None, speed: dict[int, float] | None = None,
+         merged_share: float = 0.0) -> list[KernelTotals]:
+    """A job's totals: ``kernels`` kernels of ``calls`` calls per rank with per-call noise ``noise``.
+    ``slow``: (rank, kernel) -> factor on a third of that kernel's calls (one shape of three);
+    ``speed``: rank -> factor on everything it runs. Each rank's median time is its calls' median per
+    shape (three shapes per kernel: 1x, 1.2x, 1.4x the kernel's base)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for k in range(kernels):
+        base = float(rng.lognormal(np.log(1e5), 0.7))
+        t = KernelTotals(f"sm90_xmma_gemm_{k}" if k % 2 else f"vectorized_elementwise_kernel_{k}", 7)
+        for r in range(n_ranks):
+            shapes = np.repeat([1.0, 1.2, 1.4], calls // 3)
+            f = np.where(np.arange(shapes.size) < calls // 3, (slow or {}).get((r, k), 1.0), 1.0)
+            d = base * shapes * f * (speed or {}).get(r, 1.0) * np.exp(noise * rng.standard_normal(shapes.size))
+            t.total_ns[r], t.calls[r] = float(d.sum()), float(d.size)
+            t.median_ns[r] = float(sum(np.median(d[i::3]) * d[i::3].size for i in range(3)))
+        out.append(t)
+    return out
+
+
+def test_one_shape_of_one_kernel_slower_on_one_rank_is_named() -> None:
+    res = detect_kernel_excess(_job(8, 1, slow={(5, 3): 1.4}))
+    assert [(r.kind, r.ranks, r.kernel) for r in res] == [(FindingKind.KERNEL_DEGRADED, (5,), "sm90_xmma_gemm_3")]
+    ev = res[0].evidence
+    assert ev["kernels_slower"] == 1 and 1.08 < ev["top_kernels_ratio"]["sm90_xmma_gemm_3@7"] < 1.2
+    assert res[0].excess_ns > 0 and math.isclose(res[0].excess_ns / 1e6, ev["excess_ms"])
+
+
+def test_two_ranks_name_the_slower_one() -> None:
+    res = detect_kernel_excess(_job(2, 2, noise=0.05, kernels=20, slow={(1, 4): 1.6}))
+    assert [(r.ranks, r.kernel) for r in res] == [((1,), "vectorized_elementwise_kernel_4")]
+
+
+def test_a_rank_slower_in_everything_is_its_speed_not_a_kernel() -> None:
+    assert detect_kernel_excess(_job(8, 3, speed={2: 1.12})) == []
+
+
+def test_healthy_jobs_of_many_sizes_raise_nothing() -> None:
+    for seed, n in enumerate((2, 3, 4, 8, 16, 64, 256)):
+        assert detect_kernel_excess(_job(n, 10 + seed)) == [], n
+
+
+def test_outlier_calls_move_only_the_plain_total() -> None:
+    totals = _job(8, 4)
+    totals[6].total_ns[3] *= 1.3  # a few very long calls: the mean moves, the clusters' medians do not
+    assert detect_kernel_excess(totals) == []
+
+
+def test_a_differently_split_cluster_moves_only_the_median_total() -> None:
+    totals = _job(8, 5)
+    totals[2].median_ns[4] *= 1.3  # the KDE merged two shapes on one rank: count x p50 grows, the time does not
+    assert detect_kernel_excess(totals) == []
+
+
+def test_a_kernel_slower_on_most_ranks_names_none() -> None:
+    assert detect_kernel_excess(_job(8, 6, slow={(r, 1): 1.5 for r in range(5)})) == []
+
+
+def test_kernels_with_other_work_or_few_calls_are_not_compared() -> None:
+    totals = _job(8, 7, slow={(5, 3): 1.5})
+    totals[3].calls[0] *= 1.5  # rank 0 runs more of it: not the same work, the kernel is left out
+    assert detect_kernel_excess(totals) == []
+    assert detect_kernel_excess(_job(8, 7, calls=6, slow={(5, 3): 1.5})) == []  # < kernel_min_calls
+
+
+def test_ranks_without_median_totals_and_excluded_ranks_are_not_named() -> None:
+    totals = _job(8, 8, slow={(5, 3): 1.4})
+    assert [r.ranks for r in detect_kernel_excess(totals)] == [(5,)]
+    assert detect_kernel_excess(totals, exclude={5}) == []
+    del totals[3].median_ns[5]  # a part from a v1 context: its median time is unknown
+    assert detect_kernel_excess(totals) == []
+
+
+def test_ranks_are_compared_within_their_pipeline_stage() -> None:
+    topo = build_topology("j", dp=8, pp=2)
+    totals = _job(16, 9, slow={(12, 5): 1.5})
+    for t in totals[:8]:  # stage 1 runs the first kernels 1.5x longer (other shapes): no rank of it is slow
+        for r in range(8, 16):
+            t.total_ns[r] *= 1.5
+            t.median_ns[r] *= 1.5
+    res = detect_kernel_excess(totals, topo)
+    assert [(r.ranks, r.evidence["partition"]) for r in res] == [((12,), 1)]
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 10_000), n=st.integers(2, 24), scale=st.floats(0.01, 100.0),
+       per_kernel=st.lists(st.floats(0.2, 5.0), min_size=16, max_size=16))
+def test_kernel_and_global_scales_change_nothing_but_the_excess(seed: int, n: int, scale: float,
+                                                               per_kernel: list[float]) -> None:
+    totals = _job(n, seed, slow={(n - 1, 3): 1.5})
+    base = detect_kernel_excess(totals)
+    for t, g in zip(totals, per_kernel, strict=True):  # another kernel mix, another GPU: the same verdicts
+        t.total_ns = {r: v * g * scale for r, v in t.total_ns.items()}
+        t.median_ns = {r: v * g * scale for r, v in t.median_ns.items()}
+    again = detect_kernel_excess(totals)
+    assert [(r.ranks, r.kernel) for r in again] == [(r.ranks, r.kernel) for r in base]
+    for a, b in zip(again, base, strict=True):
+        assert math.isclose(a.score, b.score, rel_tol=1e-6, abs_tol=1e-9)
+
+
+def test_params_are_validated() -> None:
+    with pytest.raises(DetectorError):
+        RankExcessParams(kernel_min_ratio=0.9)
+    with pytest.raises(DetectorError):
+        RankExcessParams(kernel_min_kernels=2)
+
+
+def _summary(rank: int, counts: tuple[int, ...], p50s: tuple[int, ...], sums: tuple[int, ...]) -> KernelSummary:
+    k = len(counts)
+    return KernelSummary(job_id="j", kernel="gemm", stream=7, rank=(rank,), window_start_ns=(0,),
+                         window_end_ns=(10,), n_events=(sum(counts),), n_clusters=(k,), cluster_count=counts,
+                         cluster_p50_ns=p50s, cluster_p99_ns=p50s, cluster_min_ns=p50s, cluster_max_ns=p50s,
+                         cluster_sum_ns=sums)
+
+
+def test_totals_keep_the_median_time_and_merge_it_only_while_every_part_knows_it() -> None:
+    t = KernelTotals("gemm", 7)
+    t.add(_summary(0, (10, 5), (100, 1000), (1100, 6000)))
+    t.add(_summary(1, (4,), (50,), (220,)))
+    assert t.median_ns == {0: 10 * 100 + 5 * 1000, 1: 200.0} and t.total_ns == {0: 7100.0, 1: 220.0}
+    other = KernelTotals("gemm", 7, {0: 100.0, 2: 5.0}, {0: 1.0, 2: 1.0}, {2: 4.0})
+    t.merge(other)
+    assert t.total_ns == {0: 7200.0, 1: 220.0, 2: 5.0} and t.calls[0] == 16.0
+    assert t.median_ns == {1: 200.0, 2: 4.0}  # rank 0's second part had no median time: unknown now
+    with pytest.raises(DetectorError):
+        t.merge(KernelTotals("other", 7))
+
+
+def test_median_totals_travel_in_the_job_context() -> None:
+    t = KernelTotals("gemm", 7, {0: 10.0, 1: 20.0}, {0: 1.0, 1: 2.0}, {1: 18.0})
+    ctx = totals_context("j", 3, 5, [t])
+    ctx = type(ctx).decode(ctx.encode())  # through Avro (job_context v2)
+    assert math.isnan(ctx.totals_median_ns[0]) and ctx.totals_median_ns[1] == 18.0
+    (back,) = context_totals(ctx)
+    assert (back.total_ns, back.calls, back.median_ns) == (t.total_ns, t.calls, t.median_ns)
+    (old,) = context_totals(totals_context("j", 3, 5, [KernelTotals("gemm", 7, {0: 1.0}, {0: 1.0})]))
+    assert old.median_ns == {}
