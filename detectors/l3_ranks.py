@@ -360,7 +360,9 @@ def detect_stage_excess(totals: Iterable[KernelTotals], topology: JobTopology,
     whose excess over the others, ``sum(calls * (m - ref))`` over its kernels, is at least
     ``stage_min_excess`` of its expected time is an :attr:`~argus.detectors.l2_phases.FindingKind.PP_STAGE_SLOW` finding
     naming its ranks (score: 1 + that share), with phase ``gpu_kernels``; ``delay_ns_per_step`` is
-    left to the caller (totals have no steps) and ``steps_affected`` 0. The excess must not rest on a couple
+    left to the caller (totals have no steps; evidence ``stage_delay_ms``: the stage's median compute time
+    with the excess share taken out, times that share -- what the slow stage adds to the pipeline over the
+    totals) and ``steps_affected`` 0. The excess must not rest on a couple
     of kernels (a name that runs another shape on one stage): at least 3 kernels run ``slower_ratio`` slower.
     ``exclude``: ranks left out of the stage medians (the slow ranks found by :func:`detect_rank_excess`: one
     slow rank of a small stage is no slow stage).
@@ -372,9 +374,13 @@ def detect_stage_excess(totals: Iterable[KernelTotals], topology: JobTopology,
     if len(stages) < 2:
         return []
     rows: list[tuple[str, F64, F64]] = []  # kernel, per-stage median per-call time, per-stage median calls
+    compute: dict[int, float] = {}  # rank -> its time in every compute kernel
     for t in totals:
         if is_collective(t.kernel, p.collective_markers):
             continue
+        for r, v in t.total_ns.items():
+            if r in stage_of:
+                compute[r] = compute.get(r, 0.0) + v
         per_call: dict[int, list[float]] = {s: [] for s in stages}
         calls: dict[int, list[float]] = {s: [] for s in stages}
         for r, c in t.calls.items():
@@ -403,10 +409,16 @@ def detect_stage_excess(totals: Iterable[KernelTotals], topology: JobTopology,
         if expected > 0 and excess / expected >= p.stage_min_excess and slower >= _STAGE_MIN_SLOWER_KERNELS:
             median_ratio = 1.0 + excess / expected
             ranks = tuple(int(r) for r, st in zip(topology.rank, topology.pp_stage, strict=True) if st == stage)
+            # The kernels compared are the layers' share of the stage's work; the rest of it (kernels other
+            # stages do not run alike) is taken to run as much slower: the stage's delay on the pipeline.
+            own = [compute[r] for r in ranks if r in compute]
+            stage_ns = float(np.median(own)) if own else expected + excess
+            delay = max(stage_ns, expected + excess) * (excess / expected) / median_ratio
             top = np.argsort(-(n[:, j] * (m[:, j] - others)))[: p.top_kernels]
             out.append(L2Result(FindingKind.PP_STAGE_SLOW, ranks, "gpu_kernels", median_ratio, {
                 "stage": int(stage), "phase_kind": "gpu_kernels", "stage_over_other_stages_ratio": median_ratio,
                 "excess_fraction": excess / expected, "excess_ms": excess / 1e6, "kernels_compared": len(rows),
+                "stage_compute_ms": stage_ns / 1e6, "stage_delay_ms": delay / 1e6,
                 "top_kernels_ratio": {rows[k][0]: float(ratio[k]) for k in top.tolist()},
             }, delay_ns_per_step=0.0, steps_affected=0))
     if 2 * len(out) > len(stages):

@@ -20,12 +20,12 @@ What is timed, per rank count:
   collective is the bare transfer, 1.3x shorter than a healthy member's, and its TP peers wait, 6x longer).
   ``ms_per_window`` = one ``detect_l3`` call. One untimed warm-up call first. Also reported, not budgeted:
 
-  - ``ingest_ms_per_window``: the worker's per-row bookkeeping (``argus.streams.diagnosis_agents.
-    _BoundedKernelDiagnosis.add``) of the window's rank rows, one run;
+  - ``ingest_ms_per_window``: the worker's per-row bookkeeping (``argus.streams.summary_pieces.
+    BoundedKernelDiagnosis.add``) of the window's rank rows, one run;
   - ``detect_peak_mib``: the tracemalloc peak (numpy temporaries included) of one ``detect_l3`` call;
   - ``state_bytes_per_rank_window_row``: tracemalloc bytes a ``KernelDiagnosis`` retains per (rank, window)
     row of its (job, kernel, stream) after taking decoded copies (as read from Kafka) of up to 1,024 rows;
-    ``worker_state_bytes_per_rank_window_row`` the same for the worker's ``_BoundedKernelDiagnosis``, and
+    ``worker_state_bytes_per_rank_window_row`` the same for the worker's ``BoundedKernelDiagnosis``, and
     ``worker_state_mib_per_window`` that x ranks (the worker keeps up to ``l3_max_windows``, 64, windows).
 
 * **L2** (budget: ``BUDGET_L2_MS`` per step). ``N = --l2-steps`` complete steps of every rank's
@@ -204,7 +204,7 @@ def state_bytes_per_row(rows: Sequence[KernelSummary], make: Callable[[], Kernel
 
 
 def measure_l3(rows: list[KernelSummary], topo: JobTopology, repeats: int) -> dict[str, Any]:
-    from argus.streams.diagnosis_agents import _BoundedKernelDiagnosis  # imports faust: only when needed
+    from argus.streams.summary_pieces import BoundedKernelDiagnosis
 
     params = L3Params()
     med, runs, found = _timed(lambda: detect_l3(rows, topo, params, None), repeats, warmup=True)
@@ -216,7 +216,7 @@ def measure_l3(rows: list[KernelSummary], topo: JobTopology, repeats: int) -> di
     first = rows[0]
     key = (first.job_id, first.kernel, first.stream)
     # The worker's per-row bookkeeping of one window (each add re-sorts the window's rows).
-    worker = _BoundedKernelDiagnosis(*key, DiagnosisParams(), 64)
+    worker = BoundedKernelDiagnosis(*key, DiagnosisParams(), 64)
     gc.collect()
     t0 = time.perf_counter()
     for row in rows:
@@ -225,7 +225,7 @@ def measure_l3(rows: list[KernelSummary], topo: JobTopology, repeats: int) -> di
     del worker
     sample = rows[:1024]
     pure = state_bytes_per_row(sample, lambda: KernelDiagnosis(*key))
-    bounded = state_bytes_per_row(sample, lambda: _BoundedKernelDiagnosis(*key, DiagnosisParams(), 64))
+    bounded = state_bytes_per_row(sample, lambda: BoundedKernelDiagnosis(*key, DiagnosisParams(), 64))
     return {
         "kernel": first.kernel, "stream": first.stream, "clusters_per_row": first.n_clusters[0],
         "ms_per_window": _r(med), "runs_ms": [_r(x, 2) for x in runs],

@@ -354,12 +354,13 @@ class LinkLedger:
         self.strong_ratio, self.strong_groups = strong_ratio, strong_groups
         self._seen: dict[tuple[int, ...], dict[tuple[str, int], Finding]] = {}
         self._named: set[tuple[int, ...]] = set()
+        self._raised: set[tuple[tuple[int, ...], str, int]] = set()  # (group, kernel, stream) published
         self._sides: dict[int, dict[int, Finding]] = {}  # pipeline -> stage -> that stage's side
         self._stragglers: set[int] = set()  # ranks named slow by their own work, from the findings seen
 
     def filter(self, findings: list[Finding]) -> list[Finding]:
-        """``findings`` with link findings held back until corroborated (then each named group once, by its
-        largest-impact finding) and corroboration-only findings (:func:`corroborates_only`) removed."""
+        """``findings`` with link findings held back until their group is corroborated (then each of its
+        collectives once) and corroboration-only findings (:func:`corroborates_only`) removed."""
         out = []
         self._stragglers |= straggler_ranks(findings)
         for f in findings:
@@ -375,11 +376,17 @@ class LinkLedger:
             if key not in seen or corroborates_only(seen[key]):
                 seen[key] = f
             raisable = [g for g in seen.values() if not corroborates_only(g)]
-            if group in self._named or not raisable:
+            if group not in self._named and not (
+                    len(seen) >= 2 or any(self._strong(g) or g.evidence.get("group_known") for g in raisable)):
                 continue
-            if len(seen) >= 2 or any(self._strong(g) or g.evidence.get("group_known") for g in raisable):
-                self._named.add(group)
-                out.append(max(raisable, key=lambda g: g.impact_ns))
+            self._named.add(group)
+            # Each corroborated collective of the group once: which of them a worker judges first depends on
+            # timing and on the worker that holds it, so naming only the first would not be one answer.
+            for g in raisable:
+                done = (group, g.kernel or "", g.stream or 0)
+                if done not in self._raised:
+                    self._raised.add(done)
+                    out.append(g)
         return out
 
     def _pair(self, f: Finding) -> list[Finding]:
@@ -468,7 +475,7 @@ class RankDiagnosis:
             steps = max(len(clock.starts_ns), 1) if clock is not None else 1
             stages = detect_stage_excess(self._totals.values(), topology, self.params.ranks,
                                          exclude={r for res in slow for r in res.ranks})
-            results += [dataclasses.replace(r, delay_ns_per_step=r.evidence["excess_ms"] * 1e6 / steps,
+            results += [dataclasses.replace(r, delay_ns_per_step=r.evidence["stage_delay_ms"] * 1e6 / steps,
                                             steps_affected=steps) for r in stages]
         return judge(self.job_id, results, self.last_time_ns, world, clock or StepClock(),
                      self.params.min_impact_fraction)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -101,7 +103,16 @@ def test_a_slow_stage_is_found_from_the_kernels_its_stages_share() -> None:
             t.total_ns[r] *= 1.8
     res = detect_stage_excess(totals, topo, exclude=set())
     assert [(r.kind.value, r.ranks) for r in res] == [("pp_stage_slow", (4, 5, 6, 7))]
-    assert res[0].evidence["excess_fraction"] > 0.1
+    ev = res[0].evidence
+    assert ev["excess_fraction"] > 0.1
+    # Its delay: the stage's whole compute time with the excess share taken out, times that share -- more
+    # than the excess of the kernels compared when the stage runs others too (here a kernel of its own).
+    assert ev["stage_delay_ms"] >= ev["excess_ms"] * 0.999
+    own = KernelTotals("stage1_only_gemm", 7, {r: 4e7 for r in range(4, 8)}, {r: 10.0 for r in range(4, 8)})
+    more = detect_stage_excess([*totals, own], topo)[0].evidence
+    share = more["excess_fraction"]
+    assert math.isclose(more["stage_delay_ms"], more["stage_compute_ms"] * share / (1 + share), rel_tol=1e-9)
+    assert more["stage_delay_ms"] > ev["stage_delay_ms"] + 0.9 * 40.0 * share / (1 + share)
     assert detect_stage_excess(_job(8, 11, 0.05, calls=(4, 6)), topo) == []
     assert detect_stage_excess(totals, topo, exclude={4}) != []  # one straggler is no stage, a stage is
     # a couple of kernels running another shape on one stage are no slow stage

@@ -26,14 +26,22 @@ def _link(ranks: tuple[int, ...], kernel: str, ratio: float, groups: int, impact
 def test_links_need_two_collectives_or_strong_evidence() -> None:
     ledger = LinkLedger()
     assert ledger.filter([_link((0, 1), "AllReduce", 1.6, 2, impact=5.0)]) == []
-    # Named by its largest-impact collective, once the second collective agrees.
-    assert [f.kernel for f in ledger.filter([_link((0, 1), "AllGather", 1.7, 2)])] == ["AllReduce"]
-    assert ledger.filter([_link((0, 1), "ReduceScatter", 1.7, 2)]) == []  # each group named once
+    # Once the second collective agrees, each of the group's collectives is named, each once.
+    assert [f.kernel for f in ledger.filter([_link((0, 1), "AllGather", 1.7, 2)])] == ["AllReduce", "AllGather"]
+    assert [f.kernel for f in ledger.filter([_link((0, 1), "ReduceScatter", 1.7, 2)])] == ["ReduceScatter"]
+    assert ledger.filter([_link((0, 1), "AllGather", 1.8, 2)]) == []  # a copy of a named one
     assert len(LinkLedger().filter([_link((2, 3), "AllReduce", 3.0, 4)])) == 1
     # One collective is enough where the trace named the stream's process group.
     assert len(LinkLedger().filter([_link((6, 7), "AllReduce", 1.6, 2, known=True)])) == 1
     other = _link((4, 5), "x", 1.0, 1)
     assert LinkLedger().filter([dataclasses.replace(other, kind="kernel_degraded")])  # other kinds pass
+
+
+def test_the_named_collectives_do_not_depend_on_their_order() -> None:
+    links = [_link((0, 1), "AllReduce", 1.6, 2, known=True, impact=2.0), _link((0, 1), "AllGather", 1.7, 2, known=True),
+             _link((0, 1), "Tiny", 1.7, 2, weak=True)]
+    named = [sorted(f.kernel or "" for f in LinkLedger().filter(order)) for order in (links, links[::-1])]
+    assert named == [["AllGather", "AllReduce"]] * 2
 
 
 def test_links_under_the_impact_threshold_corroborate_but_are_never_published() -> None:

@@ -1,0 +1,21 @@
+"""The pure-core benchmarks run end to end at a toy size (their budgets are judged at full size, not here):
+a refactor that breaks a benchmark's imports or inputs fails here rather than in the next measurement."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from load_tests import scale_diagnosis
+
+
+def test_scale_diagnosis_runs_and_finds_its_slow_rank(capsys: pytest.CaptureFixture[str]) -> None:
+    scale_diagnosis.main(["--ranks", "64", "--repeats", "1", "--l2-steps", "3", "--l1-steps", "20"])
+    out = json.loads(capsys.readouterr().out)
+    entry = out["results"]["64"]
+    slow = entry["slow_rank"]
+    assert entry["l3"]["compute"]["found"] == [f"kernel_degraded:{slow}"]
+    assert entry["l3"]["collective"]["found"] == [f"late_arrival:{slow}"]
+    assert f"compute_straggler:{slow}" in entry["l2"]["found"]
+    assert entry["l3"]["compute"]["ms_per_window"] > 0 and entry["l2"]["ms_per_step"] > 0
