@@ -544,11 +544,7 @@ def _links(s: KernelSummary, ranks: I64, batch: MixtureBatch, sc: RankScores, gr
                 # Below that gate, a slowdown its fastest calls share too: a group that only waits (all of one
                 # TP index, for the other) has calls where it came last, as fast as the other groups'.
                 fr = fl - _faster_half(fl[:, None])[0]
-                # ... and beyond the other groups' typical members: a group whose fastest member is a late
-                # arrival (a bare transfer, shorter than the usual one) is no healthy level to judge by.
-                typical = np.log(np.stack([np.median(q[rows], axis=0) for _, rows in same]))
-                beyond = lg - _faster_half(typical) >= math.log(p.link_ratio)
-                hit |= (lr >= math.log(p.link_ratio)) & beyond & (fr >= math.log(p.link_ratio))[:, None]
+                hit |= (lr >= math.log(p.link_ratio)) & (fr >= math.log(p.link_ratio))[:, None]
         # Beyond a plausible slowdown of a transfer it is waiting: a group made only of ranks that wait in a
         # collective of another kind (all of one TP index, waiting for the others) looks "slow" by far more.
         hit &= lr <= math.log(p.link_max_ratio)
