@@ -539,10 +539,10 @@ def _links(s: KernelSummary, ranks: I64, batch: MixtureBatch, sc: RankScores, gr
             hit = lr >= math.log(max(p.link_ratio, _SMALL_LINK_RATIO))
             fl = np.log(np.array([np.nanmin(floors[rows]) if np.isfinite(floors[rows]).any() else np.nan
                                   for _, rows in same]))
-            known = np.isfinite(fl)
-            if known.all():
-                # Below that gate, a slowdown its fastest calls share too: a group that only waits (all of one
-                # TP index, for the other) has calls where it came last, as fast as the other groups'.
+            if np.isfinite(fl).all() and min(rows.size for _, rows in same) >= _SPREAD_SET:
+                # Below that gate, groups of 4+ members (a group's fastest member is its last arrival) are
+                # slow by a slowdown their fastest calls share too: a group that only waits (all of one TP
+                # index, for the other) has calls where it came last, as fast as the other groups'.
                 fr = fl - _faster_half(fl[:, None])[0]
                 hit |= (lr >= math.log(p.link_ratio)) & (fr >= math.log(p.link_ratio))[:, None]
         # Beyond a plausible slowdown of a transfer it is waiting: a group made only of ranks that wait in a
