@@ -173,7 +173,7 @@ def install_diagnosis(app: faust.App, settings: Settings, params: DiagnosisParam
             await scan[0]
 
     async def publish(findings: Sequence[Finding], hangs: bool = False) -> None:
-        """Send findings the job router stamped and filtered (:meth:`JobRouter.publishable`); all delivered."""
+        """Send findings the ledger stamped and filtered (:meth:`JobLedger.publishable`); all delivered."""
         futs = [await findings_topic.send(key=job_key(f.job_id), value=f.encode(), force=True) for f in findings]
         futs += [await findings_json_topic.send(key=job_key(f.job_id), force=True,
                                                 value=json.dumps(finding_json(f), sort_keys=True).encode())
