@@ -452,7 +452,7 @@ def build_report(settings: Settings, job_id: str, out: Path, query: Query | None
     started = time.monotonic()
     if query is None and settings.chdb_path is not None and endpoint_healthy(settings) is None:
         # No sink owns the embedded store: open it once for all the report's queries (run_query would reopen it).
-        store = ClickHouseStore(settings)
+        store = ClickHouseStore(settings.clickhouse)
         try:
             store.ensure_schema()
             data = collect(settings, job_id, store.query)

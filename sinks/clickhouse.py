@@ -22,7 +22,7 @@ import pyarrow as pa
 from clickhouse_connect.driver.exceptions import OperationalError
 
 from argus.core.errors import SinkError
-from argus.core.settings import Settings
+from argus.core.settings import ClickHouseSettings
 from argus.sinks.tables import Table, rows_to_arrow, schema_ddl
 
 __all__ = ["ClickHouseStore", "QueryResult", "is_transient", "sql_string"]
@@ -52,18 +52,23 @@ class QueryResult:
 class ClickHouseStore:
     """A connection to the configured ClickHouse with argus's tables.
 
+    Args:
+        clickhouse: where and as whom (``settings.clickhouse``); its ``query_port`` only names the sink's
+            endpoint when the chDB directory is taken.
+        client_settings: ClickHouse settings applied to every statement of this connection.
+
     Raises:
         SinkError: cannot connect, or the chDB directory is locked by another process (then use the
             sink's query endpoint, see ``argus sql``).
     """
 
-    def __init__(self, settings: Settings, client_settings: dict[str, Any] | None = None) -> None:
-        self.settings = settings
-        self.database = settings.clickhouse_database
+    def __init__(self, clickhouse: ClickHouseSettings, client_settings: dict[str, Any] | None = None) -> None:
+        self.clickhouse = settings = clickhouse
+        self.database = settings.database
         self._lock = threading.RLock()
         #: Settings applied to every statement of this connection (in order; see :meth:`reader`).
         self.client_settings = dict(client_settings or {})
-        if settings.clickhouse_cluster and "readonly" not in self.client_settings:
+        if settings.cluster and "readonly" not in self.client_settings:
             # Inserts go to Distributed tables, which by default queue the rows on the receiving server and
             # forward them later: the sink would commit Kafka offsets for rows no shard holds yet (lost with
             # that server's disk). Synchronous: an insert returns once every shard it touches took its rows.
@@ -75,8 +80,8 @@ class ClickHouseStore:
                 self._client = clickhouse_connect.get_client(dsn=f"chdb://{path}", settings=self.client_settings)
             else:
                 self._client = clickhouse_connect.get_client(
-                    dsn=settings.clickhouse_dsn, username=settings.clickhouse_user,
-                    password=settings.clickhouse_password.reveal(), settings=self.client_settings,
+                    dsn=settings.dsn, username=settings.user,
+                    password=settings.password.reveal(), settings=self.client_settings,
                 )
         except Exception as exc:
             msg = str(exc)
@@ -84,7 +89,7 @@ class ClickHouseStore:
                 raise SinkError(
                     f"chDB directory {path} is owned by another process (the argus sink); query it through "
                     f"`argus sql`, which uses the sink's endpoint on 127.0.0.1:{settings.query_port}") from exc
-            raise SinkError(f"cannot connect to ClickHouse {settings.clickhouse_dsn}: {msg}") from exc
+            raise SinkError(f"cannot connect to ClickHouse {settings.dsn}: {msg}") from exc
         self._is_chdb = path is not None
         self.read_only = str(self.client_settings.get("readonly", "0")) != "0"
 
@@ -99,7 +104,7 @@ class ClickHouseStore:
             SinkError: the connection or one of the settings was refused.
         """
         # readonly goes last: once it is set, the session refuses to change any other setting.
-        return ClickHouseStore(self.settings, {**limits, "readonly": 1}).with_database(self.database)
+        return ClickHouseStore(self.clickhouse, {**limits, "readonly": 1}).with_database(self.database)
     def with_database(self, database: str) -> ClickHouseStore:
         """A view of this connection that uses another database (same client and lock).
 
@@ -121,7 +126,7 @@ class ClickHouseStore:
             SinkError: ClickHouse refused a statement.
             ConfigError: the database is no plain name while a cluster is set.
         """
-        for sql in schema_ddl(self.database, self.settings.clickhouse_cluster):
+        for sql in schema_ddl(self.database, self.clickhouse.cluster):
             self.command(sql)
 
     def insert(self, table: Table, rows: list[tuple[Any, ...]]) -> None:

@@ -474,7 +474,7 @@ def run_query(settings: Settings, sql: str, timeout_s: float = 60.0) -> QueryRes
     """
     if settings.chdb_path is not None and endpoint_healthy(settings) is not None:
         return post_query(settings.query_port, read_token(settings), sql, timeout_s)
-    store = ClickHouseStore(settings)
+    store = ClickHouseStore(settings.clickhouse)
     try:
         store.ensure_schema()
         return store.query(sql)

@@ -324,7 +324,7 @@ def serve(settings: Settings) -> None:
     from argus.sinks.metrics import start_sink_metrics
     from argus.sinks.query_server import QueryServer
 
-    store = ClickHouseStore(settings)
+    store = ClickHouseStore(settings.clickhouse)
     store.ensure_schema()
     start_heap_trimmer()
     stop = threading.Event()

@@ -34,7 +34,8 @@ from argus.core.settings import Settings
 from argus.metrics import CONTENT_TYPE, exposition
 from argus.schemas.records import JobLifecycle, KernelBatch, KernelSummary
 from argus.streams.compression_router import CompressionRouter, CompressionStats, DeadLetter, Emission, Routed
-from argus.streams.diagnosis_agents import DeadLetters, install_diagnosis
+from argus.streams.dead_letters import DeadLetters
+from argus.streams.diagnosis_agents import install_diagnosis
 from argus.streams.metrics import WorkerCollector, worker_registry
 from argus.streams.summary_pieces import summary_end_marker
 from argus.topics import Topic, job_key, kernel_key

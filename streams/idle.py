@@ -3,7 +3,7 @@
 Data is judged on event time everywhere else; "nothing arrived for a job" cannot be, since a job that
 stopped publishing has no newer event time. :class:`IdleJobs` keeps the worker-clock time of the last record
 of each open job and says which jobs have been idle for a timeout and which are beyond a bound on open jobs;
-the agents abandon those (see :mod:`argus.streams.diagnosis_agents`). Times are passed in (``time.monotonic()``
+the job router abandons those (see :mod:`argus.streams.job_router`). Times are passed in (``time.monotonic()``
 in the worker, a fake clock in tests).
 """
 

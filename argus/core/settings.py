@@ -85,7 +85,8 @@ class KafkaSettings:
 @dataclass(frozen=True)
 class ClickHouseSettings:
     """What the ClickHouse store and the sink take (``settings.clickhouse``): where, as whom, into which
-    database and cluster, and the sink's consumer group and batching."""
+    database and cluster, the sink's consumer group and batching, and the port of the sink's query endpoint
+    (the way into an embedded chDB that the sink owns)."""
 
     dsn: str = field(metadata={"from": "clickhouse_dsn"})
     database: str = field(metadata={"from": "clickhouse_database"})
@@ -95,6 +96,18 @@ class ClickHouseSettings:
     sink_group: str = field(metadata={"from": "sink_group"})
     sink_batch_max: int = field(metadata={"from": "sink_batch_max"})
     sink_flush_ms: int = field(metadata={"from": "sink_flush_ms"})
+    #: argus's own directory: an embedded chDB without a directory in its DSN lives in ``home/chdb``.
+    home: Path = field(metadata={"from": "home"})
+    query_port: int = field(metadata={"from": "query_port"})
+
+    @property
+    def chdb_path(self) -> Path | None:
+        """The embedded chDB directory (absolute), or ``None`` for a server DSN."""
+        if not self.dsn.startswith("chdb://"):
+            return None
+        rest = self.dsn[len("chdb://"):]
+        path = Path(rest) if rest else self.home / "chdb"
+        return path.resolve()
 
 
 @dataclass(frozen=True)
@@ -415,12 +428,9 @@ class Settings:
 
     @property
     def chdb_path(self) -> Path | None:
-        """The embedded chDB directory (absolute), or ``None`` for a server DSN."""
-        if not self.clickhouse_dsn.startswith("chdb://"):
-            return None
-        rest = self.clickhouse_dsn[len("chdb://"):]
-        path = Path(rest) if rest else self.home / "chdb"
-        return path.resolve()
+        """The embedded chDB directory (absolute), or ``None`` for a server DSN (see
+        :attr:`ClickHouseSettings.chdb_path`)."""
+        return self.clickhouse.chdb_path
 
     def topic(self, name: str) -> str:
         """The full topic name for a logical topic (e.g. ``kernels`` -> ``argus.kernels``)."""

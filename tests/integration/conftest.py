@@ -47,7 +47,7 @@ def kafka(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 @pytest.fixture(scope="session")
 def chdb_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClickHouseStore]:
     path = tmp_path_factory.mktemp("chdb")
-    store = ClickHouseStore(Settings.load(env={}, clickhouse_dsn=f"chdb://{path}"))
+    store = ClickHouseStore(Settings.load(env={}, clickhouse_dsn=f"chdb://{path}").clickhouse)
     yield store
     store.close()
 

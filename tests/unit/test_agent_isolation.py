@@ -11,8 +11,8 @@ import pytest
 
 from argus.core.errors import DeadLetterError, DetectorError, SchemaError, failure_reason
 from argus.schemas.records import DeadLetter, KernelSummary
+from argus.streams.dead_letters import DeadLetters
 from argus.streams.diagnosis import DiagnosisParams
-from argus.streams.diagnosis_agents import DeadLetters
 from argus.streams.summary_pieces import BoundedKernelDiagnosis, foreign_ranks, select_rows
 from tests.samples import T0, samples
 

@@ -180,7 +180,7 @@ def test_ensure_schema_runs_the_ddl_and_cluster_inserts_are_synchronous(
 
     monkeypatch.setattr(clickhouse.clickhouse_connect, "get_client", get_client)
     settings = Settings.load(env={}, clickhouse_dsn=SERVER, clickhouse_cluster=cluster, clickhouse_database=DB)
-    store = clickhouse.ClickHouseStore(settings)
+    store = clickhouse.ClickHouseStore(settings.clickhouse)
     store.ensure_schema()
     assert clients[0].commands == schema_ddl(DB, cluster)
     # On a cluster an insert returns once the shards hold the rows (the sink commits Kafka offsets after it).

@@ -33,7 +33,7 @@ from argus.sinks.tables import TABLES
 
 home = Path(sys.argv[1])
 settings = Settings.load(env={}, home=home, clickhouse_dsn=f"chdb://{home}/chdb")
-store = ClickHouseStore(settings)
+store = ClickHouseStore(settings.clickhouse)
 store.ensure_schema()
 qs._Handler.timeout = 1.0  # the socket timeout, short for the test
 health = {"latencies": []}

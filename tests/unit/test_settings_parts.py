@@ -14,7 +14,7 @@ PARTS = {"kafka": KafkaSettings, "clickhouse": ClickHouseSettings, "worker": Wor
 #: Settings of the processes around the worker and the sink, which take the whole Settings: the rank-side
 #: publisher, the supervisor, the local broker, the query endpoint, logging.
 WHOLE = {"kafka_cache", "kafka_version", "log_level", "publisher_batch_events", "publisher_metrics_port",
-         "publisher_queue_max", "query_port", "sink_metrics_port", "supervisor_backoff_max_s",
+         "publisher_queue_max", "sink_metrics_port", "supervisor_backoff_max_s",
          "supervisor_backoff_s", "supervisor_hang_s"}
 
 
