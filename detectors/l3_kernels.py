@@ -537,14 +537,6 @@ def _links(s: KernelSummary, ranks: I64, batch: MixtureBatch, sc: RankScores, gr
             hit = lr >= math.log(p.link_ratio)
         else:
             hit = lr >= math.log(max(p.link_ratio, _SMALL_LINK_RATIO))
-            fl = np.log(np.array([np.nanmin(floors[rows]) if np.isfinite(floors[rows]).any() else np.nan
-                                  for _, rows in same]))
-            if np.isfinite(fl).all() and min(rows.size for _, rows in same) >= _SPREAD_SET:
-                # Below that gate, groups of 4+ members (a group's fastest member is its last arrival) are
-                # slow by a slowdown their fastest calls share too: a group that only waits (all of one TP
-                # index, for the other) has calls where it came last, as fast as the other groups'.
-                fr = fl - _faster_half(fl[:, None])[0]
-                hit |= (lr >= math.log(p.link_ratio)) & (fr >= math.log(p.link_ratio))[:, None]
         # Beyond a plausible slowdown of a transfer it is waiting: a group made only of ranks that wait in a
         # collective of another kind (all of one TP index, waiting for the others) looks "slow" by far more.
         hit &= lr <= math.log(p.link_max_ratio)
@@ -597,8 +589,7 @@ def _collective(summaries: Sequence[KernelSummary], ranks: I64, batch: MixtureBa
     if topology is not None:
         stage_of = dict(zip(topology.rank, topology.pp_stage, strict=True))
         stage = np.array([stage_of[r] for r in ranks.tolist()], dtype=np.int64)
-        floors = (row_floors(summaries, ranks)
-                  if not base.get("group_known") or any(kind == PIPELINE_SIDE for kind, _, _ in groups)
+        floors = (row_floors(summaries, ranks) if any(kind == PIPELINE_SIDE for kind, _, _ in groups)
                   else np.full(ranks.size, np.nan))
         results = _links(s, ranks, batch, sc, groups, stage, p, base, explained, floors)
     late: list[tuple[float, str, int, int, I64, float]] = []

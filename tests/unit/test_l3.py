@@ -314,16 +314,8 @@ def test_two_named_groups_of_many_members_compare_like_many() -> None:
     # The trace named the stream's process group: each group's fastest member is a pure transfer.
     res = detect_l3([summary], topo, group_kind=ParallelGroup.DP)
     assert _found(res) == [(FindingKind.LINK_DEGRADED, tuple(range(1, 16, 2)))] and res[0].evidence["group_known"]
-    # Inferred from durations alone, a group compared with one other is a link when its fastest calls are
-    # slower too (a degraded link slows every call) ...
-    res = detect_l3([summary], topo)
-    assert _found(res) == [(FindingKind.LINK_DEGRADED, tuple(range(1, 16, 2)))] and not res[0].evidence["group_known"]
-    # ... but not when the group only waits (all of one TP index, for the other in their TP collective):
-    # in the calls where it came last its time is the transfer alone, as in the other group.
-    rows = _ranks(16)
-    for r in range(1, 16, 2):
-        rows[r] = (r, [(40, 1e6, 1.1e6), (60, 1.6e6, 1.8e6)])
-    assert detect_l3([_summary(rows, kernel=AR)], topo) == []
+    # Inferred from durations alone, two groups need a larger gap.
+    assert detect_l3([summary], topo) == []
 
 
 def test_a_collective_with_few_calls_is_judged_only_in_its_named_group() -> None:
