@@ -72,13 +72,7 @@ def detect_kernel_excess(totals: Iterable[KernelTotals], topology: JobTopology |
     usable = [t for t in totals if t.calls and not is_collective(t.kernel, p.collective_markers)]
     if not usable:
         return []
-    ranks, total, calls, part = totals_matrix(usable, topology)
-    median = np.full(total.shape, np.nan)
-    pos = {r: i for i, r in enumerate(ranks.tolist())}
-    for k, t in enumerate(usable):
-        for r, v in t.median_ns.items():
-            if r in pos and calls[pos[r], k] > 0:
-                median[pos[r], k] = v
+    ranks, total, calls, part, median = totals_matrix(usable, topology)
     keys = [(t.kernel, t.stream) for t in usable]
     skip = set(exclude)
     out: dict[int, L3Result] = {}

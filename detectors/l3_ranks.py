@@ -170,7 +170,7 @@ def detect_rank_excess(totals: Iterable[KernelTotals], topology: JobTopology | N
     usable = [t for t in totals if t.calls and not is_collective(t.kernel, p.collective_markers)]
     if not usable:
         return []
-    ranks, total, calls, part = totals_matrix(usable, topology)
+    ranks, total, calls, part, _ = totals_matrix(usable, topology)
     keys = [(t.kernel, t.stream) for t in usable]
     out: list[L3Result] = []
     for label, rows, cols, judged in comparison_sets(part, calls, p):
@@ -181,24 +181,27 @@ def detect_rank_excess(totals: Iterable[KernelTotals], topology: JobTopology | N
     return out
 
 
-def totals_matrix(totals: Sequence[KernelTotals], topology: JobTopology | None) -> tuple[I64, F64, F64, I64]:
+def totals_matrix(totals: Sequence[KernelTotals], topology: JobTopology | None) -> tuple[I64, F64, F64, I64, F64]:
     """The job's ranks (ascending), their total time and calls per kernel (ranks x kernels, NaN time and 0
-    calls where a rank does not run it) and each rank's comparison part (its pipeline stage with a
-    topology, -1 for a rank outside it; all 0 without)."""
+    calls where a rank does not run it), each rank's comparison part (its pipeline stage with a
+    topology, -1 for a rank outside it; all 0 without) and their median time per kernel (NaN where a rank
+    does not run it or its median time is unknown)."""
     ranks = np.array(sorted({r for t in totals for r in t.calls}), dtype=np.int64)
     pos = {r: i for i, r in enumerate(ranks.tolist())}
     total = np.full((ranks.size, len(totals)), np.nan)
+    median = np.full((ranks.size, len(totals)), np.nan)
     calls = np.zeros((ranks.size, len(totals)))
     for k, t in enumerate(totals):
         for r, c in t.calls.items():
             if c > 0:
                 total[pos[r], k], calls[pos[r], k] = t.total_ns.get(r, 0.0), c
+                median[pos[r], k] = t.median_ns.get(r, math.nan)
     if topology is not None:
         stage_of = dict(zip(topology.rank, topology.pp_stage, strict=True))
         part = np.array([stage_of.get(r, -1) for r in ranks.tolist()], dtype=np.int64)
     else:
         part = np.zeros(ranks.size, dtype=np.int64)
-    return ranks, total, calls, part
+    return ranks, total, calls, part, median
 
 
 def comparison_sets(part: I64, calls: F64, p: RankExcessParams) -> list[tuple[int, I64, I64, npt.NDArray[np.bool_]]]:
