@@ -469,12 +469,11 @@ class RankDiagnosis:
         world = topology.world_size if topology is not None else len(self._ranks)
         slow = detect_rank_excess(self._totals.values(), topology, self.params.ranks)
         results: list[DetectorResult] = list(slow)
-        results += detect_kernel_excess(self._totals.values(), topology, self.params.ranks,
-                                        exclude={r for res in slow for r in res.ranks})
+        named = {r for res in slow for r in res.ranks}
+        results += detect_kernel_excess(self._totals.values(), topology, self.params.ranks, exclude=named)
         if topology is not None:
             steps = max(len(clock.starts_ns), 1) if clock is not None else 1
-            stages = detect_stage_excess(self._totals.values(), topology, self.params.ranks,
-                                         exclude={r for res in slow for r in res.ranks})
+            stages = detect_stage_excess(self._totals.values(), topology, self.params.ranks, exclude=named)
             results += [dataclasses.replace(r, delay_ns_per_step=r.evidence["stage_delay_ms"] * 1e6 / steps,
                                             steps_affected=steps) for r in stages]
         return judge(self.job_id, results, self.last_time_ns, world, clock or StepClock(),
