@@ -20,11 +20,11 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
+from argus.detectors.cdf_grid import quantiles_at
+
 __all__ = ["ReferenceModes", "mode_quantiles", "reference_modes"]
 
 F64 = npt.NDArray[np.float64]
-#: Columns per block of the prefix count in :func:`_count_below`.
-_BLOCK = 32
 
 
 @dataclass(frozen=True, eq=False)
@@ -87,50 +87,12 @@ def reference_modes(ref_cdf: npt.ArrayLike, grid: npt.ArrayLike, min_gap_log: fl
 
 def mode_quantiles(cdf: npt.ArrayLike, grid: npt.ArrayLike, u: npt.ArrayLike) -> F64:
     """Per row of ``cdf`` (``R x G`` on ``grid``) its quantiles at levels ``u`` (``J``): an ``R x J``
-    array in ns, interpolated log-linearly between grid points. Vectorized over rows and levels.
+    array in ns, interpolated log-linearly between grid points.
 
     The grid point above level ``q`` is the count of a row's values below ``q`` (clipped to
-    ``[1, G - 1]``); for a nondecreasing row (every CDF, unless rounding breaks it) that count is the
-    first index whose value reaches ``q``, found by a binary search instead of a pass over the row.
+    ``[1, G - 1]``); for a nondecreasing row (every CDF) that count is the first index whose value reaches
+    ``q``, found in one pass over the grid for every row and level (:func:`~argus.detectors.cdf_grid.
+    quantiles_at`).
     """
-    c = np.asarray(cdf, dtype=np.float64)
     lg = np.log(np.asarray(grid, dtype=np.float64))
-    levels = np.asarray(u, dtype=np.float64).reshape(-1)
-    rows = np.arange(c.shape[0])[:, None]
-    below = _count_below(c, levels)
-    hi = np.clip(below, 1, lg.size - 1)
-    c0, c1 = c[rows, hi - 1], c[rows, hi]
-    t = np.clip((levels - c0) / np.maximum(c1 - c0, 1e-12), 0.0, 1.0)
-    out: F64 = np.exp(lg[hi - 1] + t * (lg[hi] - lg[hi - 1]))
-    return out
-
-
-def _count_below(c: F64, levels: F64) -> npt.NDArray[np.int64]:
-    """``(c[r] < q).sum()`` per row ``r`` of ``c`` and level ``q``: an ``R x J`` array.
-
-    In a nondecreasing row the values below ``q`` are a prefix, ending in the first block of ``_BLOCK``
-    columns whose last value is not below ``q``; a binary search inside that block finds its end. Other
-    rows are counted in full."""
-    n_rows, g = c.shape
-    out = np.zeros((n_rows, levels.size), dtype=np.int64)
-    if g == 0 or n_rows == 0 or levels.size == 0:
-        return out
-    monotone = np.all(c[:, 1:] >= c[:, :-1], axis=1)
-    at = np.flatnonzero(monotone)
-    last = np.minimum(np.arange(_BLOCK - 1, g + _BLOCK - 1, _BLOCK), g - 1)  # each block's last column
-    below = (c[at[:, None], last][:, :, None] < levels).sum(axis=1)  # (rows, J): blocks wholly below
-    lo = np.minimum(below * _BLOCK, g)  # a last, shorter block wholly below: all g values
-    hi = np.minimum(lo + _BLOCK, g)
-    flat, base = c.reshape(-1), (at * g)[:, None]
-    for _ in range(_BLOCK.bit_length()):  # lo ends at the block's first value >= q (hi: none in the row)
-        mid = (lo + hi) >> 1
-        less = flat[base + np.minimum(mid, g - 1)] < levels
-        open_ = lo < hi
-        lo = np.where(open_ & less, mid + 1, lo)
-        hi = np.where(open_ & ~less, mid, hi)
-    out[at] = lo
-    rest = np.flatnonzero(~monotone)
-    if rest.size:
-        sub = c[rest]
-        out[rest] = np.stack([(sub < q).sum(axis=1) for q in levels.tolist()], axis=1)  # level by level: R x G
-    return out
+    return quantiles_at(np.asarray(cdf, dtype=np.float64), lg, np.asarray(u, dtype=np.float64))

@@ -52,7 +52,7 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,10 +61,17 @@ import numpy.typing as npt
 
 from argus.core.errors import DetectorError
 from argus.core.kinds import FindingKind
-from argus.detectors.kernel_modes import ReferenceModes, mode_quantiles, reference_modes
+from argus.detectors.cdf_grid import median_sample, pointwise_median, sample_reference, score_against
+from argus.detectors.kernel_modes import ReferenceModes, reference_modes
 from argus.detectors.kernel_rows import merge_rows, one_key, row_floors, window_end
 from argus.detectors.l2_groups import loo_median, loo_median_rows
-from argus.detectors.mixture import MixtureBatch, geometric_grid, mixture_cdf
+from argus.detectors.mixture import (
+    MixtureBatch,
+    geometric_grid,
+    log_normal_components,
+    mixture_cdf,
+    trapezoid_weights,
+)
 from argus.detectors.victims import LATE_ARRIVAL_RATIO
 from argus.schemas.records import JobTopology, KernelSummary, Level, ParallelGroup
 
@@ -200,8 +207,9 @@ class RankScores:
 
     ``w1_ns``: W1 to the median CDF; ``shift_ns``: signed mean difference to it (> 0: slower);
     ``score``: ``w1_ns / reference_mean_ns``; ``primary_p50_ns``: see :func:`primary_p50`.
-    ``grid``, ``cdf``, ``weights`` (trapezoid) and ``reference`` (the median CDF on ``grid``) are kept for
-    further distances.
+    ``grid`` (ns), ``weights`` (its trapezoid weights) and ``reference`` (the median CDF on ``grid``);
+    ``levels``: the cumulative fractions at which each rank's quantiles were read, ``quantiles_ns`` those
+    quantiles (``R x len(levels)``, see :func:`~argus.detectors.kernel_modes.mode_quantiles`).
     """
 
     w1_ns: F64
@@ -210,9 +218,14 @@ class RankScores:
     primary_p50_ns: F64
     reference_mean_ns: float
     grid: F64
-    cdf: F64
     weights: F64
     reference: F64
+    levels: F64
+    quantiles_ns: F64
+
+
+#: Given the reference CDF and the grid (ns), the levels at which :func:`score_ranks` reads each rank's quantiles.
+Levels = Callable[[F64, F64], F64]
 
 
 def is_collective(kernel: str, markers: Sequence[str] = ("nccl",)) -> bool:
@@ -220,21 +233,21 @@ def is_collective(kernel: str, markers: Sequence[str] = ("nccl",)) -> bool:
     return any(m in kernel.lower() for m in markers)
 
 
-def score_ranks(mixtures: MixtureBatch, grid_points: int = 512, mode_log_gap: float = 0.3) -> RankScores:
-    """W1 of each of ``R`` mixtures to their pointwise-median CDF, in O(R * K * G) (module docstring)."""
+def score_ranks(mixtures: MixtureBatch, grid_points: int = 512, mode_log_gap: float = 0.3,
+                levels: Levels | None = None) -> RankScores:
+    """W1 of each of ``R`` mixtures to their pointwise-median CDF, in O(R * K * G) (module docstring), and
+    each mixture's quantiles at ``levels(reference, grid)`` (none by default). The median is over all
+    mixtures, or over a fixed sample of :data:`~argus.detectors.cdf_grid.MEDIAN_SAMPLE` of more."""
     grid = geometric_grid(mixtures, points=grid_points)
-    cdf = mixture_cdf(mixtures.counts, mixtures.p50_ns, mixtures.p99_ns, grid)
-    ref = np.median(np.ascontiguousarray(cdf.T), axis=1)
-    step = np.diff(grid)
-    w = np.zeros(grid.size)
-    w[:-1] += 0.5 * step
-    w[1:] += 0.5 * step
-    # One difference array for both integrals: (ref - cdf) @ w is exactly -((cdf - ref) @ w).
-    diff = cdf - ref
-    shift = -(diff @ w)
-    w1 = np.abs(diff, out=diff) @ w
+    log_grid = np.log(grid)
+    mu, sigma, weight = log_normal_components(mixtures.counts, mixtures.p50_ns, mixtures.p99_ns)
+    ref = sample_reference(mu, sigma, weight, log_grid, median_sample(len(mixtures)))
+    w = trapezoid_weights(grid)
+    lv = np.empty(0) if levels is None else np.asarray(levels(ref, grid), dtype=np.float64)
+    w1, shift, quantiles = score_against(mu, sigma, weight, log_grid, ref, w, lv)
     ref_mean = float(grid[0] + (1.0 - ref) @ w)
-    return RankScores(w1, shift, w1 / ref_mean, primary_p50(mixtures, mode_log_gap), ref_mean, grid, cdf, w, ref)
+    return RankScores(w1, shift, w1 / ref_mean, primary_p50(mixtures, mode_log_gap), ref_mean, grid, w, ref,
+                      lv, quantiles)
 
 
 def primary_p50(mixtures: MixtureBatch, mode_log_gap: float = 0.3) -> F64:
@@ -375,12 +388,12 @@ def _compute(s: KernelSummary, ranks: I64, batch: MixtureBatch, total: F64, topo
         if rows.size < p.min_ranks:
             continue
         sub = MixtureBatch(batch.counts[rows], batch.p50_ns[rows], batch.p99_ns[rows])
-        sc = score_ranks(sub, p.grid_points, p.mode_log_gap)
+        # Every level read at once (one search per rank): the modes' middles, the scan grid, the 90th.
+        sc = score_ranks(sub, p.grid_points, p.mode_log_gap, _compute_levels)
         slow, p50_ratio, healthy = _slow_ranks(sc, p.min_score, p.p50_ratio, p)
         tails = ((sub.counts == 0.0) | (sub.counts >= _TAIL_CALLS)).all(axis=1)
         modes = reference_modes(sc.reference, sc.grid)
-        # Every level read at once (one search per rank): the modes' middles, the scan grid, the 90th.
-        q = mode_quantiles(sc.cdf, sc.grid, np.concatenate([modes.mid, _SCAN_U, [0.9]]))
+        q = sc.quantiles_ns
         by_mode, mode_ratio, mode_share = _mode_outliers(sc, p, tails, modes, q[:, :len(modes)], q[:, len(modes):-1])
         # Modes are matched by position among a rank's calls: only ranks with the set's calls (a window cut
         # between the ranks' calls of one step shifts every position) are judged by mode.
@@ -414,6 +427,15 @@ def _compute(s: KernelSummary, ranks: I64, batch: MixtureBatch, total: F64, topo
                          "rank_score": {str(r): v["score"]}, "rank_p50_ratio": {str(r): v["p50_ratio"]},
                          "rank_excess_ns": {str(r): v["excess_ns"]}},
                      excess_ns=v["excess_ns"]) for r, v in sorted(flagged.items())]
+
+
+def _compute_levels(reference: F64, grid: F64) -> F64:
+    """A compute kernel's quantile levels: its reference modes' middles, the scan grid and the 90th."""
+    return np.concatenate([reference_modes(reference, grid).mid, _SCAN_U, [0.9]])
+
+
+def _mode_middles(reference: F64, grid: F64) -> F64:
+    return reference_modes(reference, grid).mid
 
 
 def cluster_median_quantile(batch: MixtureBatch, q: float) -> F64:
@@ -503,7 +525,7 @@ def _links(s: KernelSummary, ranks: I64, batch: MixtureBatch, sc: RankScores, gr
     slower than its stage peers' too.
     """
     modes = reference_modes(sc.reference, sc.grid)
-    q = mode_quantiles(sc.cdf, sc.grid, modes.mid)
+    q = sc.quantiles_ns  # at the modes' middles (see _collective)
     calls = float(np.median(batch.counts.sum(axis=1)))
     out: list[L3Result] = []
     # Groups are compared with groups of the same kind *and role*: the same pipeline stage (the first and
@@ -563,7 +585,7 @@ def _links(s: KernelSummary, ranks: I64, batch: MixtureBatch, sc: RankScores, gr
                 "transfer_ratio": ratio, "p50_ratio": ratio, "group_min_ns": float(np.exp(lg[i, j])),
                 "healthy_min_ns": float(np.exp(ref[j])),
                 "mode_share_of_calls": float(modes.width[j]), "groups_compared": n,
-                "w1_inter_over_intra_ratio": _inter_intra(sc, rows, np.flatnonzero(~explained)),
+                "w1_inter_over_intra_ratio": _inter_intra(batch, sc, rows, np.flatnonzero(~explained)),
             }, excess_ns=extra))
     return out
 
@@ -578,7 +600,7 @@ def _collective(summaries: Sequence[KernelSummary], ranks: I64, batch: MixtureBa
                 topology: JobTopology | None, p: L3Params, base: dict[str, Any],
                 group_kind: ParallelGroup | None = None) -> list[L3Result]:
     s = summaries[0]
-    sc = score_ranks(batch, p.grid_points, p.mode_log_gap)
+    sc = score_ranks(batch, p.grid_points, p.mode_log_gap, _mode_middles)
     slow, p50_ratio, healthy = _slow_ranks(sc, p.collective_min_score, p.collective_p50_ratio, p)
     p50 = sc.primary_p50_ns
     p2p = _is_p2p(s.kernel) or group_kind is ParallelGroup.PP
@@ -649,14 +671,18 @@ def _late_candidates(groups: list[tuple[str, int, I64]], p50: F64) -> list[tuple
     return out
 
 
-def _inter_intra(sc: RankScores, group: I64, normal: I64) -> float | None:
-    """W1 between the group's and the normal ranks' median CDFs over the mean W1 of ranks to their side's."""
+def _inter_intra(batch: MixtureBatch, sc: RankScores, group: I64, normal: I64) -> float | None:
+    """W1 between the group's and the normal ranks' median CDFs over the mean W1 of ranks to their side's
+    (each side's CDFs evaluated again on ``sc.grid``; of more than :data:`~argus.detectors.cdf_grid.
+    MEDIAN_SAMPLE` normal ranks, a fixed sample's)."""
     if normal.size == 0:
         return None
-    med_g = np.median(sc.cdf[group], axis=0)
-    med_n = np.median(sc.cdf[normal], axis=0)
+    sides = []
+    for rows in (group, normal[median_sample(normal.size)]):
+        cdf = mixture_cdf(batch.counts[rows], batch.p50_ns[rows], batch.p99_ns[rows], sc.grid)
+        sides.append((cdf, pointwise_median(cdf)))
+    (cdf_g, med_g), (cdf_n, med_n) = sides
     inter = float(np.abs(med_g - med_n) @ sc.weights)
-    intra = float(np.concatenate([np.abs(sc.cdf[group] - med_g) @ sc.weights,
-                                  np.abs(sc.cdf[normal] - med_n) @ sc.weights]).mean())
+    intra = float(np.concatenate([np.abs(cdf_g - med_g) @ sc.weights, np.abs(cdf_n - med_n) @ sc.weights]).mean())
     # Identical ranks on each side give intra = 0; the floor is the grid's resolution of a W1 score.
     return inter / max(intra, _W1_RESOLUTION * sc.reference_mean_ns)

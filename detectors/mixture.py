@@ -22,9 +22,10 @@ from typing import TypeAlias
 
 import numpy as np
 import numpy.typing as npt
-from scipy.special import ndtr, ndtri
+from scipy.special import ndtri
 
 from argus.core.errors import DetectorError
+from argus.detectors.cdf_grid import grid_cdfs, median_sample, pointwise_median
 from argus.detectors.kde_clusters import ClusterSet
 
 __all__ = [
@@ -35,7 +36,9 @@ __all__ = [
     "Mixture",
     "MixtureBatch",
     "geometric_grid",
+    "log_normal_components",
     "mixture_cdf",
+    "trapezoid_weights",
     "w1_distance",
     "w1_matrix",
     "w1_to_reference",
@@ -53,14 +56,6 @@ TAIL_SIGMAS = 5.0
 GRID_POINTS = 1024
 # Bounds the (rows, ranks, grid) temporary of w1_matrix to ~32 MiB of float64.
 _PAIRWISE_BLOCK_ELEMENTS = 1 << 22
-#: ``ndtr(z)`` is exactly 1.0 from z ~ 8.29 on; above this bound a component's term is its weight.
-_Z_HIGH = 9.0
-#: ``ndtr(-10) < 1e-23``: below it a component's term cannot move a CDF value of 1e-7 or more.
-_Z_LOW = -10.0
-#: Rows per chunk of the windowed CDF evaluation (rows of neighbouring windows share the chunk's columns).
-_WINDOW_CHUNK_ROWS = 256
-#: Grids shorter than this are evaluated densely (the windows would save nothing).
-_MIN_WINDOWED_POINTS = 16
 
 
 @dataclass(frozen=True, eq=False)
@@ -215,7 +210,7 @@ def w1_distance(a: Mixture, b: Mixture, grid: npt.ArrayLike | None = None) -> fl
     g = _grid(grid, a, b)
     fa = _cdfs(a.counts, a.p50_ns, a.p99_ns, g)
     fb = _cdfs(b.counts, b.p50_ns, b.p99_ns, g)
-    return float(np.abs(fa - fb) @ _trapezoid_weights(g))
+    return float(np.abs(fa - fb) @ trapezoid_weights(g))
 
 
 def w1_matrix(mixtures: Mixtures, grid: npt.ArrayLike | None = None) -> F64:
@@ -228,7 +223,7 @@ def w1_matrix(mixtures: Mixtures, grid: npt.ArrayLike | None = None) -> F64:
     batch = _as_batch(mixtures)
     g = _grid(grid, batch)
     cdf = _cdfs(batch.counts, batch.p50_ns, batch.p99_ns, g)
-    w = _trapezoid_weights(g)
+    w = trapezoid_weights(g)
     rows = cdf.shape[0]
     out = np.empty((rows, rows))
     block = max(1, _PAIRWISE_BLOCK_ELEMENTS // (rows * g.size))
@@ -244,7 +239,8 @@ def w1_to_reference(
 ) -> F64:
     """1-Wasserstein distance (ns) of each of ``R`` mixtures to one reference, an ``(R,)`` array.
 
-    ``reference`` defaults to the pointwise median of the ``R`` CDFs (itself a CDF): a consensus
+    ``reference`` defaults to the pointwise median of the ``R`` CDFs (itself a CDF; of a fixed sample
+    of 513 of them beyond that many, :func:`~argus.detectors.cdf_grid.median_sample`): a consensus
     that a minority of slow ranks cannot drag, so each rank's distance says how far it strays from
     the job's typical behaviour. O(R * K * G) time and O(R * G) memory, the scalable choice for 10k
     ranks where :func:`w1_matrix` is O(R^2 * G). ``grid`` defaults to :func:`geometric_grid` of
@@ -254,11 +250,10 @@ def w1_to_reference(
     g = _grid(grid, batch) if reference is None else _grid(grid, batch, reference)
     cdf = _cdfs(batch.counts, batch.p50_ns, batch.p99_ns, g)
     if reference is None:
-        # The median along contiguous rows is twice as fast as along the strided rank axis.
-        ref = np.median(np.ascontiguousarray(cdf.T), axis=1)
+        ref = pointwise_median(cdf[median_sample(cdf.shape[0])])
     else:
         ref = _cdfs(reference.counts, reference.p50_ns, reference.p99_ns, g)
-    out: F64 = np.abs(cdf - ref) @ _trapezoid_weights(g)
+    out: F64 = np.abs(cdf - ref) @ trapezoid_weights(g)
     return out
 
 
@@ -277,6 +272,22 @@ def _grid(grid: npt.ArrayLike | None, *mixtures: Mixture | MixtureBatch) -> F64:
     return g
 
 
+def log_normal_components(counts: F64, p50_ns: F64, p99_ns: F64) -> tuple[F64, F64, F64]:
+    """The components' log-space medians ``ln p50``, sigmas ``(ln p99 - ln p50) / Z99`` (at least
+    :data:`MIN_SIGMA`) and weights (counts over each mixture's total), for ``(..., K)`` arrays."""
+    mu, sigma = _log_params(p50_ns, p99_ns)
+    return mu, sigma, counts / counts.sum(axis=-1, keepdims=True)
+
+
+def trapezoid_weights(grid: F64) -> F64:
+    """Weights ``w`` such that ``f @ w`` is the trapezoid integral over ``grid`` (ns) of values ``f`` on it."""
+    step = np.diff(grid)
+    w = np.zeros(grid.size)
+    w[:-1] += 0.5 * step
+    w[1:] += 0.5 * step
+    return w
+
+
 def _log_params(p50_ns: F64, p99_ns: F64) -> tuple[F64, F64]:
     mu = np.log(p50_ns)
     sigma = np.maximum((np.log(p99_ns) - mu) / Z99, MIN_SIGMA)
@@ -284,64 +295,14 @@ def _log_params(p50_ns: F64, p99_ns: F64) -> tuple[F64, F64]:
 
 
 def _cdfs(counts: F64, p50_ns: F64, p99_ns: F64, grid: F64) -> F64:
-    """CDFs on ``grid`` of mixtures given as ``(..., K)`` arrays; result ``(..., G)``.
-
-    Component by component (in order, so each entry sums the same terms in the same order as a dense
-    evaluation), ``weight * ndtr(z)`` is evaluated only where ``z`` lies in ``[_Z_LOW, _Z_HIGH]``
-    (:func:`_add_component`): above, ``ndtr`` is exactly 1 and the weight is added as is; below, the
-    term (< 1e-23 of the weight) is left out. On an increasing grid only; otherwise densely.
-    """
-    mu, sigma = _log_params(p50_ns, p99_ns)
-    weight = counts / counts.sum(axis=-1, keepdims=True)
+    """CDFs on ``grid`` of mixtures given as ``(..., K)`` arrays; result ``(..., G)`` (evaluated as
+    :func:`argus.detectors.cdf_grid.grid_cdfs` does)."""
     # ln(0) = -inf is the right limit (F = 0) but warns; the smallest normal float gives the same F.
     log_grid = np.log(np.maximum(grid, np.finfo(np.float64).tiny))
-    lead = counts.shape[:-1]
-    out = np.zeros((math.prod(lead), grid.size))
-    k_comp = counts.shape[-1]
-    mu2, sigma2, weight2 = (a.reshape(-1, k_comp) for a in (mu, sigma, weight))
-    windowed = grid.size >= _MIN_WINDOWED_POINTS and bool(np.all(np.diff(log_grid) > 0.0))
-    # A loop over the few components keeps the temporary at (..., G) rather than (..., K, G).
-    for k in range(k_comp):
-        if windowed:
-            _add_component(out, log_grid, mu2[:, k], sigma2[:, k], weight2[:, k])
-        else:
-            out += weight2[:, k, None] * ndtr((log_grid - mu2[:, k, None]) / sigma2[:, k, None])
+    lead, k_comp = counts.shape[:-1], counts.shape[-1]
+    mu, sigma, weight = (a.reshape(-1, k_comp) for a in log_normal_components(counts, p50_ns, p99_ns))
+    out = grid_cdfs(mu, sigma, weight, log_grid)
     return out.reshape(*lead, grid.size)
-
-
-def _add_component(out: F64, log_grid: F64, mu: F64, sigma: F64, weight: F64) -> None:
-    """``out += weight * ndtr((log_grid - mu) / sigma)`` per row (``out``: rows x G, the rest per row),
-    with ``ndtr`` evaluated only in each row's window of ``z`` in ``[_Z_LOW, _Z_HIGH]``.
-
-    Rows are taken in chunks of neighbouring window starts; a chunk evaluates the columns from its first
-    window start to its last window end (plain slices, no per-element indexing). Right of that every
-    ``z > _Z_HIGH`` and ``ndtr(z) == 1.0`` exactly, so the weight itself is added; left of the row's own
-    window every term is below 1e-23 of the weight and dropped. In between the terms are exactly the dense
-    evaluation's.
-    """
-    g = log_grid.size
-    lo = np.searchsorted(log_grid, mu + _Z_LOW * sigma, side="left")
-    hi = np.searchsorted(log_grid, mu + _Z_HIGH * sigma, side="right")
-    order = np.argsort(lo, kind="stable")
-    cols = np.arange(g)
-    end = np.empty_like(hi)  # per row, where its chunk's evaluated columns end
-    for at in range(0, order.size, _WINDOW_CHUNK_ROWS):
-        rows = order[at:at + _WINDOW_CHUNK_ROWS]
-        a, b = int(lo[rows].min()), int(hi[rows].max())
-        end[rows] = b
-        if b > a:
-            z = (log_grid[a:b] - mu[rows, None]) / sigma[rows, None]
-            # Left of a row's own window its terms are dropped, so a row's CDF is the same in any chunk.
-            out[rows, a:b] += np.where(cols[a:b] >= lo[rows, None], weight[rows, None] * ndtr(z), 0.0)
-    np.add(out, weight[:, None], out=out, where=cols >= end[:, None])
-
-
-def _trapezoid_weights(grid: F64) -> F64:
-    step = np.diff(grid)
-    w = np.zeros(grid.size)
-    w[:-1] += 0.5 * step
-    w[1:] += 0.5 * step
-    return w
 
 
 def _check_components(counts: F64, p50_ns: F64, p99_ns: F64) -> None:

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from argus.core.kinds import FindingKind
 from argus.detectors import MixtureBatch, detect_l3, score_ranks
 from argus.detectors.kernel_modes import mode_quantiles, reference_modes
+from argus.detectors.mixture import mixture_cdf
 from argus.producers.topology import build_topology
 from argus.schemas.records import KernelSummary
 
@@ -52,11 +53,13 @@ def test_reference_modes_are_the_shapes_and_quantiles_their_medians() -> None:
     batch = MixtureBatch.from_long(np.repeat(np.arange(8), 3), np.array(s.cluster_count, dtype=float),
                                    np.array(s.cluster_p50_ns, dtype=float), np.array(s.cluster_p99_ns, dtype=float),
                                    n_owners=8)
-    sc = score_ranks(batch)
-    modes = reference_modes(np.median(sc.cdf, axis=0), sc.grid)
+    sc = score_ranks(batch, levels=lambda ref, grid: reference_modes(ref, grid).mid)
+    modes = reference_modes(sc.reference, sc.grid)
     assert len(modes) == 3
     assert modes.width == pytest.approx([0.4, 0.4, 0.2], abs=0.02)
-    q = mode_quantiles(sc.cdf, sc.grid, modes.mid)
+    q = sc.quantiles_ns
+    cdf = mixture_cdf(batch.counts, batch.p50_ns, batch.p99_ns, sc.grid)
+    np.testing.assert_allclose(q, mode_quantiles(cdf, sc.grid, modes.mid), rtol=1e-12)
     assert np.median(q, axis=0) == pytest.approx([p for _, p in SHAPES], rel=0.03)
 
 
