@@ -543,7 +543,7 @@ def _links(s: KernelSummary, ranks: I64, batch: MixtureBatch, sc: RankScores, gr
     for (kind, role_stage), same in roles.items():
         if len(same) < 2:
             continue  # one group spans the comparison: nothing to compare its transfer with
-        lg = np.log(np.stack([q[rows].min(axis=0) for _, rows in same]))
+        lg = np.log(_group_minima(q, [rows for _, rows in same]))
         n = lg.shape[0]
         ref = _faster_half(lg)
         lr = lg - ref
@@ -590,6 +590,18 @@ def _links(s: KernelSummary, ranks: I64, batch: MixtureBatch, sc: RankScores, gr
     return out
 
 
+def _group_minima(q: F64, members: list[I64]) -> F64:
+    """Per group (its rows of ``q``), the column-wise minimum: a ``groups x columns`` array. Groups of one
+    size are read at once."""
+    out = np.empty((len(members), q.shape[1]))
+    by_size: dict[int, list[int]] = {}
+    for i, rows in enumerate(members):
+        by_size.setdefault(rows.size, []).append(i)
+    for at in by_size.values():
+        out[at] = q[np.stack([members[i] for i in at])].min(axis=1)
+    return out
+
+
 def _faster_half(lg: F64) -> F64:
     """Per column, the median of the faster half of the rows (groups): the healthy groups' level."""
     out: F64 = np.median(np.sort(lg, axis=0)[: (lg.shape[0] + 1) // 2], axis=0)
@@ -627,9 +639,11 @@ def _collective(summaries: Sequence[KernelSummary], ranks: I64, batch: MixtureBa
     together = np.zeros(ranks.size, dtype=bool)
     together[[entry[3] for entry in late]] = True
     calls = batch.counts.sum(axis=1)
+    member_rows = np.concatenate([r for _, _, r in every_group]) if every_group else np.empty(0, dtype=np.int64)
+    member_group = np.repeat(np.arange(len(every_group)), [r.size for _, _, r in every_group])
     for ratio, kind, g, row, rows, peers_p50 in late:
-        if ratio < p.short_ratio or any(together[r].all() for _, _, r in every_group
-                                        if row in r and not np.array_equal(r, rows)):
+        if ratio < p.short_ratio or any(together[every_group[i][2]].all() for i in member_group[member_rows == row]
+                                        if not np.array_equal(every_group[i][2], rows)):
             continue  # explains its peers' waiting, too weak to name or late with its whole group
         others = rows[rows != row]
         results.append(L3Result(FindingKind.LATE_ARRIVAL, (int(ranks[row]),), s.kernel, s.stream,
