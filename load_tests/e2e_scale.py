@@ -21,7 +21,6 @@ import json
 import os
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -30,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from detection_eval import PrivateStack
-from soak import _pid, rss_mb
+from soak import RssSampler
 
 from argus.core.settings import Settings
 from argus.producers.faults import Fault, FaultSpec
@@ -59,20 +58,9 @@ def run(dp: int, tp: int, pp: int, steps: int, sample_s: float) -> dict[str, Any
     spec = JobSpec(job, dp=dp, tp=tp, pp=pp, steps=steps, layers=1, microbatches=4,
                    fault=FaultSpec(Fault.COMPUTE_STRAGGLER, ranks=(5,), onset_step=steps // 2,
                                     attention_factor=1.5, mlp_factor=1.5))
-    samples: list[tuple[float, float]] = []
-    stop = threading.Event()
     t0 = time.monotonic()
-
-    def sample() -> None:
-        while not stop.is_set():
-            pid = _pid(stack.home, "worker")
-            mb = rss_mb(pid) if pid else None
-            if mb is not None:
-                samples.append((time.monotonic() - t0, mb))
-            stop.wait(sample_s)
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
+    sampler = RssSampler(stack.home, "worker", sample_s)
+    sampler.__enter__()
     counts = {"kernel_events": 0, "step_records": 0, "phase_batches": 0}
     try:
         _say(f"publishing {job}: {spec.world_size} ranks x {steps} steps")
@@ -97,23 +85,21 @@ def run(dp: int, tp: int, pp: int, steps: int, sample_s: float) -> dict[str, Any
         if res.returncode != 0:
             _say(f"findings --wait failed: {res.stderr[-500:]}")
     finally:
-        stop.set()
-        sampler.join(5)
+        sampler.__exit__(None, None, None)
         stack.down()
-    mbs = [m for _, m in samples]
+    peak = sampler.peak_mb()
     out: dict[str, Any] = {
         "benchmark": "e2e_scale", "ranks": spec.world_size, "topology": f"DP {dp} x TP {tp} x PP {pp}", "steps": steps,
         **counts, "publish_s": round(published_s, 1),
         "e2e_events_per_s": round(counts["kernel_events"] / (diagnosed_at - t0)),
         "end_to_diagnosed_s": round(diagnosed_at - end_at, 1),
-        "worker_rss_mb": {"start": round(mbs[0], 1) if mbs else None, "peak": round(max(mbs), 1) if mbs else None,
-                          "end": round(mbs[-1], 1) if mbs else None, "samples": len(mbs)},
+        "worker_rss_mb": sampler.summary(),
         "findings": [(f["level"], f["kind"], f["ranks"]) for f in findings],
         "named_slow_rank": any(5 in f["ranks"] for f in findings if f["level"] in ("L2", "L3")),
         "budgets": {"end_to_diagnosed_s": BUDGET_END_TO_DIAGNOSED_S, "worker_peak_mb": BUDGET_WORKER_PEAK_MB},
     }
     out["within_budget"] = (res.returncode == 0 and out["end_to_diagnosed_s"] <= BUDGET_END_TO_DIAGNOSED_S
-                            and bool(mbs) and max(mbs) <= BUDGET_WORKER_PEAK_MB)
+                            and peak is not None and peak <= BUDGET_WORKER_PEAK_MB)
     return out
 
 

@@ -27,6 +27,7 @@ import random
 import signal
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -95,6 +96,43 @@ def held_slope_mb_per_h(samples: list[tuple[float, float]], held: list[tuple[flo
     x = np.array([[1.0, t, h] for t, _, h in rows])
     coef = np.linalg.lstsq(x, np.array([mb for _, mb, _ in rows]), rcond=None)[0]
     return float(coef[1] * 3600.0), float(coef[2])
+
+
+class RssSampler:
+    """The resident memory (MB) of a stack's ``service`` (its pid file under ``home``), every ``every_s``
+    seconds in a thread while the ``with`` block runs: ``samples`` holds (seconds since start, MB)."""
+
+    def __init__(self, home: Path, service: str = "worker", every_s: float = 2.0) -> None:
+        self.home, self.service, self.every_s = home, service, every_s
+        self.samples: list[tuple[float, float]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._t0 = time.monotonic()
+
+    def __enter__(self) -> RssSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            pid = _pid(self.home, self.service)
+            mb = rss_mb(pid) if pid else None
+            if mb is not None:
+                self.samples.append((time.monotonic() - self._t0, mb))
+            self._stop.wait(self.every_s)
+
+    def summary(self) -> dict[str, Any]:
+        """Start, peak and end MB (None without samples) and the number of samples."""
+        mbs = [m for _, m in self.samples]
+        return {"start": round(mbs[0], 1) if mbs else None, "peak": round(max(mbs), 1) if mbs else None,
+                "end": round(mbs[-1], 1) if mbs else None, "samples": len(mbs)}
+
+    def peak_mb(self) -> float | None:
+        return max((m for _, m in self.samples), default=None)
 
 
 def _pid(home: Path, service: str) -> int | None:

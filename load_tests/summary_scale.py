@@ -27,7 +27,6 @@ import json
 import os
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -39,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from detection_eval import PrivateStack
-from soak import _pid, rss_mb
+from soak import RssSampler
 
 from argus.core.kafka_security import client_config
 from argus.core.settings import Settings
@@ -118,20 +117,9 @@ def run(ranks: int, windows: int, steps_per_window: int, pieces: int, sample_s: 
     rng = np.random.default_rng(20261202)
     n_steps = windows * steps_per_window
     step_ns = WINDOW_NS // steps_per_window
-    samples: list[tuple[float, float]] = []
-    stop = threading.Event()
     t0 = time.monotonic()
-
-    def sample() -> None:
-        while not stop.is_set():
-            pid = _pid(stack.home, "worker")
-            mb = rss_mb(pid) if pid else None
-            if mb is not None:
-                samples.append((time.monotonic() - t0, mb))
-            stop.wait(sample_s)
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
+    sampler = RssSampler(stack.home, "worker", sample_s)
+    sampler.__enter__()
     counts = {"summary_records": 0, "summary_rows": 0, "step_records": 0}
     slow = slow_rank_of(ranks)
     res = None
@@ -177,16 +165,14 @@ def run(ranks: int, windows: int, steps_per_window: int, pieces: int, sample_s: 
         if res.returncode != 0:
             _say(f"findings --wait failed: {res.stderr[-500:]}")
     finally:
-        stop.set()
-        sampler.join(5)
+        sampler.__exit__(None, None, None)
         stack.down()
-    mbs = [m for _, m in samples]
+    peak = sampler.peak_mb()
     out: dict[str, Any] = {
         "benchmark": "summary_scale", "ranks": ranks, "topology": f"DP {ranks // 32} x TP {TP} x PP {PP}",
         "windows": windows, "steps": n_steps, "kernel_stream_pairs": len(KERNELS), **counts,
         "publish_s": round(published_s, 1), "end_to_diagnosed_s": round(diagnosed_at - end_at, 1),
-        "worker_rss_mb": {"start": round(mbs[0], 1) if mbs else None, "peak": round(max(mbs), 1) if mbs else None,
-                          "end": round(mbs[-1], 1) if mbs else None, "samples": len(mbs)},
+        "worker_rss_mb": sampler.summary(),
         "findings": [(f["level"], f["kind"], f["ranks"]) for f in findings],
         "slow_rank": slow,
         "named_slow_rank": any(slow in f["ranks"] for f in findings if f["level"] == "L3"),
@@ -194,7 +180,7 @@ def run(ranks: int, windows: int, steps_per_window: int, pieces: int, sample_s: 
     }
     out["within_budget"] = (res is not None and res.returncode == 0 and out["named_slow_rank"]
                             and out["end_to_diagnosed_s"] <= BUDGET_END_TO_DIAGNOSED_S
-                            and bool(mbs) and max(mbs) <= BUDGET_WORKER_PEAK_MB)
+                            and peak is not None and peak <= BUDGET_WORKER_PEAK_MB)
     return out
 
 
