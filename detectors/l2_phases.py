@@ -66,7 +66,7 @@ from argus.core.errors import DetectorError
 from argus.core.kinds import FindingKind
 from argus.detectors.l2_compare import Flag, phase_flags
 from argus.detectors.l2_groups import cell_median, loo_median
-from argus.detectors.phase_layout import BLOCKING_GROUPS, COMPUTE_KINDS, PhaseLayout
+from argus.detectors.phase_layout import BLOCKING_GROUPS, COMPUTE_KINDS, LayoutIndex
 from argus.detectors.victims import waiting_victims
 from argus.schemas.records import JobTopology, Level, ParallelGroup, PhaseBatch, PhaseKind
 
@@ -213,42 +213,25 @@ class PhaseTable:
         every = list(batches)
         at_of = map(attrgetter("rank", "step"), every)
         latest: dict[tuple[int, int], PhaseBatch] = dict(zip(at_of, every, strict=True))
-        keys: dict[tuple[str, PhaseKind, ParallelGroup], int] = {}
-        layouts: dict[tuple[str, ...], list[int]] = {}  # indices in found, by names: tuples of enums hash slowly
-        found: list[PhaseLayout] = []
-        members: list[list[PhaseBatch]] = []  # per layout, its batches in the order of ``latest``
-        which_list: list[int] = []  # per batch, its layout's index in ``found``
-        for b in latest.values():
-            same = layouts.setdefault(b.names, [])
-            for at in same:
-                if found[at].kinds == b.kinds and found[at].groups == b.groups:
-                    break
-            else:
-                at = len(found)
-                found.append(PhaseLayout.of(b, keys))
-                members.append([])
-                same.append(at)
-            which_list.append(at)
-            members[at].append(b)
-        which = np.array(which_list, dtype=np.int64)
-        names = tuple(k[0] for k in keys)
-        kinds = tuple(k[1] for k in keys)
-        groups = tuple(k[2] for k in keys)
+        index = LayoutIndex()
+        which, folded = index.fold(list(latest.values()))
+        names = tuple(k[0] for k in index.keys)
+        kinds = tuple(k[1] for k in index.keys)
+        groups = tuple(k[2] for k in index.keys)
         if not latest:
             empty = np.empty(0, dtype=np.int64)
             return cls(empty, empty, empty, empty, empty, names, kinds, groups)
         # Rows: per batch (in the order of ``latest``) one per phase id of its layout, in id order.
-        size = np.array([lay.ids.size for lay in found], dtype=np.int64)[which]
+        size = np.array([lay.ids.size for lay in index.layouts], dtype=np.int64)[which]
         first = np.cumsum(size) - size
         cols = {c: np.empty(int(size.sum()), dtype=np.int64) for c in ("phase", "duration", "count", "nested")}
-        for j, lay in enumerate(found):
-            at_rows = (first[which == j][:, None] + np.arange(lay.ids.size)).ravel()
-            dur = lay.columns(members[j], "duration_ns")
-            cols["phase"][at_rows] = np.tile(lay.ids, dur.shape[0])
-            cols["count"][at_rows] = np.tile(lay.counts, dur.shape[0])
-            cols["duration"][at_rows] = lay.sums(dur).ravel()
-            start = lay.columns(members[j], "start_ns") if lay.block.size else dur
-            cols["nested"][at_rows] = lay.nested_sums(start, dur).ravel()
+        for part in folded:
+            lay = index.layouts[part.layout]
+            at_rows = (first[part.members][:, None] + np.arange(lay.ids.size)).ravel()
+            cols["phase"][at_rows] = np.tile(lay.ids, part.members.size)
+            cols["count"][at_rows] = np.tile(lay.counts, part.members.size)
+            cols["duration"][at_rows] = part.duration.ravel()
+            cols["nested"][at_rows] = part.nested.ravel()
         rank = np.repeat(np.fromiter((k[0] for k in latest), dtype=np.int64, count=len(latest)), size)
         step = np.repeat(np.fromiter((k[1] for k in latest), dtype=np.int64, count=len(latest)), size)
         return cls(rank, step, cols["phase"], cols["duration"], cols["count"], names, kinds, groups, cols["nested"])
