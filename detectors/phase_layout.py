@@ -13,7 +13,6 @@ batches whose times or sums reach 2**52 ns keep (:func:`nested_one`).
 
 from __future__ import annotations
 
-import functools
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -59,13 +58,6 @@ class PhaseLayout:
     block: I64
     first: I64 = field(default_factory=lambda: np.empty(0, dtype=np.int64))
 
-    @functools.cached_property
-    def _select(self) -> F64:
-        """``phases x ids`` 0/1: column ``j`` sums into id position ``inverse[j]`` (a product sums per id)."""
-        out = np.zeros((self.inverse.size, self.ids.size))
-        out[np.arange(self.inverse.size), self.inverse] = 1.0
-        return out
-
     @classmethod
     def of(cls, b: PhaseBatch, keys: dict[tuple[str, PhaseKind, ParallelGroup], int]) -> PhaseLayout:
         """``b``'s layout; new (name, kind, group) entries are added to ``keys``."""
@@ -102,10 +94,7 @@ class PhaseLayout:
         if values.size and max(int(values.max()), -int(values.min())) * values.shape[1] >= _EXACT_NS:
             # Sums beyond float64's integers: the per-batch float sums, as ever.
             return np.stack([_float_sums(row.astype(np.float64), self) for row in values])
-        if values.shape[0] == 0:
-            return np.zeros((0, self.ids.size), dtype=np.int64)
-        # Every partial sum is an integer below 2**52: the float product is exact (any summation order).
-        out: I64 = (values.astype(np.float64) @ self._select).astype(np.int64)
+        out: I64 = np.add.reduceat(values[:, self.order], self.bounds, axis=1)
         return out
 
     def nested_sums(self, start: I64, duration: I64) -> I64:
@@ -128,8 +117,13 @@ class PhaseLayout:
             return np.stack([_float_sums(nested_one(start[i], duration[i].astype(np.float64), self), self)
                              for i in range(rows)])
         nested = np.minimum(_overlaps(s_o, e_o, s_c, e_c, span), d_o)
-        # Capped at each phase's duration: the sums stay below the exactness bound checked above.
-        out: I64 = (self._select[self.outer].T @ nested.astype(np.float64)).T.astype(np.int64)
+        # Per id, the sum of its compute columns' rows (integer sums; no BLAS, whose threads contend).
+        pos = self.inverse[self.outer]
+        order = np.argsort(pos, kind="stable")
+        ids, first = np.unique(pos[order], return_index=True)
+        out_t = np.zeros((self.ids.size, rows), dtype=np.int64)
+        out_t[ids] = np.add.reduceat(nested[order], first, axis=0)
+        out: I64 = out_t.T
         return out
 
 
@@ -214,10 +208,7 @@ def _overlaps(s_o: I64, e_o: I64, s_c: I64, e_c: I64, span: int) -> I64:
         covered = _Coverage(s_c.T, e_c.T, span)
         out: I64 = (covered.at(np.ascontiguousarray(e_o.T)) - covered.at(np.ascontiguousarray(s_o.T))).T
         return out
-    if inside.any():
-        out = (inside.astype(np.float64) @ (e_c - s_c).astype(np.float64)).astype(np.int64)
-    else:
-        out = np.zeros(s_o.shape, dtype=np.int64)
+    out = _inside_sums(inside, e_c - s_c)
     if po.size == 0:
         return out
     ov = np.minimum(e_o[po], e_c[pc])
@@ -225,6 +216,25 @@ def _overlaps(s_o: I64, e_o: I64, s_c: I64, e_c: I64, span: int) -> I64:
     np.maximum(ov, 0, out=ov)
     phases, first = np.unique(po, return_index=True)
     out[phases] += np.add.reduceat(ov, first, axis=0)
+    return out
+
+
+def _inside_sums(inside: npt.NDArray[np.bool_], length: I64) -> I64:
+    """Per phase (row of ``inside``), the summed ``length`` (``collectives x batches``) of the collectives it
+    holds: a run of consecutive collectives (the usual case) by a difference of prefix sums, else summed."""
+    n_o, n_c = inside.shape
+    out = np.zeros((n_o, length.shape[1]), dtype=np.int64)
+    cnt = inside.sum(axis=1)
+    if not cnt.any():
+        return out
+    lo = np.argmax(inside, axis=1)
+    last = n_c - 1 - np.argmax(inside[:, ::-1], axis=1)
+    run = (cnt > 0) & (last - lo + 1 == cnt)
+    prefix = np.zeros((n_c + 1, length.shape[1]), dtype=np.int64)
+    np.cumsum(length, axis=0, out=prefix[1:])
+    out[run] = prefix[(lo + cnt)[run]] - prefix[lo[run]]
+    for i in np.flatnonzero((cnt > 0) & ~run).tolist():
+        out[i] = length[inside[i]].sum(axis=0)
     return out
 
 
