@@ -66,11 +66,12 @@ from argus.core.errors import DetectorError
 from argus.core.kinds import FindingKind
 from argus.detectors.l2_compare import Flag, phase_flags
 from argus.detectors.l2_groups import cell_median, loo_median
-from argus.detectors.phase_layout import BLOCKING_GROUPS, COMPUTE_KINDS, PhaseLayout
+from argus.detectors.phase_layout import BLOCKING_GROUPS, COMPUTE_KINDS, LayoutIndex
 from argus.detectors.victims import waiting_victims
 from argus.schemas.records import JobTopology, Level, ParallelGroup, PhaseBatch, PhaseKind
 
-__all__ = ["BLOCKING_GROUPS", "L2Params", "L2Result", "PhaseTable", "detect_l2", "loo_median"]
+__all__ = ["BLOCKING_GROUPS", "L2Params", "L2Result", "PhaseStats", "PhaseTable", "detect_l2", "judge_l2", "loo_median",
+           "phase_stats", "rank_positions"]
 
 F64 = npt.NDArray[np.float64]
 I64 = npt.NDArray[np.int64]
@@ -213,42 +214,25 @@ class PhaseTable:
         every = list(batches)
         at_of = map(attrgetter("rank", "step"), every)
         latest: dict[tuple[int, int], PhaseBatch] = dict(zip(at_of, every, strict=True))
-        keys: dict[tuple[str, PhaseKind, ParallelGroup], int] = {}
-        layouts: dict[tuple[str, ...], list[int]] = {}  # indices in found, by names: tuples of enums hash slowly
-        found: list[PhaseLayout] = []
-        members: list[list[PhaseBatch]] = []  # per layout, its batches in the order of ``latest``
-        which_list: list[int] = []  # per batch, its layout's index in ``found``
-        for b in latest.values():
-            same = layouts.setdefault(b.names, [])
-            for at in same:
-                if found[at].kinds == b.kinds and found[at].groups == b.groups:
-                    break
-            else:
-                at = len(found)
-                found.append(PhaseLayout.of(b, keys))
-                members.append([])
-                same.append(at)
-            which_list.append(at)
-            members[at].append(b)
-        which = np.array(which_list, dtype=np.int64)
-        names = tuple(k[0] for k in keys)
-        kinds = tuple(k[1] for k in keys)
-        groups = tuple(k[2] for k in keys)
+        index = LayoutIndex()
+        which, folded = index.fold(list(latest.values()))
+        names = tuple(k[0] for k in index.keys)
+        kinds = tuple(k[1] for k in index.keys)
+        groups = tuple(k[2] for k in index.keys)
         if not latest:
             empty = np.empty(0, dtype=np.int64)
             return cls(empty, empty, empty, empty, empty, names, kinds, groups)
         # Rows: per batch (in the order of ``latest``) one per phase id of its layout, in id order.
-        size = np.array([lay.ids.size for lay in found], dtype=np.int64)[which]
+        size = np.array([lay.ids.size for lay in index.layouts], dtype=np.int64)[which]
         first = np.cumsum(size) - size
         cols = {c: np.empty(int(size.sum()), dtype=np.int64) for c in ("phase", "duration", "count", "nested")}
-        for j, lay in enumerate(found):
-            at_rows = (first[which == j][:, None] + np.arange(lay.ids.size)).ravel()
-            dur = lay.columns(members[j], "duration_ns")
-            cols["phase"][at_rows] = np.tile(lay.ids, dur.shape[0])
-            cols["count"][at_rows] = np.tile(lay.counts, dur.shape[0])
-            cols["duration"][at_rows] = lay.sums(dur).ravel()
-            start = lay.columns(members[j], "start_ns") if lay.block.size else dur
-            cols["nested"][at_rows] = lay.nested_sums(start, dur).ravel()
+        for part in folded:
+            lay = index.layouts[part.layout]
+            at_rows = (first[part.members][:, None] + np.arange(lay.ids.size)).ravel()
+            cols["phase"][at_rows] = np.tile(lay.ids, part.members.size)
+            cols["count"][at_rows] = np.tile(lay.counts, part.members.size)
+            cols["duration"][at_rows] = part.duration.ravel()
+            cols["nested"][at_rows] = part.nested.ravel()
         rank = np.repeat(np.fromiter((k[0] for k in latest), dtype=np.int64, count=len(latest)), size)
         step = np.repeat(np.fromiter((k[1] for k in latest), dtype=np.int64, count=len(latest)), size)
         return cls(rank, step, cols["phase"], cols["duration"], cols["count"], names, kinds, groups, cols["nested"])
@@ -265,35 +249,75 @@ def detect_l2(phases: PhaseTable, topology: JobTopology, params: L2Params | None
     """
     p = params if params is not None else L2Params()
     keep = np.ones(len(phases), dtype=bool) if onset_step is None else phases.step >= onset_step
-    if np.unique(phases.step[keep]).size < p.min_steps:
+    n_analysed = int(np.unique(phases.step[keep]).size)
+    if n_analysed < p.min_steps:
         return []
-    rank, pid = phases.rank[keep], phases.phase[keep]
-    pos_of = {r: i for i, r in enumerate(topology.rank)}
-    missing = set(np.unique(rank).tolist()) - pos_of.keys()
+    stats = phase_stats(phases.rank[keep], phases.phase[keep], phases.own_ns[keep], phases.count[keep], n_analysed,
+                        (phases.names, phases.kinds, phases.groups), topology)
+    return judge_l2(stats, topology, p)
+
+
+@dataclass(frozen=True, eq=False)
+class PhaseStats:
+    """What :func:`judge_l2` reads of the analysed steps, per (rank's position in the topology, phase):
+    steps that have the phase (``n_steps``), the median own time per step (``per_step``, ns; NaN where
+    none) and the mean occurrences per step (``occ``; NaN where none), all ``world x phases``; the phase
+    dictionary (``names``, ``kinds``, ``groups``) and the number of analysed steps (``n_analysed``)."""
+
+    names: tuple[str, ...]
+    kinds: tuple[PhaseKind, ...]
+    groups: tuple[ParallelGroup, ...]
+    n_steps: I64
+    per_step: F64
+    occ: F64
+    n_analysed: int
+
+
+def rank_positions(topology: JobTopology, rank: I64) -> I64:
+    """Each rank's position in ``topology`` (the last of equal ranks), by one search. Raises
+    :class:`DetectorError` for ranks missing from it."""
+    ranks = np.asarray(topology.rank, dtype=np.int64)
+    missing = set(np.unique(rank).tolist()) - set(ranks.tolist())
     if missing:
         raise DetectorError(f"ranks {sorted(missing)[:5]} are not in topology {topology.job_id}")
-    world, n_phases = len(topology.rank), len(phases.names)
-    # Each row's position in the topology (the last of equal ranks, as ``pos_of`` has it), by one search.
-    order = np.argsort(np.asarray(topology.rank, dtype=np.int64), kind="stable")
-    rpos = order[np.searchsorted(np.asarray(topology.rank, dtype=np.int64)[order], rank, side="right") - 1]
+    order = np.argsort(ranks, kind="stable")
+    out: I64 = order[np.searchsorted(ranks[order], rank, side="right") - 1]
+    return out
+
+
+def phase_stats(rank: I64, pid: I64, own: I64, count: I64, n_analysed: int,
+                dictionary: tuple[tuple[str, ...], tuple[PhaseKind, ...], tuple[ParallelGroup, ...]],
+                topology: JobTopology) -> PhaseStats:
+    """:class:`PhaseStats` of table rows (one per (rank, step, phase) analysed: ``pid`` indexes
+    ``dictionary``; ``own`` ns, ``count`` occurrences). Raises :class:`DetectorError` for ranks missing from
+    ``topology``."""
+    rpos = rank_positions(topology, rank)
+    world, n_phases = len(topology.rank), len(dictionary[0])
     cell = rpos * n_phases + pid
     size = world * n_phases
     n_steps = np.bincount(cell, minlength=size).reshape(world, n_phases)
     # Median over steps, not the mean: real jobs have warm-up steps and pauses (GC, checkpoint) that would
     # otherwise make one rank's mean look elevated.
-    per_step = cell_median(cell, phases.own_ns[keep].astype(np.float64), size).reshape(world, n_phases)
+    per_step = cell_median(cell, own.astype(np.float64), size).reshape(world, n_phases)
     with np.errstate(invalid="ignore", divide="ignore"):
-        occ = np.bincount(cell, weights=phases.count[keep], minlength=size).reshape(world, n_phases) / n_steps
+        occ = np.bincount(cell, weights=count, minlength=size).reshape(world, n_phases) / n_steps
+    return PhaseStats(*dictionary, n_steps, per_step, occ, n_analysed)
+
+
+def judge_l2(stats: PhaseStats, topology: JobTopology, p: L2Params) -> list[L2Result]:
+    """The findings of :func:`detect_l2` from the analysed steps' :class:`PhaseStats` (at least
+    ``p.min_steps`` of them)."""
+    n_steps, per_step, occ = stats.n_steps, stats.per_step, stats.occ
     longest = np.where(n_steps > 0, per_step, 0.0).max(axis=1)
-    blocking = np.array([k.is_collective and g in BLOCKING_GROUPS for k, g in zip(phases.kinds, phases.groups,
+    blocking = np.array([k.is_collective and g in BLOCKING_GROUPS for k, g in zip(stats.kinds, stats.groups,
                                                                                   strict=True)], dtype=bool)
     in_blocking = np.where(n_steps > 0, per_step, 0.0)[:, blocking].sum(axis=1)  # per step
     compute_flags: list[Flag] = []
     host_flags: list[Flag] = []
     short_flags: list[Flag] = []
     ranks = np.asarray(topology.rank)
-    for k in range(n_phases):
-        kind, gkind = phases.kinds[k], phases.groups[k]
+    for k in range(len(stats.names)):
+        kind, gkind = stats.kinds[k], stats.groups[k]
         collective = kind.is_collective
         gkind = gkind if collective else ParallelGroup.DP
         if collective and gkind is ParallelGroup.PP and kind is not PhaseKind.SEND_RECV:
@@ -302,12 +326,11 @@ def detect_l2(phases: PhaseTable, topology: JobTopology, params: L2Params | None
             continue
         column = np.asarray(getattr(topology, (ParallelGroup.DP if gkind is ParallelGroup.NONE else gkind).column))
         target = short_flags if collective else compute_flags if kind in _COMPUTE else host_flags
-        target += phase_flags(phases.names[k], kind, gkind.value, column, n_steps[:, k] > 0, per_step[:, k],
+        target += phase_flags(stats.names[k], kind, gkind.value, column, n_steps[:, k] > 0, per_step[:, k],
                               occ[:, k], longest, in_blocking, ranks, p)
     results, stragglers = _stragglers(compute_flags, short_flags, host_flags, topology, p)
-    results += _slow_stages(per_step, occ, n_steps, phases, topology, stragglers, p)
-    n_analysed = int(np.unique(phases.step[keep]).size)
-    return [dataclasses.replace(r, steps_affected=n_analysed) for r in results]
+    results += _slow_stages(per_step, occ, n_steps, stats, topology, stragglers, p)
+    return [dataclasses.replace(r, steps_affected=stats.n_analysed) for r in results]
 
 
 def _by_rank(flags: list[Flag]) -> dict[int, list[Flag]]:
@@ -405,7 +428,7 @@ def _waited_together(elevation: dict[int, float], topology: JobTopology) -> set[
     return out
 
 
-def _slow_stages(per_step: F64, occ: F64, n_steps: I64, phases: PhaseTable, topology: JobTopology,
+def _slow_stages(per_step: F64, occ: F64, n_steps: I64, phases: PhaseStats, topology: JobTopology,
                  stragglers: set[int], p: L2Params) -> list[L2Result]:
     stage = np.asarray(topology.pp_stage)
     stages = np.unique(stage)

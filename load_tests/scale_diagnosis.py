@@ -82,6 +82,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from argus.detectors.l1_iteration import IterationSeries, L1Result, detect_l1  # noqa: E402
+from argus.detectors.l2_history import PhaseHistory  # noqa: E402
 from argus.detectors.l2_phases import L2Params, L2Result, PhaseTable, detect_l2  # noqa: E402
 from argus.detectors.l3_kernels import L3Params, L3Result, detect_l3  # noqa: E402
 from argus.producers.sim_workload import K_ALL_REDUCE, K_GEMM  # noqa: E402
@@ -273,28 +274,36 @@ def phase_inputs(job_id: str, topo: JobTopology, n_steps: int, seed: int,
     """Per step, every rank's Step and PhaseBatch (durations jittered 2 % per phase; the slow rank's compute
     phases 1.6x). Starts are shared by the ranks of one template in one step (one tuple)."""
     rng = np.random.default_rng(seed)
+    steps: list[list[Step]] = []
+    batches: list[list[PhaseBatch]] = []
+    for s in range(n_steps):
+        st, bs = phase_step(job_id, topo, s, rng, templates, step_ns)
+        steps.append(st)
+        batches.append(bs)
+    return steps, batches
+
+
+def phase_step(job_id: str, topo: JobTopology, s: int, rng: np.random.Generator, templates: list[_Template],
+               step_ns: int) -> tuple[list[Step], list[PhaseBatch]]:
+    """Step ``s``'s records of every rank (see :func:`phase_inputs`)."""
     n = topo.world_size
     slow = slow_rank_of(n)
     tpl_of = np.asarray(topo.rank) % TP + TP * np.asarray(topo.pp_stage)
     members = [np.flatnonzero(tpl_of == t) for t in range(len(templates))]
-    steps: list[list[Step]] = []
-    batches: list[list[PhaseBatch]] = []
-    for s in range(n_steps):
-        t0 = WINDOW_START_NS + s * step_ns
-        gpu = (step_ns * 0.98 * np.exp(rng.normal(0.0, 0.005, n))).astype(np.int64).tolist()
-        steps.append([Step(job_id, r, s, t0, step_ns, gpu[r]) for r in range(n)])
-        row: list[PhaseBatch | None] = [None] * n
-        for t, tpl in enumerate(templates):
-            ranks = members[t]
-            dur = tpl.duration_ns[None, :] * np.exp(rng.normal(0.0, 0.02, (ranks.size, tpl.duration_ns.size)))
-            hit = np.flatnonzero(ranks == slow)
-            if hit.size:
-                dur[hit[0], tpl.compute] *= 1.6
-            starts = tuple((tpl.offset_ns + t0).tolist())
-            for r, d in zip(ranks.tolist(), np.maximum(np.rint(dur), 1).astype(np.int64).tolist(), strict=True):
-                row[r] = PhaseBatch(job_id, r, s, tpl.kinds, tpl.names, tpl.groups, tpl.streams, starts, tuple(d))
-        batches.append([b for b in row if b is not None])
-    return steps, batches
+    t0 = WINDOW_START_NS + s * step_ns
+    gpu = (step_ns * 0.98 * np.exp(rng.normal(0.0, 0.005, n))).astype(np.int64).tolist()
+    steps = [Step(job_id, r, s, t0, step_ns, gpu[r]) for r in range(n)]
+    row: list[PhaseBatch | None] = [None] * n
+    for t, tpl in enumerate(templates):
+        ranks = members[t]
+        dur = tpl.duration_ns[None, :] * np.exp(rng.normal(0.0, 0.02, (ranks.size, tpl.duration_ns.size)))
+        hit = np.flatnonzero(ranks == slow)
+        if hit.size:
+            dur[hit[0], tpl.compute] *= 1.6
+        starts = tuple((tpl.offset_ns + t0).tolist())
+        for r, d in zip(ranks.tolist(), np.maximum(np.rint(dur), 1).astype(np.int64).tolist(), strict=True):
+            row[r] = PhaseBatch(job_id, r, s, tpl.kinds, tpl.names, tpl.groups, tpl.streams, starts, tuple(d))
+    return steps, [b for b in row if b is not None]
 
 
 def phase_batch_bytes(batches: list[PhaseBatch]) -> float:
@@ -314,32 +323,89 @@ def measure_l2(topo: JobTopology, batches: list[list[PhaseBatch]], repeats: int)
     flat = [b for step in batches for b in step]
     n_steps = len(batches)
     params = L2Params()
-    table_runs, detect_runs = [], []
+    jd = DiagnosisParams()
+    table_runs, fold_runs, detect_runs = [], [], []
     found: list[L2Result] = []
+    state = 0
     for _ in range(repeats):
         gc.collect()
         t0 = time.perf_counter()
         table = PhaseTable.from_batches(flat)
-        t1 = time.perf_counter()
-        found = detect_l2(table, topo, params)
-        t2 = time.perf_counter()
-        table_runs.append((t1 - t0) * 1e3)
-        detect_runs.append((t2 - t1) * 1e3)
+        table_runs.append((time.perf_counter() - t0) * 1e3)
         del table
-    totals = [a + b for a, b in zip(table_runs, detect_runs, strict=True)]
-    table_ms, detect_ms = statistics.median(table_runs), statistics.median(detect_runs)
-    jd = DiagnosisParams()
+        # The live path: each step folded once into the history, then judged.
+        hist = PhaseHistory(jd.history_steps)
+        gc.collect()
+        t0 = time.perf_counter()
+        for s, step_batches in enumerate(batches):
+            hist.fold(s, step_batches)
+        t1 = time.perf_counter()
+        found = hist.detect(topo, params)
+        t2 = time.perf_counter()
+        fold_runs.append((t1 - t0) * 1e3)
+        detect_runs.append((t2 - t1) * 1e3)
+        state = hist.state_bytes()
+        del hist
+    totals = [a + b for a, b in zip(fold_runs, detect_runs, strict=True)]
+    table_ms, fold_ms, detect_ms = map(statistics.median, (table_runs, fold_runs, detect_runs))
     bytes_per = phase_batch_bytes(flat[:64])
+    folded_per = state / (topo.world_size * n_steps)
+    want = _found(detect_l2(PhaseTable.from_batches(flat), topo, params))
     return {
         "steps": n_steps, "phases_per_batch": len(flat[0].kinds),
         "ms_per_step": _r(statistics.median(totals) / n_steps),
         "runs_ms_per_step": [_r(x / n_steps, 2) for x in totals],
-        "table_ms_per_step": _r(table_ms / n_steps), "detect_ms_per_run": _r(detect_ms),
-        "detect_ms_per_step": _r(detect_ms / n_steps),
-        "live_ms_per_step_est": _r((table_ms / n_steps * jd.history_steps + detect_ms) / jd.detect_every),
+        "table_ms_per_step": _r(table_ms / n_steps), "fold_ms_per_step": _r(fold_ms / n_steps),
+        "detect_ms_per_run": _r(detect_ms), "detect_ms_per_step": _r(detect_ms / n_steps),
+        "live_ms_per_step_est": _r(fold_ms / n_steps + detect_ms / jd.detect_every),
         "state_bytes_per_rank_step": round(bytes_per),
-        "history_state_gib_est": _r(bytes_per * topo.world_size * jd.history_steps / 2**30, 2),
-        "found": _found(found),
+        "folded_state_bytes_per_rank_step": round(folded_per),
+        "history_state_gib_est": _r(folded_per * topo.world_size * jd.history_steps / 2**30, 3),
+        "found": _found(found), "same_as_table": _found(found) == want,
+    }
+
+
+def measure_l2_live(topo: JobTopology, templates: list[_Template], step_ns: int, timed_steps: int,
+                    seed: int) -> dict[str, Any]:
+    """``JobDiagnosis`` driven through ``history_steps`` steps (untimed warm-up to steady state: a full
+    history), then ``timed_steps`` more, each timed: ``add`` of every Step and PhaseBatch of the step plus
+    ``diagnose()`` when due. Records are generated per step, untimed."""
+    params = DiagnosisParams()
+    jd = JobDiagnosis(topo.job_id, params)
+    jd.add(topo)
+    rng = np.random.default_rng(seed)
+    add_runs, diag_runs, totals = [], [], []
+    findings: list[str] = []
+    for s in range(params.history_steps + timed_steps):
+        step_recs, batch_recs = phase_step(topo.job_id, topo, s, rng, templates, step_ns)
+        timed = s >= params.history_steps
+        if timed:
+            gc.collect()
+        t0 = time.perf_counter()
+        for rec in step_recs:
+            jd.add(rec)
+        for b in batch_recs:
+            jd.add(b)
+        t1 = time.perf_counter()
+        got = jd.diagnose() if jd.due() else None
+        t2 = time.perf_counter()
+        del step_recs, batch_recs
+        if got:
+            findings += [f"{f.kind.value}:{','.join(map(str, f.ranks[:8]))}" for f in got]
+        if timed:
+            add_runs.append((t1 - t0) * 1e3)
+            totals.append((t2 - t0) * 1e3)
+            if got is not None:
+                diag_runs.append((t2 - t1) * 1e3)
+    held = params.history_steps
+    state = jd.phase_state_bytes()
+    return {
+        "history_steps": held, "detect_every": params.detect_every, "timed_steps": timed_steps,
+        "live_ms_per_step": _r(statistics.mean(totals)), "runs_ms": [_r(x, 1) for x in totals],
+        "add_ms_per_step": _r(statistics.median(add_runs)),
+        "diagnose_ms_per_run": _r(statistics.median(diag_runs)) if diag_runs else None,
+        "state_bytes_per_rank_step": round(state / (topo.world_size * held)),
+        "history_state_mib": _r(state / 2**20, 1), "findings": findings,
     }
 
 
@@ -401,6 +467,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=5, help="timed runs per measurement (L2: at most 3)")
     ap.add_argument("--l2-steps", type=int, default=10, help="steps of phase batches judged by L2")
     ap.add_argument("--l1-steps", type=int, default=200, help="steps of the L1 series")
+    ap.add_argument("--live-steps", type=int, default=10,
+                    help="L2 live: steps timed after the 200-step warm-up (0: no live run)")
     ap.add_argument("--quick", action="store_true", help="1,024 ranks, 3 repeats")
     ap.add_argument("--profile", action="store_true", help="cProfile detect_l3 at the largest rank count (stderr)")
     args = ap.parse_args(argv)
@@ -430,6 +498,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             "l1": measure_l1(n, args.l1_steps, SEED + 11, repeats),
             "job_diagnosis": measure_job_diagnosis(topo, steps, batches, heavy),
         }
+        if args.live_steps > 0:
+            del steps, batches
+            gc.collect()
+            entry["l2"]["live"] = measure_l2_live(topo, templates, step_ns, args.live_steps, SEED + 13)
+            steps, batches = [], []
         del steps, batches
         gc.collect()
         entry["peak_rss_mib_after"] = _r(_rss_mib(), 1)
@@ -439,6 +512,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 over.append(f"L3 {name} at {n} ranks: {res['ms_per_window']} ms/window > {BUDGET_L3_MS}")
         if entry["l2"]["ms_per_step"] > BUDGET_L2_MS:
             over.append(f"L2 at {n} ranks: {entry['l2']['ms_per_step']} ms/step > {BUDGET_L2_MS}")
+        live = entry["l2"].get("live", {}).get("live_ms_per_step", entry["l2"]["live_ms_per_step_est"])
+        if live > BUDGET_L2_MS:
+            over.append(f"L2 live at {n} ranks: {live} ms/step > {BUDGET_L2_MS}")
         if entry["l1"]["ms_per_step"] > BUDGET_L1_MS:
             over.append(f"L1 at {n} ranks: {entry['l1']['ms_per_step']} ms/step > {BUDGET_L1_MS}")
         last_l3 = (l3_in, topo)

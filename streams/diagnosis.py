@@ -37,7 +37,8 @@ from argus.detectors.findings import DetectorResult, finding_id, to_finding
 from argus.detectors.impact import StepClock, impact_of, worth_raising
 from argus.detectors.kernel_excess import detect_kernel_excess
 from argus.detectors.l1_iteration import IterationSeries, L1Params, L1Result, detect_l1
-from argus.detectors.l2_phases import L2Params, L2Result, PhaseTable, detect_l2
+from argus.detectors.l2_history import PhaseHistory
+from argus.detectors.l2_phases import L2Params, L2Result
 from argus.detectors.l3_kernels import PIPELINE_SIDE, L3Params, L3Result, detect_l3
 from argus.detectors.l3_ranks import KernelTotals, RankExcessParams, detect_rank_excess, detect_stage_excess
 from argus.detectors.victims import straggler_ranks
@@ -132,7 +133,13 @@ def corroborates_only(finding: Finding) -> bool:
 
 
 class JobDiagnosis:
-    """L1 and L2 state of one job."""
+    """L1 and L2 state of one job.
+
+    A complete step's phase batches are folded once into the job's :class:`PhaseHistory` (compact per-step
+    columns; the last ``history_steps`` complete steps are kept) and dropped; a batch of a held step
+    delivered again replaces its rank's phases there (the last batch wins), one of a step no longer held
+    is ignored. ``diagnose`` runs L2 over the history: the findings ``detect_l2`` gives over a table built
+    from the held steps' batches."""
 
     def __init__(self, job_id: str, params: DiagnosisParams | None = None) -> None:
         self.job_id = job_id
@@ -143,7 +150,9 @@ class JobDiagnosis:
         self.steps_seen = 0
         self.phases_seen = 0
         self._steps: dict[int, dict[int, Step]] = defaultdict(dict)
-        self._phases: dict[int, dict[int, PhaseBatch]] = defaultdict(dict)
+        self._phases: dict[int, dict[int, PhaseBatch]] = defaultdict(dict)  # steps not complete yet
+        self._history = PhaseHistory(self.params.history_steps)
+        self._last_layout: PhaseBatch | None = None
         self._complete: list[int] = []
         self._done: set[int] = set()
         # The job's iteration series, one entry per complete step: max over ranks (the job waits for all).
@@ -165,10 +174,19 @@ class JobDiagnosis:
             self._maybe_complete(record.step)
         elif isinstance(record, PhaseBatch):
             self.phases_seen += 1
-            for kind, group, stream in zip(record.kinds, record.groups, record.streams, strict=True):
-                if group is not ParallelGroup.NONE and stream >= 0 and stream not in self.collective_groups \
-                        and kind.is_collective:
-                    self.collective_groups[stream] = group
+            last = self._last_layout
+            # A batch of the last one's streams, kinds and groups teaches nothing new (most batches).
+            if last is None or record.streams != last.streams or record.kinds != last.kinds \
+                    or record.groups != last.groups:
+                for kind, group, stream in zip(record.kinds, record.groups, record.streams, strict=True):
+                    if group is not ParallelGroup.NONE and stream >= 0 and stream not in self.collective_groups \
+                            and kind.is_collective:
+                        self.collective_groups[stream] = group
+                self._last_layout = record
+            if record.step in self._done:
+                if self._history.holds(record.step):
+                    self._history.replace(record)
+                return
             self._phases[record.step][record.rank] = record
             self._maybe_complete(record.step)
         elif isinstance(record, JobTopology):
@@ -220,10 +238,7 @@ class JobDiagnosis:
                 self._onsets.append(step)
             results.append(r)
         if self.topology is not None and self._complete:
-            batches = [b for s in self._complete[-self.params.history_steps:] for b in self._phases[s].values()]
-            table = PhaseTable.from_batches(batches)
-            if len(table):
-                results.extend(detect_l2(table, self.topology, self.params.l2, onset_step=onset))
+            results.extend(self._history.detect(self.topology, self.params.l2, onset_step=onset))
         new = []
         world = self.world_size or (len(self.topology.rank) if self.topology else 1)
         for finding in judge(self.job_id, list(results), self.last_time_ns, world, self.clock(),
@@ -245,8 +260,15 @@ class JobDiagnosis:
             gpu = [r.gpu_ns for r in ranks if r.gpu_ns is not None]
             self._series.append((step, float(max(r.wall_ns for r in ranks)), float(max(gpu)) if gpu else math.nan))
             self._starts.append(min(r.start_ns for r in ranks))
+            batches = self._phases.pop(step)
             for old in self._complete[:-self.params.history_steps]:
-                self._phases.pop(old, None)
+                self._history.drop(old)
+            if step in self._complete[-self.params.history_steps:]:
+                self._history.fold(step, list(batches.values()))
+
+    def phase_state_bytes(self) -> int:
+        """Bytes of the folded phase history held (the arrays; see :class:`PhaseHistory`)."""
+        return self._history.state_bytes()
 
 
 class KernelDiagnosis:

@@ -1,0 +1,255 @@
+"""A job's recent steps of phase timings for L2, folded once per step into compact columns (pure numpy).
+
+:class:`PhaseHistory` keeps, per folded step, each rank's own time per phase id (ns, the duration less
+its nested blocking collectives: what :func:`~argus.detectors.l2_phases.detect_l2` reads) and nothing of
+the decoded :class:`~argus.schemas.records.PhaseBatch`. Steps whose ranks and layouts are the same (every
+step of a steady job) share one :class:`_Shape`: the ranks, their layouts and a ``cells x steps`` matrix
+(int32 while the times fit, else int64) holding one column per step, so a diagnosis sorts that matrix
+along its rows for the medians over steps instead of rebuilding a table. Memory per (rank, step): 4 or 8
+bytes per phase id of the rank's layout, plus 8 bytes of arrival order.
+
+:meth:`PhaseHistory.detect` gives exactly what ``detect_l2(PhaseTable.from_batches(batches), ...)`` gives
+for the held steps' batches in step order (each step's batches in arrival order, the last of a duplicated
+(rank, step) in its first position): the same phase dictionary, in the same order, and the same per
+(rank, phase) statistics.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from argus.detectors.l2_phases import L2Params, L2Result, PhaseStats, judge_l2, phase_stats, rank_positions
+from argus.detectors.phase_layout import LayoutIndex
+from argus.schemas.records import JobTopology, PhaseBatch
+
+__all__ = ["PhaseHistory"]
+
+F64 = npt.NDArray[np.float64]
+I64 = npt.NDArray[np.int64]
+_INT32_MAX = 2**31 - 1
+
+
+class _Shape:
+    """Sorted ranks and each one's layout index (``lay``), with one column per step of its cells' own times:
+    rows are per rank (ascending), then per phase id of its layout (ascending)."""
+
+    def __init__(self, ranks: I64, lay: I64, index: LayoutIndex) -> None:
+        self.ranks, self.lay = ranks, lay
+        sizes = np.array([lay_.ids.size for lay_ in index.layouts], dtype=np.int64)[lay]
+        self.offsets = np.cumsum(sizes) - sizes
+        total = int(sizes.sum())
+        self.cell_rank = np.repeat(ranks, sizes)
+        self.cell_gid = np.empty(total, dtype=np.int64)
+        self.cell_count = np.empty(total, dtype=np.int64)
+        for j in np.unique(lay).tolist():
+            layout = index.layouts[j]
+            rows = (self.offsets[lay == j][:, None] + np.arange(layout.ids.size)).ravel()
+            self.cell_gid[rows] = np.tile(layout.ids, rows.size // max(layout.ids.size, 1))
+            self.cell_count[rows] = np.tile(layout.counts, rows.size // max(layout.ids.size, 1))
+        self.mat: npt.NDArray[np.int32] | I64 = np.empty((total, 0), dtype=np.int32)
+        self.free: list[int] = []
+        self.used = 0
+
+    def same(self, ranks: I64, lay: I64) -> bool:
+        return bool(np.array_equal(self.ranks, ranks) and np.array_equal(self.lay, lay))
+
+    def add(self, own: I64, cap: int) -> int:
+        """Store one step's column (``own``, ns); returns its slot. ``cap``: the most columns worth holding."""
+        if own.size and int(own.max()) > _INT32_MAX and self.mat.dtype != np.int64:
+            self.mat = self.mat.astype(np.int64)
+        if not self.free:
+            width = self.mat.shape[1]
+            grown = max(width + 1, min(2 * width, cap), 4)
+            mat = np.empty((self.mat.shape[0], grown), dtype=self.mat.dtype)
+            mat[:, :width] = self.mat
+            self.mat = mat
+            self.free = list(range(grown - 1, width - 1, -1))
+        slot = self.free.pop()
+        self.mat[:, slot] = own
+        self.used += 1
+        return slot
+
+    def release(self, slot: int) -> None:
+        self.free.append(slot)
+        self.used -= 1
+
+
+@dataclass
+class _Piece:
+    """One folded step: its shape and column, each sorted rank's arrival position, and the layouts in the
+    order the step's batches first showed them (what orders the phase dictionary)."""
+
+    shape: _Shape
+    slot: int
+    arrival: I64
+    first_layouts: tuple[int, ...]
+
+    @property
+    def own(self) -> I64:
+        """The step's own times per cell (ns), as int64."""
+        out: I64 = self.shape.mat[:, self.slot].astype(np.int64)
+        return out
+
+
+class PhaseHistory:
+    """Folded steps of one job's phase batches (see the module docstring); ``cap``: the most steps held at
+    once (the diagnosis's ``history_steps``), which sizes the per-shape matrices."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap = max(int(cap), 1)
+        self.index = LayoutIndex()
+        self._pieces: dict[int, _Piece] = {}
+        self._shapes: list[_Shape] = []
+
+    def __len__(self) -> int:
+        return len(self._pieces)
+
+    def holds(self, step: int) -> bool:
+        return step in self._pieces
+
+    def steps(self) -> list[int]:
+        return sorted(self._pieces)
+
+    def fold(self, step: int, batches: Sequence[PhaseBatch]) -> None:
+        """Fold one step's batches (one per rank, in arrival order) into the history, replacing any fold of it."""
+        which, folded = self.index.fold(batches)
+        ranks = np.fromiter((b.rank for b in batches), dtype=np.int64, count=len(batches))
+        order = np.argsort(ranks, kind="stable")
+        where = np.empty_like(order)
+        where[order] = np.arange(order.size)
+        sizes = np.array([lay.ids.size for lay in self.index.layouts], dtype=np.int64)[which]
+        sorted_sizes = sizes[order]
+        offsets = np.cumsum(sorted_sizes) - sorted_sizes
+        own = np.empty(int(sizes.sum()), dtype=np.int64)
+        for part in folded:
+            k = self.index.layouts[part.layout].ids.size
+            rows = (offsets[where[part.members]][:, None] + np.arange(k)).ravel()
+            own[rows] = np.maximum(part.duration - part.nested, 0).ravel()
+        self._place(step, ranks[order], which[order], order.astype(np.int64), own)
+
+    def replace(self, batch: PhaseBatch) -> None:
+        """A batch of a folded step delivered again (or late): it replaces its rank's phases in that step,
+        keeping the rank's first arrival position (a rank new to the step arrives last)."""
+        piece = self._pieces[batch.step]
+        shape = piece.shape
+        which, folded = self.index.fold([batch])
+        lay = int(which[0])
+        row = np.maximum(folded[0].duration - folded[0].nested, 0).ravel() if folded else np.empty(0, np.int64)
+        i = int(np.searchsorted(shape.ranks, batch.rank))
+        present = i < shape.ranks.size and int(shape.ranks[i]) == batch.rank
+        if present and int(shape.lay[i]) == lay:
+            own = piece.own
+            own[shape.offsets[i]:shape.offsets[i] + row.size] = row
+            self._place(batch.step, shape.ranks, shape.lay, piece.arrival, own)
+            return
+        # A new layout or a new rank: the step's columns are laid out again.
+        segments = [piece.own[shape.offsets[j]:shape.offsets[j] + self.index.layouts[int(shape.lay[j])].ids.size]
+                    for j in range(shape.ranks.size)]
+        ranks, lays, arrival = shape.ranks.tolist(), shape.lay.tolist(), piece.arrival.tolist()
+        if present:
+            lays[i], segments[i] = lay, row
+        else:
+            ranks.insert(i, batch.rank)
+            lays.insert(i, lay)
+            segments.insert(i, row)
+            arrival.insert(i, max(arrival, default=-1) + 1)
+        own = np.concatenate([np.asarray(s, dtype=np.int64) for s in segments]) if segments else np.empty(0, np.int64)
+        self._place(batch.step, np.array(ranks, dtype=np.int64), np.array(lays, dtype=np.int64),
+                    np.array(arrival, dtype=np.int64), own)
+
+    def drop(self, step: int) -> None:
+        """Forget a step (no-op if not held)."""
+        piece = self._pieces.pop(step, None)
+        if piece is not None:
+            piece.shape.release(piece.slot)
+            if piece.shape.used == 0:
+                self._shapes = [s for s in self._shapes if s is not piece.shape]
+
+    def state_bytes(self) -> int:
+        """Bytes of the arrays held (matrices, cells, arrival orders)."""
+        total = sum(s.mat.nbytes + s.ranks.nbytes + s.lay.nbytes + s.offsets.nbytes + s.cell_rank.nbytes
+                    + s.cell_gid.nbytes + s.cell_count.nbytes for s in self._shapes)
+        return total + sum(p.arrival.nbytes for p in self._pieces.values())
+
+    def _place(self, step: int, ranks: I64, lay: I64, arrival: I64, own: I64) -> None:
+        self.drop(step)
+        shape = next((s for s in self._shapes if s.same(ranks, lay)), None)
+        if shape is None:
+            shape = _Shape(ranks, lay, self.index)
+            self._shapes.append(shape)
+        in_arrival = lay[np.argsort(arrival, kind="stable")]
+        uniq, first = np.unique(in_arrival, return_index=True)
+        firsts = tuple(int(x) for x in uniq[np.argsort(first, kind="stable")])
+        self._pieces[step] = _Piece(shape, shape.add(own, self.cap), arrival, firsts)
+
+    def _dictionary(self, pieces: list[_Piece]) -> I64:
+        """Per phase id of the index, its position in the held steps' phase dictionary (-1: absent)."""
+        seen: set[int] = set()
+        order: list[int] = []
+        placed: set[int] = set()
+        for piece in pieces:
+            for j in piece.first_layouts:
+                if j in seen:
+                    continue
+                seen.add(j)
+                for g in self.index.layouts[j].first.tolist():
+                    if g not in placed:
+                        placed.add(g)
+                        order.append(g)
+        pid = np.full(len(self.index.keys), -1, dtype=np.int64)
+        pid[np.array(order, dtype=np.int64)] = np.arange(len(order))
+        return pid
+
+    def detect(self, topology: JobTopology, params: L2Params, onset_step: int | None = None) -> list[L2Result]:
+        """``detect_l2`` over the held steps (see the module docstring); [] when no step is held."""
+        steps = self.steps()
+        pieces = [self._pieces[s] for s in steps]
+        if not pieces:
+            return []
+        pid = self._dictionary(pieces)
+        keys = list(self.index.keys)
+        used = np.flatnonzero(pid >= 0)[np.argsort(pid[pid >= 0])]
+        dictionary = (tuple(keys[g][0] for g in used), tuple(keys[g][1] for g in used),
+                      tuple(keys[g][2] for g in used))
+        keep = [p for s, p in zip(steps, pieces, strict=True)
+                if (onset_step is None or s >= onset_step) and p.shape.cell_rank.size]
+        if len(keep) < params.min_steps:
+            return []
+        shapes = {id(p.shape): p.shape for p in keep}
+        if len(shapes) == 1 and len(set(topology.rank)) == len(topology.rank):
+            stats = self._dense(next(iter(shapes.values())), [p.slot for p in keep], pid, dictionary, topology)
+        else:
+            stats = phase_stats(
+                np.concatenate([p.shape.cell_rank for p in keep]),
+                np.concatenate([pid[p.shape.cell_gid] for p in keep]),
+                np.concatenate([p.own for p in keep]),
+                np.concatenate([p.shape.cell_count for p in keep]), len(keep), dictionary, topology)
+        return judge_l2(stats, topology, params)
+
+    @staticmethod
+    def _dense(shape: _Shape, slots: list[int], pid: I64, dictionary: tuple[tuple, tuple, tuple],
+               topology: JobTopology) -> PhaseStats:
+        """:class:`PhaseStats` of steps sharing one shape: every cell has a value in every step, so the medians
+        are the middle of each row of the sorted ``cells x steps`` matrix (the values ``cell_median`` takes)."""
+        rpos = rank_positions(topology, shape.cell_rank)
+        n = len(slots)
+        whole = sorted(slots) == list(range(shape.mat.shape[1]))
+        values = np.sort(shape.mat if whole else shape.mat[:, slots], axis=1)
+        med = (values[:, (n - 1) // 2].astype(np.float64) + values[:, n // 2].astype(np.float64)) / 2.0
+        world, n_phases = len(topology.rank), len(dictionary[0])
+        cell = rpos * n_phases + pid[shape.cell_gid]
+        size = world * n_phases
+        n_steps = np.zeros(size, dtype=np.int64)
+        n_steps[cell] = n
+        per_step = np.full(size, np.nan)
+        per_step[cell] = med
+        sums = np.zeros(size)
+        sums[cell] = shape.cell_count.astype(np.float64) * n
+        with np.errstate(invalid="ignore", divide="ignore"):
+            occ = sums / n_steps
+        shape2 = (world, n_phases)
+        return PhaseStats(*dictionary, n_steps.reshape(shape2), per_step.reshape(shape2), occ.reshape(shape2), n)
