@@ -74,14 +74,17 @@ def _hermite_table() -> F64:
 
 
 _HERMITE = _hermite_table()
+#: "No reference" for :func:`_row_cdf`.
+_NONE = np.empty(0)
 
 
 @numba.njit(cache=True, nogil=True, fastmath=_FAST)
-def _row_cdf(row: F64, log_grid: F64, mu: F64, sigma: F64, weight: F64, coef: F64,
-             ends: I64, wts: F64) -> None:  # pragma: no cover - compiled
+def _row_cdf(row: F64, log_grid: F64, mu: F64, sigma: F64, weight: F64, coef: F64, ends: I64, wts: F64,
+             ref: F64, trap: F64) -> tuple[float, float]:  # pragma: no cover - compiled
     """``row`` = the CDF of one mixture (``K`` components) at ``log_grid`` (increasing). Each component is
     evaluated in its window only; its weight enters once, as a step where the window ends (``ends``/``wts``:
-    scratch of ``K``), summed up in the final pass that also keeps the row nondecreasing."""
+    scratch of ``K``), summed up in the final pass that also keeps the row nondecreasing. With a reference
+    CDF ``ref`` (else empty) the same pass integrates ``|ref - row| @ trap`` and ``(ref - row) @ trap``."""
     g = log_grid.size
     top = coef.shape[0] - 1
     row[:] = 0.0
@@ -110,12 +113,25 @@ def _row_cdf(row: F64, log_grid: F64, mu: F64, sigma: F64, weight: F64, coef: F6
         ends[at], wts[at] = jb, w
         nk += 1
     acc, last, p = 0.0, 0.0, 0
+    if ref.size == 0:
+        for j in range(g):
+            while p < nk and ends[p] <= j:
+                acc += wts[p]
+                p += 1
+            last = max(row[j] + acc, last)
+            row[j] = last
+        return 0.0, 0.0
+    a, b = 0.0, 0.0
     for j in range(g):
         while p < nk and ends[p] <= j:
             acc += wts[p]
             p += 1
         last = max(row[j] + acc, last)
         row[j] = last
+        d = ref[j] - last
+        a += abs(d) * trap[j]
+        b += d * trap[j]
+    return a, b
 
 
 @numba.njit(cache=True, nogil=True)
@@ -159,7 +175,7 @@ def _cdf_kernel(out: F64, log_grid: F64, mu: F64, sigma: F64, weight: F64,
     n_comp = mu.shape[1]
     ends, wts = np.empty(n_comp, dtype=np.int64), np.empty(n_comp)
     for r in range(mu.shape[0]):
-        _row_cdf(out[r], log_grid, mu[r], sigma[r], weight[r], coef, ends, wts)
+        _row_cdf(out[r], log_grid, mu[r], sigma[r], weight[r], coef, ends, wts, _NONE, _NONE)
 
 
 @numba.njit(cache=True, nogil=True)
@@ -169,13 +185,7 @@ def _score_kernel(log_grid: F64, mu: F64, sigma: F64, weight: F64, coef: F64, re
     ends, wts = np.empty(n_comp, dtype=np.int64), np.empty(n_comp)
     row = np.empty(g)
     for r in range(mu.shape[0]):
-        _row_cdf(row, log_grid, mu[r], sigma[r], weight[r], coef, ends, wts)
-        a, b = 0.0, 0.0
-        for j in range(g):
-            d = ref[j] - row[j]
-            a += abs(d) * w[j]
-            b += d * w[j]
-        w1[r], shift[r] = a, b
+        w1[r], shift[r] = _row_cdf(row, log_grid, mu[r], sigma[r], weight[r], coef, ends, wts, ref, w)
         _row_quantiles(row, log_grid, levels, quant[r], True)  # _row_cdf's rows never decrease
 
 
@@ -241,7 +251,7 @@ def _reference_kernel(log_grid: F64, mu: F64, sigma: F64, weight: F64, coef: F64
         m = min(n, q0 + _TILE) - q0
         for t in range(m):
             r = rows[q0 + t]
-            _row_cdf(tile[t], log_grid, mu[r], sigma[r], weight[r], coef, ends, wts)
+            _row_cdf(tile[t], log_grid, mu[r], sigma[r], weight[r], coef, ends, wts, _NONE, _NONE)
         for j in range(g):
             for t in range(m):
                 by_point[j, q0 + t] = tile[t, j]

@@ -43,8 +43,10 @@ def merge_rows(summaries: Sequence[KernelSummary], min_events: int) -> tuple[I64
     """The ranks with at least ``min_events`` events, their merged mixtures (None if there are none) and
     their total time in the kernel (ns). Raises :class:`DetectorError` for a record whose cluster columns
     do not match its ``n_clusters``."""
-    cols = {f: list(map(attrgetter(f), summaries)) for f in ("rank", "n_clusters", "cluster_count", "cluster_p50_ns",
-                                                                "cluster_p99_ns", "cluster_sum_ns")}
+    fields = ("rank", "n_clusters", "cluster_count", "cluster_p50_ns", "cluster_p99_ns", "cluster_sum_ns")
+    # One pass over the records (10,240 of them in a window of a 10k-rank job), then one list per column.
+    cols = dict(zip(fields, map(list, zip(*map(attrgetter(*fields), summaries), strict=True)), strict=True)) if summaries else {
+        f: [] for f in fields}
     n_rows, n_counts, n_clusters = (np.fromiter(map(len, cols[f]), dtype=np.int64, count=len(summaries))
                                     for f in ("rank", "n_clusters", "cluster_count"))
     per_row = _flat(cols["n_clusters"], np.int64)
