@@ -113,24 +113,18 @@ def _row_cdf(row: F64, log_grid: F64, mu: F64, sigma: F64, weight: F64, coef: F6
         ends[at], wts[at] = jb, w
         nk += 1
     acc, last, p = 0.0, 0.0, 0
-    if ref.size == 0:
-        for j in range(g):
-            while p < nk and ends[p] <= j:
-                acc += wts[p]
-                p += 1
-            last = max(row[j] + acc, last)
-            row[j] = last
-        return 0.0, 0.0
     a, b = 0.0, 0.0
+    scored = ref.size > 0
     for j in range(g):
         while p < nk and ends[p] <= j:
             acc += wts[p]
             p += 1
         last = max(row[j] + acc, last)
         row[j] = last
-        d = ref[j] - last
-        a += abs(d) * trap[j]
-        b += d * trap[j]
+        if scored:
+            d = ref[j] - last
+            a += abs(d) * trap[j]
+            b += d * trap[j]
     return a, b
 
 

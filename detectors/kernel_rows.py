@@ -45,7 +45,8 @@ def merge_rows(summaries: Sequence[KernelSummary], min_events: int) -> tuple[I64
     do not match its ``n_clusters``."""
     fields = ("rank", "n_clusters", "cluster_count", "cluster_p50_ns", "cluster_p99_ns", "cluster_sum_ns")
     # One pass over the records (10,240 of them in a window of a 10k-rank job), then one list per column.
-    cols = dict(zip(fields, map(list, zip(*map(attrgetter(*fields), summaries), strict=True)), strict=True)) if summaries else {
+    per_record = list(map(attrgetter(*fields), summaries))
+    cols = {f: list(col) for f, col in zip(fields, zip(*per_record, strict=True), strict=True)} if per_record else {
         f: [] for f in fields}
     n_rows, n_counts, n_clusters = (np.fromiter(map(len, cols[f]), dtype=np.int64, count=len(summaries))
                                     for f in ("rank", "n_clusters", "cluster_count"))
