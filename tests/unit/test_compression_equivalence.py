@@ -7,6 +7,8 @@
 * The summaries the compression router emits for simulated jobs (each seed fault case, and small batches)
   must be the very records the numpy core emitted: their Avro bytes are digested and compared with digests
   taken before the core was compiled. A change that means to alter the summaries updates ``GOLDEN``.
+* Packed columns decoded by :mod:`argus.schemas.column_unpacking` must give what the numpy statement of
+  :func:`~argus.schemas.column_packing.unpack_column` gives (and the values packed).
 """
 
 from __future__ import annotations
@@ -21,12 +23,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy.signal import find_peaks, peak_prominences
 
+from argus.core.errors import SchemaError
 from argus.core.settings import Settings
 from argus.demo import build_spec
 from argus.detectors import ClusterSet, KdeParams, cluster_by_group, cluster_durations
 from argus.detectors.kde_clusters import _binned_kde, _summarize
 from argus.detectors.kde_valleys import GRID_MARGIN, MIN_BANDWIDTH, dense_codes
 from argus.producers.simulator import JobSimulator
+from argus.schemas import column_packing
 from argus.schemas.records import KernelBatch
 from argus.streams.compression_router import CompressionRouter
 from argus.streams.windows import WindowBuffer
@@ -211,3 +215,35 @@ def test_router_emits_the_same_summaries_as_before(fault: str, batch_events: int
             n_summaries += 1
             n_events += sum(summary.n_events)
     assert (n_summaries, n_events, h.hexdigest()) == GOLDEN[(fault, batch_events)]
+
+
+# -- packed columns: compiled decoding against the numpy statement ---------------------------------------
+
+_I64 = st.integers(-(2**63), 2**63 - 1)
+
+
+@PROPERTY
+@given(st.lists(st.tuples(_I64, st.integers(0, 5), st.integers(0, 2**40)), max_size=300),
+       st.sampled_from([0, 1, 70_000]))
+def test_compiled_column_decoding_matches_the_numpy_statement(rows: list[tuple[int, int, int]], stride: int
+                                                              ) -> None:
+    values = np.array([r[0] for r in rows], dtype=np.int64)
+    groups = np.array([r[1] * stride for r in rows], dtype=np.int64)  # stride 70,000: too wide, numpy path
+    after = np.array([r[2] for r in rows], dtype=np.int64)
+    offset, gap = column_packing.pack_column(values), column_packing.pack_column(values, groups, after)
+    got = (column_packing.unpack_column(offset, "v"), column_packing.unpack_column(gap, "v", groups, after))
+    original = column_packing._compiled
+    column_packing._compiled = lambda *args: None  # type: ignore[assignment]
+    try:
+        want = (column_packing.unpack_column(offset, "v"), column_packing.unpack_column(gap, "v", groups, after))
+    finally:
+        column_packing._compiled = original  # type: ignore[assignment]
+    assert got[0].tolist() == want[0].tolist() == values.tolist()
+    assert got[1].tolist() == want[1].tolist() == values.tolist()
+
+
+def test_compiled_column_decoding_rejects_a_patch_beyond_the_column() -> None:
+    data = bytearray(column_packing.pack_column(np.array([0, 1, 2**40], dtype=np.int64)))
+    data[-12:-8] = (7).to_bytes(4, "little")  # the patch's event index
+    with pytest.raises(SchemaError, match="patch of event 7"):
+        column_packing.unpack_column(bytes(data), "v")
