@@ -21,7 +21,14 @@ import numpy as np
 import numpy.typing as npt
 
 from argus.core.errors import DetectorError
-from argus.detectors.kde_valleys import GRID_MARGIN, KERNEL_SUPPORT, MIN_BANDWIDTH, dense_codes, valley_cuts
+from argus.detectors.kde_valleys import (
+    GRID_MARGIN,
+    KERNEL_SUPPORT,
+    MIN_BANDWIDTH,
+    dense_codes,
+    radix_sort,
+    valley_cuts,
+)
 
 __all__ = [
     "MIN_BANDWIDTH",
@@ -216,12 +223,12 @@ def cluster_by_group(
 
 
 def _sort_by_group(codes: I64, n_groups: int, x: I64) -> I64:
-    """``x`` sorted by (group code, value). Packed into one int64 key where both fit (one numpy sort, which is
-    vectorized for int64), else by ``np.lexsort``."""
-    shift = 63 - max(1, (n_groups - 1).bit_length())
-    if x.size and int(x.max()) < (1 << shift):
-        packed = np.sort((codes << shift) | x)
-        return packed & ((1 << shift) - 1)
+    """``x`` sorted by (group code, value): packed into one int64 key where both fit (a radix sort of as many
+    bits as the window's durations and groups need), else by ``np.lexsort``."""
+    shift = max(1, int(x.max()).bit_length()) if x.size else 1
+    bits = shift + max(1, (n_groups - 1).bit_length())
+    if bits <= 63:
+        return radix_sort((codes << shift) | x, bits) & ((1 << shift) - 1)
     return x[np.lexsort((x, codes))]
 
 

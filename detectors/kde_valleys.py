@@ -28,7 +28,7 @@ import numba
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["GRID_MARGIN", "KERNEL_SUPPORT", "MIN_BANDWIDTH", "dense_codes", "valley_cuts"]
+__all__ = ["GRID_MARGIN", "KERNEL_SUPPORT", "MIN_BANDWIDTH", "dense_codes", "radix_sort", "valley_cuts"]
 
 I64 = npt.NDArray[np.int64]
 F64 = npt.NDArray[np.float64]
@@ -90,6 +90,35 @@ def dense_codes(group_ids: I64) -> tuple[I64, I64]:
     """``(codes, uniq)``: the sorted distinct values of ``group_ids`` (int64) and, per entry, the index of its
     value in ``uniq`` (so ``uniq[codes] == group_ids``)."""
     return _dense_codes(np.ascontiguousarray(group_ids, dtype=np.int64))
+
+
+@numba.njit(cache=True, nogil=True)
+def _radix_sort(keys: I64, bits: int) -> I64:  # pragma: no cover - compiled
+    digit = 11
+    mask = (1 << digit) - 1
+    a = keys.copy()
+    b = np.empty_like(a)
+    count = np.empty(mask + 2, dtype=np.int64)
+    shift = 0
+    while shift < bits:
+        count[:] = 0
+        for v in a:
+            count[((v >> shift) & mask) + 1] += 1
+        for d in range(1, mask + 2):
+            count[d] += count[d - 1]
+        for v in a:
+            d = (v >> shift) & mask
+            b[count[d]] = v
+            count[d] += 1
+        a, b = b, a
+        shift += digit
+    return a
+
+
+def radix_sort(keys: I64, bits: int) -> I64:
+    """``keys`` (non-negative int64 below ``2**bits``) sorted ascending, by an LSD radix sort of 11-bit digits:
+    ``ceil(bits / 11)`` linear passes, where a comparison sort of a window's ~20k keys costs ~30 ns a key."""
+    return _radix_sort(np.ascontiguousarray(keys, dtype=np.int64), bits)
 
 
 @numba.njit(cache=True, nogil=True)

@@ -28,7 +28,7 @@ from argus.core.settings import Settings
 from argus.demo import build_spec
 from argus.detectors import ClusterSet, KdeParams, cluster_by_group, cluster_durations
 from argus.detectors.kde_clusters import _binned_kde, _summarize
-from argus.detectors.kde_valleys import GRID_MARGIN, MIN_BANDWIDTH, dense_codes
+from argus.detectors.kde_valleys import GRID_MARGIN, MIN_BANDWIDTH, dense_codes, radix_sort
 from argus.producers.simulator import JobSimulator
 from argus.schemas import column_packing
 from argus.schemas.records import KernelBatch
@@ -247,3 +247,10 @@ def test_compiled_column_decoding_rejects_a_patch_beyond_the_column() -> None:
     data[-12:-8] = (7).to_bytes(4, "little")  # the patch's event index
     with pytest.raises(SchemaError, match="patch of event 7"):
         column_packing.unpack_column(bytes(data), "v")
+
+
+@PROPERTY
+@given(st.lists(st.integers(0, 2**62), max_size=3000), st.integers(0, 62))
+def test_radix_sort_sorts(values: list[int], bits: int) -> None:
+    keys = np.array(values, dtype=np.int64) & ((1 << bits) - 1)
+    assert radix_sort(keys, bits).tolist() == np.sort(keys).tolist()
