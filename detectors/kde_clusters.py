@@ -13,16 +13,22 @@ corrections; the logarithm needs a positive value), so every reported statistic 
 
 from __future__ import annotations
 
-import bisect
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
-from scipy.signal import find_peaks, peak_prominences
 
 from argus.core.errors import DetectorError
+from argus.detectors.kde_valleys import (
+    GRID_MARGIN,
+    KERNEL_SUPPORT,
+    MIN_BANDWIDTH,
+    dense_codes,
+    radix_sort,
+    valley_cuts,
+)
 
 __all__ = [
     "MIN_BANDWIDTH",
@@ -37,20 +43,10 @@ __all__ = [
 I64 = npt.NDArray[np.int64]
 F64 = npt.NDArray[np.float64]
 
-#: Floor of the KDE bandwidth in natural-log units (0.1 %): nearly-equal durations would otherwise
-#: give a zero bandwidth and a division by zero.
-MIN_BANDWIDTH = 1e-3
-# Kernel support in bandwidths; exp(-12.5) ~ 4e-6 of the peak is far below what moves a valley.
-_KERNEL_SUPPORT = 5.0
-# Grid margin beyond the data, in bandwidths (the density is ~0 past it).
-_GRID_MARGIN = 3.0
 # Durations are exact in float64 below 2**53 ns (104 days); 2**62 keeps sums away from int64 overflow.
 _MAX_DURATION = float(2**62)
 _SQRT_2PI = math.sqrt(2.0 * math.pi)
 _FIELDS = ("count", "p50_ns", "p99_ns", "min_ns", "max_ns", "sum_ns")
-_POINTS_PER_BANDWIDTH = 10.0
-# Integral of the squared standard Gaussian kernel; sets the KDE's pointwise variance.
-_KERNEL_ROUGHNESS = 1.0 / (2.0 * math.sqrt(math.pi))
 
 
 @dataclass(frozen=True)
@@ -183,8 +179,8 @@ def cluster_durations(durations_ns: npt.ArrayLike, params: KdeParams | None = No
     """
     p = params if params is not None else KdeParams()
     xs = np.sort(_as_durations(durations_ns))
-    cuts = _cuts_sorted(xs, p)
-    edges = np.concatenate(([0], cuts, [xs.size])).astype(np.int64)
+    edges, _ = valley_cuts(xs, np.array([0, xs.size], dtype=np.int64), p.grid_points, p.min_samples,
+                           p.min_log_gap, p.max_clusters, p.min_valley_z)
     return _summarize(xs, edges)
 
 
@@ -208,26 +204,32 @@ def cluster_by_group(
     x = _as_durations(durations_ns)
     if g.size != x.size:
         raise DetectorError(f"group_ids has {g.size} entries but durations_ns has {x.size}")
-    order = np.lexsort((x, g))
-    gs, xs = g[order], x[order]
-    n = xs.size
-    starts = np.flatnonzero(np.concatenate(([True], gs[1:] != gs[:-1])))
-    ends = np.append(starts[1:], n)
-    # Only groups that can split need a KDE; every group's start is an edge anyway.
-    splittable = np.flatnonzero((ends - starts >= 2 * p.min_samples) & (xs[starts] != xs[ends - 1]))
-    inner = [
-        s + _cuts_sorted(xs[s:e], p)
-        for s, e in zip(starts[splittable].tolist(), ends[splittable].tolist(), strict=True)
-    ]
-    edges = np.sort(np.concatenate([starts, *inner, [n]]).astype(np.int64))
-    first_cluster = np.searchsorted(edges, np.append(starts, n))
+    # uint64 ids at or above 2**63 keep their order as int64 with the top bit flipped.
+    flip = g.dtype.kind == "u" and g.dtype.itemsize >= 8 and g.size > 0 and int(g.max()) >= 2**63
+    codes, uniq = dense_codes((g ^ np.uint64(2**63)).view(np.int64) if flip else g.astype(np.int64, copy=False))
+    xs = _sort_by_group(codes, uniq.size, x)
+    starts = np.zeros(uniq.size + 1, dtype=np.int64)
+    np.cumsum(np.bincount(codes, minlength=uniq.size), out=starts[1:])
+    edges, first_cluster = valley_cuts(xs, starts, p.grid_points, p.min_samples, p.min_log_gap, p.max_clusters,
+                                       p.min_valley_z)
     t = _summarize(xs, edges)
     cols = (t.count, t.p50_ns, t.p99_ns, t.min_ns, t.max_ns, t.sum_ns)
     bounds = first_cluster.tolist()
+    gids = (uniq.view(np.uint64) ^ np.uint64(2**63)) if flip else uniq
     return [
         (gid, _view(cols, lo, hi))
-        for gid, lo, hi in zip(gs[starts].tolist(), bounds[:-1], bounds[1:], strict=True)
+        for gid, lo, hi in zip(gids.tolist(), bounds[:-1], bounds[1:], strict=True)
     ]
+
+
+def _sort_by_group(codes: I64, n_groups: int, x: I64) -> I64:
+    """``x`` sorted by (group code, value): packed into one int64 key where both fit (a radix sort of as many
+    bits as the window's durations and groups need), else by ``np.lexsort``."""
+    shift = max(1, int(x.max()).bit_length()) if x.size else 1
+    bits = shift + max(1, (n_groups - 1).bit_length())
+    if bits <= 63:
+        return radix_sort((codes << shift) | x, bits) & ((1 << shift) - 1)
+    return x[np.lexsort((x, codes))]
 
 
 def _view(cols: tuple[I64, ...], lo: int, hi: int) -> ClusterSet:
@@ -259,45 +261,9 @@ def _as_durations(durations_ns: npt.ArrayLike) -> I64:
     return np.maximum(x, 1)
 
 
-def _cuts_sorted(xs: I64, p: KdeParams) -> I64:
-    """Indices into sorted ``xs`` where a new cluster starts (empty for a single cluster)."""
-    n = xs.size
-    if n < 2 * p.min_samples or xs[0] == xs[-1] or p.max_clusters == 1:
-        return np.empty(0, dtype=np.int64)
-    y = np.log(xs.astype(np.float64))
-    h = max(float(np.std(y, ddof=1)) * n ** (-0.2), MIN_BANDWIDTH)
-    ymin, ymax = float(y[0]), float(y[-1])
-    # Ten grid points per bandwidth resolve the density well; small groups (wide h) need far fewer
-    # than grid_points, which keeps the per-group cost low when a window has thousands of groups.
-    span = (ymax - ymin) / h + 2.0 * _GRID_MARGIN
-    points = min(p.grid_points, max(16, math.ceil(span * _POINTS_PER_BANDWIDTH) + 1))
-    grid, dens = _binned_kde(y, ymin, ymax, h, points)
-    pos, z = _valleys(grid, dens, n, h)
-    below = np.searchsorted(y, pos, side="left")
-    ok = (z >= p.min_valley_z) & (pos - ymin >= p.min_log_gap) & (ymax - pos >= p.min_log_gap)
-    ok &= (below >= p.min_samples) & (n - below >= p.min_samples)
-    acc_pos: list[float] = []
-    acc_below: list[int] = []
-    # Most significant valleys first, so max_clusters and the gap rule keep the real ones.
-    for i in np.flatnonzero(ok)[np.argsort(-z[ok], kind="stable")].tolist():
-        v, c = float(pos[i]), int(below[i])
-        k = bisect.bisect_left(acc_pos, v)
-        left_pos, left_below = (acc_pos[k - 1], acc_below[k - 1]) if k > 0 else (-math.inf, 0)
-        right_pos, right_below = (acc_pos[k], acc_below[k]) if k < len(acc_pos) else (math.inf, n)
-        if v - left_pos < p.min_log_gap or right_pos - v < p.min_log_gap:
-            continue
-        if c - left_below < p.min_samples or right_below - c < p.min_samples:
-            continue
-        acc_pos.insert(k, v)
-        acc_below.insert(k, c)
-        if len(acc_pos) == p.max_clusters - 1:
-            break
-    return np.asarray(acc_below, dtype=np.int64)
-
-
 def _binned_kde(y: F64, ymin: float, ymax: float, h: float, grid_points: int) -> tuple[F64, F64]:
-    lo = ymin - _GRID_MARGIN * h
-    hi = ymax + _GRID_MARGIN * h
+    lo = ymin - GRID_MARGIN * h
+    hi = ymax + GRID_MARGIN * h
     grid = np.linspace(lo, hi, grid_points)
     dx = (hi - lo) / (grid_points - 1)
     # Linear binning splits each sample between its two grid neighbours: error O(dx^2), not O(dx).
@@ -306,30 +272,12 @@ def _binned_kde(y: F64, ymin: float, ymax: float, h: float, grid_points: int) ->
     frac = pos - left
     mass = np.bincount(left, weights=1.0 - frac, minlength=grid_points)
     mass += np.bincount(left + 1, weights=frac, minlength=grid_points)
-    half = min(grid_points - 1, math.ceil(_KERNEL_SUPPORT * h / dx))
+    half = min(grid_points - 1, math.ceil(KERNEL_SUPPORT * h / dx))
     offsets = np.arange(-half, half + 1) * (dx / h)
     kernel = np.exp(-0.5 * offsets * offsets)
     # "full" then slice: "same" returns the longer input's length when the kernel outgrows the grid.
     dens = np.convolve(mass, kernel, mode="full")[half : half + grid_points]
     return grid, dens / (y.size * h * _SQRT_2PI)
-
-
-def _valleys(grid: F64, dens: F64, n: int, h: float) -> tuple[F64, F64]:
-    """Valley positions (``ln ns``) and the significance (z-score) of each valley's dip.
-
-    The dip is the topographic prominence of the valley: its depth below the lower of the two peaks
-    it separates. A KDE's pointwise variance is ``f * R(K) / (n h)`` with ``R(K) = 1 / (2 sqrt(pi))``
-    for a Gaussian kernel, so dividing the dip by the noise at valley and peak turns it into a z-score
-    that is small for the wiggles sparse tails always produce and large for real modes.
-    """
-    idx, _ = find_peaks(-dens)
-    if idx.size == 0:
-        return np.empty(0), np.empty(0)
-    dip = peak_prominences(-dens, idx)[0]
-    floor = dens[idx]
-    noise = np.sqrt((2.0 * floor + dip) * _KERNEL_ROUGHNESS / (n * h))
-    z = dip / np.maximum(noise, np.finfo(np.float64).tiny)
-    return grid[idx], z
 
 
 def _summarize(xs: I64, edges: I64) -> ClusterSet:

@@ -4,7 +4,8 @@ Two measurements on the same simulated 32-rank job (DP 8 x TP 2 x PP 2, realisti
 
 * ``core``: decode + event-time windows + KDE summaries in-process (the agent's numeric work alone);
 * ``agent``: the real Faust worker process reading a pre-loaded kernel topic on the project's local Kafka,
-  timed from its first to its last processed batch (the throughput a worker sustains with a backlog).
+  timed from its first to its last processed batch (the throughput a worker sustains with a backlog);
+  ``agent_core_ratio`` is agent / core (what the shell costs), ``load_avg_1m`` the machine's load at the end.
 
 Bytes per kernel event are given as Avro payload bytes (what the publisher sends) and as bytes on the
 broker's disk (after zstd, what the network and retention carry). The compression ratio compares kernel-batch
@@ -42,7 +43,7 @@ from argus.topics import Topic, ensure_topics  # noqa: E402
 
 #: Budgets on this project's reference machine (2 cores): minimum kernel events/s, maximum bytes/event.
 BUDGET_CORE_EVENTS_PER_S = 1_000_000
-BUDGET_AGENT_EVENTS_PER_S = 300_000
+BUDGET_AGENT_EVENTS_PER_S = 2_000_000
 #: Issue 10's wire budgets: Avro payload (kernel_batch v2, packed columns) and broker disk (after zstd).
 BUDGET_AVRO_BYTES_PER_EVENT = 12.0
 BUDGET_DISK_BYTES_PER_EVENT = 4.0
@@ -126,6 +127,10 @@ def main() -> int:
         "core_events_per_s": round(n_events / core_s),
         "agent_events_per_s": round(agent_eps),
         "agent_busy_events_per_s": final.get("events_per_busy_s"),
+        # What the shell (Kafka, Faust, the worker's other agents) leaves of the core's rate: the number to push to 1.
+        "agent_core_ratio": round(agent_eps / (n_events / core_s), 2),
+        # Others' benchmarks share the reference machine: the figures above are read against this.
+        "load_avg_1m": round(os.getloadavg()[0], 2),
         "avro_bytes_per_event": round(kernel_bytes / n_events, 2),
         "disk_bytes_per_event": round(disk / n_events, 2),
         "summary_bytes": summary_bytes,

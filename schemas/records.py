@@ -380,6 +380,12 @@ class KernelSummary(Record):
     cluster_sum_ns: tuple[int, ...]
     piece: tuple[int, ...] = ()
 
+    def to_avro(self) -> dict[str, Any]:
+        # Strings, ints and tuples of ints only: no enum to convert, so not Record's walk over every value (a
+        # worker encodes every summary it sends).
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return {name: list(v) if isinstance(v, tuple) else v for name, v in out.items()}
+
     def pieces(self) -> tuple[int, ...]:
         """The piece of every row (0 for every row of a v1 summary)."""
         return self.piece if self.piece else (0,) * len(self.rank)

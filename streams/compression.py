@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from argus.detectors.kde_clusters import ClusterSet, KdeParams, cluster_by_group
-from argus.schemas.records import KernelSummary
+from argus.schemas.records import KernelBatch, KernelSummary
 from argus.streams.windows import ClosedWindow
 
-__all__ = ["summarize_isolated", "summarize_windows"]
+__all__ = ["load_compiled_core", "summarize_isolated", "summarize_windows"]
 
 log = logging.getLogger(__name__)
 
@@ -94,3 +94,17 @@ def summarize_isolated(windows: Sequence[ClosedWindow], params: KdeParams | None
         except Exception as exc:  # any failure of one window is reported with that window
             failed.append((w, exc))
     return out, failed
+
+
+def load_compiled_core() -> None:
+    """Load the compiled kernels of decoding and clustering (numba: from its disk cache, or compiled) by
+    decoding and summarizing a small batch, so that the worker's first messages do not wait for it (~0.5 s
+    from the cache, seconds to compile)."""
+    n = 64
+    batch = KernelBatch(job_id="warm-up", rank=0, seq=0, names=("k",), name_idx=np.zeros(n, dtype=np.uint32),
+                        stream=np.arange(n, dtype=np.uint32) % 2, start_ns=np.arange(n, dtype=np.int64) * 1000,
+                        duration_ns=100 + (np.arange(n, dtype=np.int64) % 2) * 10_000,
+                        step=np.zeros(n, dtype=np.int32))
+    decoded = KernelBatch.decode(batch.encode())
+    gid = decoded.stream.astype(np.int64)
+    cluster_by_group(gid, decoded.duration_ns)

@@ -86,9 +86,11 @@ class KernelNames:
 
     def map(self, names: tuple[str, ...], name_idx: npt.NDArray[np.uint32]) -> npt.NDArray[np.int64]:
         """Stable ids of the events whose batch-local name indices are ``name_idx`` into ``names``."""
-        used, inverse = np.unique(name_idx, return_inverse=True)
-        ids = np.fromiter((self._id(names[i]) for i in used.tolist()), dtype=np.int64, count=used.size)
-        kid = ids[inverse.reshape(-1)]
+        # The indices in use, ascending (what np.unique gives), by a count: a batch's dictionary is small.
+        used = np.flatnonzero(np.bincount(name_idx)) if name_idx.size else np.empty(0, dtype=np.intp)
+        lut = np.zeros(used[-1] + 1 if used.size else 0, dtype=np.int64)
+        lut[used] = np.fromiter((self._id(names[i]) for i in used.tolist()), dtype=np.int64, count=used.size)
+        kid = lut[name_idx]
         if self.other is not None:
             self.folded_events += int(np.count_nonzero(kid == self.other))
         return kid
@@ -308,13 +310,12 @@ class WindowBuffer:
                     late_closed = self._late_pieces(key, batch, is_late, pos)
                 else:
                     late = _subset(batch, is_late)
-            wstart, idx = wstart[keep], batch.name_idx[keep]
-            stream, dur = batch.stream[keep], batch.duration_ns[keep]
+            idx, stream, dur = batch.name_idx, batch.stream, batch.duration_ns
+            all_kept = bool(keep.all())
+            if not all_kept:  # the common batch keeps every event: no copies then
+                wstart, idx, stream, dur = wstart[keep], idx[keep], stream[keep], dur[keep]
             if wstart.size:
-                starts, inverse = np.unique(wstart, return_inverse=True)
-                inverse = inverse.reshape(-1)
-                for i, ws in enumerate(starts.tolist()):
-                    mask = inverse == i
+                for ws, mask in _by_window(wstart):
                     win = state.windows.get(ws)
                     if win is None:
                         win = state.windows[ws] = _OpenWindow(KernelNames(self.max_names))
@@ -327,7 +328,8 @@ class WindowBuffer:
                         win.tokens.add(token)
                         self._refs[token] += 1
                 # Skewed events never move the watermark (late ones are behind it anyway).
-                state.watermark_ns = max(state.watermark_ns, int(batch.start_ns[keep].max()))
+                kept = batch.start_ns if all_kept else batch.start_ns[keep]
+                state.watermark_ns = max(state.watermark_ns, int(kept.max()))
                 self._mark_job(batch.job_id, state.watermark_ns)
         if batch.end_of_stream:
             closed = self._close(key, state, limit_ns=None)
@@ -421,6 +423,17 @@ class WindowBuffer:
             ))
         state.closed_before_ns = max(state.closed_before_ns, due[-1] + self.window_ns)
         return out
+
+
+def _by_window(wstart: npt.NDArray[np.int64]) -> list[tuple[int, npt.NDArray[np.bool_] | slice]]:
+    """Each window start of ``wstart`` (ascending) with the events in it: a batch spans a few steps of one
+    rank, so it usually falls in one window, which needs no sort and no mask."""
+    first, last = int(wstart.min()), int(wstart.max())
+    if first == last:
+        return [(first, slice(None))]
+    starts, inverse = np.unique(wstart, return_inverse=True)
+    inverse = inverse.reshape(-1)
+    return [(ws, inverse == i) for i, ws in enumerate(starts.tolist())]
 
 
 def _subset(batch: KernelBatch, mask: npt.NDArray[np.bool_]) -> KernelBatch:
