@@ -15,7 +15,13 @@ torch = pytest.importorskip("torch")
 import torch.distributed as dist  # noqa: E402
 
 from argus.core.settings import Settings  # noqa: E402
-from argus.producers.cuda_timing import EventPool, PhaseRec, StepRec, StepResolver  # noqa: E402
+from argus.producers.cuda_timing import (  # noqa: E402
+    EventPool,
+    PhaseRec,
+    StepRec,
+    StepResolver,
+    epoch_ns,
+)
 from argus.producers.rank_registry import RankRegistry  # noqa: E402
 from argus.producers.tracer import Tracer  # noqa: E402
 from argus.producers.tracer_collectives import CollectiveHandle, default_name  # noqa: E402
@@ -69,7 +75,10 @@ def test_steps_and_phases_host_clock(tmp_path: Path) -> None:
         assert p.streams == (-1, -1, -1)
         assert p.duration_ns[0] >= 2_000_000 and p.duration_ns[2] >= 1_000_000
         assert s.start_ns <= p.start_ns[0] <= p.start_ns[1] <= p.start_ns[2] <= s.start_ns + s.wall_ns
-        assert abs(s.start_ns - time.time_ns()) < 60 * 10**9  # epoch ns
+        # Epoch ns, on the clock the stamps use: perf_counter from an anchor taken at import. Not against
+        # time.time_ns(): a paused VM or a stepped wall clock moves that one later, not the stamps.
+        assert abs(s.start_ns - epoch_ns(time.perf_counter_ns())) < 60 * 10**9
+        assert s.start_ns > 1_500_000_000 * 10**9  # after 2017: epoch ns, not the perf counter's
     assert tr.stats().phases == 9
 
 
