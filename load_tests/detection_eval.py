@@ -156,6 +156,14 @@ class PrivateStack:
                 out.append(f"--- {p}\n" + "\n".join(p.read_text(errors="replace").splitlines()[-20:]))
         return "\n".join(out)
 
+    def wait_findings(self, job: str, wait_s: int) -> tuple[bool, list[dict[str, Any]]]:
+        """``argus findings --job J --wait S --json``: whether the job was diagnosed in time, and its findings."""
+        res = self.argus("findings", "--job", job, "--wait", str(wait_s), "--json", timeout=wait_s + 60)
+        if res.returncode != 0:
+            _say(f"findings --wait failed: {res.stderr[-500:]}")
+            return False, []
+        return True, json.loads(res.stdout)
+
     def diagnose(self, traces: str, job: str) -> dict[str, Any]:
         t0 = time.perf_counter()
         imp = self.argus("import-kineto", traces, "--job", job, timeout=1800)

@@ -79,11 +79,8 @@ def run(dp: int, tp: int, pp: int, steps: int, sample_s: float) -> dict[str, Any
                     end_at = time.monotonic()
         published_s = end_at - t0
         _say(f"published in {published_s:.1f} s; waiting for the diagnosis")
-        res = stack.argus("findings", "--job", job, "--wait", "900", "--json", timeout=960)
+        ok, findings = stack.wait_findings(job, 900)
         diagnosed_at = time.monotonic()
-        findings = json.loads(res.stdout) if res.returncode == 0 else []
-        if res.returncode != 0:
-            _say(f"findings --wait failed: {res.stderr[-500:]}")
     finally:
         sampler.__exit__(None, None, None)
         stack.down()
@@ -98,7 +95,7 @@ def run(dp: int, tp: int, pp: int, steps: int, sample_s: float) -> dict[str, Any
         "named_slow_rank": any(5 in f["ranks"] for f in findings if f["level"] in ("L2", "L3")),
         "budgets": {"end_to_diagnosed_s": BUDGET_END_TO_DIAGNOSED_S, "worker_peak_mb": BUDGET_WORKER_PEAK_MB},
     }
-    out["within_budget"] = (res.returncode == 0 and out["end_to_diagnosed_s"] <= BUDGET_END_TO_DIAGNOSED_S
+    out["within_budget"] = (ok and out["end_to_diagnosed_s"] <= BUDGET_END_TO_DIAGNOSED_S
                             and peak is not None and peak <= BUDGET_WORKER_PEAK_MB)
     return out
 

@@ -122,7 +122,7 @@ def run(ranks: int, windows: int, steps_per_window: int, pieces: int, sample_s: 
     sampler.__enter__()
     counts = {"summary_records": 0, "summary_rows": 0, "step_records": 0}
     slow = slow_rank_of(ranks)
-    res = None
+    ok = False
     try:
         _say(f"publishing {job}: {ranks} ranks, {windows} windows, {n_steps} steps")
         with Publisher(settings, lossless=True) as pub:
@@ -159,11 +159,8 @@ def run(ranks: int, windows: int, steps_per_window: int, pieces: int, sample_s: 
         end_at = time.monotonic()
         published_s = end_at - t0
         _say(f"published in {published_s:.1f} s; waiting for the diagnosis")
-        res = stack.argus("findings", "--job", job, "--wait", "1200", "--json", timeout=1300)
+        ok, findings = stack.wait_findings(job, 1200)
         diagnosed_at = time.monotonic()
-        findings = json.loads(res.stdout) if res.returncode == 0 else []
-        if res.returncode != 0:
-            _say(f"findings --wait failed: {res.stderr[-500:]}")
     finally:
         sampler.__exit__(None, None, None)
         stack.down()
@@ -178,7 +175,7 @@ def run(ranks: int, windows: int, steps_per_window: int, pieces: int, sample_s: 
         "named_slow_rank": any(slow in f["ranks"] for f in findings if f["level"] == "L3"),
         "budgets": {"end_to_diagnosed_s": BUDGET_END_TO_DIAGNOSED_S, "worker_peak_mb": BUDGET_WORKER_PEAK_MB},
     }
-    out["within_budget"] = (res is not None and res.returncode == 0 and out["named_slow_rank"]
+    out["within_budget"] = (ok and out["named_slow_rank"]
                             and out["end_to_diagnosed_s"] <= BUDGET_END_TO_DIAGNOSED_S
                             and peak is not None and peak <= BUDGET_WORKER_PEAK_MB)
     return out
