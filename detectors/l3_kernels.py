@@ -34,8 +34,9 @@ ends together for all members of its group and so includes waiting for the last 
   spread, 3.2x at 3 %), hence the higher naming gate. Only a call's last arrival is short, so a group
   with over a quarter of short members has none.
 
-The kernel name does not say the group kind, so groups of every kind (pipeline groups only for
-send/receive kernels) are tried, **largest first**, each explaining its members once (a greedy cover;
+The kernel name does not say the group kind, so groups of every kind (pipeline and expert groups only for
+send/receive kernels; pipeline sides only where the stream skips a stage, as the sends to the next stage skip
+the last) are tried, **largest first**, each explaining its members once (a greedy cover;
 at equal size links before late arrivals). So the DP all-reduce of a DP 8 x TP 2 job whose rank 5 is
 slow shows rank 4 and rank 5 late in their DP groups, and those groups explain the long collectives
 of every other TP pair (no links). Late arrivals that together make up a whole group of another kind
@@ -51,6 +52,7 @@ on every member) and are not named; without a topology, slow ranks are :attr:`Fi
 from __future__ import annotations
 
 import enum
+import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -472,6 +474,8 @@ def _groups(topology: JobTopology | None, ranks: I64, p2p: bool,
     # only; the reductions and gathers run in data- and tensor-parallel groups.
     if only is not None and only is not ParallelGroup.NONE:
         kinds = tuple(k for k in _GROUP_KINDS if k[0] == only.value)
+    elif p2p and _one_side(topology, at):
+        kinds = (_GROUP_KINDS[3],)
     else:
         kinds = (_GROUP_KINDS[3], _GROUP_KINDS[2]) if p2p else _GROUP_KINDS[:2]
     out = []
@@ -497,6 +501,16 @@ def _groups(topology: JobTopology | None, ranks: I64, p2p: bool,
     return out
 
 
+def _one_side(topology: JobTopology, at: I64) -> bool:
+    """Whether point-to-point calls on the ranks at positions ``at`` of ``topology`` are pipeline transfers
+    seen one side per stream: they run on some pipeline stages but not all (the sends to the next stage
+    skip the last, the receives from the previous one skip the first). An all-to-all runs in every stage
+    with expert layers, so such a stream is no expert group's: read as one, the stage that waits longest
+    for its neighbour (the first, in a pipeline's warm-up) would look like a slow expert group."""
+    stages = np.asarray(topology.pp_stage)
+    return bool(np.unique(stages).size > np.unique(stages[at]).size)
+
+
 def _pipeline_sides(pp_group: I64, stage: I64) -> list[tuple[str, int, I64]]:
     """Each rank on its own, as one side of its pipeline transfers: a stream that carries one side only (the
     sends to the next stage and the receives from it are on one communicator's stream, the other stage's
@@ -507,7 +521,7 @@ def _pipeline_sides(pp_group: I64, stage: I64) -> list[tuple[str, int, I64]]:
 
 def _links(s: KernelSummary, ranks: I64, batch: MixtureBatch, sc: RankScores, groups: list[tuple[str, int, I64]],
            stage: I64, p: L3Params, base: dict[str, Any], explained: npt.NDArray[np.bool_],
-           floors: F64) -> list[L3Result]:
+           floors: Callable[[], F64]) -> list[L3Result]:
     """Degraded links: groups whose *fastest* member is slow in some mode of the kernel, against the fastest
     members of the other groups of their kind.
 
@@ -521,7 +535,7 @@ def _links(s: KernelSummary, ranks: I64, batch: MixtureBatch, sc: RankScores, gr
     arrival of its own. Each of its calls ends together with the neighbour's, so where this rank posted last
     its time is the pure transfer: waiting (a bubble, or held up by a slow stage anywhere in the pipeline,
     in either direction) lengthens the other calls only, while a degraded link slows every call. A side is
-    therefore slow only if its fastest calls (``floors``, :func:`~argus.detectors.kernel_rows.row_floors`) are
+    therefore slow only if its fastest calls (``floors()``, :func:`~argus.detectors.kernel_rows.row_floors`) are
     slower than its stage peers' too.
     """
     modes = reference_modes(sc.reference, sc.grid)
@@ -559,11 +573,22 @@ def _links(s: KernelSummary, ranks: I64, batch: MixtureBatch, sc: RankScores, gr
             hit = lr >= math.log(p.link_ratio)
         else:
             hit = lr >= math.log(max(p.link_ratio, _SMALL_LINK_RATIO))
+            if kind != PIPELINE_SIDE and role_stage >= 0 and all(rows.size == 2 for _, rows in same):
+                # Two or three pairs of one stage (which move the same sizes) have no spread of transfers to
+                # judge by. Waiting lengthens some calls of a pair and leaves each member's fast calls (where
+                # it arrived last: about half of them, unless its peer is a straggler) as fast as the other
+                # pairs', while a degraded link slows every call: a pair whose members' fast calls are both
+                # slower too is slow at the plain link ratio. (A member of a larger group arrives last in
+                # too few calls for its fast ones to be transfers alone.)
+                fl = np.log(np.array([floors()[rows].min() for _, rows in same]))
+                if np.isfinite(fl).all():
+                    raised = fl - _faster_half(fl[:, None])[0] >= math.log(_SIDE_FLOOR_RATIO)
+                    hit |= (lr >= math.log(p.link_ratio)) & raised[:, None]
         # Beyond a plausible slowdown of a transfer it is waiting: a group made only of ranks that wait in a
         # collective of another kind (all of one TP index, waiting for the others) looks "slow" by far more.
         hit &= lr <= math.log(p.link_max_ratio)
         if kind == PIPELINE_SIDE:  # a side is one rank
-            fl = np.log(np.array([floors[rows[0]] for _, rows in same]))
+            fl = np.log(np.array([floors()[rows[0]] for _, rows in same]))
             known = np.isfinite(fl)
             if known.sum() >= 2:  # a side without a floor (NaN) is no link
                 hit &= (fl - _faster_half(fl[known][:, None])[0] >= math.log(_SIDE_FLOOR_RATIO))[:, None]
@@ -623,8 +648,7 @@ def _collective(summaries: Sequence[KernelSummary], ranks: I64, batch: MixtureBa
     if topology is not None:
         stage_of = dict(zip(topology.rank, topology.pp_stage, strict=True))
         stage = np.array([stage_of[r] for r in ranks.tolist()], dtype=np.int64)
-        floors = (row_floors(summaries, ranks) if any(kind == PIPELINE_SIDE for kind, _, _ in groups)
-                  else np.full(ranks.size, np.nan))
+        floors = functools.cache(lambda: row_floors(summaries, ranks))
         results = _links(s, ranks, batch, sc, groups, stage, p, base, explained, floors)
     late: list[tuple[float, str, int, int, I64, float]] = []
     whole = [grp for grp in groups if grp[0] != PIPELINE_SIDE]  # a rank alone has no peers to be late for

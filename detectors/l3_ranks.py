@@ -6,18 +6,23 @@ together. :func:`detect_rank_excess` pools the evidence of every compute kernel 
 
 1. Per kernel (within a comparison set: the rank's pipeline stage, whose ranks run the same kernels) each
    rank's mean duration per call ``m`` is compared with the median of its peers in the set, ``ref``.
-2. **Significance, rank-based.** In each kernel the ranks are ordered by ``m / ref`` and each gets the normal
-   score of its place; a rank's scores are summed over the kernels. If no rank differed, the places would
-   be a random permutation per kernel, so the sum's null variance is known exactly and its z-score is
-   calibrated whatever the durations' noise, skew or microsecond quantization. A rank slower in most of
-   its GEMMs stands out even with one call of each: every slower kernel adds its top score. The test runs
-   over all kernels and over each kernel family (:func:`kernel_family`: GEMMs, attention, ...) alone, so
-   a fault confined to one family is not diluted by the kernels it spares; the largest z counts.
+2. **Significance.** In each kernel the ranks are ordered by ``m / ref`` and each gets the normal score of
+   its place; a rank's scores are summed over the kernels. If no rank differed, the places would be a
+   random permutation per kernel, so the sum's null variance is known exactly and its z-score is calibrated
+   whatever the durations' noise, skew or quantization. It runs over all kernels and over each kernel
+   family (:func:`kernel_family`: GEMMs, attention, ...) alone, so a fault confined to one family is not
+   diluted by the kernels it spares. The order alone also ranks a GPU a few percent slower in every kernel
+   (GPUs of one job differ so) as high as a slow one: it counts where the typical (median) kernel of the
+   subset is ``typical_ratio`` slower too. Or the shift holds in time: the rank's shift over its kernels,
+   each weighted by its expected time (``calls * ref``), against the noise of that weighted sum (each
+   kernel's spread over the set's ranks) -- where the order need only show the kernels agree. Of two
+   ranks (each the other's reference), only the kernels whose shapes fix their work count in time (GEMMs,
+   attention, norms; embedding lookups, sorts and copies move data-dependent amounts per rank).
 3. **Effect size.** Its **excess**: the time beyond its peers in the kernels it runs slower (``m / ref >
    slower_ratio``), ``sum(calls * (m - ref))``, as a share of its expected time. Noise puts some kernels of
    every rank above its peers, so in a set of five or more ranks the share must also stand out of the
    others' shares (robust z over the set's Bonferroni bound).
-4. A rank with ``z`` over the set's bound (``alpha`` over its tests) and such an excess share
+4. A rank significant so (``alpha`` over its set's tests) with such an excess share
    ``>= min_excess_fraction`` is a
    :attr:`~argus.detectors.l3_kernels.FindingKind.RANK_DEGRADED` finding naming the kernels that carry most of the
    excess (and the stream layer raises it only when its delay is worth it, :mod:`argus.detectors.impact`). If
@@ -111,11 +116,13 @@ class RankExcessParams:
     """Thresholds of :func:`detect_rank_excess` (defaults in brackets).
 
     ``slower_ratio``: a rank's mean time per call of a kernel over the set's median that counts it slower
-    in that kernel [1.1]. The z-score of the rank's summed normal scores must reach the Bonferroni bound of
-    ``alpha`` [0.01] over the tests of its set (its ranks x kernel subsets: 3.5 for 8 ranks, 4.4 for 256),
-    and at least ``min_z`` [3.0] (``min_z_two_ranks`` [4.5] in a set of two, where each rank is the other's
-    reference and a systematic difference between two GPUs names neither); or ``min_z_with_magnitude`` [2.0]
-    when its median shift is ``min_magnitude_z`` [8.0] noise units (few ranks).
+    in that kernel [1.1]. Significance: the z-score of the rank's summed normal scores (the kernels agree
+    in direction) at least ``min_order_z`` [2.0], and either the z-score of its time-weighted shift over its
+    kernels (against the kernels' spread over the set's ranks) or, in some kernel subset (all, or one
+    family), both the summed normal scores' z-score and the subset's median kernel ``typical_ratio`` [1.15]
+    slower reach the Bonferroni bound of ``alpha`` [0.01] over the tests of its set (its ranks x kernel
+    subsets: 3.5 for 8 ranks, 4.4 for 256) and at least ``min_z`` [3.0] (``min_z_two_ranks`` [4.5] in a
+    set of two, whose time test reads its GEMM, attention and norm kernels only).
     ``min_excess_fraction``: least share of its expected compute time it spends beyond its peers in
     those kernels [0.1]. ``min_ranks``: fewest ranks of a comparison set [2]. ``min_kernels``: fewest kernels
     a rank must share with its set [3]. ``top_kernels``: kernels named in the evidence [5].
@@ -131,8 +138,8 @@ class RankExcessParams:
     min_z: float = 3.0
     min_z_two_ranks: float = 4.5
     alpha: float = 0.01
-    min_z_with_magnitude: float = 2.0
-    min_magnitude_z: float = 8.0
+    min_order_z: float = 2.0
+    typical_ratio: float = 1.15
     stage_min_excess: float = 0.1
     min_excess_fraction: float = 0.1
     slower_ratio: float = 1.1
@@ -226,6 +233,8 @@ def comparison_sets(part: I64, calls: F64, p: RankExcessParams) -> list[tuple[in
     return out
 
 
+#: Families whose kernels' work is fixed by their shapes, alike on every rank of a data-parallel set.
+_SHAPE_FAMILIES = ("gemm", "attention", "norm")
 #: Kernel families by name (lower case, first match): a fault often slows one family, e.g. the GEMMs.
 _FAMILIES = (("gemm", ("gemm", "xmma", "cutlass", "cublas", "matmul", "wgmma")),
              ("attention", ("flash", "attn", "fmha", "softmax")),
@@ -237,24 +246,37 @@ _FAMILIES = (("gemm", ("gemm", "xmma", "cutlass", "cublas", "matmul", "wgmma")),
 
 def kernel_family(kernel: str) -> str:
     """The family of a kernel name: gemm, attention, norm, embedding, elementwise, reduce or other."""
-    low = kernel.lower()
+    # FBGEMM's kernels (embedding tables, index permutes, quantization) carry "fbgemm" in their names and
+    # template arguments, and are no GEMMs.
+    low = kernel.lower().replace("fbgemm", "")
     return next((fam for fam, needles in _FAMILIES if any(n in low for n in needles)), "other")
 
 
-def _magnitude_z(d: F64) -> F64:
-    """Per row of ``d`` (ranks x kernels, NaN where absent): its median deviation over the kernels, in units
-    of its standard error (1.2533 x the noise of one deviation -- 1.4826 MAD of all entries, floored at
-    0.02 -- over sqrt(kernels)). The median: one stray call of one kernel must not make a rank slow."""
-    present = ~np.isnan(d)
-    if not present.any():
-        return np.zeros(d.shape[0])
-    centred = d - np.nanmedian(d, axis=0)
-    scale = max(1.4826 * float(np.nanmedian(np.abs(centred))), 0.02)
-    n = present.sum(axis=1)
-    with np.errstate(invalid="ignore", divide="ignore"), warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # rows without kernels: NaN, zeroed below
-        out: F64 = np.nanmedian(centred, axis=1) / (1.2533 * scale / np.sqrt(np.maximum(n, 1)))
-    return np.where(n > 0, np.nan_to_num(out), 0.0)
+def _time_z(d: F64, weight: F64, present: npt.NDArray[np.bool_], family: I64) -> F64:
+    """Per row of ``d`` (ranks x kernels: log time per call over the reference, 0 where absent): the
+    ``weight``-ed (expected time) mean of its deviations over the noise of that mean, with each kernel's noise
+    the spread of its deviations over the ranks (1.4826 MAD, floored at 0.02). Of a pair, whose deviations
+    mirror each other (the spread over the ranks is the shift itself), the spread of the row's deviations
+    around the median of their kernel ``family`` (a fault may shift one family and spare the others)."""
+    w = np.where(present, weight, 0.0)
+    if d.shape[0] >= 3:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # a kernel no rank runs: no spread, no weight
+            masked = np.where(present, d, np.nan)
+            centre = np.nanmedian(masked, axis=0)
+            sigma = np.nan_to_num(1.4826 * np.nanmedian(np.abs(masked - centre), axis=0))[None, :]
+    else:
+        sigma = np.zeros((d.shape[0], 1))
+        for i in range(d.shape[0]):
+            row, fam = d[i][present[i]], family[present[i]]
+            if row.size:
+                centre = np.array([np.median(row[fam == f]) for f in fam])
+                sigma[i, 0] = 1.4826 * float(np.median(np.abs(row - centre)))
+    sigma = np.maximum(sigma, 0.02)
+    total = w.sum(axis=1)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        out: F64 = (w * d).sum(axis=1) / np.sqrt(((w * sigma) ** 2).sum(axis=1))
+    return np.where(total > 0, np.nan_to_num(out), 0.0)
 
 
 def _rank_scores_z(d: F64) -> F64:
@@ -300,22 +322,30 @@ def _judge(ranks: I64, total: F64, calls: F64, keys: Sequence[tuple[str, int]], 
     slower = positive & (d > math.log(p.slower_ratio))
     masked = np.where(positive, d, np.nan)
     fams = [kernel_family(k) for k, _ in keys]
-    subsets = [np.ones(len(fams), dtype=bool)]
+    subsets, labels = [np.ones(len(fams), dtype=bool)], ["all"]
     for fam in sorted(set(fams)):  # a fault often hits one family (the GEMMs): test it undiluted by the rest too
         cols = np.array([f == fam for f in fams])
         if p.min_kernels <= int(cols.sum()) < len(fams):
             subsets.append(cols)
-    pooled = np.max([_rank_scores_z(masked[:, c]) for c in subsets], axis=0)
+            labels.append(fam)
+    orders = np.array([_rank_scores_z(masked[:, c]) for c in subsets])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # a rank without kernels in a subset: no shift
+        typical = np.nan_to_num(np.array([np.nanmedian(masked[:, c], axis=1) for c in subsets]), nan=0.0)
+    pooled = orders.max(axis=0)
     # Every rank is tested in every subset: the z a rank needs grows with the tests (Bonferroni), so a set of
     # eight ranks is not held to the bar of a thousand, nor a thousand to that of eight.
     min_z = max(p.min_z if ranks.size >= 3 else p.min_z_two_ranks,
                 float(ndtri(1.0 - p.alpha / (ranks.size * len(subsets)))))
-    magnitude = np.max([_magnitude_z(masked[:, c]) for c in subsets], axis=0)
-    # Few ranks bound a rank-based z (4 ranks: ~1.15 per kernel); a shift far beyond the kernels' noise counts
-    # then, when the ranks agree in direction.
-    if ranks.size >= 3:  # two ranks: each is the other's reference, neither is the deviant by magnitude
-        pooled = np.where((pooled >= p.min_z_with_magnitude) & (magnitude >= p.min_magnitude_z),
-                          np.maximum(pooled, min_z), pooled)
+    # Significance (see the module docstring): the order with the typical kernel's shift, or the shift in time.
+    # Of two ranks only the kernels whose shapes fix their work compare; the slower one is then named (GPUs
+    # of one job are alike, and the excess share below keeps a few percent apart silent).
+    pair = ranks.size < 3
+    counted = np.array([not pair or fam in _SHAPE_FAMILIES for fam in labels])
+    timed_cols = np.isin(fams, _SHAPE_FAMILIES) if pair else np.ones(len(fams), dtype=bool)
+    timed = _time_z(d, ref * calls, positive & timed_cols[None, :], np.unique(fams, return_inverse=True)[1]) >= min_z
+    significant = (((orders >= min_z) | ((orders >= p.min_order_z) & timed[None, :]))
+                   & (typical >= math.log(p.typical_ratio)) & counted[:, None]).any(axis=0)
     w = np.where(positive, ref * calls, 0.0)
     share = (w * slower).sum(axis=1) / np.maximum(w.sum(axis=1), 1e-300)
     per_call = np.where(positive, total / np.where(positive, calls, 1.0), 0.0)
@@ -331,7 +361,8 @@ def _judge(ranks: I64, total: F64, calls: F64, keys: Sequence[tuple[str, int]], 
     if ranks.size >= _SPREAD_RANKS:
         spread = max(_MAD_SCALE * float(np.median(np.abs(fraction - np.median(fraction)))), _FRACTION_FLOOR)
         apart = (fraction - np.median(fraction)) / spread >= float(ndtri(1.0 - p.alpha / ranks.size))
-    hit = (pooled >= min_z) & (fraction >= p.min_excess_fraction) & apart & (positive.sum(axis=1) >= p.min_kernels)
+    hit = (significant & (fraction >= p.min_excess_fraction) & apart
+           & (positive.sum(axis=1) >= p.min_kernels))
     if not hit.any() or 2 * int(hit.sum()) > ranks.size:
         return []
     out = []

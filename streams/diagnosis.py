@@ -487,7 +487,9 @@ class RankDiagnosis:
         self.last_time_ns = max(self.last_time_ns, last_time_ns)
 
     def diagnose(self, topology: JobTopology | None, clock: StepClock | None = None) -> list[Finding]:
-        """The ranks slow across kernels, with their impact over the job's steps."""
+        """The ranks slow across kernels, with their impact over the job's steps; every rank of a pipeline stage
+        slow alike is the stage (:attr:`~argus.core.kinds.FindingKind.PP_STAGE_SLOW`) where the stage check
+        finds it."""
         world = topology.world_size if topology is not None else len(self._ranks)
         slow = detect_rank_excess(self._totals.values(), topology, self.params.ranks)
         results: list[DetectorResult] = list(slow)
@@ -495,11 +497,27 @@ class RankDiagnosis:
         results += detect_kernel_excess(self._totals.values(), topology, self.params.ranks, exclude=named)
         if topology is not None:
             steps = max(len(clock.starts_ns), 1) if clock is not None else 1
-            stages = detect_stage_excess(self._totals.values(), topology, self.params.ranks, exclude=named)
+            # Every rank of a stage slow alike is the stage's slowness (its work or its hosts), not stragglers
+            # of their own: such ranks stay in the stage comparison, and a slow stage found explains them.
+            whole = _whole_stages(topology, named)
+            stages = detect_stage_excess(self._totals.values(), topology, self.params.ranks,
+                                         exclude=named - whole)
+            explained = {r for res in stages for r in res.ranks} & whole
+            results = [r for r in results if isinstance(r, L1Result) or not explained.issuperset(r.ranks)]
             results += [dataclasses.replace(r, delay_ns_per_step=r.evidence["stage_delay_ms"] * 1e6 / steps,
                                             steps_affected=steps) for r in stages]
         return judge(self.job_id, results, self.last_time_ns, world, clock or StepClock(),
                      self.params.min_impact_fraction)
+
+
+def _whole_stages(topology: JobTopology, ranks: set[int]) -> set[int]:
+    """The ranks of ``ranks`` that make up whole pipeline stages of two or more ranks."""
+    members: dict[int, set[int]] = defaultdict(set)
+    for r, st in zip(topology.rank, topology.pp_stage, strict=True):
+        members[st].add(r)
+    if len(members) < 2:
+        return set()
+    return {r for m in members.values() if len(m) >= 2 and m <= ranks for r in m}
 
 
 def _row(s: KernelSummary, i: int) -> KernelSummary:

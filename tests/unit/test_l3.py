@@ -208,6 +208,19 @@ def test_a_pipeline_stream_with_one_side_gives_that_ranks_side() -> None:
     assert ev["pp_group"] == topo.pp_group[1]
 
 
+def test_a_point_to_point_stream_missing_a_stage_is_read_as_pipeline_sides_not_expert_groups() -> None:
+    # DP 4 x PP 4 x EP 4: the sends to the next stage run on stages 0-2 only. Stage 0 waits longest (the
+    # pipeline's warm-up) in most calls of all four of its ranks, one expert group: no expert link.
+    topo = build_topology("j", dp=4, pp=4, ep=4)
+    rows = [(r, [(30, 1e6, 1.1e6), (70, 4e6, 4.4e6)] if r < 4 else [(90, 1e6, 1.1e6), (10, 1.3e6, 1.4e6)])
+            for r in range(12)]
+    assert detect_l3([_summary(rows, kernel="ncclDevKernel_SendRecv")], topo) == []
+    # The expert all-to-all, on every stage, still compares expert groups.
+    slow = {r: 2.5 for r in range(4, 8)}
+    res = detect_l3([_summary(_ranks(16, slow), kernel="ncclDevKernel_SendRecv")], topo)
+    assert _found(res) == [(FindingKind.LINK_DEGRADED, (4, 5, 6, 7))] and res[0].evidence["group_kind"] == "EP"
+
+
 def test_a_pipeline_side_that_waits_keeps_its_transfer_floor_and_is_no_link() -> None:
     # Rank 1 waits in half of its calls (its neighbour stage posts late): typical calls 2.5x longer, while the
     # calls where rank 1 posted last take the transfer alone, as on its peers.
@@ -316,6 +329,22 @@ def test_two_named_groups_of_many_members_compare_like_many() -> None:
     assert _found(res) == [(FindingKind.LINK_DEGRADED, tuple(range(1, 16, 2)))] and res[0].evidence["group_known"]
     # Inferred from durations alone, two groups need a larger gap.
     assert detect_l3([summary], topo) == []
+
+
+def test_two_pairs_whose_fast_calls_are_slower_too_are_a_link_at_the_plain_ratio() -> None:
+    # DP 2 x TP 2, groups inferred: DP pairs {0, 2} and {1, 3}; the odd pair's link is 1.6x slower in every call.
+    topo = build_topology("j", dp=2, tp=2)
+    slow = {1: 1.6, 3: 1.6}
+    res = detect_l3([_summary(_ranks(4, slow), kernel=AR)], topo)
+    assert _found(res) == [(FindingKind.LINK_DEGRADED, (1, 3))] and res[0].evidence["group"] == "DP1"
+    # Waiting: each member of the pair is as fast as the other pair where it arrived last (30 of its calls).
+    waiting = []
+    for r, comps in _ranks(4, slow):
+        if r in slow:
+            base = comps[0][1] / slow[r]
+            comps = [(30, base, base * 1.1), (70, base * 1.76, base * 1.9)]
+        waiting.append((r, comps))
+    assert detect_l3([_summary(waiting, kernel=AR)], topo) == []
 
 
 def test_a_collective_with_few_calls_is_judged_only_in_its_named_group() -> None:

@@ -156,3 +156,62 @@ def test_stages_of_two_ranks_are_compared_job_wide_on_the_kernels_every_rank_run
 @given(seed=st.integers(0, 100_000), pp=st.sampled_from([2, 4, 8]), noise=st.floats(0.03, 0.10))
 def test_healthy_pipelines_of_small_stages_name_nobody(seed: int, pp: int, noise: float) -> None:
     assert detect_rank_excess(_job(2 * pp, seed, noise), build_topology("j", dp=2, pp=pp)) == []
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 100_000), noise=st.floats(0.03, 0.10), calls=st.sampled_from([(1, 1), (1, 3), (4, 8)]))
+def test_healthy_pairs_name_nobody(seed: int, noise: float, calls: tuple[int, int]) -> None:
+    assert detect_rank_excess(_job(2, seed, noise, calls=calls)) == []
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_slower_of_two_ranks_is_named_when_its_gemms_agree(seed: int) -> None:
+    # Two ranks are each other's reference: the rank order alone (a 1-vs-1 ranking per kernel) cannot reach the
+    # bar, the shift measured against the kernels' own scatter does.
+    res = detect_rank_excess(_job(2, seed, 0.08, {1: 1.5}, gemms=12, others=18, calls=(2, 3)))
+    assert [(r.kind, r.ranks) for r in res] == [(FindingKind.RANK_DEGRADED, (1,))]
+    # A few percent apart (two GPUs never run alike) is no slow rank: the excess share stays under its bar.
+    assert detect_rank_excess(_job(2, seed, 0.03, {1: 1.04}, gemms=12, others=18, calls=(2, 3))) == []
+
+
+def test_every_rank_of_a_stage_slow_alike_is_the_stage_not_stragglers() -> None:
+    from argus.streams.diagnosis import RankDiagnosis
+
+    topo = build_topology("j", dp=1, tp=2, pp=4)  # stage 3 = ranks 6, 7
+    totals = _job(8, 2, 0.05, {6: 1.6, 7: 1.6}, calls=(4, 6))
+    assert {r.ranks for r in detect_rank_excess(totals, topo)} == {(6,), (7,)}  # job-wide, each rank is slow
+    diag = RankDiagnosis("j")
+    diag.add_totals(totals, 10**9)
+    clock = StepClock.of([0, 10**8, 2 * 10**8], [1e8, 1e8, 1e8])
+    found = diag.diagnose(topo, clock)
+    assert [(f.kind, f.ranks) for f in found] == [(FindingKind.PP_STAGE_SLOW, (6, 7))]
+    # One slow rank of the stage stays a straggler of its own.
+    one = RankDiagnosis("j")
+    one.add_totals(_job(8, 2, 0.05, {6: 1.6}, calls=(4, 6)), 10**9)
+    assert [(f.kind, f.ranks) for f in one.diagnose(topo, clock)] == [(FindingKind.RANK_DEGRADED, (6,))]
+
+
+def test_gpus_a_few_percent_apart_in_a_short_trace_name_almost_nobody() -> None:
+    # Every GPU of a job runs a few percent faster or slower than the others in every kernel (clocks, heat;
+    # here lognormal with a third of the per-call noise): the rank order sees such a rank in all its kernels,
+    # and a one-call trace's noise may lift its time, but its typical kernel is not slow. Before the typical
+    # kernel's shift was asked for, 27 of these 150 jobs named a rank; 5 do now.
+    rng = np.random.default_rng(0)
+    false = 0
+    for _ in range(150):
+        n, noise, seed = int(rng.integers(8, 97)), float(rng.uniform(0.05, 0.10)), int(rng.integers(0, 100_000))
+        totals = _job(n, seed, noise, calls=(1, 1), gemms=12, others=15)
+        speed = np.random.default_rng(seed + 1).lognormal(0.0, noise / 3, n)
+        for t in totals:
+            for r in t.total_ns:
+                t.total_ns[r] *= float(speed[r])
+        false += bool(detect_rank_excess(totals))
+    assert false <= 6
+
+
+def test_fbgemm_kernels_are_no_gemms() -> None:
+    from argus.detectors.l3_ranks import kernel_family
+
+    assert kernel_family("void fbgemm_gpu::split_embedding_codegen_forward_unweighted_kernel<c10::Half>") == "embedding"
+    assert kernel_family("void fbgemm_gpu::permute_2D_data_kernel<false, int>(int, int)") == "other"
+    assert kernel_family("void cutlass::Kernel<cutlass_80_tensorop_s1688gemm_128x128_32x3_tn_align4>") == "gemm"
