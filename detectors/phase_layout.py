@@ -13,7 +13,9 @@ batches whose times or sums reach 2**52 ns keep (:func:`nested_one`).
 
 from __future__ import annotations
 
+import functools
 import itertools
+import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from operator import attrgetter
@@ -22,6 +24,7 @@ import numpy as np
 import numpy.typing as npt
 
 from argus.core.errors import DetectorError
+from argus.detectors.phase_fold import fold_rows, overlaps, pair_lists
 from argus.schemas.records import ParallelGroup, PhaseBatch, PhaseKind
 
 __all__ = ["BLOCKING_GROUPS", "COMPUTE_KINDS", "LayoutIndex", "PhaseLayout", "nested_one"]
@@ -37,6 +40,7 @@ BLOCKING_GROUPS = frozenset({ParallelGroup.TP, ParallelGroup.EP, ParallelGroup.P
 _EXACT_NS = 1 << 52
 #: Above this many (phase, collective) pairs per compute phase whose ranges meet, overlaps go by coverage.
 _MAX_PAIRS_PER_PHASE = 6
+_NONE = np.empty(0, dtype=np.int64)
 
 
 @dataclass(frozen=True, eq=False)
@@ -57,6 +61,8 @@ class PhaseLayout:
     outer: I64
     block: I64
     first: I64 = field(default_factory=lambda: np.empty(0, dtype=np.int64))
+    #: The (compute, collective) pairs :meth:`fold_rows` evaluates, with their lists (kept for the next call).
+    _pairs: list[tuple[npt.NDArray[np.bool_], I64, I64]] = field(default_factory=list, init=False, repr=False)
 
     @classmethod
     def of(cls, b: PhaseBatch, keys: dict[tuple[str, PhaseKind, ParallelGroup], int]) -> PhaseLayout:
@@ -75,53 +81,78 @@ class PhaseLayout:
                    np.cumsum(counts) - counts, outer if block.size else block, block, first)
 
     def columns(self, batches: Sequence[PhaseBatch], field: str) -> I64:
-        """One int64 column array of ``batches`` (all of this layout): ``batches x phases``."""
+        """One int64 column array of ``batches`` (all of this layout): ``batches x phases``. A column that is
+        one tuple object in several batches (one producer's starts shared by its ranks) is converted once."""
         width = self.inverse.size
         cols = list(map(attrgetter(field), batches))
-        if cols and not min(map(len, cols)) == width == max(map(len, cols)):
+        distinct = {id(c): c for c in cols}  # the batches hold every column: no id is reused meanwhile
+        rows = list(distinct.values()) if len(distinct) < len(cols) else cols
+        if rows and not min(map(len, rows)) == width == max(map(len, rows)):
             raise DetectorError(f"phase batches of one layout differ in the length of {field}")
-        # One np.fromiter over every row's ints is the fastest way from tuples of Python ints to int64 (numpy 2:
-        # ~20 ns an int, faster than packing rows with struct); a value outside int64 raises.
-        try:
-            flat = np.fromiter(itertools.chain.from_iterable(cols), dtype=np.int64, count=len(cols) * width)
-        except (OverflowError, ValueError, TypeError) as exc:
-            raise DetectorError(f"phase batch {field}: {exc}") from exc
-        out: I64 = flat.reshape(len(cols), width)
-        return out
+        flat = _int64s(rows, width, field)
+        out: I64 = flat.reshape(len(rows), width)
+        if rows is cols:
+            return out
+        slot = {key: i for i, key in enumerate(distinct)}
+        shared: I64 = out[np.fromiter((slot[id(c)] for c in cols), dtype=np.int64, count=len(cols))]
+        shared.flags.writeable = False  # as the unshared columns (a view of bytes): one type for the kernels
+        return shared
 
-    def sums(self, values: I64) -> I64:
-        """Per row of ``values`` (``batches x phases``, ns), the sum per phase id: ``batches x ids``."""
-        if values.size and max(int(values.max()), -int(values.min())) * values.shape[1] >= _EXACT_NS:
+    def fold_rows(self, start: I64, duration: I64) -> tuple[I64, I64]:
+        """Per row of ``duration`` (``batches x phases``, ns, all of this layout) the sum per phase id, and the
+        overlap of its compute phases with the batch's blocking collectives, each capped at the phase's
+        duration, summed per id (0 for other ids): two ``batches x ids`` arrays. ``start``: the batches'
+        starts (read only when the layout has blocking collectives)."""
+        rows, width = duration.shape
+        if rows == 0 or width == 0:
+            return np.zeros((rows, self.ids.size), dtype=np.int64), np.zeros((rows, self.ids.size), dtype=np.int64)
+        cached = self._pairs[0] if self._pairs else None
+        ptr, pair_block = (cached[1], cached[2]) if cached is not None else (np.zeros(self.outer.size + 1,
+                                                                                      dtype=np.int64), _NONE)
+        sums, nested, lo_so, hi_so, lo_eo, hi_eo, lo_sc, hi_ec, end, d_lo, d_hi = fold_rows(
+            start, duration, self.inverse, self.ids.size, self.outer, self.block, ptr, pair_block)
+        beyond = max(d_hi, -d_lo) * width >= _EXACT_NS
+        if beyond:
             # Sums beyond float64's integers: the per-batch float sums, as ever.
-            return np.stack([_float_sums(row.astype(np.float64), self) for row in values])
-        out: I64 = np.add.reduceat(values[:, self.order], self.bounds, axis=1)
-        return out
+            sums = np.stack([_float_sums(row.astype(np.float64), self) for row in duration])
+        if self.block.size == 0 or self.outer.size == 0:
+            return sums, np.zeros((rows, self.ids.size), dtype=np.int64)
+        span = end + 1
+        if beyond or span * (rows + 1) >= _EXACT_NS:
+            # Times beyond float64's integers: the per-batch float evaluation, as ever.
+            return sums, np.stack([_float_sums(nested_one(start[i], duration[i].astype(np.float64), self), self)
+                                   for i in range(rows)])
+        meets = np.maximum(lo_so[:, None], lo_sc[None, :]) < np.minimum(hi_eo[:, None], hi_ec[None, :])
+        inside = (hi_so[:, None] <= lo_sc[None, :]) & (hi_ec[None, :] <= lo_eo[:, None])
+        most = _MAX_PAIRS_PER_PHASE * self.outer.size
+        if np.count_nonzero(meets & ~inside) > most:
+            return sums, self._nested_by_coverage(start, duration, span)
+        if cached is None or (meets & ~cached[0]).any():
+            # The pairs evaluated missed some that meet: again with them. Any pair that meets in no batch adds
+            # 0, so the pairs kept for the layout's next batches are those of both (while few).
+            pairs = meets if cached is None else meets | cached[0]
+            if np.count_nonzero(pairs & ~inside) > most:
+                pairs = meets
+            self._pairs[:] = [(pairs, *pair_lists(pairs))]
+            nested = fold_rows(start, duration, self.inverse, self.ids.size, self.outer, self.block,
+                               *self._pairs[0][1:])[1]
+        return sums, nested
 
-    def nested_sums(self, start: I64, duration: I64) -> I64:
-        """Per batch and phase id, the overlap (ns) of its compute phases with the batch's blocking
-        collectives, each capped at the phase's duration, summed (0 for other ids): ``batches x ids``."""
-        rows = duration.shape[0]
-        if self.block.size == 0 or self.outer.size == 0 or rows == 0:
-            return np.zeros((rows, self.ids.size), dtype=np.int64)
-        # Phase-major (``phases x batches``, contiguous): a column is a row, gathered by one copy.
-        start_t, dur_t = np.ascontiguousarray(start.T), np.ascontiguousarray(duration.T)
+    def _nested_by_coverage(self, start: I64, duration: I64, span: int) -> I64:
+        """:meth:`fold_rows`'s nested times where many pairs meet (very different timelines): phase-major
+        (``phases x batches``), by coverage."""
+        # A copy (the columns are read-only; one row's transpose would be a view of them).
+        start_t, dur_t = np.array(start.T, order="C"), np.ascontiguousarray(duration.T)
         start_t -= start_t.min(axis=0)
         s_o, d_o = start_t[self.outer], dur_t[self.outer]
-        e_o = s_o + np.maximum(d_o, 0)
-        # A collective of negative length overlaps nothing (as the pairwise minimum/maximum has it).
         s_c = start_t[self.block]
-        e_c = s_c + np.maximum(dur_t[self.block], 0)
-        span = max(int(e_o.max()), int(e_c.max())) + 1
-        if span * (rows + 1) >= _EXACT_NS or max(int(dur_t.max()), -int(dur_t.min())) * dur_t.shape[0] >= _EXACT_NS:
-            # Times beyond float64's integers: the per-batch float evaluation, as ever.
-            return np.stack([_float_sums(nested_one(start[i], duration[i].astype(np.float64), self), self)
-                             for i in range(rows)])
-        nested = np.minimum(_overlaps(s_o, e_o, s_c, e_c, span), d_o)
+        nested = np.minimum(overlaps(s_o, s_o + np.maximum(d_o, 0), s_c, s_c + np.maximum(dur_t[self.block], 0),
+                                     span, _MAX_PAIRS_PER_PHASE), d_o)
         # Per id, the sum of its compute columns' rows (integer sums; no BLAS, whose threads contend).
         pos = self.inverse[self.outer]
         order = np.argsort(pos, kind="stable")
         ids, first = np.unique(pos[order], return_index=True)
-        out_t = np.zeros((self.ids.size, rows), dtype=np.int64)
+        out_t = np.zeros((self.ids.size, duration.shape[0]), dtype=np.int64)
         out_t[ids] = np.add.reduceat(nested[order], first, axis=0)
         out: I64 = out_t.T
         return out
@@ -163,104 +194,63 @@ class LayoutIndex:
         """Each batch's layout index, and per layout present (in the order first seen) its batches' per-id sums.
 
         Python work per batch is the layout look-up and the conversion of its two integer columns."""
-        which_list: list[int] = []
-        members: dict[int, list[int]] = {}
+        which = np.empty(len(batches), dtype=np.int64)
+        # Batches of one layout often hold the very same tuples (one producer's records): a layout is looked
+        # up once per (names, kinds, groups) objects, else by content, the last batch's layout first. The
+        # batches hold the tuples, so no id is reused during the call.
+        known: dict[tuple[int, int, int], int] = {}
+        order: dict[int, None] = {}  # the layouts in the order first seen
         prev: PhaseBatch | None = None
         at = -1
         for i, b in enumerate(batches):
-            # Consecutive batches of one layout are common (one rank's stage after another): compare to the last.
-            if prev is None or not (b.names is prev.names or b.names == prev.names) or b.kinds != prev.kinds \
-                    or b.groups != prev.groups:
-                at = self.layout_of(b)
-            which_list.append(at)
-            members.setdefault(at, []).append(i)
+            key = (id(b.names), id(b.kinds), id(b.groups))
+            got = known.get(key)
+            if got is None:
+                if prev is None or not (b.names == prev.names and b.kinds == prev.kinds and b.groups == prev.groups):
+                    at = self.layout_of(b)
+                got = known[key] = at
+                order[at] = None
+            which[i] = at = got
             prev = b
         out = []
-        for j, idx in members.items():
+        for j in order:
             lay = self.layouts[j]
-            mine = [batches[i] for i in idx]
+            idx = np.flatnonzero(which == j)
+            mine = [batches[i] for i in idx.tolist()] if len(order) > 1 else list(batches)
             dur = lay.columns(mine, "duration_ns")
             start = lay.columns(mine, "start_ns") if lay.block.size else dur
-            out.append(FoldedLayout(j, np.array(idx, dtype=np.int64), lay.sums(dur), lay.nested_sums(start, dur)))
-        return np.array(which_list, dtype=np.int64), out
+            out.append(FoldedLayout(j, idx.astype(np.int64), *lay.fold_rows(start, dur)))
+        return which, out
+
+
+@functools.lru_cache(maxsize=256)
+def _packer(width: int) -> struct.Struct:
+    return struct.Struct(f"{width}q")
+
+
+def _int64s(rows: Sequence[Sequence[int]], width: int, field: str) -> I64:
+    """The ints of ``rows`` (each ``width`` long) as one read-only int64 array; a value outside int64 raises.
+
+    Packing each row with one ``struct`` call and joining the bytes is ~6 ns an int, ~3x faster than
+    ``np.fromiter`` over the chained rows (numpy 2: ~16 ns an int), which takes what struct refuses (a
+    float, a numeric string: truncated or parsed, as ever)."""
+    try:
+        packed = b"".join(itertools.starmap(_packer(width).pack, rows))
+    except struct.error:
+        pass
+    else:
+        return np.frombuffer(packed, dtype=np.int64)
+    try:
+        flat = np.fromiter(itertools.chain.from_iterable(rows), dtype=np.int64, count=len(rows) * width)
+    except (OverflowError, ValueError, TypeError) as exc:
+        raise DetectorError(f"phase batch {field}: {exc}") from exc
+    flat.flags.writeable = False
+    return flat
 
 
 def _float_sums(values: F64, lay: PhaseLayout) -> I64:
     out: I64 = np.rint(np.bincount(lay.inverse, weights=values, minlength=lay.ids.size)).astype(np.int64)
     return out
-
-
-def _overlaps(s_o: I64, e_o: I64, s_c: I64, e_c: I64, span: int) -> I64:
-    """Per column (a batch), each interval ``[s_o, e_o)``'s summed overlap with the intervals ``[s_c, e_c)``
-    (ns, exact); phase-major arrays (``phases x batches``).
-
-    Batches of one layout run their phases at nearly the same offsets from their step's start, so most
-    pairs of a phase and a collective overlap in no batch: only the pairs whose ranges over all batches meet
-    are evaluated. Where too many meet (very different timelines), by coverage (:class:`_Coverage`)."""
-    lo_so, hi_so, lo_eo, hi_eo = s_o.min(axis=1), s_o.max(axis=1), e_o.min(axis=1), e_o.max(axis=1)
-    lo_sc, hi_ec = s_c.min(axis=1), e_c.max(axis=1)
-    meets = np.maximum(lo_so[:, None], lo_sc[None, :]) < np.minimum(hi_eo[:, None], hi_ec[None, :])
-    # A collective inside the phase in every batch (a forward around its layers' all-reduces) overlaps it by
-    # its length: those pairs are summed by one product (integers below 2**52, exact), the others pairwise.
-    inside = (hi_so[:, None] <= lo_sc[None, :]) & (hi_ec[None, :] <= lo_eo[:, None])
-    po, pc = np.nonzero(meets & ~inside)  # pairs grouped by phase (row-major)
-    if po.size > _MAX_PAIRS_PER_PHASE * s_o.shape[0]:
-        covered = _Coverage(s_c.T, e_c.T, span)
-        out: I64 = (covered.at(np.ascontiguousarray(e_o.T)) - covered.at(np.ascontiguousarray(s_o.T))).T
-        return out
-    out = _inside_sums(inside, e_c - s_c)
-    if po.size == 0:
-        return out
-    ov = np.minimum(e_o[po], e_c[pc])
-    ov -= np.maximum(s_o[po], s_c[pc])
-    np.maximum(ov, 0, out=ov)
-    phases, first = np.unique(po, return_index=True)
-    out[phases] += np.add.reduceat(ov, first, axis=0)
-    return out
-
-
-def _inside_sums(inside: npt.NDArray[np.bool_], length: I64) -> I64:
-    """Per phase (row of ``inside``), the summed ``length`` (``collectives x batches``) of the collectives it
-    holds: a run of consecutive collectives (the usual case) by a difference of prefix sums, else summed."""
-    n_o, n_c = inside.shape
-    out = np.zeros((n_o, length.shape[1]), dtype=np.int64)
-    cnt = inside.sum(axis=1)
-    if not cnt.any():
-        return out
-    lo = np.argmax(inside, axis=1)
-    last = n_c - 1 - np.argmax(inside[:, ::-1], axis=1)
-    run = (cnt > 0) & (last - lo + 1 == cnt)
-    prefix = np.zeros((n_c + 1, length.shape[1]), dtype=np.int64)
-    np.cumsum(length, axis=0, out=prefix[1:])
-    out[run] = prefix[(lo + cnt)[run]] - prefix[lo[run]]
-    for i in np.flatnonzero((cnt > 0) & ~run).tolist():
-        out[i] = length[inside[i]].sum(axis=0)
-    return out
-
-
-class _Coverage:
-    """Per row, ``C(x) = sum over intervals [s, e) of |[s, e) ∩ (-inf, x)|``: the time the row's intervals
-    cover before ``x``, with multiplicity. The overlap of ``[a, b)`` (``a <= b``) with them all is
-    ``C(b) - C(a)``. Rows are searched at once: row ``r``'s values are offset by ``r * span``."""
-
-    def __init__(self, s: I64, e: I64, span: int) -> None:
-        rows, m = s.shape
-        self._m, self._span = m, span
-        self._off = (np.arange(rows, dtype=np.int64) * span)[:, None]
-        self._s, self._e = np.sort(s, axis=1), np.sort(e, axis=1)
-        zero = np.zeros((rows, 1), dtype=np.int64)
-        self._ps = np.concatenate([zero, np.cumsum(self._s, axis=1)], axis=1)
-        self._pe = np.concatenate([zero, np.cumsum(self._e, axis=1)], axis=1)
-        self._flat_s, self._flat_e = (self._s + self._off).ravel(), (self._e + self._off).ravel()
-
-    def at(self, x: I64) -> I64:
-        """``C(x)`` for ``x`` of shape ``rows x n`` (times in ``[0, span)``), exact in int64."""
-        rows = np.arange(x.shape[0])[:, None]
-        key = x + self._off
-        n_s = np.searchsorted(self._flat_s, key, side="right") - rows * self._m  # starts <= x
-        n_e = np.searchsorted(self._flat_e, key, side="right") - rows * self._m  # ends <= x
-        out: I64 = (n_s * x - self._ps[rows, n_s]) - (n_e * x - self._pe[rows, n_e])
-        return out
 
 
 def nested_one(start_ns: Sequence[int] | I64, dur: F64, lay: PhaseLayout) -> F64:

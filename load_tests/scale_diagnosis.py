@@ -39,6 +39,15 @@ What is timed, per rank count:
   detection cost taken at N steps: a lower bound); ``state_bytes_per_rank_step`` is the tracemalloc size of
   one decoded PhaseBatch, ``history_state_gib_est`` that x ranks x 200 (what ``JobDiagnosis`` keeps).
 
+* **L2 live** (``l2.live``, budget: ``BUDGET_L2_MS`` per step; ``--live-steps``, 0: none).
+  :class:`~argus.streams.diagnosis.JobDiagnosis` driven through ``history_steps`` (200) untimed steps to its
+  steady state (a full history), then ``--live-steps`` steps each timed: ``add`` of every rank's Step and
+  PhaseBatch of the step (folding the step into the history as it completes) plus ``diagnose()`` when due
+  (every ``detect_every``, 5, steps). Records are generated per step, untimed; the PhaseBatch records of one
+  (TP index, stage) share their names/kinds/groups/streams and, within a step, their starts (one tuple
+  each), as the simulator's do, where decoded records hold tuples of their own. ``live_ms_per_step``: the mean
+  over the timed steps (the diagnoses amortized); ``add_ms_per_step`` and ``diagnose_ms_per_run``: medians.
+
 * **L1** (budget: ``BUDGET_L1_MS`` per step). ``N = --l1-steps`` steps (a 10 % regression from the middle):
   ``IterationSeries.from_arrays`` over one (step, wall, gpu) entry per (rank, step) (the reduction to the
   job's series: max over ranks, ``reduce_ms_per_step``) plus ``detect_l1`` over the series

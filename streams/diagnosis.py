@@ -18,6 +18,7 @@ and judges them once, when the job's summaries have all arrived.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import functools
 import hashlib
@@ -149,8 +150,8 @@ class JobDiagnosis:
         self.end: JobLifecycle | None = None
         self.steps_seen = 0
         self.phases_seen = 0
-        self._steps: dict[int, dict[int, Step]] = defaultdict(dict)
-        self._phases: dict[int, dict[int, PhaseBatch]] = defaultdict(dict)  # steps not complete yet
+        self._steps: dict[int, dict[int, Step]] = {}
+        self._phases: dict[int, dict[int, PhaseBatch]] = {}  # steps not complete yet
         self._history = PhaseHistory(self.params.history_steps)
         self._last_layout: PhaseBatch | None = None
         self._complete: list[int] = []
@@ -167,28 +168,41 @@ class JobDiagnosis:
 
     def add(self, record: Step | PhaseBatch | JobTopology | JobLifecycle) -> None:
         """Take one record of the job (any order)."""
-        if isinstance(record, Step):
-            self.steps_seen += 1
-            self._steps[record.step][record.rank] = record
-            self.last_time_ns = max(self.last_time_ns, record.start_ns + record.wall_ns)
-            self._maybe_complete(record.step)
-        elif isinstance(record, PhaseBatch):
+        # Every rank sends a Step and a PhaseBatch each step (20,480 calls a step at 10,240 ranks): those two
+        # take the shortest path, with no call beyond this one unless the record completes its step.
+        kind = type(record)
+        if kind is PhaseBatch or (kind is not Step and isinstance(record, PhaseBatch)):
+            batch: PhaseBatch = record  # type: ignore[assignment]
             self.phases_seen += 1
             last = self._last_layout
-            # A batch of the last one's streams, kinds and groups teaches nothing new (most batches).
-            if last is None or record.streams != last.streams or record.kinds != last.kinds \
-                    or record.groups != last.groups:
-                for kind, group, stream in zip(record.kinds, record.groups, record.streams, strict=True):
-                    if group is not ParallelGroup.NONE and stream >= 0 and stream not in self.collective_groups \
-                            and kind.is_collective:
-                        self.collective_groups[stream] = group
-                self._last_layout = record
-            if record.step in self._done:
-                if self._history.holds(record.step):
-                    self._history.replace(record)
+            # A batch of the last one's streams, kinds and groups teaches nothing new (most batches; those of
+            # one producer often hold the very same tuples).
+            if last is None or not (batch.streams is last.streams and batch.kinds is last.kinds
+                                    and batch.groups is last.groups):
+                self._learn_groups(batch)
+            step = batch.step
+            if step in self._done:
+                if self._history.holds(step):
+                    self._history.replace(batch)
                 return
-            self._phases[record.step][record.rank] = record
-            self._maybe_complete(record.step)
+            phases = self._phases.get(step)
+            if phases is None:
+                phases = self._phases[step] = {}
+            phases[batch.rank] = batch
+            n = self.world_size
+            if n is not None and len(phases) >= n and len(self._steps.get(step, ())) >= n:
+                self._complete_step(step)
+        elif isinstance(record, Step):
+            self.steps_seen += 1
+            step = record.step
+            ranks = self._steps.get(step)
+            if ranks is None:
+                ranks = self._steps[step] = {}
+            ranks[record.rank] = record
+            end = record.start_ns + record.wall_ns
+            if end > self.last_time_ns:
+                self.last_time_ns = end
+            self._maybe_complete(step)
         elif isinstance(record, JobTopology):
             self.topology = record
             self.world_size = record.world_size
@@ -201,6 +215,17 @@ class JobDiagnosis:
             self.world_size = self.world_size or record.world_size
             if record.event.value == "END":
                 self.end = record
+
+    def _learn_groups(self, record: PhaseBatch) -> None:
+        """The groups of collective streams ``record`` names first (the topology's, when known, stay)."""
+        last = self._last_layout
+        if last is None or record.streams != last.streams or record.kinds != last.kinds \
+                or record.groups != last.groups:
+            for kind, group, stream in zip(record.kinds, record.groups, record.streams, strict=True):
+                if group is not ParallelGroup.NONE and stream >= 0 and stream not in self.collective_groups \
+                        and kind.is_collective:
+                    self.collective_groups[stream] = group
+            self._last_layout = record
 
     @property
     def complete_steps(self) -> int:
@@ -250,21 +275,24 @@ class JobDiagnosis:
 
     def _maybe_complete(self, step: int) -> None:
         n = self.world_size
-        if n is None or step in self._done:
-            return
-        if len(self._steps[step]) >= n and len(self._phases[step]) >= n:
-            self._done.add(step)
-            self._complete.append(step)
-            self._complete.sort()
-            ranks = self._steps.pop(step).values()
-            gpu = [r.gpu_ns for r in ranks if r.gpu_ns is not None]
-            self._series.append((step, float(max(r.wall_ns for r in ranks)), float(max(gpu)) if gpu else math.nan))
-            self._starts.append(min(r.start_ns for r in ranks))
-            batches = self._phases.pop(step)
-            for old in self._complete[:-self.params.history_steps]:
-                self._history.drop(old)
-            if step in self._complete[-self.params.history_steps:]:
-                self._history.fold(step, list(batches.values()))
+        if n is not None and step not in self._done and len(self._steps.get(step, ())) >= n \
+                and len(self._phases.get(step, ())) >= n:
+            self._complete_step(step)
+
+    def _complete_step(self, step: int) -> None:
+        self._done.add(step)
+        bisect.insort(self._complete, step)
+        ranks = self._steps.pop(step).values()
+        gpu = [r.gpu_ns for r in ranks if r.gpu_ns is not None]
+        self._series.append((step, float(max(r.wall_ns for r in ranks)), float(max(gpu)) if gpu else math.nan))
+        self._starts.append(min(r.start_ns for r in ranks))
+        batches = self._phases.pop(step)
+        held = self.params.history_steps
+        if 0 < held < len(self._complete):
+            # The one step this one may push out of the history (the older ones were dropped before).
+            self._history.drop(self._complete[-held - 1])
+        if step in self._complete[-held:]:
+            self._history.fold(step, list(batches.values()))
 
     def phase_state_bytes(self) -> int:
         """Bytes of the folded phase history held (the arrays; see :class:`PhaseHistory`)."""
