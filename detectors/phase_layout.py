@@ -85,7 +85,8 @@ class PhaseLayout:
         one tuple object in several batches (one producer's starts shared by its ranks) is converted once."""
         width = self.inverse.size
         cols = list(map(attrgetter(field), batches))
-        distinct = {id(c): c for c in cols}  # the batches hold every column: no id is reused meanwhile
+        ids = list(map(id, cols))
+        distinct = dict(zip(ids, cols, strict=True))  # the batches hold every column: no id is reused meanwhile
         rows = list(distinct.values()) if len(distinct) < len(cols) else cols
         if rows and not min(map(len, rows)) == width == max(map(len, rows)):
             raise DetectorError(f"phase batches of one layout differ in the length of {field}")
@@ -93,8 +94,8 @@ class PhaseLayout:
         out: I64 = flat.reshape(len(rows), width)
         if rows is cols:
             return out
-        slot = {key: i for i, key in enumerate(distinct)}
-        shared: I64 = out[np.fromiter((slot[id(c)] for c in cols), dtype=np.int64, count=len(cols))]
+        slot = dict(zip(distinct, range(len(distinct)), strict=True))
+        shared: I64 = out[np.fromiter(map(slot.__getitem__, ids), dtype=np.int64, count=len(cols))]
         shared.flags.writeable = False  # as the unshared columns (a view of bytes): one type for the kernels
         return shared
 

@@ -43,10 +43,15 @@ What is timed, per rank count:
   :class:`~argus.streams.diagnosis.JobDiagnosis` driven through ``history_steps`` (200) untimed steps to its
   steady state (a full history), then ``--live-steps`` steps each timed: ``add`` of every rank's Step and
   PhaseBatch of the step (folding the step into the history as it completes) plus ``diagnose()`` when due
-  (every ``detect_every``, 5, steps). Records are generated per step, untimed; the PhaseBatch records of one
-  (TP index, stage) share their names/kinds/groups/streams and, within a step, their starts (one tuple
-  each), as the simulator's do, where decoded records hold tuples of their own. ``live_ms_per_step``: the mean
-  over the timed steps (the diagnoses amortized); ``add_ms_per_step`` and ``diagnose_ms_per_run``: medians.
+  (every ``detect_every``, 5, steps). Records are generated per step, untimed. The timed steps take the
+  records as the worker gets them: each decoded from its own Avro bytes (``PhaseBatch.decode(b.encode())``,
+  ``Step.decode``; untimed, ``decode_ms_per_step`` says what it took), so each holds tuples of its own
+  (starts included) but for what decoding shares (a layout equal to one decoded lately: see
+  ``PhaseBatch.from_avro``). ``live_ms_per_step``: the mean over the timed steps (the diagnoses amortized;
+  the budget is judged on it); ``add_ms_per_step`` and ``diagnose_ms_per_run``: medians. ``shared_tuples``:
+  the same figures over ``--live-steps`` further steps fed the generated records themselves, whose
+  PhaseBatch records of one (TP index, stage) share their names/kinds/groups/streams and, within a step,
+  their starts (one tuple each), as the simulator's do (the warm-up is fed those too: the state is the same).
 
 * **L1** (budget: ``BUDGET_L1_MS`` per step). ``N = --l1-steps`` steps (a 10 % regression from the middle):
   ``IterationSeries.from_arrays`` over one (step, wall, gpu) entry per (rank, step) (the reduction to the
@@ -377,17 +382,31 @@ def measure_l2(topo: JobTopology, batches: list[list[PhaseBatch]], repeats: int)
 def measure_l2_live(topo: JobTopology, templates: list[_Template], step_ns: int, timed_steps: int,
                     seed: int) -> dict[str, Any]:
     """``JobDiagnosis`` driven through ``history_steps`` steps (untimed warm-up to steady state: a full
-    history), then ``timed_steps`` more, each timed: ``add`` of every Step and PhaseBatch of the step plus
-    ``diagnose()`` when due. Records are generated per step, untimed."""
+    history), then ``timed_steps`` steps of decoded records and ``timed_steps`` more of the generated ones
+    (shared tuples), each timed: ``add`` of every Step and PhaseBatch of the step plus ``diagnose()`` when
+    due. Records are generated, encoded and decoded per step, untimed."""
     params = DiagnosisParams()
     jd = JobDiagnosis(topo.job_id, params)
     jd.add(topo)
     rng = np.random.default_rng(seed)
-    add_runs, diag_runs, totals = [], [], []
+    runs: dict[bool, tuple[list[float], list[float], list[float]]] = {True: ([], [], []), False: ([], [], [])}
+    decode_runs: list[float] = []
     findings: list[str] = []
-    for s in range(params.history_steps + timed_steps):
+    held = params.history_steps
+    for s in range(held + 2 * timed_steps):
         step_recs, batch_recs = phase_step(topo.job_id, topo, s, rng, templates, step_ns)
-        timed = s >= params.history_steps
+        timed = s >= held
+        decoded = held <= s < held + timed_steps
+        if decoded:
+            # As the worker gets them: each record decoded from its own Avro bytes (fresh tuples). The decode is
+            # the agent's, measured with the agent: not timed here.
+            step_bytes, batch_bytes = [r.encode() for r in step_recs], [b.encode() for b in batch_recs]
+            del step_recs, batch_recs
+            t_dec = time.perf_counter()
+            step_recs = [Step.decode(p) for p in step_bytes]
+            batch_recs = [PhaseBatch.decode(p) for p in batch_bytes]
+            decode_runs.append((time.perf_counter() - t_dec) * 1e3)
+            del step_bytes, batch_bytes
         if timed:
             gc.collect()
         t0 = time.perf_counter()
@@ -402,17 +421,24 @@ def measure_l2_live(topo: JobTopology, templates: list[_Template], step_ns: int,
         if got:
             findings += [f"{f.kind.value}:{','.join(map(str, f.ranks[:8]))}" for f in got]
         if timed:
+            add_runs, diag_runs, totals = runs[decoded]
             add_runs.append((t1 - t0) * 1e3)
             totals.append((t2 - t0) * 1e3)
             if got is not None:
                 diag_runs.append((t2 - t1) * 1e3)
-    held = params.history_steps
     state = jd.phase_state_bytes()
+
+    def figures(decoded: bool) -> dict[str, Any]:
+        add_runs, diag_runs, totals = runs[decoded]
+        return {"live_ms_per_step": _r(statistics.mean(totals)), "runs_ms": [_r(x, 1) for x in totals],
+                "add_ms_per_step": _r(statistics.median(add_runs)),
+                "diagnose_ms_per_run": _r(statistics.median(diag_runs)) if diag_runs else None}
+
     return {
         "history_steps": held, "detect_every": params.detect_every, "timed_steps": timed_steps,
-        "live_ms_per_step": _r(statistics.mean(totals)), "runs_ms": [_r(x, 1) for x in totals],
-        "add_ms_per_step": _r(statistics.median(add_runs)),
-        "diagnose_ms_per_run": _r(statistics.median(diag_runs)) if diag_runs else None,
+        "records": "decoded", **figures(True),
+        "decode_ms_per_step": _r(statistics.median(decode_runs)),
+        "shared_tuples": figures(False),
         "state_bytes_per_rank_step": round(state / (topo.world_size * held)),
         "history_state_mib": _r(state / 2**20, 1), "findings": findings,
     }

@@ -341,6 +341,15 @@ class PhaseBatch(Record):
     def _enum_fields(cls) -> dict[str, type[enum.Enum]]:
         return {"kinds": PhaseKind, "groups": ParallelGroup}
 
+    @classmethod
+    def from_avro(cls, data: dict[str, Any]) -> PhaseBatch:
+        # The ranks of one (TP index, stage) run the same phases: a layout equal to one decoded lately gets
+        # that one's tuples (equal values), so whoever compares layouts compares objects, not 600 values.
+        kinds, names, groups, streams = _LAYOUTS.intern(data["kinds"], data["names"], data["groups"],
+                                                        data["streams"])
+        return cls(data["job_id"], data["rank"], data["step"], kinds, names, groups, streams,
+                   tuple(data["start_ns"]), tuple(data["duration_ns"]))
+
     def check(self) -> None:
         what = f"phase batch {self.job_id}/{self.rank}/{self.step}"
         _same_length(what, self, ("names", "groups", "streams", "start_ns", "duration_ns"), len(self.kinds),
@@ -350,6 +359,38 @@ class PhaseBatch(Record):
         _bounded(what, "streams", self.streams, -1, _INT64[1])
         _times(what, "start_ns", self.start_ns)
         _durations(what, "duration_ns", self.duration_ns)
+
+
+_Layout = tuple[tuple[PhaseKind, ...], tuple[str, ...], tuple[ParallelGroup, ...], tuple[int, ...]]
+
+
+class _LayoutCache:
+    """The (kinds, names, groups, streams) tuples of the phase layouts decoded lately, by content: at most
+    ``size`` layouts, the oldest forgotten first (a job has one per (TP index, stage), a few hundred at most;
+    past ``size`` distinct layouts a decode only costs the look-up, ~5 us)."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._by_content: dict[tuple[tuple[Any, ...], ...], _Layout] = {}
+
+    def intern(self, kinds: Iterable[str], names: Iterable[str], groups: Iterable[str],
+               streams: Iterable[int]) -> _Layout:
+        """The tuples of this layout (Avro values: enum symbols, strings, ints), those of an equal layout when
+        one is held. Unknown symbols raise ``KeyError``, as :meth:`Record.from_avro`."""
+        key = (tuple(kinds), tuple(names), tuple(groups), tuple(streams))
+        got = self._by_content.get(key)
+        if got is None:
+            # Avro already checked the symbols: a dict look-up per value.
+            kind_of: dict[Any, PhaseKind] = PhaseKind._value2member_map_  # type: ignore[assignment]
+            group_of: dict[Any, ParallelGroup] = ParallelGroup._value2member_map_  # type: ignore[assignment]
+            got = (tuple(map(kind_of.__getitem__, key[0])), key[1], tuple(map(group_of.__getitem__, key[2])), key[3])
+            if len(self._by_content) >= self.size:
+                self._by_content.pop(next(iter(self._by_content)), None)
+            self._by_content[key] = got
+        return got
+
+
+_LAYOUTS = _LayoutCache(1024)
 
 
 @dataclass(frozen=True)

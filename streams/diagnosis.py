@@ -28,6 +28,7 @@ import math
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from operator import attrgetter
 from pathlib import Path
 
 import numpy as np
@@ -50,6 +51,10 @@ __all__ = ["CORROBORATES_ONLY", "DiagnosisParams", "JobDiagnosis", "KernelDiagno
 
 #: Evidence key of a link result under the impact threshold: corroboration for the ledger, never published.
 CORROBORATES_ONLY = "corroborates_only"
+#: Layouts (the tuple objects of a batch's streams, kinds and groups) a JobDiagnosis remembers having learnt
+#: collective groups from; past this many it starts again (learning again is only slower, never different).
+_LEARNT_KEPT = 256
+_GPU_NS, _WALL_NS, _START_NS = attrgetter("gpu_ns"), attrgetter("wall_ns"), attrgetter("start_ns")
 
 
 @dataclass(frozen=True)
@@ -154,6 +159,8 @@ class JobDiagnosis:
         self._phases: dict[int, dict[int, PhaseBatch]] = {}  # steps not complete yet
         self._history = PhaseHistory(self.params.history_steps)
         self._last_layout: PhaseBatch | None = None
+        # The (streams, kinds, groups) objects learnt from (by id; learning from equal ones again adds nothing).
+        self._learnt: dict[tuple[int, int, int], tuple[object, ...]] = {}
         self._complete: list[int] = []
         self._done: set[int] = set()
         # The job's iteration series, one entry per complete step: max over ranks (the job waits for all).
@@ -175,8 +182,8 @@ class JobDiagnosis:
             batch: PhaseBatch = record  # type: ignore[assignment]
             self.phases_seen += 1
             last = self._last_layout
-            # A batch of the last one's streams, kinds and groups teaches nothing new (most batches; those of
-            # one producer often hold the very same tuples).
+            # A batch of streams, kinds and groups already learnt from teaches nothing new (most batches: those of
+            # one producer, and decoded ones of one layout, hold the very same tuples).
             if last is None or not (batch.streams is last.streams and batch.kinds is last.kinds
                                     and batch.groups is last.groups):
                 self._learn_groups(batch)
@@ -202,7 +209,10 @@ class JobDiagnosis:
             end = record.start_ns + record.wall_ns
             if end > self.last_time_ns:
                 self.last_time_ns = end
-            self._maybe_complete(step)
+            n = self.world_size
+            # _maybe_complete's test, inline: a call per Step record costs more than the test.
+            if n is not None and len(ranks) >= n and len(self._phases.get(step, ())) >= n and step not in self._done:
+                self._complete_step(step)
         elif isinstance(record, JobTopology):
             self.topology = record
             self.world_size = record.world_size
@@ -218,14 +228,18 @@ class JobDiagnosis:
 
     def _learn_groups(self, record: PhaseBatch) -> None:
         """The groups of collective streams ``record`` names first (the topology's, when known, stay)."""
-        last = self._last_layout
-        if last is None or record.streams != last.streams or record.kinds != last.kinds \
-                or record.groups != last.groups:
-            for kind, group, stream in zip(record.kinds, record.groups, record.streams, strict=True):
-                if group is not ParallelGroup.NONE and stream >= 0 and stream not in self.collective_groups \
-                        and kind.is_collective:
-                    self.collective_groups[stream] = group
-            self._last_layout = record
+        self._last_layout = record
+        key = (id(record.streams), id(record.kinds), id(record.groups))
+        if key in self._learnt:
+            return
+        for kind, group, stream in zip(record.kinds, record.groups, record.streams, strict=True):
+            if group is not ParallelGroup.NONE and stream >= 0 and stream not in self.collective_groups \
+                    and kind.is_collective:
+                self.collective_groups[stream] = group
+        if len(self._learnt) >= _LEARNT_KEPT:
+            self._learnt.clear()
+        # The tuples are held with their ids: no id is reused while it is a key.
+        self._learnt[key] = (record.streams, record.kinds, record.groups)
 
     @property
     def complete_steps(self) -> int:
@@ -283,9 +297,9 @@ class JobDiagnosis:
         self._done.add(step)
         bisect.insort(self._complete, step)
         ranks = self._steps.pop(step).values()
-        gpu = [r.gpu_ns for r in ranks if r.gpu_ns is not None]
-        self._series.append((step, float(max(r.wall_ns for r in ranks)), float(max(gpu)) if gpu else math.nan))
-        self._starts.append(min(r.start_ns for r in ranks))
+        gpu = [g for g in map(_GPU_NS, ranks) if g is not None]
+        self._series.append((step, float(max(map(_WALL_NS, ranks))), float(max(gpu)) if gpu else math.nan))
+        self._starts.append(min(map(_START_NS, ranks)))
         batches = self._phases.pop(step)
         held = self.params.history_steps
         if 0 < held < len(self._complete):
