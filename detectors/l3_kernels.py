@@ -511,6 +511,20 @@ def _one_side(topology: JobTopology, at: I64) -> bool:
     return bool(np.unique(stages).size > np.unique(stages[at]).size)
 
 
+def _raised_floors(floors: F64) -> npt.NDArray[np.bool_] | None:
+    """Which of ``floors`` (per group, its members' fastest calls, ns; NaN where unknown) are at least
+    ``_SIDE_FLOOR_RATIO`` over the faster half of the known ones (an unknown one never is); ``None`` when
+    fewer than two are known (nothing to compare)."""
+    with np.errstate(invalid="ignore", divide="ignore"):
+        fl = np.log(floors)
+    known = np.isfinite(fl)
+    if known.sum() < 2:
+        return None
+    with np.errstate(invalid="ignore"):
+        out: npt.NDArray[np.bool_] = fl - _faster_half(fl[known][:, None])[0] >= math.log(_SIDE_FLOOR_RATIO)
+    return out
+
+
 def _pipeline_sides(pp_group: I64, stage: I64) -> list[tuple[str, int, I64]]:
     """Each rank on its own, as one side of its pipeline transfers: a stream that carries one side only (the
     sends to the next stage and the receives from it are on one communicator's stream, the other stage's
@@ -580,18 +594,16 @@ def _links(s: KernelSummary, ranks: I64, batch: MixtureBatch, sc: RankScores, gr
                 # pairs', while a degraded link slows every call: a pair whose members' fast calls are both
                 # slower too is slow at the plain link ratio. (A member of a larger group arrives last in
                 # too few calls for its fast ones to be transfers alone.)
-                fl = np.log(np.array([floors()[rows].min() for _, rows in same]))
-                if np.isfinite(fl).all():
-                    raised = fl - _faster_half(fl[:, None])[0] >= math.log(_SIDE_FLOOR_RATIO)
+                raised = _raised_floors(np.array([floors()[rows].min() for _, rows in same]))
+                if raised is not None:
                     hit |= (lr >= math.log(p.link_ratio)) & raised[:, None]
         # Beyond a plausible slowdown of a transfer it is waiting: a group made only of ranks that wait in a
         # collective of another kind (all of one TP index, waiting for the others) looks "slow" by far more.
         hit &= lr <= math.log(p.link_max_ratio)
         if kind == PIPELINE_SIDE:  # a side is one rank
-            fl = np.log(np.array([floors()[rows[0]] for _, rows in same]))
-            known = np.isfinite(fl)
-            if known.sum() >= 2:  # a side without a floor (NaN) is no link
-                hit &= (fl - _faster_half(fl[known][:, None])[0] >= math.log(_SIDE_FLOOR_RATIO))[:, None]
+            raised = _raised_floors(np.array([floors()[rows[0]] for _, rows in same]))
+            if raised is not None:  # a side without a floor (NaN) is no link
+                hit &= raised[:, None]
         if 2 * int(hit.any(axis=1).sum()) > n:
             continue  # most groups slow: the whole job's network or load, not one group's link
         for i in np.flatnonzero(hit.any(axis=1)).tolist():

@@ -270,7 +270,8 @@ def _time_z(d: F64, weight: F64, present: npt.NDArray[np.bool_], family: I64) ->
         for i in range(d.shape[0]):
             row, fam = d[i][present[i]], family[present[i]]
             if row.size:
-                centre = np.array([np.median(row[fam == f]) for f in fam])
+                labels, at = np.unique(fam, return_inverse=True)
+                centre = np.array([np.median(row[at == j]) for j in range(labels.size)])[at]
                 sigma[i, 0] = 1.4826 * float(np.median(np.abs(row - centre)))
     sigma = np.maximum(sigma, 0.02)
     total = w.sum(axis=1)
