@@ -18,7 +18,7 @@ import itertools
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from operator import attrgetter
+from operator import attrgetter, methodcaller
 
 import numpy as np
 import numpy.typing as npt
@@ -41,6 +41,7 @@ _EXACT_NS = 1 << 52
 #: Above this many (phase, collective) pairs per compute phase whose ranges meet, overlaps go by coverage.
 _MAX_PAIRS_PER_PHASE = 6
 _NONE = np.empty(0, dtype=np.int64)
+_PACKED_TIMES = methodcaller("packed_times")
 
 
 @dataclass(frozen=True, eq=False)
@@ -98,6 +99,21 @@ class PhaseLayout:
         shared: I64 = out[np.fromiter(map(slot.__getitem__, ids), dtype=np.int64, count=len(cols))]
         shared.flags.writeable = False  # as the unshared columns (a view of bytes): one type for the kernels
         return shared
+
+    def arrays(self, batches: Sequence[PhaseBatch]) -> tuple[I64, I64] | None:
+        """:meth:`columns` of ``start_ns`` and ``duration_ns`` (``batches x phases`` each) from the times decoded
+        batches keep (:meth:`PhaseBatch.packed_times`): bytes joined, no int converted (a numpy array per batch
+        costs ~0.6 us to concatenate, a join ~0.1 us); ``None`` unless every batch has them."""
+        packed = list(map(_PACKED_TIMES, batches))
+        if not packed or any(p is None for p in packed):
+            return None
+        width = self.inverse.size
+        # Decoding checked that each batch's times are as long as its kinds (those of this layout).
+        both = np.frombuffer(b"".join(packed), dtype="<i8")
+        if both.size != 2 * width * len(packed):
+            raise DetectorError("phase batches of one layout differ in the length of their columns")
+        rows = both.reshape(len(packed), 2, width)
+        return np.ascontiguousarray(rows[:, 0]), np.ascontiguousarray(rows[:, 1])
 
     def fold_rows(self, start: I64, duration: I64) -> tuple[I64, I64]:
         """Per row of ``duration`` (``batches x phases``, ns, all of this layout) the sum per phase id, and the
@@ -218,8 +234,12 @@ class LayoutIndex:
             lay = self.layouts[j]
             idx = np.flatnonzero(which == j)
             mine = [batches[i] for i in idx.tolist()] if len(order) > 1 else list(batches)
-            dur = lay.columns(mine, "duration_ns")
-            start = lay.columns(mine, "start_ns") if lay.block.size else dur
+            arrays = lay.arrays(mine)
+            if arrays is not None:
+                start, dur = arrays
+            else:
+                dur = lay.columns(mine, "duration_ns")
+                start = lay.columns(mine, "start_ns") if lay.block.size else dur
             out.append(FoldedLayout(j, idx.astype(np.int64), *lay.fold_rows(start, dur)))
         return which, out
 
