@@ -341,6 +341,11 @@ class PhaseBatch(Record):
     streams: tuple[int, ...]
     start_ns: tuple[int, ...]
     duration_ns: tuple[int, ...]
+    #: ``start_ns`` then ``duration_ns`` as little-endian int64 bytes (``16 x phases`` bytes, ns), the same values as
+    #: the tuples, where :meth:`decode` read them so (set on the instance, not a field: equality, repr, replace and
+    #: the Avro mapping ignore it); ``None`` for any other record (built, or decoded by fastavro). Bytes, not an
+    #: array: whoever gathers many batches joins them at memory speed.
+    packed_times: ClassVar[bytes | None] = None
 
     @classmethod
     def _enum_fields(cls) -> dict[str, type[enum.Enum]]:
@@ -379,23 +384,16 @@ class PhaseBatch(Record):
                     if raw.times is not None:
                         # Not a field (equality, repr, replace and the Avro mapping ignore it): the same values
                         # as the two tuples, read once, for whoever needs them as arrays (L2's fold of a step).
-                        rec.__dict__["_times"] = raw.times
+                        rec.__dict__["packed_times"] = raw.times
                     rec.check()
                     return rec
         rec = cls.from_avro(avro.decode(payload))
         rec.check()
         return rec
 
-    def packed_times(self) -> bytes | None:
-        """``start_ns`` then ``duration_ns`` as little-endian int64 bytes (``16 x phases`` bytes, ns), the same values
-        as the tuples, where :meth:`decode` read them so; ``None`` for any other record (built, or decoded by
-        fastavro). Bytes, not an array: whoever gathers many batches joins them at memory speed."""
-        got: bytes | None = self.__dict__.get("_times")
-        return got
-
     def times(self) -> npt.NDArray[np.int64] | None:
-        """:meth:`packed_times` as a read-only ``2 x phases`` int64 array (``start_ns``, ``duration_ns``; ns)."""
-        packed = self.packed_times()
+        """:attr:`packed_times` as a read-only ``2 x phases`` int64 array (``start_ns``, ``duration_ns``; ns)."""
+        packed = self.packed_times
         return None if packed is None else np.frombuffer(packed, dtype="<i8").reshape(2, -1)
 
     def check(self) -> None:
