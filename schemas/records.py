@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import json
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Self
 
@@ -19,7 +19,7 @@ import numpy.typing as npt
 
 from argus.core.errors import SchemaError
 from argus.core.kinds import FindingKind, Level
-from argus.schemas.codec import codec
+from argus.schemas.codec import MAGIC, codec
 from argus.schemas.column_packing import pack_column, unpack_column
 
 __all__ = [
@@ -68,6 +68,11 @@ def _times(what: str, name: str, values: int | Iterable[int] | npt.NDArray[Any])
 
 def _durations(what: str, name: str, values: int | Iterable[int] | npt.NDArray[Any]) -> None:
     _bounded(what, name, values, 0, TIME_LIMIT_NS - 1)
+
+
+def _within(values: npt.NDArray[np.int64], lo: int, hi: int) -> bool:
+    """Every value of ``values`` in ``[lo, hi]``."""
+    return not values.size or (lo <= int(values.min()) and int(values.max()) <= hi)
 
 
 def _same_length(what: str, record: Any, names: Iterable[str], n: int, of: str) -> None:
@@ -336,6 +341,11 @@ class PhaseBatch(Record):
     streams: tuple[int, ...]
     start_ns: tuple[int, ...]
     duration_ns: tuple[int, ...]
+    #: ``start_ns`` then ``duration_ns`` as little-endian int64 bytes (``16 x phases`` bytes, ns), the same values as
+    #: the tuples, where :meth:`decode` read them so (set on the instance, not a field: equality, repr, replace and
+    #: the Avro mapping ignore it); ``None`` for any other record (built, or decoded by fastavro). Bytes, not an
+    #: array: whoever gathers many batches joins them at memory speed.
+    packed_times: ClassVar[bytes | None] = None
 
     @classmethod
     def _enum_fields(cls) -> dict[str, type[enum.Enum]]:
@@ -350,6 +360,42 @@ class PhaseBatch(Record):
         return cls(data["job_id"], data["rank"], data["step"], kinds, names, groups, streams,
                    tuple(data["start_ns"]), tuple(data["duration_ns"]))
 
+    @classmethod
+    def decode(cls, payload: bytes) -> PhaseBatch:
+        """Parse and validate wire bytes (as :meth:`Record.decode`). Raises :class:`SchemaError` with the reason.
+
+        A v1 body read by v1 (the only version) goes through the compiled reader
+        (:mod:`argus.schemas.phase_reading`, ~10x faster than fastavro), which also keeps the times as arrays
+        (:meth:`times`); whatever it does not read as fastavro would (a corrupt body) is decoded by fastavro."""
+        avro = codec(cls.SCHEMA)
+        if len(payload) >= 2 and payload[0] == MAGIC and payload[1] == _PHASE_V1 == avro.latest:
+            # Imported here, not at the top: the rank-side tracer imports this module to encode only (numba).
+            from argus.schemas.phase_reading import read_phase_batch
+
+            raw = read_phase_batch(payload, 2, len(_KIND_SYMBOLS), len(_GROUP_SYMBOLS))
+            if raw is not None:
+                layout = _LAYOUTS.intern_raw(raw.layout, lambda: (
+                    [_KIND_SYMBOLS[i] for i in raw.kinds.tolist()],
+                    [payload[a:b].decode("utf-8") for a, b in raw.names.tolist()],
+                    [_GROUP_SYMBOLS[i] for i in raw.groups.tolist()], raw.streams.tolist()))
+                if layout is not None:
+                    rec = cls(raw.job_id, raw.rank, raw.step, *layout, tuple(raw.start_ns.tolist()),
+                              tuple(raw.duration_ns.tolist()))
+                    if raw.times is not None:
+                        # Not a field (equality, repr, replace and the Avro mapping ignore it): the same values
+                        # as the two tuples, read once, for whoever needs them as arrays (L2's fold of a step).
+                        rec.__dict__["packed_times"] = raw.times
+                    rec.check()
+                    return rec
+        rec = cls.from_avro(avro.decode(payload))
+        rec.check()
+        return rec
+
+    def times(self) -> npt.NDArray[np.int64] | None:
+        """:attr:`packed_times` as a read-only ``2 x phases`` int64 array (``start_ns``, ``duration_ns``; ns)."""
+        packed = self.packed_times
+        return None if packed is None else np.frombuffer(packed, dtype="<i8").reshape(2, -1)
+
     def check(self) -> None:
         what = f"phase batch {self.job_id}/{self.rank}/{self.step}"
         _same_length(what, self, ("names", "groups", "streams", "start_ns", "duration_ns"), len(self.kinds),
@@ -357,8 +403,12 @@ class PhaseBatch(Record):
         _bounded(what, "rank", self.rank, 0, _INT32[1])
         _bounded(what, "step", self.step, *_INT64)
         _bounded(what, "streams", self.streams, -1, _INT64[1])
-        _times(what, "start_ns", self.start_ns)
-        _durations(what, "duration_ns", self.duration_ns)
+        times = self.times()
+        # Arrays are checked at once; a value out of range is then named as the tuple check names it (the first).
+        if times is None or not (_within(times[0], -TIME_LIMIT_NS + 1, TIME_LIMIT_NS - 1)
+                                 and _within(times[1], 0, TIME_LIMIT_NS - 1) and times.shape[1] == len(self.kinds)):
+            _times(what, "start_ns", self.start_ns)
+            _durations(what, "duration_ns", self.duration_ns)
 
 
 _Layout = tuple[tuple[PhaseKind, ...], tuple[str, ...], tuple[ParallelGroup, ...], tuple[int, ...]]
@@ -372,6 +422,7 @@ class _LayoutCache:
     def __init__(self, size: int) -> None:
         self.size = size
         self._by_content: dict[tuple[tuple[Any, ...], ...], _Layout] = {}
+        self._by_raw: dict[bytes, _Layout] = {}
 
     def intern(self, kinds: Iterable[str], names: Iterable[str], groups: Iterable[str],
                streams: Iterable[int]) -> _Layout:
@@ -389,8 +440,29 @@ class _LayoutCache:
             self._by_content[key] = got
         return got
 
+    def intern_raw(self, raw: bytes, values: Callable[[], tuple[list[str], list[str], list[str], list[int]]]
+                   ) -> _Layout | None:
+        """The tuples of the layout whose Avro bytes (kinds, names, groups, streams: :mod:`argus.schemas.
+        phase_reading`) are ``raw``; ``values()`` gives its Avro values when these bytes are new (then as
+        :meth:`intern`). ``None`` when a name is not UTF-8 (the caller decodes with fastavro)."""
+        got = self._by_raw.get(raw)
+        if got is None:
+            try:
+                got = self.intern(*values())
+            except (UnicodeDecodeError, KeyError):
+                return None
+            if len(self._by_raw) >= self.size:
+                self._by_raw.pop(next(iter(self._by_raw)), None)
+            self._by_raw[raw] = got
+        return got
+
 
 _LAYOUTS = _LayoutCache(1024)
+#: The writer version :meth:`PhaseBatch.decode` reads with the compiled reader, and its enum symbols (in order).
+_PHASE_V1 = 1
+_KIND_SYMBOLS = ("FORWARD", "BACKWARD", "OPTIMIZER", "ALL_REDUCE", "REDUCE_SCATTER", "ALL_GATHER", "SEND_RECV",
+                 "ALL_TO_ALL", "BROADCAST", "DATA_LOADER", "OTHER")
+_GROUP_SYMBOLS = ("NONE", "DP", "TP", "PP", "EP")
 
 
 @dataclass(frozen=True)
