@@ -336,13 +336,27 @@ def _slow_ranks(sc: RankScores, min_score: float, gate: float, p: L3Params) -> t
     return slow, p50_ratio, healthy
 
 
-def _mode_outliers(sc: RankScores, p: L3Params, tails: npt.NDArray[np.bool_], modes: ReferenceModes,
+def _trusted_levels(batch: MixtureBatch) -> npt.NDArray[np.bool_]:
+    """Per rank and level of ``_SCAN_U``: whether the level lies among the calls of a cluster with the calls
+    for a modelled tail (``_TAIL_CALLS``; clusters ordered by p50, each holding its share of the rank's
+    calls). In a smaller cluster the p99 is its slowest call or two: one stray call would stretch its
+    modelled tail, and the levels read there."""
+    order = np.argsort(np.where(batch.counts > 0, batch.p50_ns, np.inf), axis=1, kind="stable")
+    counts = np.take_along_axis(batch.counts, order, axis=1)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        share = np.cumsum(counts, axis=1) / counts.sum(axis=1, keepdims=True)
+    at = np.minimum((share[:, None, :] <= _SCAN_U[None, :, None]).sum(axis=2), counts.shape[1] - 1)
+    out: npt.NDArray[np.bool_] = np.take_along_axis(counts >= _TAIL_CALLS, at, axis=1)
+    return out
+
+
+def _mode_outliers(sc: RankScores, p: L3Params, trusted: npt.NDArray[np.bool_], modes: ReferenceModes,
                    mode_q: F64, scan_q: F64) -> tuple[npt.NDArray[np.bool_], F64, F64]:
     """Ranks with a mode slower than the reference's (see :mod:`argus.detectors.kernel_modes`): the mask, each
-    rank's largest mode ratio, and the share of calls of that mode. ``tails``: ranks whose clusters all
-    have the calls for a modelled tail (only they are read on the fixed u grid, whose upper levels lie in
-    the tails). ``modes``: the reference's; ``mode_q`` and ``scan_q``: each rank's quantiles (ns) at the
-    modes' middles and at ``_SCAN_U``."""
+    rank's largest mode ratio, and the share of calls of that mode. ``trusted``: per rank and level of the
+    fixed u grid, whether the level is read in a modelled tail that holds (:func:`_trusted_levels`; the upper
+    levels of a cluster lie in its tail). ``modes``: the reference's; ``mode_q`` and ``scan_q``: each rank's
+    quantiles (ns) at the modes' middles and at ``_SCAN_U``."""
     n = sc.score.size
     logq = np.log(mode_q)
     if n >= 4:
@@ -363,9 +377,9 @@ def _mode_outliers(sc: RankScores, p: L3Params, tails: npt.NDArray[np.bool_], mo
         lq = np.log(scan_q)
         lq -= np.median(lq, axis=0)
         floor = np.maximum(_MAD_SCALE * np.median(np.abs(lq), axis=0), p.mode_mad_floor)
-        level = (lq >= math.log(p.mode_ratio)) & (lq >= p.mode_z * floor)
+        level = (lq >= math.log(p.mode_ratio)) & (lq >= p.mode_z * floor) & trusted
         run = level[:, 1:] & level[:, :-1]
-        scan = run.any(axis=1) & ~found & tails
+        scan = run.any(axis=1) & ~found
         if scan.any():
             top = np.argmax(np.where(level, lq, -np.inf), axis=1)
             ratio = np.where(scan, np.exp(lq[rows, top]), ratio)
@@ -401,7 +415,8 @@ def _compute(s: KernelSummary, ranks: I64, batch: MixtureBatch, total: F64, topo
         tails = ((sub.counts == 0.0) | (sub.counts >= _TAIL_CALLS)).all(axis=1)
         modes = reference_modes(sc.reference, sc.grid)
         q = sc.quantiles_ns
-        by_mode, mode_ratio, mode_share = _mode_outliers(sc, p, tails, modes, q[:, :len(modes)], q[:, len(modes):-1])
+        by_mode, mode_ratio, mode_share = _mode_outliers(sc, p, _trusted_levels(sub), modes, q[:, :len(modes)],
+                                                         q[:, len(modes):-1])
         # Modes are matched by position among a rank's calls: only ranks with the set's calls (a window cut
         # between the ranks' calls of one step shifts every position) are judged by mode.
         calls = batch.counts[rows].sum(axis=1)
