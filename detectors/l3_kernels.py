@@ -127,8 +127,9 @@ class L3Params:
     ``collective_p50_ratio``: the same for collectives, above healthy waiting spread [4.0].
     ``short_ratio``: group peers' median p50 over a member's that names it a late arrival [5.0].
     ``min_events``: ranks with fewer events of the kernel are left out [10]; for a collective whose group
-    is known (``group_kind``) ``collective_min_events`` [5] (its groups are judged together: a DP all-reduce
-    runs once a step, and a window of a few steps still holds it on every member). ``min_ranks``: fewest ranks
+    is known (``group_kind``, or the topology has groups of one kind only to run it in: DP or TP)
+    ``collective_min_events`` [5] (its groups are judged together: a DP all-reduce runs once a step, and a
+    window of a few steps still holds it on every member). ``min_ranks``: fewest ranks
     to compare [2]. ``grid_points``: points of the shared CDF grid [512]. ``mode_log_gap``: gap in
     ``ln(ns)`` between component p50s that separates modes in :func:`primary_p50` [0.3].
     ``compute_scope``: compare compute kernels per pipeline stage or across the job [STAGE].
@@ -299,10 +300,14 @@ def detect_l3(summaries: Sequence[KernelSummary], topology: JobTopology | None =
     if not one_key(summaries):
         raise DetectorError("detect_l3 needs the summaries of exactly one (job, kernel, stream)")
     collective = is_collective(first.kernel, p.collective_markers)
-    # Few calls of a collective are judged only in the group the trace named: read in every grouping, a
-    # handful of calls per member is too little to tell waiting from a slow group.
+    # Few calls of a collective are judged only in one grouping (the group the trace named, or the only kind
+    # the topology has): read in every grouping, a handful of calls per member is too little to tell waiting
+    # from a slow group.
     named = group_kind is not None and group_kind is not ParallelGroup.NONE
-    ranks, batch, total = merge_rows(summaries, p.collective_min_events if collective and named else p.min_events)
+    one_grouping = named or (collective and topology is not None and not _is_p2p(first.kernel)
+                             and _collective_kinds(topology) == 1)
+    ranks, batch, total = merge_rows(summaries, p.collective_min_events if collective and one_grouping
+                                     else p.min_events)
     if batch is None or ranks.size < p.min_ranks:
         return []
     if topology is not None and not set(topology.rank).issuperset(ranks.tolist()):
@@ -331,13 +336,27 @@ def _slow_ranks(sc: RankScores, min_score: float, gate: float, p: L3Params) -> t
     return slow, p50_ratio, healthy
 
 
-def _mode_outliers(sc: RankScores, p: L3Params, tails: npt.NDArray[np.bool_], modes: ReferenceModes,
+def _trusted_levels(batch: MixtureBatch) -> npt.NDArray[np.bool_]:
+    """Per rank and level of ``_SCAN_U``: whether the level lies among the calls of a cluster with the calls
+    for a modelled tail (``_TAIL_CALLS``; clusters ordered by p50, each holding its share of the rank's
+    calls). In a smaller cluster the p99 is its slowest call or two: one stray call would stretch its
+    modelled tail, and the levels read there."""
+    order = np.argsort(np.where(batch.counts > 0, batch.p50_ns, np.inf), axis=1, kind="stable")
+    counts = np.take_along_axis(batch.counts, order, axis=1)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        share = np.cumsum(counts, axis=1) / counts.sum(axis=1, keepdims=True)
+    at = np.minimum((share[:, None, :] <= _SCAN_U[None, :, None]).sum(axis=2), counts.shape[1] - 1)
+    out: npt.NDArray[np.bool_] = np.take_along_axis(counts >= _TAIL_CALLS, at, axis=1)
+    return out
+
+
+def _mode_outliers(sc: RankScores, p: L3Params, trusted: npt.NDArray[np.bool_], modes: ReferenceModes,
                    mode_q: F64, scan_q: F64) -> tuple[npt.NDArray[np.bool_], F64, F64]:
     """Ranks with a mode slower than the reference's (see :mod:`argus.detectors.kernel_modes`): the mask, each
-    rank's largest mode ratio, and the share of calls of that mode. ``tails``: ranks whose clusters all
-    have the calls for a modelled tail (only they are read on the fixed u grid, whose upper levels lie in
-    the tails). ``modes``: the reference's; ``mode_q`` and ``scan_q``: each rank's quantiles (ns) at the
-    modes' middles and at ``_SCAN_U``."""
+    rank's largest mode ratio, and the share of calls of that mode. ``trusted``: per rank and level of the
+    fixed u grid, whether the level is read in a modelled tail that holds (:func:`_trusted_levels`; the upper
+    levels of a cluster lie in its tail). ``modes``: the reference's; ``mode_q`` and ``scan_q``: each rank's
+    quantiles (ns) at the modes' middles and at ``_SCAN_U``."""
     n = sc.score.size
     logq = np.log(mode_q)
     if n >= 4:
@@ -358,9 +377,9 @@ def _mode_outliers(sc: RankScores, p: L3Params, tails: npt.NDArray[np.bool_], mo
         lq = np.log(scan_q)
         lq -= np.median(lq, axis=0)
         floor = np.maximum(_MAD_SCALE * np.median(np.abs(lq), axis=0), p.mode_mad_floor)
-        level = (lq >= math.log(p.mode_ratio)) & (lq >= p.mode_z * floor)
+        level = (lq >= math.log(p.mode_ratio)) & (lq >= p.mode_z * floor) & trusted
         run = level[:, 1:] & level[:, :-1]
-        scan = run.any(axis=1) & ~found & tails
+        scan = run.any(axis=1) & ~found
         if scan.any():
             top = np.argmax(np.where(level, lq, -np.inf), axis=1)
             ratio = np.where(scan, np.exp(lq[rows, top]), ratio)
@@ -396,7 +415,8 @@ def _compute(s: KernelSummary, ranks: I64, batch: MixtureBatch, total: F64, topo
         tails = ((sub.counts == 0.0) | (sub.counts >= _TAIL_CALLS)).all(axis=1)
         modes = reference_modes(sc.reference, sc.grid)
         q = sc.quantiles_ns
-        by_mode, mode_ratio, mode_share = _mode_outliers(sc, p, tails, modes, q[:, :len(modes)], q[:, len(modes):-1])
+        by_mode, mode_ratio, mode_share = _mode_outliers(sc, p, _trusted_levels(sub), modes, q[:, :len(modes)],
+                                                         q[:, len(modes):-1])
         # Modes are matched by position among a rank's calls: only ranks with the set's calls (a window cut
         # between the ranks' calls of one step shifts every position) are judged by mode.
         calls = batch.counts[rows].sum(axis=1)
@@ -501,6 +521,13 @@ def _groups(topology: JobTopology | None, ranks: I64, p2p: bool,
     return out
 
 
+def _collective_kinds(topology: JobTopology) -> int:
+    """How many of the kinds a collective (no send/receive) runs in -- DP and TP -- have groups of 2 or more
+    ranks in ``topology``: with one, a collective's grouping is not a guess among several."""
+    return sum(int(np.unique(np.asarray(getattr(topology, col)), return_counts=True)[1].max(initial=0) >= 2)
+               for _, col in _GROUP_KINDS[:2])
+
+
 def _one_side(topology: JobTopology, at: I64) -> bool:
     """Whether point-to-point calls on the ranks at positions ``at`` of ``topology`` are pipeline transfers
     seen one side per stream: they run on some pipeline stages but not all (the sends to the next stage
@@ -568,6 +595,7 @@ def _links(s: KernelSummary, ranks: I64, batch: MixtureBatch, sc: RankScores, gr
             for key in [key for key in roles if key[0] == kind]:
                 del roles[key]
             roles[(kind, -1)] = pooled
+    judged: list[tuple[str, list[tuple[int, I64]], F64, F64, F64, npt.NDArray[np.bool_]]] = []
     for (kind, role_stage), same in roles.items():
         if len(same) < 2:
             continue  # one group spans the comparison: nothing to compare its transfer with
@@ -578,12 +606,12 @@ def _links(s: KernelSummary, ranks: I64, batch: MixtureBatch, sc: RankScores, gr
         if n >= 4:
             mad = _MAD_SCALE * np.median(np.abs(lg - np.median(lg, axis=0)), axis=0)
             hit = (lr >= math.log(p.link_ratio)) & (lr >= p.link_z * np.maximum(mad, _LINK_MAD_FLOOR))
-        elif (base.get("group_known") and kind in ("DP", "TP") and role_stage >= 0
-              and min(rows.size for _, rows in same) >= _SPREAD_SET):
-            # Reductions of groups the trace named, of 4+ members each, in one stage (stages move other
-            # sizes): a reduction ends together on every member, so each group's fastest member is its last
-            # arrival, a pure transfer however its members arrived, and two or three groups compare like
-            # many. (An all-to-all is sends and receives: a member's part ends on its own.)
+        elif kind in ("DP", "TP") and role_stage >= 0 and min(rows.size for _, rows in same) >= _SPREAD_SET:
+            # Reductions of groups of 4+ members each, in one stage (stages move other sizes): a reduction ends
+            # together on every member, so each group's fastest member is its last arrival, a pure transfer
+            # however its members arrived, and two or three groups compare like many. (An all-to-all is sends
+            # and receives: a member's part ends on its own.) Where the trace did not name the group, the
+            # grouping is one guess of several, which LinkLedger has confirmed by a second collective.
             hit = lr >= math.log(p.link_ratio)
         else:
             hit = lr >= math.log(max(p.link_ratio, _SMALL_LINK_RATIO))
@@ -604,6 +632,18 @@ def _links(s: KernelSummary, ranks: I64, batch: MixtureBatch, sc: RankScores, gr
             raised = _raised_floors(np.array([floors()[rows[0]] for _, rows in same]))
             if raised is not None:  # a side without a floor (NaN) is no link
                 hit &= raised[:, None]
+        judged.append((kind, same, lg, ref, lr, hit))
+    # Of every group of a kind in the job, how many were compared and how many are slow: one slow group
+    # among many even ones (each stage's groups compared among themselves) is one group's link, where waiting
+    # in a collective of another kind would slow the same position in every stage's groups.
+    of_kind: dict[str, list[int]] = {}
+    for kind, same, *_, hit in judged:
+        tally = of_kind.setdefault(kind, [0, 0, 0])
+        tally[0] += len(same)
+        tally[1] += int(hit.any(axis=1).sum())
+        tally[2] += 1
+    for kind, same, lg, ref, lr, hit in judged:
+        n = lg.shape[0]
         if 2 * int(hit.any(axis=1).sum()) > n:
             continue  # most groups slow: the whole job's network or load, not one group's link
         for i in np.flatnonzero(hit.any(axis=1)).tolist():
@@ -622,6 +662,8 @@ def _links(s: KernelSummary, ranks: I64, batch: MixtureBatch, sc: RankScores, gr
                 "transfer_ratio": ratio, "p50_ratio": ratio, "group_min_ns": float(np.exp(lg[i, j])),
                 "healthy_min_ns": float(np.exp(ref[j])),
                 "mode_share_of_calls": float(modes.width[j]), "groups_compared": n,
+                "kind_groups": of_kind[kind][0], "kind_slow_groups": of_kind[kind][1],
+                "kind_comparisons": of_kind[kind][2],
                 "w1_inter_over_intra_ratio": _inter_intra(batch, sc, rows, np.flatnonzero(~explained)),
             }, excess_ns=extra))
     return out

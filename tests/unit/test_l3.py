@@ -327,8 +327,25 @@ def test_two_named_groups_of_many_members_compare_like_many() -> None:
     # The trace named the stream's process group: each group's fastest member is a pure transfer.
     res = detect_l3([summary], topo, group_kind=ParallelGroup.DP)
     assert _found(res) == [(FindingKind.LINK_DEGRADED, tuple(range(1, 16, 2)))] and res[0].evidence["group_known"]
-    # Inferred from durations alone, two groups need a larger gap.
-    assert detect_l3([summary], topo) == []
+    # Inferred from durations alone the same (LinkLedger then asks for a second collective of the group).
+    res = detect_l3([summary], topo)
+    assert _found(res) == [(FindingKind.LINK_DEGRADED, tuple(range(1, 16, 2)))]
+    assert not res[0].evidence["group_known"]
+    # Within the healthy spread of transfers nothing.
+    assert detect_l3([_summary(_ranks(16, {r: 1.2 for r in range(1, 16, 2)}), kernel=AR)], topo) == []
+
+
+def test_a_collective_with_one_grouping_in_the_topology_is_judged_on_few_calls() -> None:
+    # DP 8 x PP 4, no TP: a reduction can only be a DP group's; six calls a rank (one a step) are enough, as
+    # where the trace names the group, while a job with DP and TP groups still needs ten.
+    topo = build_topology("j", dp=8, pp=4)
+    slow = {r: 2.5 for r in range(32) if topo.pp_stage[topo.rank.index(r)] == 1}
+    rows = _ranks(32, slow, count=6)
+    res = detect_l3([_summary(rows, kernel=AR)], topo)
+    assert _found(res) == [(FindingKind.LINK_DEGRADED, tuple(sorted(slow)))]
+    assert res[0].evidence["kind_groups"] == 4 and res[0].evidence["kind_slow_groups"] == 1
+    assert detect_l3([_summary(_ranks(16, {r: 2.5 for r in range(1, 16, 2)}, count=6), kernel=AR)],
+                     build_topology("j", dp=8, tp=2)) == []
 
 
 def test_two_pairs_whose_fast_calls_are_slower_too_are_a_link_at_the_plain_ratio() -> None:

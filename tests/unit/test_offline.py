@@ -16,9 +16,11 @@ from argus.streams.offline import diagnose_records, finding_json
 
 
 def _link(ranks: tuple[int, ...], kernel: str, ratio: float, groups: int, impact: float = 1.0,
-          weak: bool = False, known: bool = False) -> Finding:
+          weak: bool = False, known: bool = False, of_kind: tuple[int, int, int] | None = None) -> Finding:
     ev = json.dumps({"transfer_ratio": ratio, "groups_compared": groups, "group_known": known}
-                    | ({CORROBORATES_ONLY: True} if weak else {}))
+                    | ({CORROBORATES_ONLY: True} if weak else {})
+                    | (dict(zip(("kind_groups", "kind_slow_groups", "kind_comparisons"), of_kind, strict=True))
+                       if of_kind else {}))
     return Finding(finding_id=f"{kernel}{ranks}", job_id="j", level=Level.L3, kind="link_degraded", ranks=ranks,
                    steps=(), score=ratio, evidence_json=ev, time_ns=1, kernel=kernel, stream=20, impact_ns=impact)
 
@@ -35,6 +37,16 @@ def test_links_need_two_collectives_or_strong_evidence() -> None:
     assert len(LinkLedger().filter([_link((6, 7), "AllReduce", 1.6, 2, known=True)])) == 1
     other = _link((4, 5), "x", 1.0, 1)
     assert LinkLedger().filter([dataclasses.replace(other, kind="kernel_degraded")])  # other kinds pass
+
+
+def test_the_only_slow_group_of_its_kind_across_three_stages_is_strong() -> None:
+    # Two EP groups per stage, eight stages: slow against its stage's other group, even in all the others.
+    assert len(LinkLedger().filter([_link((9, 11), "SendRecv", 2.8, 2, of_kind=(16, 1, 8))])) == 1
+    # Two stages only, a second slow group somewhere, or a ratio under the strong one: a second collective is
+    # needed.
+    assert LinkLedger().filter([_link((2, 3), "ReduceScatter", 2.9, 2, of_kind=(4, 1, 2))]) == []
+    assert LinkLedger().filter([_link((9, 11), "SendRecv", 2.8, 2, of_kind=(16, 2, 8))]) == []
+    assert LinkLedger().filter([_link((9, 11), "SendRecv", 1.8, 2, of_kind=(16, 1, 8))]) == []
 
 
 def test_the_named_collectives_do_not_depend_on_their_order() -> None:
