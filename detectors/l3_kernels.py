@@ -611,8 +611,14 @@ def _links(s: KernelSummary, ranks: I64, batch: MixtureBatch, sc: RankScores, gr
             # together on every member, so each group's fastest member is its last arrival, a pure transfer
             # however its members arrived, and two or three groups compare like many. (An all-to-all is sends
             # and receives: a member's part ends on its own.) Where the trace did not name the group, the
-            # grouping is one guess of several, which LinkLedger has confirmed by a second collective.
-            hit = lr >= math.log(p.link_ratio)
+            # grouping is one guess of several, which LinkLedger has confirmed by a second collective. A group
+            # with a late arrival is no reference then: its fastest member (the straggler) never waits, while
+            # a healthy group's fastest member waits in the calls where another posted last.
+            triples = [(kind, g, rows) for g, rows in same]
+            plain = base.get("group_known") or not any(
+                _late_candidates([t for t in triples if t[2].size == size], sc.primary_p50_ns)
+                for size in {rows.size for _, rows in same})
+            hit = lr >= math.log(p.link_ratio if plain else max(p.link_ratio, _SMALL_LINK_RATIO))
         else:
             hit = lr >= math.log(max(p.link_ratio, _SMALL_LINK_RATIO))
             if kind != PIPELINE_SIDE and role_stage >= 0 and all(rows.size == 2 for _, rows in same):
