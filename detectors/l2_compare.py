@@ -30,8 +30,9 @@ _MAD_SCALE = 1.4826
 #: Times are integer nanoseconds: a phase's time per step below one is no time measured, and a ratio to it
 #: is no ratio (a member whose collective took "0 ns" arrived last, by at most its peers' time).
 _RESOLUTION_NS = 1.0
-# A member this many times shorter than its peers' median arrived late: its group's long collectives are
-# explained (the same 2x rule as L3's link check).
+#: Of a compute phase's own excess over its peers, the least share its duration (waiting included) must
+#: exceed theirs by: a rank whose wall time is not longer made nobody wait (its peers' own time is short).
+_WALL_SHARE = 0.5
 
 
 @dataclass
@@ -73,10 +74,12 @@ def compare_rows(value: F64, p: L2Params, collective: bool) -> tuple[F64, F64, F
 
 
 def phase_flags(name: str, kind: PhaseKind, label: str, column: I64, has: npt.NDArray[np.bool_], per_step: F64,
-                occ: F64, longest: F64, in_blocking: F64, rank: I64, p: L2Params) -> list[Flag]:
+                occ: F64, longest: F64, in_blocking: F64, rank: I64, p: L2Params,
+                raw: F64 | None = None) -> list[Flag]:
     """The flags of one phase: its ranks (``has``) compared within their groups (``column``: each rank's
-    group); ``per_step``, ``occ``, ``longest`` and ``in_blocking`` per rank (see ``detect_l2``), ``rank`` the
-    topology's ranks. In the order of a loop over the groups (ascending) and their members (by position)."""
+    group); ``per_step``, ``occ``, ``longest``, ``in_blocking`` and ``raw`` (the duration, waiting included;
+    ``None``: ``per_step``) per rank (see ``detect_l2``), ``rank`` the topology's ranks. In the order of a
+    loop over the groups (ascending) and their members (by position)."""
     collective = kind.is_collective
     pos = np.flatnonzero(has)
     group = column[pos]
@@ -95,6 +98,10 @@ def phase_flags(name: str, kind: PhaseKind, label: str, column: I64, has: npt.ND
         with np.errstate(invalid="ignore", divide="ignore"):
             value = np.where(per_occurrence, value / rate, value)
         ratio, z, peers, cv, hit = compare_rows(value, p, collective)
+        if not collective and raw is not None and hit.any():
+            with np.errstate(invalid="ignore", divide="ignore"):
+                wall = np.where(per_occurrence, raw[members] / rate, raw[members])
+            hit &= (wall - loo_median_rows(wall)) >= _WALL_SHARE * (value - peers)
         late_ns = (peers - value) * np.where(per_occurrence, rate, 1.0)
         late = late_ns / np.maximum(longest[members], 1.0)
         blocked = in_blocking[members]

@@ -24,7 +24,7 @@ import numpy as np
 import numpy.typing as npt
 
 from argus.detectors.l2_phases import L2Params, L2Result, PhaseStats, judge_l2, phase_stats, rank_positions
-from argus.detectors.phase_layout import LayoutIndex
+from argus.detectors.phase_layout import COMPUTE_KINDS, LayoutIndex
 from argus.schemas.records import JobTopology, PhaseBatch
 
 __all__ = ["PhaseHistory", "row_medians"]
@@ -58,22 +58,31 @@ def row_medians(mat: npt.NDArray[np.int32] | I64, cols: list[int] | None = None)
 
 class _Shape:
     """Sorted ranks and each one's layout index (``lay``), with one column per step of its cells' own times:
-    rows are per rank (ascending), then per phase id of its layout (ascending)."""
+    rows are per rank (ascending), then per phase id of its layout (ascending); then the durations (waiting
+    included) of the cells that nest blocking collectives (:attr:`PhaseLayout.nests`), in the same order."""
 
     def __init__(self, ranks: I64, lay: I64, index: LayoutIndex) -> None:
         self.ranks, self.lay = ranks, lay
-        sizes = np.array([lay_.ids.size for lay_ in index.layouts], dtype=np.int64)[lay]
+        sizes, nsizes = _sizes(index, lay)
         self.offsets = np.cumsum(sizes) - sizes
-        total = int(sizes.sum())
+        total = self.n_own = int(sizes.sum())
+        self.raw_offsets = total + np.cumsum(nsizes) - nsizes
         self.cell_rank = np.repeat(ranks, sizes)
         self.cell_gid = np.empty(total, dtype=np.int64)
         self.cell_count = np.empty(total, dtype=np.int64)
+        self.raw_rank = np.repeat(ranks, nsizes)
+        self.raw_gid = np.empty(int(nsizes.sum()), dtype=np.int64)
+        self.cell_nests = np.zeros(total, dtype=bool)
         for j in np.unique(lay).tolist():
             layout = index.layouts[j]
             rows = (self.offsets[lay == j][:, None] + np.arange(layout.ids.size)).ravel()
             self.cell_gid[rows] = np.tile(layout.ids, rows.size // max(layout.ids.size, 1))
             self.cell_count[rows] = np.tile(layout.counts, rows.size // max(layout.ids.size, 1))
-        self.mat: npt.NDArray[np.int32] | I64 = np.empty((total, 0), dtype=np.int32)
+            if layout.nests.size:
+                self.cell_nests[(self.offsets[lay == j][:, None] + layout.nests).ravel()] = True
+                raw_rows = (self.raw_offsets[lay == j][:, None] + np.arange(layout.nests.size)).ravel() - total
+                self.raw_gid[raw_rows] = np.tile(layout.ids[layout.nests], raw_rows.size // layout.nests.size)
+        self.mat: npt.NDArray[np.int32] | I64 = np.empty((total + self.raw_gid.size, 0), dtype=np.int32)
         self.free: list[int] = []
         self.used = 0
 
@@ -81,7 +90,8 @@ class _Shape:
         return bool(np.array_equal(self.ranks, ranks) and np.array_equal(self.lay, lay))
 
     def add(self, own: I64, cap: int) -> int:
-        """Store one step's column (``own``, ns); returns its slot. ``cap``: the most columns worth holding."""
+        """Store one step's column (``own``: own times, then durations, ns); returns its slot. ``cap``: the most
+        columns worth holding."""
         if own.size and int(own.max()) > _INT32_MAX and self.mat.dtype != np.int64:
             self.mat = self.mat.astype(np.int64)
         if not self.free:
@@ -113,7 +123,7 @@ class _Piece:
 
     @property
     def own(self) -> I64:
-        """The step's own times per cell (ns), as int64."""
+        """The step's column (ns, as int64): own times per cell, then the durations of the cells that nest."""
         out: I64 = self.shape.mat[:, self.slot].astype(np.int64)
         return out
 
@@ -144,14 +154,18 @@ class PhaseHistory:
         order = np.argsort(ranks, kind="stable")
         where = np.empty_like(order)
         where[order] = np.arange(order.size)
-        sizes = np.array([lay.ids.size for lay in self.index.layouts], dtype=np.int64)[which]
-        sorted_sizes = sizes[order]
-        offsets = np.cumsum(sorted_sizes) - sorted_sizes
-        own = np.empty(int(sizes.sum()), dtype=np.int64)
+        sizes, nsizes = _sizes(self.index, which[order])
+        offsets = np.cumsum(sizes) - sizes
+        raw_offsets = int(sizes.sum()) + np.cumsum(nsizes) - nsizes
+        own = np.empty(int(sizes.sum() + nsizes.sum()), dtype=np.int64)
         for part in folded:
-            k = self.index.layouts[part.layout].ids.size
-            rows = (offsets[where[part.members]][:, None] + np.arange(k)).ravel()
-            own[rows] = np.maximum(part.duration - part.nested, 0).ravel()
+            lay = self.index.layouts[part.layout]
+            at = where[part.members]
+            own[(offsets[at][:, None] + np.arange(lay.ids.size)).ravel()] = np.maximum(
+                part.duration - part.nested, 0).ravel()
+            if lay.nests.size:
+                own[(raw_offsets[at][:, None] + np.arange(lay.nests.size)).ravel()] = np.maximum(
+                    part.duration[:, lay.nests], 0).ravel()
         self._place(step, ranks[order], which[order], order.astype(np.int64), own)
 
     def replace(self, batch: PhaseBatch) -> None:
@@ -161,26 +175,32 @@ class PhaseHistory:
         shape = piece.shape
         which, folded = self.index.fold([batch])
         lay = int(which[0])
+        nests = self.index.layouts[lay].nests
         row = np.maximum(folded[0].duration - folded[0].nested, 0).ravel() if folded else np.empty(0, np.int64)
+        raw_row = np.maximum(folded[0].duration[:, nests], 0).ravel() if folded else np.empty(0, np.int64)
         i = int(np.searchsorted(shape.ranks, batch.rank))
         present = i < shape.ranks.size and int(shape.ranks[i]) == batch.rank
+        own = piece.own
         if present and int(shape.lay[i]) == lay:
-            own = piece.own
             own[shape.offsets[i]:shape.offsets[i] + row.size] = row
+            own[shape.raw_offsets[i]:shape.raw_offsets[i] + raw_row.size] = raw_row
             self._place(batch.step, shape.ranks, shape.lay, piece.arrival, own)
             return
         # A new layout or a new rank: the step's columns are laid out again.
-        segments = [piece.own[shape.offsets[j]:shape.offsets[j] + self.index.layouts[int(shape.lay[j])].ids.size]
-                    for j in range(shape.ranks.size)]
+        layouts = [self.index.layouts[int(j)] for j in shape.lay.tolist()]
+        segments = [own[shape.offsets[j]:shape.offsets[j] + x.ids.size] for j, x in enumerate(layouts)]
+        raws = [own[shape.raw_offsets[j]:shape.raw_offsets[j] + x.nests.size] for j, x in enumerate(layouts)]
         ranks, lays, arrival = shape.ranks.tolist(), shape.lay.tolist(), piece.arrival.tolist()
         if present:
-            lays[i], segments[i] = lay, row
+            lays[i], segments[i], raws[i] = lay, row, raw_row
         else:
             ranks.insert(i, batch.rank)
             lays.insert(i, lay)
             segments.insert(i, row)
+            raws.insert(i, raw_row)
             arrival.insert(i, max(arrival, default=-1) + 1)
-        own = np.concatenate([np.asarray(s, dtype=np.int64) for s in segments]) if segments else np.empty(0, np.int64)
+        parts = [np.asarray(s, dtype=np.int64) for s in segments + raws]
+        own = np.concatenate(parts) if parts else np.empty(0, np.int64)
         self._place(batch.step, np.array(ranks, dtype=np.int64), np.array(lays, dtype=np.int64),
                     np.array(arrival, dtype=np.int64), own)
 
@@ -195,7 +215,8 @@ class PhaseHistory:
     def state_bytes(self) -> int:
         """Bytes of the arrays held (matrices, cells, arrival orders)."""
         total = sum(s.mat.nbytes + s.ranks.nbytes + s.lay.nbytes + s.offsets.nbytes + s.cell_rank.nbytes
-                    + s.cell_gid.nbytes + s.cell_count.nbytes for s in self._shapes)
+                    + s.cell_gid.nbytes + s.cell_count.nbytes + s.raw_offsets.nbytes + s.raw_rank.nbytes
+                    + s.raw_gid.nbytes + s.cell_nests.nbytes for s in self._shapes)
         return total + sum(p.arrival.nbytes for p in self._pieces.values())
 
     def _place(self, step: int, ranks: I64, lay: I64, arrival: I64, own: I64) -> None:
@@ -246,11 +267,22 @@ class PhaseHistory:
         if len(shapes) == 1 and len(set(topology.rank)) == len(topology.rank):
             stats = self._dense(next(iter(shapes.values())), [p.slot for p in keep], pid, dictionary, topology)
         else:
+            # Durations of every compute cell: those that nest from their own rows, the others' are their own.
+            compute = np.array([k[1] in COMPUTE_KINDS for k in keys], dtype=bool)
+            columns = [p.own for p in keep]
+            plain = [compute[p.shape.cell_gid] & ~p.shape.cell_nests for p in keep]
+            n_own = [p.shape.n_own for p in keep]
+            raw = (np.concatenate([x for p, c in zip(keep, plain, strict=True)
+                                   for x in (p.shape.cell_rank[c], p.shape.raw_rank)]),
+                   np.concatenate([x for p, c in zip(keep, plain, strict=True)
+                                   for x in (pid[p.shape.cell_gid[c]], pid[p.shape.raw_gid])]),
+                   np.concatenate([x for col, c, n in zip(columns, plain, n_own, strict=True)
+                                   for x in (col[:n][c], col[n:])]))
             stats = phase_stats(
                 np.concatenate([p.shape.cell_rank for p in keep]),
                 np.concatenate([pid[p.shape.cell_gid] for p in keep]),
-                np.concatenate([p.own for p in keep]),
-                np.concatenate([p.shape.cell_count for p in keep]), len(keep), dictionary, topology)
+                np.concatenate([col[:n] for col, n in zip(columns, n_own, strict=True)]),
+                np.concatenate([p.shape.cell_count for p in keep]), len(keep), dictionary, topology, raw=raw)
         return judge_l2(stats, topology, params)
 
     @staticmethod
@@ -267,10 +299,22 @@ class PhaseHistory:
         n_steps = np.zeros(size, dtype=np.int64)
         n_steps[cell] = n
         per_step = np.full(size, np.nan)
-        per_step[cell] = med
+        per_step[cell] = med[:shape.n_own]
+        raw = None
+        if shape.raw_gid.size:
+            raw = per_step.copy()
+            raw[rank_positions(topology, shape.raw_rank) * n_phases + pid[shape.raw_gid]] = med[shape.n_own:]
         sums = np.zeros(size)
         sums[cell] = shape.cell_count.astype(np.float64) * n
         with np.errstate(invalid="ignore", divide="ignore"):
             occ = sums / n_steps
         shape2 = (world, n_phases)
-        return PhaseStats(*dictionary, n_steps.reshape(shape2), per_step.reshape(shape2), occ.reshape(shape2), n)
+        return PhaseStats(*dictionary, n_steps.reshape(shape2), per_step.reshape(shape2), occ.reshape(shape2), n,
+                          None if raw is None else raw.reshape(shape2))
+
+
+def _sizes(index: LayoutIndex, lay: I64) -> tuple[I64, I64]:
+    """Per entry of ``lay`` (layout indices), its layout's ids and the ids that nest (see :class:`_Shape`)."""
+    sizes = np.array([x.ids.size for x in index.layouts], dtype=np.int64)[lay]
+    nsizes = np.array([x.nests.size for x in index.layouts], dtype=np.int64)[lay]
+    return sizes, nsizes

@@ -7,7 +7,11 @@ OPTIMIZER) that sum is its **own time**: the duration less the time of the rank'
 (TP, EP, PP; :data:`BLOCKING_GROUPS`) that overlap it (``PhaseTable.nested_ns``). A Megatron layer's
 self_attention and mlp hold a blocking TP all-reduce: a rank that waits there for its slow TP partner (a
 victim), or whose TP link is degraded, has a long phase but no slow compute. DP gradient buckets overlap
-the backward and are not subtracted. Ranks are compared only with the ranks that run the same work:
+the backward and are not subtracted. A rank whose own time is elevated but whose phase, waiting included,
+is not longer than its peers' by at least half that excess made nobody wait: its peers' own time is what
+is short (a collective that merely overlapped their phase on another stream, e.g. a pipeline send still in
+flight through the optimizer, was taken for blocking), so it is not flagged. Ranks are compared only with
+the ranks that run the same work:
 
 * compute and host phases (every non-collective kind: FORWARD, BACKWARD, OPTIMIZER, DATA_LOADER,
   OTHER) within the rank's **DP group** (same TP index and pipeline stage, identical work);
@@ -45,9 +49,11 @@ compute or collective, e.g. DATA_LOADER) is a :attr:`FindingKind.PHASE_STRAGGLER
 
 Pipeline parallelism hides a slow stage: ``finish_grad_sync`` aligns the forward-backward totals of
 all stages, and a DP group never spans stages. So per phase of a kind in ``stage_kinds`` (BACKWARD)
-the per-occurrence mean of each stage (median over its ranks, compute stragglers left out) is compared
-with the median of the other stages: a ratio of ``stage_ratio`` (1.5x) or more is a
-:attr:`FindingKind.PP_STAGE_SLOW` naming all ranks of that stage.
+the per-occurrence mean of each stage (median over its ranks, compute stragglers left out, and so are the
+ranks that share a TP or EP group with one, or with such a rank: they wait for it inside the layer) is
+compared with the median of the other stages: a ratio of ``stage_ratio`` (1.5x) or more is a
+:attr:`FindingKind.PP_STAGE_SLOW` naming all ranks of that stage. A stage with no rank left is
+explained by its stragglers: only a baseline for the others.
 """
 
 from __future__ import annotations
@@ -252,8 +258,11 @@ def detect_l2(phases: PhaseTable, topology: JobTopology, params: L2Params | None
     n_analysed = int(np.unique(phases.step[keep]).size)
     if n_analysed < p.min_steps:
         return []
+    compute = np.array([k in _COMPUTE for k in phases.kinds], dtype=bool)
+    rows = np.flatnonzero(keep & compute[phases.phase]) if compute.size else np.empty(0, dtype=np.int64)
     stats = phase_stats(phases.rank[keep], phases.phase[keep], phases.own_ns[keep], phases.count[keep], n_analysed,
-                        (phases.names, phases.kinds, phases.groups), topology)
+                        (phases.names, phases.kinds, phases.groups), topology,
+                        raw=(phases.rank[rows], phases.phase[rows], np.maximum(phases.duration_ns[rows], 0)))
     return judge_l2(stats, topology, p)
 
 
@@ -262,7 +271,9 @@ class PhaseStats:
     """What :func:`judge_l2` reads of the analysed steps, per (rank's position in the topology, phase):
     steps that have the phase (``n_steps``), the median own time per step (``per_step``, ns; NaN where
     none) and the mean occurrences per step (``occ``; NaN where none), all ``world x phases``; the phase
-    dictionary (``names``, ``kinds``, ``groups``) and the number of analysed steps (``n_analysed``)."""
+    dictionary (``names``, ``kinds``, ``groups``) and the number of analysed steps (``n_analysed``).
+    ``raw``: the median duration per step, blocking collectives included (``world x phases``; ``None``:
+    the own time, as where nothing nests)."""
 
     names: tuple[str, ...]
     kinds: tuple[PhaseKind, ...]
@@ -271,6 +282,7 @@ class PhaseStats:
     per_step: F64
     occ: F64
     n_analysed: int
+    raw: F64 | None = None
 
 
 def rank_positions(topology: JobTopology, rank: I64) -> I64:
@@ -287,10 +299,11 @@ def rank_positions(topology: JobTopology, rank: I64) -> I64:
 
 def phase_stats(rank: I64, pid: I64, own: I64, count: I64, n_analysed: int,
                 dictionary: tuple[tuple[str, ...], tuple[PhaseKind, ...], tuple[ParallelGroup, ...]],
-                topology: JobTopology) -> PhaseStats:
+                topology: JobTopology, raw: tuple[I64, I64, I64] | None = None) -> PhaseStats:
     """:class:`PhaseStats` of table rows (one per (rank, step, phase) analysed: ``pid`` indexes
-    ``dictionary``; ``own`` ns, ``count`` occurrences). Raises :class:`DetectorError` for ranks missing from
-    ``topology``."""
+    ``dictionary``; ``own`` ns, ``count`` occurrences). ``raw``: (rank, pid, duration ns) rows of the cells
+    whose duration may differ from their own time, every analysed step of each (other cells' raw median is
+    their own). Raises :class:`DetectorError` for ranks missing from ``topology``."""
     rpos = rank_positions(topology, rank)
     world, n_phases = len(topology.rank), len(dictionary[0])
     cell = rpos * n_phases + pid
@@ -301,7 +314,14 @@ def phase_stats(rank: I64, pid: I64, own: I64, count: I64, n_analysed: int,
     per_step = cell_median(cell, own.astype(np.float64), size).reshape(world, n_phases)
     with np.errstate(invalid="ignore", divide="ignore"):
         occ = np.bincount(cell, weights=count, minlength=size).reshape(world, n_phases) / n_steps
-    return PhaseStats(*dictionary, n_steps, per_step, occ, n_analysed)
+    raw_step: F64 | None = None
+    if raw is not None and raw[0].size:
+        raw_cell = rank_positions(topology, raw[0]) * n_phases + raw[1]
+        flat = per_step.ravel().copy()
+        at = np.unique(raw_cell)
+        flat[at] = cell_median(raw_cell, raw[2].astype(np.float64), size)[at]
+        raw_step = flat.reshape(world, n_phases)
+    return PhaseStats(*dictionary, n_steps, per_step, occ, n_analysed, raw_step)
 
 
 def judge_l2(stats: PhaseStats, topology: JobTopology, p: L2Params) -> list[L2Result]:
@@ -316,6 +336,7 @@ def judge_l2(stats: PhaseStats, topology: JobTopology, p: L2Params) -> list[L2Re
     host_flags: list[Flag] = []
     short_flags: list[Flag] = []
     ranks = np.asarray(topology.rank)
+    raw = stats.raw if stats.raw is not None else per_step
     for k in range(len(stats.names)):
         kind, gkind = stats.kinds[k], stats.groups[k]
         collective = kind.is_collective
@@ -327,7 +348,7 @@ def judge_l2(stats: PhaseStats, topology: JobTopology, p: L2Params) -> list[L2Re
         column = np.asarray(getattr(topology, (ParallelGroup.DP if gkind is ParallelGroup.NONE else gkind).column))
         target = short_flags if collective else compute_flags if kind in _COMPUTE else host_flags
         target += phase_flags(stats.names[k], kind, gkind.value, column, n_steps[:, k] > 0, per_step[:, k],
-                              occ[:, k], longest, in_blocking, ranks, p)
+                              occ[:, k], longest, in_blocking, ranks, p, raw[:, k])
     results, stragglers = _stragglers(compute_flags, short_flags, host_flags, topology, p)
     results += _slow_stages(per_step, occ, n_steps, stats, topology, stragglers, p)
     return [dataclasses.replace(r, steps_affected=stats.n_analysed) for r in results]
@@ -434,7 +455,11 @@ def _slow_stages(per_step: F64, occ: F64, n_steps: I64, phases: PhaseStats, topo
     stages = np.unique(stage)
     if stages.size < 2:
         return []
-    excluded = np.isin(np.asarray(topology.rank), sorted(stragglers))
+    # A straggler's TP and EP peers wait for it inside the layer (where no collective record tells the waiting
+    # from the work, it is in their phase times), and their peers in turn: those ranks say nothing of their
+    # stage's speed. A stage all of whose ranks are stragglers or such victims is a baseline, never a finding.
+    waiting = waiting_victims(stragglers, set(topology.rank), topology, _WAIT_TOGETHER)
+    excluded = np.isin(np.asarray(topology.rank), sorted(stragglers | waiting))
     found: dict[int, dict[tuple[str, str], _StageHit]] = {}
     for k, kind in enumerate(phases.kinds):
         if kind not in p.stage_kinds:
@@ -442,17 +467,19 @@ def _slow_stages(per_step: F64, occ: F64, n_steps: I64, phases: PhaseStats, topo
         with np.errstate(invalid="ignore", divide="ignore"):
             per_occ = per_step[:, k] / occ[:, k]
         has = n_steps[:, k] > 0
-        values = {}
+        values, explained = {}, set()
         for s in stages.tolist():
             members = has & (stage == s)
-            use = members & ~excluded if np.any(members & ~excluded) else members
+            if not np.any(members & ~excluded):
+                explained.add(s)
+            use = members & ~excluded if s not in explained else members
             if use.any():
                 values[s] = float(np.median(per_occ[use]))
         if len(values) < 2:
             continue
         for s, v in values.items():
             others = float(np.median([u for t, u in values.items() if t != s]))
-            if others > 0 and v / others >= p.stage_ratio:
+            if s not in explained and others > 0 and v / others >= p.stage_ratio:
                 rate = float(np.nanmedian(occ[has & (stage == s), k]))
                 found.setdefault(s, {})[(phases.names[k], kind.value)] = (
                     v / others, {str(t): u / _MS for t, u in sorted(values.items())}, (v - others) * rate)

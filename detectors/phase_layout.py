@@ -65,6 +65,9 @@ class PhaseLayout:
     outer: I64
     block: I64
     first: I64 = field(default_factory=lambda: np.empty(0, dtype=np.int64))
+    #: Positions (in ``ids``) of the ids whose duration may hold nested blocking time (its compute phases,
+    #: where it has blocking collectives), ascending.
+    nests: I64 = field(default_factory=lambda: np.empty(0, dtype=np.int64))
     #: The (compute, collective) pairs :meth:`fold_rows` evaluates, with their lists (kept for the next call).
     _pairs: list[tuple[npt.NDArray[np.bool_], I64, I64]] = field(default_factory=list, init=False, repr=False)
 
@@ -81,8 +84,9 @@ class PhaseLayout:
         block = np.flatnonzero([k.is_collective and g in BLOCKING_GROUPS for k, g in zip(b.kinds, b.groups,
                                                                                   strict=True)])
         first = ids[np.sort(np.unique(ids, return_index=True)[1])]
+        outer = outer if block.size else block
         return cls(b.kinds, b.groups, uniq, inv, counts, np.argsort(inv, kind="stable"),
-                   np.cumsum(counts) - counts, outer if block.size else block, block, first)
+                   np.cumsum(counts) - counts, outer, block, first, np.unique(inv[outer]).astype(np.int64))
 
     def columns(self, batches: Sequence[PhaseBatch], field: str) -> I64:
         """One int64 column array of ``batches`` (all of this layout): ``batches x phases``. A column that is

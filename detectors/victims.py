@@ -10,11 +10,13 @@ findings are then a straggler's victims or its own evidence (:func:`drop_victims
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import numpy as np
 
 from argus.core.kinds import FindingKind
 from argus.detectors.phase_layout import BLOCKING_GROUPS
-from argus.schemas.records import Finding, JobTopology
+from argus.schemas.records import Finding, JobTopology, ParallelGroup
 
 __all__ = ["LATE_ARRIVAL_RATIO", "drop_victims", "straggler_ranks", "waiting_victims"]
 
@@ -27,14 +29,15 @@ LATE_ARRIVAL_RATIO = 2.0
 _STRAGGLER_KINDS = frozenset({FindingKind.COMPUTE_STRAGGLER, FindingKind.RANK_DEGRADED})
 
 
-def waiting_victims(stragglers: set[int], late: set[int], topology: JobTopology) -> set[int]:
-    """The ``late`` arrivals that waited for a straggler: those sharing a TP, PP or EP group with one of
-    ``stragglers`` (e.g. its TP partner, held up in their blocking TP all-reduce and so late to its DP
-    all-reduce), then those sharing one with such a victim (e.g. the victim's next pipeline stage), and
-    so on. A shared DP group is no link: the DP all-reduce ends the step, nothing waits behind it.
+def waiting_victims(stragglers: set[int], late: set[int], topology: JobTopology,
+                    groups: Iterable[ParallelGroup] = BLOCKING_GROUPS) -> set[int]:
+    """The ``late`` arrivals that waited for a straggler: those sharing a TP, PP or EP group (``groups``)
+    with one of ``stragglers`` (e.g. its TP partner, held up in their blocking TP all-reduce and so late to
+    its DP all-reduce), then those sharing one with such a victim (e.g. the victim's next pipeline stage),
+    and so on. A shared DP group is no link: the DP all-reduce ends the step, nothing waits behind it.
     ``stragglers`` themselves are never victims."""
     pos = {r: i for i, r in enumerate(topology.rank)}
-    columns = [np.asarray(getattr(topology, g.column)) for g in sorted(BLOCKING_GROUPS, key=lambda g: g.value)]
+    columns = [np.asarray(getattr(topology, g.column)) for g in sorted(set(groups), key=lambda g: g.value)]
 
     def shares(r: int, s: int) -> bool:
         return any(col[pos[s]] == col[pos[r]] for col in columns)

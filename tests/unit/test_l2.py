@@ -259,6 +259,56 @@ def test_slow_last_stage_found_despite_uneven_counts() -> None:
     assert set(res) == {FindingKind.COMPUTE_STRAGGLER, FindingKind.PP_STAGE_SLOW}
 
 
+def test_a_phase_overlapped_by_a_transfer_in_flight_makes_its_peer_no_straggler() -> None:
+    # DP 2 x PP 2: ranks 2 and 3 (stage 1) run the same 10 ms optimizer. Rank 3's last pipeline send, over a
+    # slow link, started before its optimizer and runs on through it (another stream): taken for blocking,
+    # it leaves rank 3 no own optimizer time, so rank 2's looks infinitely elevated. But rank 2's optimizer is
+    # no longer than rank 3's: it made nobody wait. A rank whose phase is really slower is still named.
+    topo = build_topology("j", dp=2, pp=2)
+
+    def job(slow_rank: int | None) -> PhaseTable:
+        batches = []
+        for step in range(5):
+            for r in range(4):
+                opt = 10 * (3 if r == slow_rank else 1)
+                phases: list[Phase] = [(F, "forward", NONE, 50 * MS), (B, "backward", NONE, 100 * MS),
+                                       (OPT, "optimizer", NONE, opt * MS)]
+                starts = [0, 50 * MS, 150 * MS]
+                if r >= 2:
+                    send = 15 if r == 3 else 1
+                    phases.append((PhaseKind.SEND_RECV, "nccl:send prev", PP, send * MS))
+                    starts.append(149 * MS)
+                batches.append(_batch(r, step, phases, starts=tuple(starts)))
+        return PhaseTable.from_batches(batches)
+
+    table = job(None)
+    own = dict(zip(zip(table.rank.tolist(), [table.names[i] for i in table.phase]), table.own_ns.tolist(), strict=True))
+    assert own[(3, "optimizer")] == 0 and own[(2, "optimizer")] == 10 * MS
+    assert [r for r in detect_l2(table, topo) if r.kind is FindingKind.COMPUTE_STRAGGLER] == []
+    slow = [r for r in detect_l2(job(2), topo) if r.kind is FindingKind.COMPUTE_STRAGGLER]
+    assert [(r.ranks, r.phase) for r in slow] == [((2,), "optimizer")]
+
+
+def test_a_stage_whose_every_rank_waits_for_its_straggler_is_not_slow() -> None:
+    # DP 2 x TP 2 x PP 2 x EP 2: stage 0 = ranks 0-3, TP {0, 1}, {2, 3}, EP {0, 2}, {1, 3}. Rank 0's forward
+    # is 3x; every rank of stage 0 waits for it inside its backward (an EP all-to-all without collective
+    # records), so stage 0's backward is 2x stage 1's. Every rank of stage 0 shares a TP or EP group with the
+    # straggler or with such a rank: the stage is explained by it. Without the straggler it is a slow stage.
+    topo = build_topology("j", dp=2, tp=2, pp=2, ep=2)
+
+    def job(straggler: bool) -> Callable[[int, int], list[Phase]]:
+        def phases(rank: int, step: int) -> list[Phase]:
+            fwd = 30 if straggler and rank == 0 else 10
+            bwd = 40 if topo.pp_stage[rank] == 0 else 20
+            return [(F, "forward", NONE, fwd * MS), (B, "backward", NONE, bwd * MS)]
+        return phases
+
+    res = _by_kind(detect_l2(_job(topo, 5, job(True)), topo))
+    assert set(res) == {FindingKind.COMPUTE_STRAGGLER} and res[FindingKind.COMPUTE_STRAGGLER][0].ranks == (0,)
+    (stage,) = _by_kind(detect_l2(_job(topo, 5, job(False)), topo))[FindingKind.PP_STAGE_SLOW]
+    assert stage.ranks == (0, 1, 2, 3) and stage.score == pytest.approx(2.0)
+
+
 def test_bad_input_raises() -> None:
     topo = build_topology("j", dp=2)
     table = PhaseTable.from_batches([_batch(r, s, [(F, "f", NONE, 5)]) for r in range(3) for s in range(4)])

@@ -30,8 +30,9 @@ def _loo(values: list[float]) -> list[float]:
 
 def ref_phase_flags(name: str, kind: PhaseKind, label: str, column: np.ndarray, has: np.ndarray, per_step: np.ndarray,
                     occ: np.ndarray, longest: np.ndarray, in_blocking: np.ndarray, rank: np.ndarray,
-                    p: L2Params) -> list[Flag]:
-    """Group by group (ascending), member by member: ratio and robust z against the others' median."""
+                    p: L2Params, raw: np.ndarray | None = None) -> list[Flag]:
+    """Group by group (ascending), member by member: ratio and robust z against the others' median; a compute
+    phase only where its duration (``raw``) exceeds the others' median by half its own excess at least."""
     out = []
     for g in sorted(set(column[has].tolist())):
         members = [i for i in range(column.size) if has[i] and column[i] == g]
@@ -47,6 +48,9 @@ def ref_phase_flags(name: str, kind: PhaseKind, label: str, column: np.ndarray, 
         cv = statistics.pstdev(values) / mean if mean > 0 else 0.0
         waits = [float(in_blocking[i]) for i in members]
         wait_peers = _loo(waits)
+        walls = values if raw is None else [float(raw[i]) / (r if per_occ else 1.0)
+                                            for i, r in zip(members, rates, strict=True)]
+        wall_peers = _loo(walls)
         for j, i in enumerate(members):
             v, pm = values[j], peers[j]
             scale = max(mad, p.mad_floor * pm)
@@ -55,7 +59,8 @@ def ref_phase_flags(name: str, kind: PhaseKind, label: str, column: np.ndarray, 
             if kind.is_collective:
                 hit = ratio <= 0.5 and (len(members) < 3 or z <= -p.min_z)
             else:
-                hit = ratio >= p.min_elevation and (len(members) < 3 or z >= p.min_z)
+                hit = (ratio >= p.min_elevation and (len(members) < 3 or z >= p.min_z)
+                       and walls[j] - wall_peers[j] >= 0.5 * (v - pm))
             if not hit:
                 continue
             late_ns = (pm - v) * (rates[j] if per_occ else 1.0)
@@ -99,7 +104,9 @@ def test_phase_flags_match_the_per_group_loop(seed: int, n: int, collective: boo
     rank = np.arange(n) + 100
     kind = PhaseKind.ALL_REDUCE if collective else PhaseKind.FORWARD
     label = "TP" if collective else "DP"
-    args = ("ph", kind, label, column, has, per_step, occ, longest, in_blocking, rank, L2Params())
+    # Durations: the own time plus what nested in it (nothing, a little, or as much as the phase).
+    raw = per_step + rng.choice([0.0, 0.1, 1.0]) * base * rng.random(n)
+    args = ("ph", kind, label, column, has, per_step, occ, longest, in_blocking, rank, L2Params(), raw)
     _flags_same(phase_flags(*args), ref_phase_flags(*args))
 
 
