@@ -393,7 +393,9 @@ def detect_stage_excess(totals: Iterable[KernelTotals], topology: JobTopology,
     output layer differ and are left out), each stage's time per call on its fastest rank (a slow stage slows
     all of its ranks, a straggler only itself) is compared with the other stages' median of that. A stage
     whose excess over the others, ``sum(calls * (m - ref))`` over its kernels, is at least
-    ``stage_min_excess`` of its expected time is an :attr:`~argus.detectors.l2_phases.FindingKind.PP_STAGE_SLOW` finding
+    ``stage_min_excess`` of its expected time (or a quarter of that, where the kernels it runs
+    ``slower_ratio`` slower hold ``stage_min_excess`` of its expected time: a stage slow in one phase only)
+    is an :attr:`~argus.detectors.l2_phases.FindingKind.PP_STAGE_SLOW` finding
     naming its ranks (score: 1 + that share), with phase ``gpu_kernels``; ``delay_ns_per_step`` is
     left to the caller (totals have no steps; evidence ``stage_delay_ms``: the stage's median compute time
     with the excess share taken out, times that share -- what the slow stage adds to the pipeline over the
@@ -440,8 +442,15 @@ def detect_stage_excess(totals: Iterable[KernelTotals], topology: JobTopology,
         expected = float((n[:, j] * others).sum())
         parts = n[:, j] * (m[:, j] - others)
         excess = float(parts.sum())  # signed: noise of few calls cancels
-        slower = int(np.sum(ratio >= p.slower_ratio))
-        if expected > 0 and excess / expected >= p.stage_min_excess and slower >= _STAGE_MIN_SLOWER_KERNELS:
+        slow = ratio >= p.slower_ratio
+        slower = int(np.sum(slow))
+        # A stage slow in one phase (its backward) slows that phase's kernels only: over every kernel its
+        # excess is diluted by its other phases'. It counts too where its slower kernels hold a phase's worth
+        # of its expected time (``stage_min_excess`` of it) and the excess over all is still a quarter of that.
+        phase_wide = (float((n[slow, j] * others[slow]).sum()) >= p.stage_min_excess * expected
+                      and excess >= p.stage_min_excess / 4 * expected)
+        if (expected > 0 and (excess / expected >= p.stage_min_excess or phase_wide)
+                and slower >= _STAGE_MIN_SLOWER_KERNELS):
             median_ratio = 1.0 + excess / expected
             ranks = tuple(int(r) for r, st in zip(topology.rank, topology.pp_stage, strict=True) if st == stage)
             # The kernels compared are the layers' share of the stage's work; the rest of it (kernels other

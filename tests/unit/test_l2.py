@@ -282,7 +282,8 @@ def test_a_phase_overlapped_by_a_transfer_in_flight_makes_its_peer_no_straggler(
         return PhaseTable.from_batches(batches)
 
     table = job(None)
-    own = dict(zip(zip(table.rank.tolist(), [table.names[i] for i in table.phase]), table.own_ns.tolist(), strict=True))
+    keys = zip(table.rank.tolist(), [table.names[i] for i in table.phase], strict=True)
+    own = dict(zip(keys, table.own_ns.tolist(), strict=True))
     assert own[(3, "optimizer")] == 0 and own[(2, "optimizer")] == 10 * MS
     assert [r for r in detect_l2(table, topo) if r.kind is FindingKind.COMPUTE_STRAGGLER] == []
     slow = [r for r in detect_l2(job(2), topo) if r.kind is FindingKind.COMPUTE_STRAGGLER]

@@ -123,6 +123,42 @@ def test_a_slow_stage_is_found_from_the_kernels_its_stages_share() -> None:
     assert detect_stage_excess(other, topo) == []
 
 
+def test_a_stage_slow_in_one_phase_only_is_found_though_its_other_kernels_dilute_it() -> None:
+    from argus.detectors.l3_ranks import detect_stage_excess
+
+    topo = build_topology("j", dp=4, pp=2)
+    totals = _job(8, 11, 0.05, calls=(4, 6))
+    times = [sum(t.total_ns[r] for r in range(4, 8)) for t in totals]
+    # Stage 1's backward: the small kernels that hold 20-30 % of its time, 1.25x slower; about 5 % over all of
+    # its kernels, under the 10 % a stage slow in everything shows.
+    order = np.argsort(times)
+    backward, share = [], 0.0
+    for k in order.tolist():
+        if share >= 0.2:
+            break
+        backward.append(k)
+        share += times[k] / sum(times)
+    assert len(backward) >= 3 and share <= 0.3
+    for k in backward:
+        for r in range(4, 8):
+            totals[k].total_ns[r] *= 1.25
+    (res,) = detect_stage_excess(totals, topo)
+    assert res.ranks == (4, 5, 6, 7) and 0.025 <= res.evidence["excess_fraction"] < 0.1
+    for k in backward[2:]:  # two kernels are no phase
+        for r in range(4, 8):
+            totals[k].total_ns[r] /= 1.25
+    assert detect_stage_excess(totals, topo) == []
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 100_000), dp=st.integers(1, 8), pp=st.integers(2, 4), noise=st.floats(0.03, 0.10))
+def test_healthy_stages_name_nobody(seed: int, dp: int, pp: int, noise: float) -> None:
+    from argus.detectors.l3_ranks import detect_stage_excess
+
+    topo = build_topology("j", dp=dp, pp=pp)
+    assert detect_stage_excess(_job(dp * pp, seed, noise, calls=(4, 6)), topo) == []
+
+
 @settings(max_examples=15, deadline=None)
 @given(seed=st.integers(0, 100_000), n=st.integers(65, 512), noise=st.floats(0.03, 0.10))
 def test_healthy_large_sets_name_nobody(seed: int, n: int, noise: float) -> None:
