@@ -58,6 +58,8 @@ _FRACTION_FLOOR = 0.01
 _SPREAD_RANKS = 5
 #: Kernels that must run slower on a stage for it to be slow (a name or two may run another shape there).
 _STAGE_MIN_SLOWER_KERNELS = 3
+#: Least z-score (over the kernels' noise) of the excess of a stage slow in one phase only.
+_STAGE_MIN_Z = 4.0
 #: Calls per rank a kernel needs to count in the stage comparison (a one-step trace is no stage verdict).
 _STAGE_MIN_CALLS = 4
 
@@ -236,7 +238,7 @@ def comparison_sets(part: I64, calls: F64, p: RankExcessParams) -> list[tuple[in
 #: Families whose kernels' work is fixed by their shapes, alike on every rank of a data-parallel set.
 _SHAPE_FAMILIES = ("gemm", "attention", "norm")
 #: Kernel families by name (lower case, first match): a fault often slows one family, e.g. the GEMMs.
-_FAMILIES = (("gemm", ("gemm", "xmma", "cutlass", "cublas", "matmul", "wgmma")),
+_FAMILIES = (("gemm", ("gemm", "xmma", "cutlass", "cublas", "matmul", "wgmma", "nvjet")),
              ("attention", ("flash", "attn", "fmha", "softmax")),
              ("norm", ("norm",)),
              ("embedding", ("embedding", "embed")),
@@ -249,6 +251,13 @@ def kernel_family(kernel: str) -> str:
     # FBGEMM's kernels (embedding tables, index permutes, quantization) carry "fbgemm" in their names and
     # template arguments, and are no GEMMs.
     low = kernel.lower().replace("fbgemm", "")
+    # The function's own name first: its template arguments name what it is built of (FlashAttention's
+    # kernels take cutlass types, a reduction its norm functor), not what it does.
+    base = _family_of(low.split("<", 1)[0])
+    return base if base != "other" else _family_of(low)
+
+
+def _family_of(low: str) -> str:
     return next((fam for fam, needles in _FAMILIES if any(n in low for n in needles)), "other")
 
 
@@ -446,9 +455,17 @@ def detect_stage_excess(totals: Iterable[KernelTotals], topology: JobTopology,
         slower = int(np.sum(slow))
         # A stage slow in one phase (its backward) slows that phase's kernels only: over every kernel its
         # excess is diluted by its other phases'. It counts too where its slower kernels hold a phase's worth
-        # of its expected time (``stage_min_excess`` of it) and the excess over all is still a quarter of that.
-        phase_wide = (float((n[slow, j] * others[slow]).sum()) >= p.stage_min_excess * expected
-                      and excess >= p.stage_min_excess / 4 * expected)
+        # of its expected time (``stage_min_excess`` of it) and the excess over all is still a quarter of that,
+        # well beyond noise: the kernels' spread over the expected-time weighted mean's effective number of
+        # kernels, the spread read below their median log ratio (noise spreads both ways; a slow phase moves
+        # its kernels up and leaves the lower half as it was).
+        weight = n[:, j] * others
+        d = np.log(ratio)
+        below = d[d <= np.median(d)]
+        spread = max(_MAD_SCALE * float(np.median(np.median(d) - below)), 0.005)
+        noise = spread * float(np.sqrt((weight ** 2).sum())) / max(expected, 1e-300)
+        phase_wide = (float(weight[slow].sum()) >= p.stage_min_excess * expected
+                      and excess >= max(p.stage_min_excess / 4, _STAGE_MIN_Z * noise) * expected)
         if (expected > 0 and (excess / expected >= p.stage_min_excess or phase_wide)
                 and slower >= _STAGE_MIN_SLOWER_KERNELS):
             median_ratio = 1.0 + excess / expected

@@ -129,24 +129,24 @@ def test_a_stage_slow_in_one_phase_only_is_found_though_its_other_kernels_dilute
     topo = build_topology("j", dp=4, pp=2)
     totals = _job(8, 11, 0.05, calls=(4, 6))
     times = [sum(t.total_ns[r] for r in range(4, 8)) for t in totals]
-    # Stage 1's backward: the small kernels that hold 20-30 % of its time, 1.25x slower; about 5 % over all of
-    # its kernels, under the 10 % a stage slow in everything shows.
-    order = np.argsort(times)
+    # Stage 1's backward: a few kernels that hold 20-30 % of its time, 1.4x slower; 5-10 % over all of its
+    # kernels, under the 10 % a stage slow in everything shows.
+    order = np.random.default_rng(3).permutation(len(times))
     backward, share = [], 0.0
     for k in order.tolist():
         if share >= 0.2:
             break
         backward.append(k)
         share += times[k] / sum(times)
-    assert len(backward) >= 3 and share <= 0.3
+    assert 3 <= len(backward) < len(times) / 2 and share <= 0.3
     for k in backward:
         for r in range(4, 8):
-            totals[k].total_ns[r] *= 1.25
+            totals[k].total_ns[r] *= 1.4
     (res,) = detect_stage_excess(totals, topo)
     assert res.ranks == (4, 5, 6, 7) and 0.025 <= res.evidence["excess_fraction"] < 0.1
     for k in backward[2:]:  # two kernels are no phase
         for r in range(4, 8):
-            totals[k].total_ns[r] /= 1.25
+            totals[k].total_ns[r] /= 1.4
     assert detect_stage_excess(totals, topo) == []
 
 
@@ -251,3 +251,10 @@ def test_fbgemm_kernels_are_no_gemms() -> None:
     assert kernel_family("void fbgemm_gpu::split_embedding_codegen_forward_unweighted_kernel<c10::Half>") == "embedding"
     assert kernel_family("void fbgemm_gpu::permute_2D_data_kernel<false, int>(int, int)") == "other"
     assert kernel_family("void cutlass::Kernel<cutlass_80_tensorop_s1688gemm_128x128_32x3_tn_align4>") == "gemm"
+    # a kernel is what its own name says, not what its template arguments are built of
+    flash = "void flash::flash_bwd_dot_do_o_kernel<true, Flash_bwd_kernel_traits<128, 64, 128, 8, cutlass::bfloat16_t>>"
+    assert kernel_family(flash) == "attention"
+    assert kernel_family("void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, NormTwoOps<float>>>") == (
+        "reduce")
+    assert kernel_family("void multi_tensor_apply_kernel<TensorListMetadata<1>, L2NormFunctor<float>>") == "norm"
+    assert kernel_family("nvjet_tst_128x256_64x4_2x1_v_bz_coopA_TNT") == "gemm"
