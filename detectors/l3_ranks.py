@@ -402,9 +402,9 @@ def detect_stage_excess(totals: Iterable[KernelTotals], topology: JobTopology,
     output layer differ and are left out), each stage's time per call on its fastest rank (a slow stage slows
     all of its ranks, a straggler only itself) is compared with the other stages' median of that. A stage
     whose excess over the others, ``sum(calls * (m - ref))`` over its kernels, is at least
-    ``stage_min_excess`` of its expected time (or a quarter of that, where the kernels it runs
-    ``slower_ratio`` slower hold ``stage_min_excess`` of its expected time: a stage slow in one phase only)
-    is an :attr:`~argus.detectors.l2_phases.FindingKind.PP_STAGE_SLOW` finding
+    ``stage_min_excess`` of its expected time (or a quarter of that and four times its noise, where the
+    kernels it runs ``slower_ratio`` slower hold ``stage_min_excess`` of its expected time: a stage slow in
+    one phase only) is an :attr:`~argus.detectors.l2_phases.FindingKind.PP_STAGE_SLOW` finding
     naming its ranks (score: 1 + that share), with phase ``gpu_kernels``; ``delay_ns_per_step`` is
     left to the caller (totals have no steps; evidence ``stage_delay_ms``: the stage's median compute time
     with the excess share taken out, times that share -- what the slow stage adds to the pipeline over the
