@@ -78,19 +78,24 @@ def merge_rows(summaries: Sequence[KernelSummary], min_events: int) -> tuple[I64
 
 def row_floors(summaries: Sequence[KernelSummary], ranks: I64, share: float = 0.3, level: float = 0.75) -> F64:
     """Per rank of ``ranks`` (ns): how fast the rank's fast calls of the kernel were. Per row (a window, or a
-    piece of one), the shortest call of the cluster that holds the row's ``share`` quantile call (clusters in
-    duration order, weighted by their calls); over the rank's rows, their ``level`` quantile (the higher
-    value where it falls between rows). A rank without rows gets NaN.
+    piece of one), the row's ``share`` quantile call, read in the cluster that holds it (clusters in
+    duration order, weighted by their calls) between its shortest call and its median (log-linearly, at
+    the quantile's place among the cluster's calls; its median where the quantile lies above it); over
+    the rank's rows, their ``level`` quantile (the higher value where it falls between rows). A rank
+    without rows gets NaN.
 
-    The cluster of a low quantile rather than the row's very fastest call: that one may be a lone outlier,
-    or come from before a change that holds in most of the row (from an onset on) -- calls whose shortest
-    call moved with the change no longer share a cluster with the earlier ones.
+    A low quantile rather than the row's very fastest call: that one may be a lone outlier, or come from
+    before a change that holds in most of the row (from an onset on). Calls whose time moved with the
+    change may still share one wide cluster with the earlier ones (a transfer x1.9 from the eighth of 40
+    steps, with the waiting calls between): its shortest call is then of the old regime, its low quantile
+    of the new.
     """
     cols = {f: list(map(attrgetter(f), summaries))
             for f in ("rank", "n_clusters", "cluster_count", "cluster_p50_ns", "cluster_min_ns")}
     row_rank = _flat(cols["rank"], np.int64)
     per_row = _flat(cols["n_clusters"], np.int64)
     count, p50, low = (_flat(cols[f], np.float64) for f in ("cluster_count", "cluster_p50_ns", "cluster_min_ns"))
+    low = np.minimum(low, p50)
     out = np.full(ranks.size, np.nan)
     if row_rank.size == 0 or not (low.size == p50.size == count.size == int(per_row.sum())):
         return out
@@ -100,7 +105,7 @@ def row_floors(summaries: Sequence[KernelSummary], ranks: I64, share: float = 0.
     if owner.size == 0:
         return out
     order = np.lexsort((p50, owner))
-    owner, count, low = owner[order], count[order], low[order]
+    owner, count, low, p50 = owner[order], count[order], low[order], p50[order]
     cum = np.cumsum(count)
     start = np.r_[0, np.flatnonzero(np.diff(owner)) + 1]
     rows = owner[start]
@@ -111,7 +116,11 @@ def row_floors(summaries: Sequence[KernelSummary], ranks: I64, share: float = 0.
     reached = np.flatnonzero(cum >= target - 1e-9)
     first = np.searchsorted(reached, start)
     pick = reached[np.minimum(first, reached.size - 1)]
-    fastest = low[pick]
+    # Where the quantile lies among the picked cluster's calls: 0 at its shortest, 1 at its median and above.
+    row_target = before + share * total
+    place = np.clip(2.0 * (row_target - (cum[pick] - count[pick])) / np.maximum(count[pick], 1e-300), 0.0, 1.0)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        fastest = np.where(low[pick] > 0, low[pick] * np.exp(place * np.log(p50[pick] / low[pick])), low[pick])
     row_rank = row_rank[rows]
     order = np.lexsort((fastest, row_rank))
     row_rank, fastest = row_rank[order], fastest[order]

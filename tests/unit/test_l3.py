@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import numpy as np
@@ -239,6 +240,17 @@ def test_row_floors_follow_the_fastest_calls_of_each_piece() -> None:
     floors = row_floors([_summary(rows)], np.array([0, 1, 2]))
     assert floors[0] == 2e6 and floors[1] == 1e6 and np.isnan(floors[2])
     assert np.isnan(row_floors([], np.array([0]))).all()
+
+
+def test_row_floors_read_a_wide_cluster_at_its_low_quantile() -> None:
+    # One window, one cluster per rank: rank 0's transfers x1.9 from an early onset on share a wide cluster with
+    # the few fast calls before it (its shortest call is of the old regime); rank 1 steady.
+    s = dataclasses.replace(_summary([(0, [(80, 670e3, 900e3)]), (1, [(80, 370e3, 450e3)])]),
+                            cluster_min_ns=(350_000, 300_000))
+    floors = row_floors([s], np.array([0, 1]))
+    # the 0.3 quantile: 60 % of the way from the shortest call to the median, in log
+    assert floors == pytest.approx([350e3 * (670 / 350) ** 0.6, 300e3 * (370 / 300) ** 0.6])
+    assert floors[0] / floors[1] > 1.4 > 350 / 300
 
 
 def test_collectives_without_topology() -> None:
