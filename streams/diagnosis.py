@@ -401,12 +401,17 @@ class KernelDiagnosis:
         return new
 
 
+#: Slow groups of one kind in one collective that are not one group's link (see LinkLedger._strong).
+_SEVERAL_SLOW = 3
+
+
 class LinkLedger:
     """Job-level check of degraded-link findings: a group's link is named once its evidence holds in two
     collectives ((kernel, stream) pairs: a degraded link slows every collective its group runs), in one whose
     group is known (the trace named the process group of the stream: ``group_known``), or in one with strong
     evidence (transfer ``strong_ratio``x slower than ``strong_groups`` or more groups of its kind, or the only
-    slow one of ``strong_groups`` or more in three or more stages, each compared with its stage's).
+    slow one of ``strong_groups`` or more in three or more stages, each compared with its stage's; never
+    where three or more groups of the kind are slow in that collective).
 
     One collective of a group inferred from durations alone can mislead: the ranks of one position in their
     groups (all of one TP index) can wait in a collective of another kind for the others and look like a slow
@@ -489,13 +494,17 @@ class LinkLedger:
 
     def _strong(self, f: Finding) -> bool:
         ev = f.evidence
+        slow = int(ev.get("kind_slow_groups", 0))
         # Compared with its own stage's groups only, a group is still one among ``kind_groups`` of its kind:
         # the only slow one of ``strong_groups`` or more, in three or more stages (comparisons) each even but
         # its own, is as strong as one slow against as many.
         many = int(ev.get("groups_compared", 0)) >= self.strong_groups or (
-            int(ev.get("kind_slow_groups", 0)) == 1 and int(ev.get("kind_groups", 0)) >= self.strong_groups
+            slow == 1 and int(ev.get("kind_groups", 0)) >= self.strong_groups
             and int(ev.get("kind_comparisons", 0)) >= 3)
-        return float(ev.get("transfer_ratio", 0.0)) >= self.strong_ratio and many
+        # Several groups of the guessed kind slow in one collective are what ranks of one position waiting in a
+        # collective of another kind look like (a DP reduce-scatter's members waiting for a straggler, seen as
+        # TP pairs), not one link: one collective of them is no strong evidence.
+        return float(ev.get("transfer_ratio", 0.0)) >= self.strong_ratio and many and slow < _SEVERAL_SLOW
 
 
 class RankDiagnosis:

@@ -49,6 +49,18 @@ def test_the_only_slow_group_of_its_kind_across_three_stages_is_strong() -> None
     assert LinkLedger().filter([_link((9, 11), "SendRecv", 1.8, 2, of_kind=(16, 1, 8))]) == []
 
 
+def test_several_slow_groups_in_one_collective_are_no_strong_evidence() -> None:
+    # Seven TP pairs of 64 slow x14 in one reduce-scatter of an unnamed group: ranks waiting in a DP
+    # reduce-scatter for a straggler look so. Two slow groups still are strong; a second collective names them.
+    assert LinkLedger().filter([_link((12, 13), "ReduceScatter", 14.0, 64, of_kind=(64, 7, 1))]) == []
+    assert len(LinkLedger().filter([_link((12, 13), "ReduceScatter", 14.0, 64, of_kind=(64, 2, 1))])) == 1
+    ledger = LinkLedger()
+    assert ledger.filter([_link((12, 13), "ReduceScatter", 14.0, 64, of_kind=(64, 7, 1))]) == []
+    assert len(ledger.filter([_link((12, 13), "AllGather", 1.5, 64, of_kind=(64, 1, 1))])) == 2
+    # A named group needs no strength.
+    assert len(LinkLedger().filter([_link((12, 13), "ReduceScatter", 14.0, 64, known=True, of_kind=(64, 7, 1))])) == 1
+
+
 def test_the_named_collectives_do_not_depend_on_their_order() -> None:
     links = [_link((0, 1), "AllReduce", 1.6, 2, known=True, impact=2.0), _link((0, 1), "AllGather", 1.7, 2, known=True),
              _link((0, 1), "Tiny", 1.7, 2, weak=True)]
