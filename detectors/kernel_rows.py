@@ -76,19 +76,21 @@ def merge_rows(summaries: Sequence[KernelSummary], min_events: int) -> tuple[I64
     return ranks[ok].astype(np.int64), batch, total
 
 
-def row_floors(summaries: Sequence[KernelSummary], ranks: I64, share: float = 0.3, level: float = 0.75) -> F64:
+def row_floors(summaries: Sequence[KernelSummary], ranks: I64, share: float = 0.3, level: float = 0.75,
+               within: bool = False) -> F64:
     """Per rank of ``ranks`` (ns): how fast the rank's fast calls of the kernel were. Per row (a window, or a
-    piece of one), the row's ``share`` quantile call, read in the cluster that holds it (clusters in
-    duration order, weighted by their calls) between its shortest call and its median (log-linearly, at
-    the quantile's place among the cluster's calls; its median where the quantile lies above it); over
-    the rank's rows, their ``level`` quantile (the higher value where it falls between rows). A rank
-    without rows gets NaN.
+    piece of one), the shortest call of the cluster that holds the row's ``share`` quantile call (clusters
+    in duration order, weighted by their calls), or with ``within`` the quantile itself, read in that
+    cluster between its shortest call and its median (log-linearly, at the quantile's place among the
+    cluster's calls; its median where the quantile lies above it); over the rank's rows, their ``level``
+    quantile (the higher value where it falls between rows). A rank without rows gets NaN.
 
-    A low quantile rather than the row's very fastest call: that one may be a lone outlier, or come from
-    before a change that holds in most of the row (from an onset on). Calls whose time moved with the
-    change may still share one wide cluster with the earlier ones (a transfer x1.9 from the eighth of 40
-    steps, with the waiting calls between): its shortest call is then of the old regime, its low quantile
-    of the new.
+    The cluster of a low quantile rather than the row's very fastest call: that one may be a lone outlier,
+    or come from before a change that holds in most of the row (from an onset on) -- calls whose shortest
+    call moved with the change no longer share a cluster with the earlier ones. Where they still share one
+    wide cluster (a transfer x1.9 from the eighth of 40 steps, with the waiting calls between), its shortest
+    call is of the old regime and only ``within`` sees the new; but in a cluster mostly of waiting calls
+    (one side of a pipeline transfer) the quantile is waiting too.
     """
     cols = {f: list(map(attrgetter(f), summaries))
             for f in ("rank", "n_clusters", "cluster_count", "cluster_p50_ns", "cluster_min_ns")}
@@ -119,6 +121,7 @@ def row_floors(summaries: Sequence[KernelSummary], ranks: I64, share: float = 0.
     # Where the quantile lies among the picked cluster's calls: 0 at its shortest, 1 at its median and above.
     row_target = before + share * total
     place = np.clip(2.0 * (row_target - (cum[pick] - count[pick])) / np.maximum(count[pick], 1e-300), 0.0, 1.0)
+    place *= within
     with np.errstate(divide="ignore", invalid="ignore"):
         fastest = np.where(low[pick] > 0, low[pick] * np.exp(place * np.log(p50[pick] / low[pick])), low[pick])
     row_rank = row_rank[rows]

@@ -562,7 +562,7 @@ def _pipeline_sides(pp_group: I64, stage: I64) -> list[tuple[str, int, I64]]:
 
 def _links(s: KernelSummary, ranks: I64, batch: MixtureBatch, sc: RankScores, groups: list[tuple[str, int, I64]],
            stage: I64, p: L3Params, base: dict[str, Any], explained: npt.NDArray[np.bool_],
-           floors: Callable[[], F64]) -> list[L3Result]:
+           floors: Callable[[bool], F64]) -> list[L3Result]:
     """Degraded links: groups whose *fastest* member is slow in some mode of the kernel, against the fastest
     members of the other groups of their kind.
 
@@ -576,8 +576,10 @@ def _links(s: KernelSummary, ranks: I64, batch: MixtureBatch, sc: RankScores, gr
     arrival of its own. Each of its calls ends together with the neighbour's, so where this rank posted last
     its time is the pure transfer: waiting (a bubble, or held up by a slow stage anywhere in the pipeline,
     in either direction) lengthens the other calls only, while a degraded link slows every call. A side is
-    therefore slow only if its fastest calls (``floors()``, :func:`~argus.detectors.kernel_rows.row_floors`) are
-    slower than its stage peers' too.
+    therefore slow only if its fastest calls (``floors(False)``, :func:`~argus.detectors.kernel_rows.row_floors`:
+    its calls are mostly waiting, so their low quantile is too) are slower than its stage peers' too; a pair's
+    fast calls are read at their low quantile (``floors(True)``), so a slowdown from an onset inside the
+    window shows.
     """
     modes = reference_modes(sc.reference, sc.grid)
     q = sc.quantiles_ns  # at the modes' middles (see _collective)
@@ -627,15 +629,16 @@ def _links(s: KernelSummary, ranks: I64, batch: MixtureBatch, sc: RankScores, gr
                 # it arrived last: about half of them, unless its peer is a straggler) as fast as the other
                 # pairs', while a degraded link slows every call: a pair whose members' fast calls are both
                 # slower too is slow at the plain link ratio. (A member of a larger group arrives last in
-                # too few calls for its fast ones to be transfers alone.)
-                raised = _raised_floors(np.array([floors()[rows].min() for _, rows in same]))
+                # too few calls for its fast ones to be transfers alone.) Read at their low quantile inside
+                # their cluster: a slowdown from an onset inside the window leaves the old shortest call.
+                raised = _raised_floors(np.array([floors(True)[rows].min() for _, rows in same]))
                 if raised is not None:
                     hit |= (lr >= math.log(p.link_ratio)) & raised[:, None]
         # Beyond a plausible slowdown of a transfer it is waiting: a group made only of ranks that wait in a
         # collective of another kind (all of one TP index, waiting for the others) looks "slow" by far more.
         hit &= lr <= math.log(p.link_max_ratio)
         if kind == PIPELINE_SIDE:  # a side is one rank
-            raised = _raised_floors(np.array([floors()[rows[0]] for _, rows in same]))
+            raised = _raised_floors(np.array([floors(False)[rows[0]] for _, rows in same]))
             if raised is not None:  # a side without a floor (NaN) is no link
                 hit &= raised[:, None]
         judged.append((kind, same, lg, ref, lr, hit))
@@ -708,7 +711,7 @@ def _collective(summaries: Sequence[KernelSummary], ranks: I64, batch: MixtureBa
     if topology is not None:
         stage_of = dict(zip(topology.rank, topology.pp_stage, strict=True))
         stage = np.array([stage_of[r] for r in ranks.tolist()], dtype=np.int64)
-        floors = functools.cache(lambda: row_floors(summaries, ranks))
+        floors = functools.cache(lambda within: row_floors(summaries, ranks, within=within))
         results = _links(s, ranks, batch, sc, groups, stage, p, base, explained, floors)
     late: list[tuple[float, str, int, int, I64, float]] = []
     whole = [grp for grp in groups if grp[0] != PIPELINE_SIDE]  # a rank alone has no peers to be late for

@@ -247,7 +247,8 @@ def test_row_floors_read_a_wide_cluster_at_its_low_quantile() -> None:
     # the few fast calls before it (its shortest call is of the old regime); rank 1 steady.
     s = dataclasses.replace(_summary([(0, [(80, 670e3, 900e3)]), (1, [(80, 370e3, 450e3)])]),
                             cluster_min_ns=(350_000, 300_000))
-    floors = row_floors([s], np.array([0, 1]))
+    assert row_floors([s], np.array([0, 1])).tolist() == [350e3, 300e3]  # the shortest calls
+    floors = row_floors([s], np.array([0, 1]), within=True)
     # the 0.3 quantile: 60 % of the way from the shortest call to the median, in log
     assert floors == pytest.approx([350e3 * (670 / 350) ** 0.6, 300e3 * (370 / 300) ** 0.6])
     assert floors[0] / floors[1] > 1.4 > 350 / 300
