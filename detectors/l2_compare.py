@@ -9,6 +9,7 @@ the groups gives (ten thousand ranks make thousands of TP or PP groups per phase
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -75,11 +76,11 @@ def compare_rows(value: F64, p: L2Params, collective: bool) -> tuple[F64, F64, F
 
 def phase_flags(name: str, kind: PhaseKind, label: str, column: I64, has: npt.NDArray[np.bool_], per_step: F64,
                 occ: F64, longest: F64, in_blocking: F64, rank: I64, p: L2Params,
-                raw: F64 | None = None) -> list[Flag]:
+                raw: Callable[[], F64] | None = None) -> list[Flag]:
     """The flags of one phase: its ranks (``has``) compared within their groups (``column``: each rank's
-    group); ``per_step``, ``occ``, ``longest``, ``in_blocking`` and ``raw`` (the duration, waiting included;
-    ``None``: ``per_step``) per rank (see ``detect_l2``), ``rank`` the topology's ranks. In the order of a
-    loop over the groups (ascending) and their members (by position)."""
+    group); ``per_step``, ``occ``, ``longest``, ``in_blocking`` and ``raw()`` (the duration, waiting included,
+    read only where a compute phase is flagged; ``None``: ``per_step``) per rank (see ``detect_l2``), ``rank``
+    the topology's ranks. In the order of a loop over the groups (ascending) and their members (by position)."""
     collective = kind.is_collective
     pos = np.flatnonzero(has)
     group = column[pos]
@@ -100,7 +101,8 @@ def phase_flags(name: str, kind: PhaseKind, label: str, column: I64, has: npt.ND
         ratio, z, peers, cv, hit = compare_rows(value, p, collective)
         if not collective and raw is not None and hit.any():
             with np.errstate(invalid="ignore", divide="ignore"):
-                wall = np.where(per_occurrence, raw[members] / rate, raw[members])
+                durations = raw()[members]
+                wall = np.where(per_occurrence, durations / rate, durations)
             hit &= (wall - loo_median_rows(wall)) >= _WALL_SHARE * (value - peers)
         late_ns = (peers - value) * np.where(per_occurrence, rate, 1.0)
         late = late_ns / np.maximum(longest[members], 1.0)

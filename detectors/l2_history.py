@@ -292,25 +292,30 @@ class PhaseHistory:
         are the middle of each row of the sorted ``cells x steps`` matrix (the values ``cell_median`` takes)."""
         rpos = rank_positions(topology, shape.cell_rank)
         n = len(slots)
-        med = row_medians(shape.mat, None if sorted(slots) == list(range(shape.mat.shape[1])) else slots)
+        cols = None if sorted(slots) == list(range(shape.mat.shape[1])) else slots
+        med = row_medians(shape.mat[:shape.n_own], cols)
         world, n_phases = len(topology.rank), len(dictionary[0])
         cell = rpos * n_phases + pid[shape.cell_gid]
         size = world * n_phases
         n_steps = np.zeros(size, dtype=np.int64)
         n_steps[cell] = n
         per_step = np.full(size, np.nan)
-        per_step[cell] = med[:shape.n_own]
-        raw = None
-        if shape.raw_gid.size:
-            raw = per_step.copy()
-            raw[rank_positions(topology, shape.raw_rank) * n_phases + pid[shape.raw_gid]] = med[shape.n_own:]
+        per_step[cell] = med
+        shape2 = (world, n_phases)
+
+        def raw() -> F64 | None:
+            if not shape.raw_gid.size:
+                return None
+            out = per_step.copy()
+            out[rank_positions(topology, shape.raw_rank) * n_phases + pid[shape.raw_gid]] = row_medians(
+                shape.mat[shape.n_own:], cols)
+            return out.reshape(shape2)
+
         sums = np.zeros(size)
         sums[cell] = shape.cell_count.astype(np.float64) * n
         with np.errstate(invalid="ignore", divide="ignore"):
             occ = sums / n_steps
-        shape2 = (world, n_phases)
-        return PhaseStats(*dictionary, n_steps.reshape(shape2), per_step.reshape(shape2), occ.reshape(shape2), n,
-                          None if raw is None else raw.reshape(shape2))
+        return PhaseStats(*dictionary, n_steps.reshape(shape2), per_step.reshape(shape2), occ.reshape(shape2), n, raw)
 
 
 def _sizes(index: LayoutIndex, lay: I64) -> tuple[I64, I64]:

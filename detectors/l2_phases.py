@@ -59,8 +59,9 @@ explained by its stragglers: only a baseline for the others.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from operator import attrgetter
 from typing import Any
@@ -272,8 +273,9 @@ class PhaseStats:
     steps that have the phase (``n_steps``), the median own time per step (``per_step``, ns; NaN where
     none) and the mean occurrences per step (``occ``; NaN where none), all ``world x phases``; the phase
     dictionary (``names``, ``kinds``, ``groups``) and the number of analysed steps (``n_analysed``).
-    ``raw``: the median duration per step, blocking collectives included (``world x phases``; ``None``:
-    the own time, as where nothing nests)."""
+    :attr:`raw`: the median duration per step, blocking collectives included (``world x phases``; ``None``:
+    the own time, as where nothing nests), taken by ``raw_medians`` when first read (only a compute phase
+    flagged elevated reads it)."""
 
     names: tuple[str, ...]
     kinds: tuple[PhaseKind, ...]
@@ -282,7 +284,11 @@ class PhaseStats:
     per_step: F64
     occ: F64
     n_analysed: int
-    raw: F64 | None = None
+    raw_medians: Callable[[], F64 | None] | None = None
+
+    @functools.cached_property
+    def raw(self) -> F64 | None:
+        return None if self.raw_medians is None else self.raw_medians()
 
 
 def rank_positions(topology: JobTopology, rank: I64) -> I64:
@@ -314,13 +320,16 @@ def phase_stats(rank: I64, pid: I64, own: I64, count: I64, n_analysed: int,
     per_step = cell_median(cell, own.astype(np.float64), size).reshape(world, n_phases)
     with np.errstate(invalid="ignore", divide="ignore"):
         occ = np.bincount(cell, weights=count, minlength=size).reshape(world, n_phases) / n_steps
-    raw_step: F64 | None = None
-    if raw is not None and raw[0].size:
+    def raw_step() -> F64 | None:
+        if raw is None or not raw[0].size:
+            return None
         raw_cell = rank_positions(topology, raw[0]) * n_phases + raw[1]
         flat = per_step.ravel().copy()
         at = np.unique(raw_cell)
         flat[at] = cell_median(raw_cell, raw[2].astype(np.float64), size)[at]
-        raw_step = flat.reshape(world, n_phases)
+        out: F64 = flat.reshape(world, n_phases)
+        return out
+
     return PhaseStats(*dictionary, n_steps, per_step, occ, n_analysed, raw_step)
 
 
@@ -336,7 +345,9 @@ def judge_l2(stats: PhaseStats, topology: JobTopology, p: L2Params) -> list[L2Re
     host_flags: list[Flag] = []
     short_flags: list[Flag] = []
     ranks = np.asarray(topology.rank)
-    raw = stats.raw if stats.raw is not None else per_step
+    def raw(k: int) -> Callable[[], F64]:
+        return lambda: (stats.raw if stats.raw is not None else per_step)[:, k]
+
     for k in range(len(stats.names)):
         kind, gkind = stats.kinds[k], stats.groups[k]
         collective = kind.is_collective
@@ -348,7 +359,7 @@ def judge_l2(stats: PhaseStats, topology: JobTopology, p: L2Params) -> list[L2Re
         column = np.asarray(getattr(topology, (ParallelGroup.DP if gkind is ParallelGroup.NONE else gkind).column))
         target = short_flags if collective else compute_flags if kind in _COMPUTE else host_flags
         target += phase_flags(stats.names[k], kind, gkind.value, column, n_steps[:, k] > 0, per_step[:, k],
-                              occ[:, k], longest, in_blocking, ranks, p, raw[:, k])
+                              occ[:, k], longest, in_blocking, ranks, p, raw(k))
     results, stragglers = _stragglers(compute_flags, short_flags, host_flags, topology, p)
     results += _slow_stages(per_step, occ, n_steps, stats, topology, stragglers, p)
     return [dataclasses.replace(r, steps_affected=stats.n_analysed) for r in results]
