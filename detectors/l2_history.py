@@ -89,10 +89,10 @@ class _Shape:
     def same(self, ranks: I64, lay: I64) -> bool:
         return bool(np.array_equal(self.ranks, ranks) and np.array_equal(self.lay, lay))
 
-    def add(self, own: I64, cap: int) -> int:
-        """Store one step's column (``own``: own times, then durations, ns); returns its slot. ``cap``: the most
+    def add(self, column: I64, cap: int) -> int:
+        """Store one step's column (``column``: own times, then durations, ns); returns its slot. ``cap``: the most
         columns worth holding."""
-        if own.size and int(own.max()) > _INT32_MAX and self.mat.dtype != np.int64:
+        if column.size and int(column.max()) > _INT32_MAX and self.mat.dtype != np.int64:
             self.mat = self.mat.astype(np.int64)
         if not self.free:
             width = self.mat.shape[1]
@@ -102,7 +102,7 @@ class _Shape:
             self.mat = mat
             self.free = list(range(grown - 1, width - 1, -1))
         slot = self.free.pop()
-        self.mat[:, slot] = own
+        self.mat[:, slot] = column
         self.used += 1
         return slot
 
@@ -122,7 +122,7 @@ class _Piece:
     first_layouts: tuple[int, ...]
 
     @property
-    def own(self) -> I64:
+    def column(self) -> I64:
         """The step's column (ns, as int64): own times per cell, then the durations of the cells that nest."""
         out: I64 = self.shape.mat[:, self.slot].astype(np.int64)
         return out
@@ -157,16 +157,16 @@ class PhaseHistory:
         sizes, nsizes = _sizes(self.index, which[order])
         offsets = np.cumsum(sizes) - sizes
         raw_offsets = int(sizes.sum()) + np.cumsum(nsizes) - nsizes
-        own = np.empty(int(sizes.sum() + nsizes.sum()), dtype=np.int64)
+        column = np.empty(int(sizes.sum() + nsizes.sum()), dtype=np.int64)
         for part in folded:
             lay = self.index.layouts[part.layout]
             at = where[part.members]
-            own[(offsets[at][:, None] + np.arange(lay.ids.size)).ravel()] = np.maximum(
+            column[(offsets[at][:, None] + np.arange(lay.ids.size)).ravel()] = np.maximum(
                 part.duration - part.nested, 0).ravel()
             if lay.nests.size:
-                own[(raw_offsets[at][:, None] + np.arange(lay.nests.size)).ravel()] = np.maximum(
+                column[(raw_offsets[at][:, None] + np.arange(lay.nests.size)).ravel()] = np.maximum(
                     part.duration[:, lay.nests], 0).ravel()
-        self._place(step, ranks[order], which[order], order.astype(np.int64), own)
+        self._place(step, ranks[order], which[order], order.astype(np.int64), column)
 
     def replace(self, batch: PhaseBatch) -> None:
         """A batch of a folded step delivered again (or late): it replaces its rank's phases in that step,
@@ -180,16 +180,16 @@ class PhaseHistory:
         raw_row = np.maximum(folded[0].duration[:, nests], 0).ravel() if folded else np.empty(0, np.int64)
         i = int(np.searchsorted(shape.ranks, batch.rank))
         present = i < shape.ranks.size and int(shape.ranks[i]) == batch.rank
-        own = piece.own
+        column = piece.column
         if present and int(shape.lay[i]) == lay:
-            own[shape.offsets[i]:shape.offsets[i] + row.size] = row
-            own[shape.raw_offsets[i]:shape.raw_offsets[i] + raw_row.size] = raw_row
-            self._place(batch.step, shape.ranks, shape.lay, piece.arrival, own)
+            column[shape.offsets[i]:shape.offsets[i] + row.size] = row
+            column[shape.raw_offsets[i]:shape.raw_offsets[i] + raw_row.size] = raw_row
+            self._place(batch.step, shape.ranks, shape.lay, piece.arrival, column)
             return
         # A new layout or a new rank: the step's columns are laid out again.
         layouts = [self.index.layouts[int(j)] for j in shape.lay.tolist()]
-        segments = [own[shape.offsets[j]:shape.offsets[j] + x.ids.size] for j, x in enumerate(layouts)]
-        raws = [own[shape.raw_offsets[j]:shape.raw_offsets[j] + x.nests.size] for j, x in enumerate(layouts)]
+        segments = [column[shape.offsets[j]:shape.offsets[j] + x.ids.size] for j, x in enumerate(layouts)]
+        raws = [column[shape.raw_offsets[j]:shape.raw_offsets[j] + x.nests.size] for j, x in enumerate(layouts)]
         ranks, lays, arrival = shape.ranks.tolist(), shape.lay.tolist(), piece.arrival.tolist()
         if present:
             lays[i], segments[i], raws[i] = lay, row, raw_row
@@ -200,9 +200,9 @@ class PhaseHistory:
             raws.insert(i, raw_row)
             arrival.insert(i, max(arrival, default=-1) + 1)
         parts = [np.asarray(s, dtype=np.int64) for s in segments + raws]
-        own = np.concatenate(parts) if parts else np.empty(0, np.int64)
+        column = np.concatenate(parts) if parts else np.empty(0, np.int64)
         self._place(batch.step, np.array(ranks, dtype=np.int64), np.array(lays, dtype=np.int64),
-                    np.array(arrival, dtype=np.int64), own)
+                    np.array(arrival, dtype=np.int64), column)
 
     def drop(self, step: int) -> None:
         """Forget a step (no-op if not held)."""
@@ -219,7 +219,7 @@ class PhaseHistory:
                     + s.raw_gid.nbytes + s.cell_nests.nbytes for s in self._shapes)
         return total + sum(p.arrival.nbytes for p in self._pieces.values())
 
-    def _place(self, step: int, ranks: I64, lay: I64, arrival: I64, own: I64) -> None:
+    def _place(self, step: int, ranks: I64, lay: I64, arrival: I64, column: I64) -> None:
         self.drop(step)
         shape = next((s for s in self._shapes if s.same(ranks, lay)), None)
         if shape is None:
@@ -228,7 +228,7 @@ class PhaseHistory:
         in_arrival = lay[np.argsort(arrival, kind="stable")]
         uniq, first = np.unique(in_arrival, return_index=True)
         firsts = tuple(int(x) for x in uniq[np.argsort(first, kind="stable")])
-        self._pieces[step] = _Piece(shape, shape.add(own, self.cap), arrival, firsts)
+        self._pieces[step] = _Piece(shape, shape.add(column, self.cap), arrival, firsts)
 
     def _dictionary(self, pieces: list[_Piece]) -> I64:
         """Per phase id of the index, its position in the held steps' phase dictionary (-1: absent)."""
@@ -269,7 +269,7 @@ class PhaseHistory:
         else:
             # Durations of every compute cell: those that nest from their own rows, the others' are their own.
             compute = np.array([k[1] in COMPUTE_KINDS for k in keys], dtype=bool)
-            columns = [p.own for p in keep]
+            columns = [p.column for p in keep]
             plain = [compute[p.shape.cell_gid] & ~p.shape.cell_nests for p in keep]
             n_own = [p.shape.n_own for p in keep]
             raw = (np.concatenate([x for p, c in zip(keep, plain, strict=True)
