@@ -597,7 +597,8 @@ def _links(s: KernelSummary, ranks: I64, batch: MixtureBatch, sc: RankScores, gr
             for key in [key for key in roles if key[0] == kind]:
                 del roles[key]
             roles[(kind, -1)] = pooled
-    judged: list[tuple[str, list[tuple[int, I64]], F64, F64, F64, npt.NDArray[np.bool_]]] = []
+    judged: list[tuple[str, int, list[tuple[int, I64]], F64, F64, F64, npt.NDArray[np.bool_],
+                       npt.NDArray[np.bool_], bool]] = []
     for (kind, role_stage), same in roles.items():
         if len(same) < 2:
             continue  # one group spans the comparison: nothing to compare its transfer with
@@ -605,6 +606,7 @@ def _links(s: KernelSummary, ranks: I64, batch: MixtureBatch, sc: RankScores, gr
         n = lg.shape[0]
         ref = _faster_half(lg)
         lr = lg - ref
+        few_large = False
         if n >= 4:
             mad = _MAD_SCALE * np.median(np.abs(lg - np.median(lg, axis=0)), axis=0)
             hit = (lr >= math.log(p.link_ratio)) & (lr >= p.link_z * np.maximum(mad, _LINK_MAD_FLOOR))
@@ -616,6 +618,7 @@ def _links(s: KernelSummary, ranks: I64, batch: MixtureBatch, sc: RankScores, gr
             # grouping is one guess of several, which LinkLedger has confirmed by a second collective. A group
             # with a late arrival is no reference then: its fastest member (the straggler) never waits, while
             # a healthy group's fastest member waits in the calls where another posted last.
+            few_large = True
             triples = [(kind, g, rows) for g, rows in same]
             plain = base.get("group_known") or not any(
                 _late_candidates([t for t in triples if t[2].size == size], sc.primary_p50_ns)
@@ -634,6 +637,7 @@ def _links(s: KernelSummary, ranks: I64, batch: MixtureBatch, sc: RankScores, gr
                 raised = _raised_floors(np.array([floors(True)[rows].min() for _, rows in same]))
                 if raised is not None:
                     hit |= (lr >= math.log(p.link_ratio)) & raised[:, None]
+        slow = hit.any(axis=1)  # slow at any ratio, waiting included
         # Beyond a plausible slowdown of a transfer it is waiting: a group made only of ranks that wait in a
         # collective of another kind (all of one TP index, waiting for the others) looks "slow" by far more.
         hit &= lr <= math.log(p.link_max_ratio)
@@ -641,20 +645,31 @@ def _links(s: KernelSummary, ranks: I64, batch: MixtureBatch, sc: RankScores, gr
             raised = _raised_floors(np.array([floors(False)[rows[0]] for _, rows in same]))
             if raised is not None:  # a side without a floor (NaN) is no link
                 hit &= raised[:, None]
-        judged.append((kind, same, lg, ref, lr, hit))
+        judged.append((kind, role_stage, same, lg, ref, lr, hit, slow, few_large))
     # Of every group of a kind in the job, how many were compared and how many are slow: one slow group
     # among many even ones (each stage's groups compared among themselves) is one group's link, where waiting
     # in a collective of another kind would slow the same position in every stage's groups.
     of_kind: dict[str, list[int]] = {}
-    for kind, same, *_, hit in judged:
+    slow_stages: dict[str, set[int]] = {}
+    for kind, role_stage, same, *_, slow, _few in judged:
         tally = of_kind.setdefault(kind, [0, 0, 0])
         tally[0] += len(same)
-        tally[1] += int(hit.any(axis=1).sum())
+        tally[1] += int(slow.sum())
         tally[2] += 1
-    for kind, same, lg, ref, lr, hit in judged:
+        if slow.any():
+            slow_stages.setdefault(kind, set()).add(role_stage)
+    for kind, _stage, same, lg, ref, lr, hit, _slow, few_large in judged:
         n = lg.shape[0]
         if 2 * int(hit.any(axis=1).sum()) > n:
             continue  # most groups slow: the whole job's network or load, not one group's link
+        if few_large and len(slow_stages.get(kind, ())) > 1:
+            # Two or three groups of a stage have no spread to judge by, only each other: a slow one is one
+            # group's link only where the other stages' groups of its kind are even. Slow groups in several
+            # stages (at any ratio) are the ranks of one position waiting in a collective of another kind
+            # (the data-parallel replicas that wait for the one a straggler or a stall holds up, seen as
+            # their TP groups), or members whose turns at arriving last vary (each member's calls then hold
+            # waiting at its median): not a link.
+            continue
         for i in np.flatnonzero(hit.any(axis=1)).tolist():
             g, rows = same[i]
             if explained[rows].all():

@@ -385,3 +385,20 @@ def test_a_collective_with_few_calls_is_judged_only_in_its_named_group() -> None
     assert _found(detect_l3([summary], topo, group_kind=ParallelGroup.DP)) == [
         (FindingKind.LINK_DEGRADED, tuple(range(1, 16, 2)))]
     assert detect_l3([summary], topo) == []
+
+
+def test_two_groups_a_stage_slow_in_several_stages_are_waiting_not_links() -> None:
+    # DP 2 x TP 4 x PP 2, the stream's group not named: stage 0 holds TP groups [0-3] and [4-7], stage 1
+    # [8-11] and [12-15]; each stage compares its two.
+    topo = build_topology("j", dp=2, tp=4, pp=2)
+    assert list(topo.tp_group) == [0] * 4 + [1] * 4 + [2] * 4 + [3] * 4 and list(topo.pp_stage) == [0] * 8 + [1] * 8
+    # The second data-parallel replica waits for the first (held up by a straggler) in a DP reduce-scatter:
+    # its TP groups are slow in every stage, x25 in one (beyond a plausible transfer) and x5 in the other.
+    waiting = {r: 25.0 for r in range(4, 8)} | {r: 5.0 for r in range(12, 16)}
+    assert detect_l3([_summary(_ranks(16, waiting), kernel=AR, stream=28)], topo) == []
+    assert detect_l3([_summary(_ranks(16, waiting | {r: 1.6 for r in range(4, 8)}), kernel=AR, stream=28)],
+                     topo) == []
+    # One TP group slow in one stage, the other stage's groups even: that group's link.
+    res = detect_l3([_summary(_ranks(16, {r: 1.6 for r in range(12, 16)}), kernel=AR, stream=28)], topo)
+    assert _found(res) == [(FindingKind.LINK_DEGRADED, (12, 13, 14, 15))]
+    assert res[0].evidence["kind_slow_groups"] == 1 and res[0].evidence["groups_compared"] == 2
