@@ -76,11 +76,13 @@ def compare_rows(value: F64, p: L2Params, collective: bool) -> tuple[F64, F64, F
 
 def phase_flags(name: str, kind: PhaseKind, label: str, column: I64, has: npt.NDArray[np.bool_], per_step: F64,
                 occ: F64, longest: F64, in_blocking: F64, rank: I64, p: L2Params,
-                raw: Callable[[], F64] | None = None) -> list[Flag]:
+                raw: Callable[[], F64] | None = None, ratios: F64 | None = None) -> list[Flag]:
     """The flags of one phase: its ranks (``has``) compared within their groups (``column``: each rank's
     group); ``per_step``, ``occ``, ``longest``, ``in_blocking`` and ``raw()`` (the duration, waiting included,
     read only where a compute phase is flagged; ``None``: ``per_step``) per rank (see ``detect_l2``), ``rank``
-    the topology's ranks. In the order of a loop over the groups (ascending) and their members (by position)."""
+    the topology's ranks. In the order of a loop over the groups (ascending) and their members (by position).
+    ``ratios`` (per rank, as ``per_step``): where given, each compared rank's ratio to its peers' median is
+    written into it, flagged or not."""
     collective = kind.is_collective
     pos = np.flatnonzero(has)
     group = column[pos]
@@ -99,6 +101,8 @@ def phase_flags(name: str, kind: PhaseKind, label: str, column: I64, has: npt.ND
         with np.errstate(invalid="ignore", divide="ignore"):
             value = np.where(per_occurrence, value / rate, value)
         ratio, z, peers, cv, hit = compare_rows(value, p, collective)
+        if ratios is not None:
+            ratios[members] = ratio
         if not collective and raw is not None and hit.any():
             with np.errstate(invalid="ignore", divide="ignore"):
                 durations = raw()[members]

@@ -345,6 +345,7 @@ def judge_l2(stats: PhaseStats, topology: JobTopology, p: L2Params) -> list[L2Re
     host_flags: list[Flag] = []
     short_flags: list[Flag] = []
     ranks = np.asarray(topology.rank)
+    elevation = np.full(per_step.shape, np.nan)  # compute phases: every rank's ratio to its peers
     def raw(k: int) -> Callable[[], F64]:
         return lambda: (stats.raw if stats.raw is not None else per_step)[:, k]
 
@@ -359,8 +360,11 @@ def judge_l2(stats: PhaseStats, topology: JobTopology, p: L2Params) -> list[L2Re
         column = np.asarray(getattr(topology, (ParallelGroup.DP if gkind is ParallelGroup.NONE else gkind).column))
         target = short_flags if collective else compute_flags if kind in _COMPUTE else host_flags
         target += phase_flags(stats.names[k], kind, gkind.value, column, n_steps[:, k] > 0, per_step[:, k],
-                              occ[:, k], longest, in_blocking, ranks, p, raw(k))
-    results, stragglers = _stragglers(compute_flags, short_flags, host_flags, topology, p)
+                              occ[:, k], longest, in_blocking, ranks, p, raw(k),
+                              elevation[:, k] if kind in _COMPUTE else None)
+    phase_of = {name: k for k, name in enumerate(stats.names)}
+    results, stragglers = _stragglers(compute_flags, short_flags, host_flags, topology, p,
+                                      lambda phase: elevation[:, phase_of[phase]])
     results += _slow_stages(per_step, occ, n_steps, stats, topology, stragglers, p)
     return [dataclasses.replace(r, steps_affected=stats.n_analysed) for r in results]
 
@@ -381,7 +385,7 @@ def _evidence(top: Flag, flags: list[Flag]) -> dict[str, Any]:
 
 
 def _stragglers(compute: list[Flag], short: list[Flag], host: list[Flag], topology: JobTopology,
-                p: L2Params) -> tuple[list[L2Result], set[int]]:
+                p: L2Params, elevation: Callable[[str], F64] | None = None) -> tuple[list[L2Result], set[int]]:
     by_rank, shorts = _by_rank(compute), _by_rank(short)
     slow = set(by_rank)
     victims = waiting_victims(slow, set(shorts), topology)
@@ -396,7 +400,8 @@ def _stragglers(compute: list[Flag], short: list[Flag], host: list[Flag], topolo
     # (a pipeline neighbour of a straggler reaches its DP all-reduce late too).
     own = {r for r in late - slow if min(f.waited_fraction for f in shorts[r]) < _WAITED_OWN}
     late -= waiting_victims(slow | own, {r for r in late - slow - own}, topology)
-    together = _waited_together({r: fs[0].ratio for r, fs in by_rank.items()}, topology)
+    together = _waited_together({r: fs[0].ratio for r, fs in by_rank.items()}, topology,
+                                None if elevation is None else {r: elevation(fs[0].phase) for r, fs in by_rank.items()})
     together |= _waited_together({r: 1.0 / fs[0].ratio for r, fs in shorts.items() if r not in by_rank}, topology)
     slow -= together
     late -= together
@@ -435,13 +440,17 @@ def _causes(found: dict[int, dict[tuple[str, str], _StageHit]]) -> dict[int, dic
     return keep
 
 
-def _waited_together(elevation: dict[int, float], topology: JobTopology) -> set[int]:
+def _waited_together(elevation: dict[int, float], topology: JobTopology,
+                     peers: dict[int, F64] | None = None) -> set[int]:
     """Compute stragglers that are members of one blocking group (TP, EP) flagged alike: the members of a
     group that waited in its blocking collectives for one of them (or for a degraded link) all look slow in
     the phase around it, when the phase cannot be told from the waiting (phases without nested collective
     records, e.g. imported traces). None of them is named here unless one stands out (its elevation
     ``_STANDS_OUT`` x the next member's); the compute kernels find the cause. The same holds for members
-    that reached a later collective late together. ``elevation``: per flagged rank, its top ratio (> 1)."""
+    that reached a later collective late together. ``elevation``: per flagged rank, its top ratio (> 1).
+    ``peers``: per flagged rank, every rank's ratio in that rank's top phase (NaN where not compared, by
+    position in ``topology``): members elevated alike but just under the flagging ratio count as the next
+    member too (a degraded TP link puts a whole group at ~1.5x, and which of them crosses 1.5x is noise)."""
     pos = {r: i for i, r in enumerate(topology.rank)}
     out: set[int] = set()
     for group in _WAIT_TOGETHER:
@@ -449,14 +458,17 @@ def _waited_together(elevation: dict[int, float], topology: JobTopology) -> set[
         members: dict[int, list[int]] = {}
         for r in elevation:
             members.setdefault(int(column[pos[r]]), []).append(r)
-        for ranks in members.values():
-            if len(ranks) < 2:
-                continue
+        for g, ranks in members.items():
             ratios = sorted((elevation[r], r) for r in ranks)
-            if ratios[-1][0] >= _STANDS_OUT * ratios[-2][0]:
-                out |= {r for _, r in ratios[:-1]}
-            else:
-                out |= set(ranks)
+            top_ratio, top = ratios[-1]
+            out |= {r for _, r in ratios[:-1]}
+            nxt = ratios[-2][0] if len(ratios) > 1 else 0.0
+            if peers is not None:
+                others = (column == g) & (np.arange(column.size) != pos[top])
+                with np.errstate(invalid="ignore"):
+                    nxt = max(nxt, float(np.nanmax(peers[top][others], initial=0.0)))
+            if top_ratio < _STANDS_OUT * nxt:
+                out.add(top)
     return out
 
 

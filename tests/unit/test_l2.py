@@ -361,3 +361,19 @@ def test_a_member_whose_collective_took_no_measurable_time_gets_a_finite_ratio()
     ratio, _, _, _, hit = compare_rows(value, L2Params(), collective=True)
     assert np.isfinite(ratio).all() and ratio[0, 0] == pytest.approx(1.0 / 2e5) and hit[0, 0]
     assert (ratio[1] == 1.0).all() and not hit[1].any()
+
+
+def test_a_tp_group_elevated_alike_names_none_even_where_one_member_alone_crosses_the_ratio() -> None:
+    topo = build_topology("j", dp=4, tp=4)  # TP groups {0-3} {4-7} ...; DP groups {0, 4, 8, 12} ...
+    assert list(topo.tp_group[:4]) == [0] * 4 and topo.dp_group[0] == topo.dp_group[4]
+    # A degraded TP link inside phases that do not tell it from compute: the whole group at ~1.5x its DP
+    # peers, and which member crosses 1.5x is noise.
+    alike = {0: 1.49, 1: 1.51, 2: 1.48, 3: 1.495}
+    assert detect_l2(_job(topo, 5, _dp_step(16, alike)), topo) == []
+    # One member 1.3x more elevated than the rest of its group stands out: the cause.
+    res = detect_l2(_job(topo, 5, _dp_step(16, alike | {1: 2.0})), topo)
+    assert [(r.kind, r.ranks) for r in _by_kind(res)[FindingKind.COMPUTE_STRAGGLER]] == [
+        (FindingKind.COMPUTE_STRAGGLER, (1,))]
+    # A straggler alone in its group is named.
+    res = detect_l2(_job(topo, 5, _dp_step(16, {1: 1.51})), topo)
+    assert [r.ranks for r in _by_kind(res)[FindingKind.COMPUTE_STRAGGLER]] == [(1,)]

@@ -31,9 +31,11 @@ def _loo(values: list[float]) -> list[float]:
 
 def ref_phase_flags(name: str, kind: PhaseKind, label: str, column: np.ndarray, has: np.ndarray, per_step: np.ndarray,
                     occ: np.ndarray, longest: np.ndarray, in_blocking: np.ndarray, rank: np.ndarray,
-                    p: L2Params, raw: np.ndarray | Callable[[], np.ndarray] | None = None) -> list[Flag]:
+                    p: L2Params, raw: np.ndarray | Callable[[], np.ndarray] | None = None,
+                    ratios: np.ndarray | None = None) -> list[Flag]:
     """Group by group (ascending), member by member: ratio and robust z against the others' median; a compute
-    phase only where its duration (``raw``) exceeds the others' median by half its own excess at least."""
+    phase only where its duration (``raw``) exceeds the others' median by half its own excess at least. Each
+    member's ratio is written into ``ratios`` where given."""
     raw = raw() if callable(raw) else raw
     out = []
     for g in sorted(set(column[has].tolist())):
@@ -58,6 +60,8 @@ def ref_phase_flags(name: str, kind: PhaseKind, label: str, column: np.ndarray, 
             scale = max(mad, p.mad_floor * pm)
             z = (v - pm) / scale if scale else math.copysign(math.inf, v - pm) if v != pm else math.nan
             ratio = max(v, 1.0) / max(pm, 1.0)  # times below 1 ns are no time measured
+            if ratios is not None:
+                ratios[i] = ratio
             if kind.is_collective:
                 hit = ratio <= 0.5 and (len(members) < 3 or z <= -p.min_z)
             else:
@@ -109,7 +113,9 @@ def test_phase_flags_match_the_per_group_loop(seed: int, n: int, collective: boo
     # Durations: the own time plus what nested in it (nothing, a little, or as much as the phase).
     raw = per_step + rng.choice([0.0, 0.1, 1.0]) * base * rng.random(n)
     args = ("ph", kind, label, column, has, per_step, occ, longest, in_blocking, rank, L2Params())
-    _flags_same(phase_flags(*args, lambda: raw), ref_phase_flags(*args, raw))
+    fast_ratios, want_ratios = np.full(n, np.nan), np.full(n, np.nan)
+    _flags_same(phase_flags(*args, lambda: raw, fast_ratios), ref_phase_flags(*args, raw, want_ratios))
+    np.testing.assert_allclose(fast_ratios, want_ratios, rtol=1e-9)
 
 
 def _table(seed: int) -> tuple[PhaseTable, Any]:
