@@ -104,6 +104,8 @@ _SMALL_LINK_RATIO = 2.0
 _SPREAD_SET = 4
 #: Ranks whose calls of a kernel differ from the set's median by more than this share are not judged by mode.
 _SAME_CALLS = 0.02
+#: How far up each mode of a collective its members' fast calls are read (their transfers, with less waiting).
+_LOW_PART = 0.25
 #: Floor of the spread of groups' log transfer times in the link test (5 %).
 _LINK_MAD_FLOOR = 0.05
 #: A pipeline side is a link only when its fastest calls are this much slower than its stage peers' too.
@@ -456,8 +458,11 @@ def _compute_levels(reference: F64, grid: F64) -> F64:
     return np.concatenate([reference_modes(reference, grid).mid, _SCAN_U, [0.9]])
 
 
-def _mode_middles(reference: F64, grid: F64) -> F64:
-    return reference_modes(reference, grid).mid
+def _collective_levels(reference: F64, grid: F64) -> F64:
+    """A collective's quantile levels: its reference modes' middles, then their lower parts (``_LOW_PART``
+    of the way up each mode)."""
+    modes = reference_modes(reference, grid)
+    return np.concatenate([modes.mid, modes.lo + _LOW_PART * modes.width])
 
 
 def cluster_median_quantile(batch: MixtureBatch, q: float) -> F64:
@@ -582,7 +587,9 @@ def _links(s: KernelSummary, ranks: I64, batch: MixtureBatch, sc: RankScores, gr
     window shows.
     """
     modes = reference_modes(sc.reference, sc.grid)
-    q = sc.quantiles_ns  # at the modes' middles (see _collective)
+    # At the modes' middles, and low in each mode (see _collective_levels): a member's calls hold its waiting
+    # wherever another posted last, most of them in a larger group; its fast calls are nearer its transfer.
+    q, q_low = np.split(sc.quantiles_ns, 2, axis=1)
     calls = float(np.median(batch.counts.sum(axis=1)))
     out: list[L3Result] = []
     # Groups are compared with groups of the same kind *and role*: the same pipeline stage (the first and
@@ -597,7 +604,7 @@ def _links(s: KernelSummary, ranks: I64, batch: MixtureBatch, sc: RankScores, gr
             for key in [key for key in roles if key[0] == kind]:
                 del roles[key]
             roles[(kind, -1)] = pooled
-    judged: list[tuple[str, int, list[tuple[int, I64]], F64, F64, F64, npt.NDArray[np.bool_],
+    judged: list[tuple[str, int, list[tuple[int, I64]], F64, F64, F64, F64, npt.NDArray[np.bool_],
                        npt.NDArray[np.bool_], bool]] = []
     for (kind, role_stage), same in roles.items():
         if len(same) < 2:
@@ -606,6 +613,8 @@ def _links(s: KernelSummary, ranks: I64, batch: MixtureBatch, sc: RankScores, gr
         n = lg.shape[0]
         ref = _faster_half(lg)
         lr = lg - ref
+        low = np.log(_group_minima(q_low, [rows for _, rows in same]))
+        lr_low = low - _faster_half(low)
         few_large = False
         if n >= 4:
             mad = _MAD_SCALE * np.median(np.abs(lg - np.median(lg, axis=0)), axis=0)
@@ -625,6 +634,10 @@ def _links(s: KernelSummary, ranks: I64, batch: MixtureBatch, sc: RankScores, gr
                 for size in {rows.size for _, rows in same})
             hit = lr >= math.log(p.link_ratio if plain else max(p.link_ratio, _SMALL_LINK_RATIO))
         else:
+            if kind != PIPELINE_SIDE:
+                # Read low in the mode too (a side's fast calls are its floors' to judge): a group slow in every
+                # call is slower there than at the middle, where the other groups' calls hold waiting.
+                lr = np.maximum(lr, lr_low)
             hit = lr >= math.log(max(p.link_ratio, _SMALL_LINK_RATIO))
             if kind != PIPELINE_SIDE and role_stage >= 0 and all(rows.size == 2 for _, rows in same):
                 # Two or three pairs of one stage (which move the same sizes) have no spread of transfers to
@@ -645,7 +658,7 @@ def _links(s: KernelSummary, ranks: I64, batch: MixtureBatch, sc: RankScores, gr
             raised = _raised_floors(np.array([floors(False)[rows[0]] for _, rows in same]))
             if raised is not None:  # a side without a floor (NaN) is no link
                 hit &= raised[:, None]
-        judged.append((kind, role_stage, same, lg, ref, lr, hit, slow, few_large))
+        judged.append((kind, role_stage, same, lg, ref, lr, lr_low, hit, slow, few_large))
     # Of every group of a kind in the job, how many were compared and how many are slow: one slow group
     # among many even ones (each stage's groups compared among themselves) is one group's link, where waiting
     # in a collective of another kind would slow the same position in every stage's groups.
@@ -658,7 +671,7 @@ def _links(s: KernelSummary, ranks: I64, batch: MixtureBatch, sc: RankScores, gr
         tally[2] += 1
         if slow.any():
             slow_stages.setdefault(kind, set()).add(role_stage)
-    for kind, _stage, same, lg, ref, lr, hit, _slow, few_large in judged:
+    for kind, _stage, same, lg, ref, lr, lr_low, hit, _slow, few_large in judged:
         n = lg.shape[0]
         if 2 * int(hit.any(axis=1).sum()) > n:
             continue  # most groups slow: the whole job's network or load, not one group's link
@@ -684,6 +697,7 @@ def _links(s: KernelSummary, ranks: I64, batch: MixtureBatch, sc: RankScores, gr
                 **base, **side, "group": f"{kind}{g}", "group_kind": kind, "group_index": g,
                 "whole_group": kind != PIPELINE_SIDE,
                 "transfer_ratio": ratio, "p50_ratio": ratio, "group_min_ns": float(np.exp(lg[i, j])),
+                "low_transfer_ratio": float(np.exp(lr_low[i, j])),
                 "healthy_min_ns": float(np.exp(ref[j])),
                 "mode_share_of_calls": float(modes.width[j]), "groups_compared": n,
                 "kind_groups": of_kind[kind][0], "kind_slow_groups": of_kind[kind][1],
@@ -715,7 +729,7 @@ def _collective(summaries: Sequence[KernelSummary], ranks: I64, batch: MixtureBa
                 topology: JobTopology | None, p: L3Params, base: dict[str, Any],
                 group_kind: ParallelGroup | None = None) -> list[L3Result]:
     s = summaries[0]
-    sc = score_ranks(batch, p.grid_points, p.mode_log_gap, _mode_middles)
+    sc = score_ranks(batch, p.grid_points, p.mode_log_gap, _collective_levels)
     slow, p50_ratio, healthy = _slow_ranks(sc, p.collective_min_score, p.collective_p50_ratio, p)
     p50 = sc.primary_p50_ns
     p2p = _is_p2p(s.kernel) or group_kind is ParallelGroup.PP

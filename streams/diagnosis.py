@@ -504,7 +504,10 @@ class LinkLedger:
         # Several groups of the guessed kind slow in one collective are what ranks of one position waiting in a
         # collective of another kind look like (a DP reduce-scatter's members waiting for a straggler, seen as
         # TP pairs), not one link: one collective of them is no strong evidence.
-        return float(ev.get("transfer_ratio", 0.0)) >= self.strong_ratio and many and slow < _SEVERAL_SLOW
+        # The ratio read low in the mode too: the healthy groups' typical calls hold waiting that their fast
+        # ones (nearer the transfer) do not, so a group slow in every call is often more slower there.
+        ratio = max(float(ev.get("transfer_ratio", 0.0)), float(ev.get("low_transfer_ratio", 0.0)))
+        return ratio >= self.strong_ratio and many and slow < _SEVERAL_SLOW
 
 
 class RankDiagnosis:

@@ -402,3 +402,27 @@ def test_two_groups_a_stage_slow_in_several_stages_are_waiting_not_links() -> No
     res = detect_l3([_summary(_ranks(16, {r: 1.6 for r in range(12, 16)}), kernel=AR, stream=28)], topo)
     assert _found(res) == [(FindingKind.LINK_DEGRADED, (12, 13, 14, 15))]
     assert res[0].evidence["kind_slow_groups"] == 1 and res[0].evidence["groups_compared"] == 2
+
+
+def test_two_groups_whose_fast_calls_are_slower_by_the_small_set_ratio_are_a_link() -> None:
+    # DP 4 x TP 2 x EP 4: expert groups {0, 2, 4, 6} and {1, 3, 5, 7}, named by the trace. The odd group's
+    # all-to-all is x2.1 slower in every call; every member of both waits in 60 % of its calls, so at the
+    # middle of the calls the ratio is diluted under the x2 that two groups need, while the fast calls show it.
+    topo = build_topology("j", dp=4, tp=2, ep=4)
+    assert list(topo.ep_group) == [0, 1] * 4
+    rng = np.random.default_rng(3)
+
+    def row(r: int, slow: float) -> tuple[int, list[Comp]]:
+        base = 1e6 * float(np.exp(0.01 * rng.standard_normal()))
+        return (r, [(40, base * slow, base * slow * 1.1), (60, base * (slow + 0.9), base * (slow + 0.9) * 1.1)])
+
+    a2a = "ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)"
+    rows = [row(r, 2.1 if r % 2 else 1.0) for r in range(8)]
+    res = detect_l3([_summary(rows, kernel=a2a, stream=28)], topo, group_kind=ParallelGroup.EP)
+    assert _found(res) == [(FindingKind.LINK_DEGRADED, (1, 3, 5, 7))]
+    ev = res[0].evidence
+    assert ev["transfer_ratio"] == pytest.approx(ev["low_transfer_ratio"]) and ev["transfer_ratio"] > 2.0
+    # Waiting alone (the same calls, the fast ones as fast as the other group's) is none.
+    rows = [(r, [(40, 1e6, 1.1e6), (60, 1e6 * (3.0 if r % 2 else 1.9), 1e6 * (3.0 if r % 2 else 1.9) * 1.1)])
+            for r in range(8)]
+    assert detect_l3([_summary(rows, kernel=a2a, stream=28)], topo, group_kind=ParallelGroup.EP) == []

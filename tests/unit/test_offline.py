@@ -47,6 +47,10 @@ def test_the_only_slow_group_of_its_kind_across_three_stages_is_strong() -> None
     assert LinkLedger().filter([_link((2, 3), "ReduceScatter", 2.9, 2, of_kind=(4, 1, 2))]) == []
     assert LinkLedger().filter([_link((9, 11), "SendRecv", 2.8, 2, of_kind=(16, 2, 8))]) == []
     assert LinkLedger().filter([_link((9, 11), "SendRecv", 1.8, 2, of_kind=(16, 1, 8))]) == []
+    # The ratio read low in the mode counts as well: the other groups' typical calls hold waiting.
+    low = _link((9, 11), "SendRecv", 2.2, 2, of_kind=(16, 1, 8))
+    low = dataclasses.replace(low, evidence_json=json.dumps(low.evidence | {"low_transfer_ratio": 2.7}))
+    assert len(LinkLedger().filter([low])) == 1
 
 
 def test_several_slow_groups_in_one_collective_are_no_strong_evidence() -> None:
