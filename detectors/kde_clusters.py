@@ -23,6 +23,7 @@ import numpy.typing as npt
 from argus.core.errors import DetectorError
 from argus.detectors.kde_valleys import (
     GRID_MARGIN,
+    ISOLATED_GAP,
     KERNEL_SUPPORT,
     MIN_BANDWIDTH,
     dense_codes,
@@ -31,6 +32,7 @@ from argus.detectors.kde_valleys import (
 )
 
 __all__ = [
+    "ISOLATED_GAP",
     "MIN_BANDWIDTH",
     "ClusterSet",
     "ClusterSummary",
@@ -167,7 +169,9 @@ def binned_kde(log_values: npt.ArrayLike, bandwidth: float, grid_points: int = 5
 def cluster_durations(durations_ns: npt.ArrayLike, params: KdeParams | None = None) -> ClusterSet:
     """Cluster one group's kernel durations (ns) at the valleys of the KDE of ``ln(duration)``.
 
-    The bandwidth is Scott's rule, ``std(ln d) * n ** (-1/5)``, floored at :data:`MIN_BANDWIDTH`. A
+    The bandwidth is Scott's rule, ``std(ln d) * n ** (-1/5)``, floored at :data:`MIN_BANDWIDTH`; fewer than
+    ``params.min_samples`` values at either end beyond a gap of :data:`ISOLATED_GAP` such bandwidths are left
+    out of it (a stray call widens it enough to merge two modes x3 apart), not out of the clusters. A
     valley becomes a boundary only if it is significant (``params.min_valley_z``), every cluster
     keeps ``params.min_samples`` samples and the boundary is ``params.min_log_gap`` away from its
     neighbours and from the smallest/largest sample; valleys are taken most significant first.

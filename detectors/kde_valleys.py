@@ -9,7 +9,8 @@ without leaving compiled code:
 
 * :func:`dense_codes`: the distinct group ids of a window (sorted) and each event's rank among them, by an
   open-addressing hash (O(n), where ``np.unique`` sorts);
-* :func:`valley_cuts`: for every group, the bandwidth (Scott's rule on ``ln ns``), the binned Gaussian KDE,
+* :func:`valley_cuts`: for every group, the bandwidth (Scott's rule on ``ln ns``, a few isolated values at
+  either end left out), the binned Gaussian KDE,
   its valleys (the local maxima of ``-density`` as ``scipy.signal.find_peaks`` finds them, plateaus at their
   middle) with their topographic prominence (as ``scipy.signal.peak_prominences``), each valley's z-score and
   the greedy choice of cuts, most significant first.
@@ -28,7 +29,7 @@ import numba
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["GRID_MARGIN", "KERNEL_SUPPORT", "MIN_BANDWIDTH", "dense_codes", "radix_sort", "valley_cuts"]
+__all__ = ["GRID_MARGIN", "ISOLATED_GAP", "KERNEL_SUPPORT", "MIN_BANDWIDTH", "dense_codes", "radix_sort", "valley_cuts"]
 
 I64 = npt.NDArray[np.int64]
 F64 = npt.NDArray[np.float64]
@@ -36,6 +37,8 @@ F64 = npt.NDArray[np.float64]
 #: Floor of the KDE bandwidth in natural-log units (0.1 %): nearly-equal durations would otherwise
 #: give a zero bandwidth and a division by zero.
 MIN_BANDWIDTH = 1e-3
+#: Gap (in bandwidths) beyond which a few values at either end of a group are left out of its bandwidth.
+ISOLATED_GAP = 4.0
 #: Kernel support in bandwidths; exp(-12.5) ~ 4e-6 of the peak is far below what moves a valley.
 KERNEL_SUPPORT = 5.0
 #: Grid margin beyond the data, in bandwidths (the density is ~0 past it).
@@ -122,13 +125,9 @@ def radix_sort(keys: I64, bits: int) -> I64:
 
 
 @numba.njit(cache=True, nogil=True)
-def _group_cuts(xs: I64, y: F64, s: int, e: int, grid_points: int, min_samples: int, min_log_gap: float,
-                max_clusters: int, min_valley_z: float, out: I64, m: int) -> int:  # pragma: no cover
-    """Append to ``out`` (from ``m``) the absolute indices where a new cluster of sorted ``xs[s:e]`` starts,
-    in ascending order; returns the new end of ``out``."""
+def _scott(y: F64, s: int, e: int) -> float:  # pragma: no cover - compiled
+    """Scott's rule on ``y[s:e]`` (2 or more values): ``std * n ** (-1/5)``, floored at MIN_BANDWIDTH."""
     n = e - s
-    if n < 2 * min_samples or xs[s] == xs[e - 1] or max_clusters == 1:
-        return m
     mean = 0.0
     for i in range(s, e):
         mean += y[i]
@@ -137,7 +136,29 @@ def _group_cuts(xs: I64, y: F64, s: int, e: int, grid_points: int, min_samples: 
     for i in range(s, e):
         d = y[i] - mean
         ss += d * d
-    h = max(math.sqrt(ss / (n - 1)) * float(n) ** (-0.2), MIN_BANDWIDTH)
+    return max(math.sqrt(ss / (n - 1)) * float(n) ** (-0.2), MIN_BANDWIDTH)
+
+
+@numba.njit(cache=True, nogil=True)
+def _group_cuts(xs: I64, y: F64, s: int, e: int, grid_points: int, min_samples: int, min_log_gap: float,
+                max_clusters: int, min_valley_z: float, out: I64, m: int) -> int:  # pragma: no cover
+    """Append to ``out`` (from ``m``) the absolute indices where a new cluster of sorted ``xs[s:e]`` starts,
+    in ascending order; returns the new end of ``out``."""
+    n = e - s
+    if n < 2 * min_samples or xs[s] == xs[e - 1] or max_clusters == 1:
+        return m
+    h = _scott(y, s, e)
+    # A few values (fewer than a cluster holds) beyond a gap of ISOLATED_GAP bandwidths at either end are
+    # bumps of their own, not the spread of the rest: one stray call would widen the bandwidth enough to
+    # merge two modes x3 apart. The bandwidth is the rest's.
+    lo_k, hi_k = 0, 0
+    for i in range(1, min(min_samples, n)):
+        if y[s + i] - y[s + i - 1] > ISOLATED_GAP * h:
+            lo_k = i
+        if y[e - i] - y[e - i - 1] > ISOLATED_GAP * h:
+            hi_k = i
+    if lo_k + hi_k > 0 and n - lo_k - hi_k >= 2:
+        h = _scott(y, s + lo_k, e - hi_k)
     ymin, ymax = y[s], y[e - 1]
     span = (ymax - ymin) / h + 2.0 * GRID_MARGIN
     points = min(grid_points, max(16, math.ceil(span * _POINTS_PER_BANDWIDTH) + 1))

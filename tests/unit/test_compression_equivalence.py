@@ -28,7 +28,7 @@ from argus.core.settings import Settings
 from argus.demo import build_spec
 from argus.detectors import ClusterSet, KdeParams, cluster_by_group, cluster_durations
 from argus.detectors.kde_clusters import _binned_kde, _summarize
-from argus.detectors.kde_valleys import GRID_MARGIN, MIN_BANDWIDTH, dense_codes, radix_sort
+from argus.detectors.kde_valleys import GRID_MARGIN, ISOLATED_GAP, MIN_BANDWIDTH, dense_codes, radix_sort
 from argus.producers.simulator import JobSimulator
 from argus.schemas import column_packing
 from argus.schemas.records import KernelBatch
@@ -47,6 +47,12 @@ def ref_cuts_sorted(xs: np.ndarray, p: KdeParams) -> np.ndarray:
         return np.empty(0, dtype=np.int64)
     y = np.log(xs.astype(np.float64))
     h = max(float(np.std(y, ddof=1)) * n ** (-0.2), MIN_BANDWIDTH)
+    gaps = np.diff(y) > ISOLATED_GAP * h
+    lo_k = max((i for i in range(1, min(p.min_samples, n)) if gaps[i - 1]), default=0)
+    hi_k = max((i for i in range(1, min(p.min_samples, n)) if gaps[n - i - 1]), default=0)
+    if lo_k + hi_k > 0 and n - lo_k - hi_k >= 2:
+        bulk = y[lo_k:n - hi_k]
+        h = max(float(np.std(bulk, ddof=1)) * bulk.size ** (-0.2), MIN_BANDWIDTH)
     ymin, ymax = float(y[0]), float(y[-1])
     span = (ymax - ymin) / h + 2.0 * GRID_MARGIN
     points = min(p.grid_points, max(16, math.ceil(span * 10.0) + 1))
@@ -182,10 +188,11 @@ def test_every_window_of_a_simulated_job_matches_the_numpy_statement() -> None:
 
 
 #: Summaries the router emitted (their Avro bytes, digested in emission order) before the core was compiled:
-#: (summaries, events summarized, sha256) per simulated 2 x 2 x 2 job of 30 steps.
+#: (summaries, events summarized, sha256) per simulated 2 x 2 x 2 job of 30 steps. case1's changed once, on
+#: purpose: its groups with a stray call at one end are clustered with the bandwidth of the rest since.
 GOLDEN = {
     ("none", None): (120, 105840, "1c89c6ec534d0f6b4d6850433190712bfcb75d9855bd0cfc068dec5bf506d3cc"),
-    ("case1", None): (360, 105840, "a4f66bde0227beafcd639cb9e159bf2fab39f5e6ce0089115ce82268fcd52dcc"),
+    ("case1", None): (360, 105840, "adbce55cdd311f11891067354d7a26b3cd830d8aa044d5d0d1e3587121784196"),
     ("case2", None): (120, 105840, "8761fe375690cb49b1977a7a1b2afc1ee62d07b1244bf76c07e1832a78856c6a"),
     ("case3", None): (120, 105840, "1a9b129772800ec7f70172f5432745288114bf416ab48840676c525a2560a116"),
     ("case4", None): (120, 105840, "af96ae7a447ebae4e4e34ead03a26f985b0cab76f3eb2a08c00f23b1065a8216"),

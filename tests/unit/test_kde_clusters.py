@@ -311,3 +311,19 @@ def test_property_cluster_by_group_matches_single_groups(parts: list[np.ndarray]
     assert [gid for gid, _ in result] == [i * 3 for i in range(len(parts))]
     for (_, cs), p in zip(result, parts, strict=True):
         assert list(cs.rows()) == list(cluster_durations(p).rows())
+
+
+def test_a_stray_call_does_not_merge_two_modes() -> None:
+    # One rank's window of a GEMM at two shapes (ms): 18 calls at ~0.5 and 35 at ~1.4-2.3, and one stray
+    # call of 10.5. The stray call widened the bandwidth of the whole group enough to merge the modes (x3.4
+    # apart) into one cluster, whose modelled spread then put the fast shape's calls at 0.86 ms: a healthy
+    # rank's "slow mode" x1.66.
+    ms = [0.435, 0.483, 0.488, 0.491, 0.498, 0.504, 0.505, 0.508, 0.512, 0.512, 0.516, 0.519, 0.524, 0.537,
+          0.543, 0.571, 0.583, 0.588, 1.37, 1.383, 1.42, 1.435, 1.45, 1.457, 1.501, 1.507, 1.523, 1.535, 1.557,
+          1.562, 1.583, 1.596, 1.61, 1.633, 1.672, 1.691, 1.725, 1.796, 1.939, 1.942, 1.948, 1.966, 2.018, 2.03,
+          2.054, 2.055, 2.072, 2.075, 2.083, 2.162, 2.199, 2.252, 2.265, 10.483]
+    x = np.array(ms) * 1e6
+    c = cluster_durations(x)
+    assert c.count.tolist() == [18, 36] and c.max_ns[-1] == 10_483_000
+    # The stray call stays in its cluster (too few calls for one of its own); without it, the same two.
+    assert cluster_durations(x[:-1]).count.tolist() == [18, 35]
