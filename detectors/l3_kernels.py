@@ -615,7 +615,8 @@ def _links(s: KernelSummary, ranks: I64, batch: MixtureBatch, sc: RankScores, gr
         lr = lg - ref
         low = np.log(_group_minima(q_low, [rows for _, rows in same]))
         lr_low = low - _faster_half(low)
-        few_large = False
+        # Two or three groups of one stage (reductions, gathers, all-to-alls): no spread, only each other.
+        few = n < 4 and role_stage >= 0 and kind in ("DP", "TP", "EP")
         if n >= 4:
             mad = _MAD_SCALE * np.median(np.abs(lg - np.median(lg, axis=0)), axis=0)
             hit = (lr >= math.log(p.link_ratio)) & (lr >= p.link_z * np.maximum(mad, _LINK_MAD_FLOOR))
@@ -627,7 +628,6 @@ def _links(s: KernelSummary, ranks: I64, batch: MixtureBatch, sc: RankScores, gr
             # grouping is one guess of several, which LinkLedger has confirmed by a second collective. A group
             # with a late arrival is no reference then: its fastest member (the straggler) never waits, while
             # a healthy group's fastest member waits in the calls where another posted last.
-            few_large = True
             triples = [(kind, g, rows) for g, rows in same]
             plain = base.get("group_known") or not any(
                 _late_candidates([t for t in triples if t[2].size == size], sc.primary_p50_ns)
@@ -658,7 +658,7 @@ def _links(s: KernelSummary, ranks: I64, batch: MixtureBatch, sc: RankScores, gr
             raised = _raised_floors(np.array([floors(False)[rows[0]] for _, rows in same]))
             if raised is not None:  # a side without a floor (NaN) is no link
                 hit &= raised[:, None]
-        judged.append((kind, role_stage, same, lg, ref, lr, lr_low, hit, slow, few_large))
+        judged.append((kind, role_stage, same, lg, ref, lr, lr_low, hit, slow, few))
     # Of every group of a kind in the job, how many were compared and how many are slow: one slow group
     # among many even ones (each stage's groups compared among themselves) is one group's link, where waiting
     # in a collective of another kind would slow the same position in every stage's groups.
@@ -671,17 +671,18 @@ def _links(s: KernelSummary, ranks: I64, batch: MixtureBatch, sc: RankScores, gr
         tally[2] += 1
         if slow.any():
             slow_stages.setdefault(kind, set()).add(role_stage)
-    for kind, _stage, same, lg, ref, lr, lr_low, hit, _slow, few_large in judged:
+    for kind, _stage, same, lg, ref, lr, lr_low, hit, _slow, few in judged:
         n = lg.shape[0]
         if 2 * int(hit.any(axis=1).sum()) > n:
             continue  # most groups slow: the whole job's network or load, not one group's link
-        if few_large and len(slow_stages.get(kind, ())) > 1:
+        if few and len(slow_stages.get(kind, ())) > 1:
             # Two or three groups of a stage have no spread to judge by, only each other: a slow one is one
             # group's link only where the other stages' groups of its kind are even. Slow groups in several
             # stages (at any ratio) are the ranks of one position waiting in a collective of another kind
             # (the data-parallel replicas that wait for the one a straggler or a stall holds up, seen as
-            # their TP groups), or members whose turns at arriving last vary (each member's calls then hold
-            # waiting at its median): not a link.
+            # their TP groups; the TP members that wait for their partners, seen as DP pairs), or members
+            # whose turns at arriving last vary (each member's calls then hold waiting at its median): not a
+            # link.
             continue
         for i in np.flatnonzero(hit.any(axis=1)).tolist():
             g, rows = same[i]

@@ -426,3 +426,15 @@ def test_two_groups_whose_fast_calls_are_slower_by_the_small_set_ratio_are_a_lin
     rows = [(r, [(40, 1e6, 1.1e6), (60, 1e6 * (3.0 if r % 2 else 1.9), 1e6 * (3.0 if r % 2 else 1.9) * 1.1)])
             for r in range(8)]
     assert detect_l3([_summary(rows, kernel=a2a, stream=28)], topo, group_kind=ParallelGroup.EP) == []
+
+
+def test_pairs_slow_in_every_stage_are_one_position_waiting_not_links() -> None:
+    # DP 2 x TP 2 x PP 2, the stream's group not named: stage 0 holds DP pairs {0, 2} {1, 3}, stage 1 {4, 6}
+    # {5, 7}. The ranks of TP index 1 wait for their partners in a TP collective, seen as DP pairs: slow pairs
+    # in both stages.
+    topo = build_topology("j", dp=2, tp=2, pp=2)
+    assert list(topo.dp_group)[:4] == [0, 1, 0, 1] and list(topo.pp_stage) == [0] * 4 + [1] * 4
+    assert detect_l3([_summary(_ranks(8, {1: 3.0, 3: 3.0, 5: 2.4, 7: 2.4}), kernel=AR, stream=32)], topo) == []
+    # One pair slow in one stage: its link.
+    res = detect_l3([_summary(_ranks(8, {1: 3.0, 3: 3.0}), kernel=AR, stream=32)], topo)
+    assert _found(res) == [(FindingKind.LINK_DEGRADED, (1, 3))]
