@@ -615,8 +615,9 @@ def _links(s: KernelSummary, ranks: I64, batch: MixtureBatch, sc: RankScores, gr
         lr = lg - ref
         low = np.log(_group_minima(q_low, [rows for _, rows in same]))
         lr_low = low - _faster_half(low)
-        # Two or three groups of one stage (reductions, gathers, all-to-alls): no spread, only each other.
-        few = n < 4 and role_stage >= 0 and kind in ("DP", "TP", "EP")
+        # Two or three groups of one stage (reductions, gathers, all-to-alls), with no spread to judge by, or
+        # any number in a grouping guessed from durations: see the several-stages rule below.
+        few = role_stage >= 0 and kind in ("DP", "TP", "EP") and (n < 4 or not base.get("group_known"))
         if n >= 4:
             mad = _MAD_SCALE * np.median(np.abs(lg - np.median(lg, axis=0)), axis=0)
             hit = (lr >= math.log(p.link_ratio)) & (lr >= p.link_z * np.maximum(mad, _LINK_MAD_FLOOR))
@@ -676,8 +677,9 @@ def _links(s: KernelSummary, ranks: I64, batch: MixtureBatch, sc: RankScores, gr
         if 2 * int(hit.any(axis=1).sum()) > n:
             continue  # most groups slow: the whole job's network or load, not one group's link
         if few and len(slow_stages.get(kind, ())) > 1:
-            # Two or three groups of a stage have no spread to judge by, only each other: a slow one is one
-            # group's link only where the other stages' groups of its kind are even. Slow groups in several
+            # Two or three groups of a stage have no spread to judge by, only each other, and a guessed grouping
+            # may be the wrong one: a slow one is one group's link only where the other stages' groups of its
+            # kind are even. Slow groups in several
             # stages (at any ratio) are the ranks of one position waiting in a collective of another kind
             # (the data-parallel replicas that wait for the one a straggler or a stall holds up, seen as
             # their TP groups; the TP members that wait for their partners, seen as DP pairs), or members

@@ -438,3 +438,19 @@ def test_pairs_slow_in_every_stage_are_one_position_waiting_not_links() -> None:
     # One pair slow in one stage: its link.
     res = detect_l3([_summary(_ranks(8, {1: 3.0, 3: 3.0}), kernel=AR, stream=32)], topo)
     assert _found(res) == [(FindingKind.LINK_DEGRADED, (1, 3))]
+
+
+def test_a_guessed_grouping_slow_in_several_stages_is_no_link_however_many_groups() -> None:
+    # DP 4 x TP 4 x PP 2: four TP groups of four per stage. A replica's TP groups slow in both stages, as
+    # ranks waiting in a DP reduce-scatter for a slow stage elsewhere look when read as TP groups.
+    topo = build_topology("j", dp=4, tp=4, pp=2)
+    assert list(topo.tp_group) == [g for g in range(8) for _ in range(4)] and topo.pp_stage[16] == 1
+    slow = {r: 2.6 for r in [*range(12, 16), *range(28, 32)]}
+    assert detect_l3([_summary(_ranks(32, slow), kernel=AR, stream=28)], topo) == []
+    # Where the trace named the stream's group, four groups a stage have a spread to judge by: both links.
+    res = detect_l3([_summary(_ranks(32, slow), kernel=AR, stream=28)], topo, group_kind=ParallelGroup.TP)
+    assert _found(res) == [(FindingKind.LINK_DEGRADED, tuple(range(12, 16))),
+                           (FindingKind.LINK_DEGRADED, tuple(range(28, 32)))]
+    # One slow group in one stage, guessed: its link.
+    res = detect_l3([_summary(_ranks(32, {r: 2.6 for r in range(28, 32)}), kernel=AR, stream=28)], topo)
+    assert _found(res) == [(FindingKind.LINK_DEGRADED, tuple(range(28, 32)))]
