@@ -171,7 +171,9 @@ def cluster_durations(durations_ns: npt.ArrayLike, params: KdeParams | None = No
 
     The bandwidth is Scott's rule, ``std(ln d) * n ** (-1/5)``, floored at :data:`MIN_BANDWIDTH`; fewer than
     ``params.min_samples`` values at either end beyond a gap of :data:`ISOLATED_GAP` such bandwidths are left
-    out of it (a stray call widens it enough to merge two modes x3 apart), not out of the clusters. A
+    out of it (a stray call widens it enough to merge two modes x3 apart), not out of the clusters. Each
+    cluster found is clustered again with its own bandwidth (a mode far from the others widens the group's
+    past the valleys between near ones), within ``params.max_clusters`` in all. A
     valley becomes a boundary only if it is significant (``params.min_valley_z``), every cluster
     keeps ``params.min_samples`` samples and the boundary is ``params.min_log_gap`` away from its
     neighbours and from the smallest/largest sample; valleys are taken most significant first.

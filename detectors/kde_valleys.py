@@ -9,8 +9,9 @@ without leaving compiled code:
 
 * :func:`dense_codes`: the distinct group ids of a window (sorted) and each event's rank among them, by an
   open-addressing hash (O(n), where ``np.unique`` sorts);
-* :func:`valley_cuts`: for every group, the bandwidth (Scott's rule on ``ln ns``, a few isolated values at
-  either end left out), the binned Gaussian KDE,
+* :func:`valley_cuts`: for every group (and again inside each cluster it splits into, with the cluster's own
+  bandwidth), the bandwidth (Scott's rule on ``ln ns``, a few isolated values at either end left out), the
+  binned Gaussian KDE,
   its valleys (the local maxima of ``-density`` as ``scipy.signal.find_peaks`` finds them, plateaus at their
   middle) with their topographic prominence (as ``scipy.signal.peak_prominences``), each valley's z-score and
   the greedy choice of cuts, most significant first.
@@ -263,6 +264,47 @@ def _group_cuts(xs: I64, y: F64, s: int, e: int, grid_points: int, min_samples: 
 
 
 @numba.njit(cache=True, nogil=True)
+def _refined_cuts(xs: I64, y: F64, s: int, e: int, grid_points: int, min_samples: int, min_log_gap: float,
+                  max_clusters: int, min_valley_z: float, out: I64, m: int) -> int:  # pragma: no cover
+    """:func:`_group_cuts` of ``xs[s:e]``, then again inside each cluster found, with the cluster's own
+    bandwidth, until none splits or the group has ``max_clusters``; the cuts appended in ascending order.
+    A mode far from the others (a collective's waiting calls, 10x its transfers) widens the whole group's
+    bandwidth past the valleys between the modes near each other (the transfers before and after a
+    slowdown, x2 apart)."""
+    m0 = m
+    m = _group_cuts(xs, y, s, e, grid_points, min_samples, min_log_gap, max_clusters, min_valley_z, out, m)
+    if m == m0:
+        return m
+    lo = np.empty(2 * max_clusters + 2, dtype=np.int64)
+    hi = np.empty(2 * max_clusters + 2, dtype=np.int64)
+    top = 0
+    prev = s
+    for j in range(m0, m):
+        lo[top], hi[top] = prev, out[j]
+        top += 1
+        prev = out[j]
+    lo[top], hi[top] = prev, e
+    top += 1
+    while top > 0 and m - m0 < max_clusters - 1:
+        top -= 1
+        a, b = lo[top], hi[top]
+        k = m
+        m = _group_cuts(xs, y, a, b, grid_points, min_samples, min_log_gap, max_clusters - (m - m0),
+                        min_valley_z, out, m)
+        prev = a
+        for j in range(k, m):
+            lo[top], hi[top] = prev, out[j]
+            top += 1
+            prev = out[j]
+        if m > k:
+            lo[top], hi[top] = prev, b
+            top += 1
+    done = np.sort(out[m0:m])
+    out[m0:m] = done
+    return m
+
+
+@numba.njit(cache=True, nogil=True)
 def _valley_cuts(xs: I64, y: F64, starts: I64, grid_points: int, min_samples: int, min_log_gap: float,
                  max_clusters: int, min_valley_z: float) -> tuple[I64, I64]:  # pragma: no cover - compiled
     n_groups = starts.size - 1
@@ -276,7 +318,7 @@ def _valley_cuts(xs: I64, y: F64, starts: I64, grid_points: int, min_samples: in
         first[g] = m
         edges[m] = starts[g]
         m += 1
-        c = _group_cuts(xs, y, starts[g], starts[g + 1], grid_points, min_samples, min_log_gap, max_clusters,
+        c = _refined_cuts(xs, y, starts[g], starts[g + 1], grid_points, min_samples, min_log_gap, max_clusters,
                         min_valley_z, cuts, 0)
         for j in range(c):
             edges[m] = cuts[j]

@@ -28,7 +28,8 @@ ends together for all members of its group and so includes waiting for the last 
 * every member of a group long (none 2x shorter): the group's link is degraded,
   :attr:`FindingKind.LINK_DEGRADED` with ``ranks`` = the group; evidence ``w1_inter_over_intra_ratio`` (W1
   between the group's and the healthy ranks' median CDFs over the mean W1 of ranks to their side's);
-* a member 2x shorter than the median of its group peers arrived late: its peers' long collectives are
+* a member whose typical call (the median call, at its cluster's median) is 2x shorter than the median of
+  its group peers' arrived late: its peers' long collectives are
   explained, never flagged; ``short_ratio`` (5x) shorter names it (:attr:`FindingKind.COMPUTE_STRAGGLER_BY_
   COLLECTIVE`). The ratio amplifies small delays of short transfers (1.7x in healthy jobs at 1 % rank
   spread, 3.2x at 3 %), hence the higher naming gate. Only a call's last arrival is short, so a group
@@ -127,7 +128,7 @@ class L3Params:
     kernel [0.25]. ``collective_min_score``: the same for collectives, above healthy waiting spread [3.0].
     ``p50_ratio``: primary p50 over the lower-half median that flags a rank [3.0].
     ``collective_p50_ratio``: the same for collectives, above healthy waiting spread [4.0].
-    ``short_ratio``: group peers' median p50 over a member's that names it a late arrival [5.0].
+    ``short_ratio``: group peers' median typical call over a member's that names it a late arrival [5.0].
     ``min_events``: ranks with fewer events of the kernel are left out [10]; for a collective whose group
     is known (``group_kind``, or the topology has groups of one kind only to run it in: DP or TP)
     ``collective_min_events`` [5] (its groups are judged together: a DP all-reduce runs once a step, and a
@@ -630,8 +631,9 @@ def _links(s: KernelSummary, ranks: I64, batch: MixtureBatch, sc: RankScores, gr
             # with a late arrival is no reference then: its fastest member (the straggler) never waits, while
             # a healthy group's fastest member waits in the calls where another posted last.
             triples = [(kind, g, rows) for g, rows in same]
+            typical = cluster_median_quantile(batch, 0.5)
             plain = base.get("group_known") or not any(
-                _late_candidates([t for t in triples if t[2].size == size], sc.primary_p50_ns)
+                _late_candidates([t for t in triples if t[2].size == size], typical)
                 for size in {rows.size for _, rows in same})
             hit = lr >= math.log(p.link_ratio if plain else max(p.link_ratio, _SMALL_LINK_RATIO))
         else:
@@ -734,7 +736,9 @@ def _collective(summaries: Sequence[KernelSummary], ranks: I64, batch: MixtureBa
     s = summaries[0]
     sc = score_ranks(batch, p.grid_points, p.mode_log_gap, _collective_levels)
     slow, p50_ratio, healthy = _slow_ranks(sc, p.collective_min_score, p.collective_p50_ratio, p)
-    p50 = sc.primary_p50_ns
+    # A late arrival is judged by each member's typical call (the median call, at its cluster's median): a
+    # waiting member's calls spread over several modes, the most populous of which may be its few fast ones.
+    p50 = cluster_median_quantile(batch, 0.5)
     p2p = _is_p2p(s.kernel) or group_kind is ParallelGroup.PP
     groups = _groups(topology, ranks, p2p, group_kind)
     every_group = groups if group_kind is None else _groups(topology, ranks, p2p)

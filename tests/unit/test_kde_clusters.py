@@ -328,3 +328,13 @@ def test_a_stray_call_does_not_merge_two_modes() -> None:
     # The stray call stays in its cluster (too few calls for one of its own); without it, the same two.
     assert cluster_durations(x[:-1]).count.tolist() == [18, 35]
 
+
+def test_modes_near_each_other_split_beside_a_far_one() -> None:
+    # A pipeline transfer's calls in one window (us): 12 before a slowdown at ~310, 51 after it at ~670, and
+    # 21 calls that waited ~4 ms. The far mode widens the whole group's bandwidth past the valley between the
+    # near two; inside the cluster of the near two, with its own bandwidth, that valley shows.
+    rng = np.random.default_rng(11)
+    x = np.concatenate([rng.normal(311e3, 8e3, 12), rng.normal(670e3, 30e3, 51), rng.normal(4.1e6, 1.5e5, 21)])
+    assert cluster_durations(x).count.tolist() == [12, 51, 21]
+    # Recursion stays within max_clusters.
+    assert cluster_durations(x, KdeParams(max_clusters=2)).count.tolist() == [63, 21]

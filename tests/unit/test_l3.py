@@ -161,6 +161,17 @@ def test_short_member_is_late_and_its_peers_are_spared() -> None:
     assert ev["waiting_peers"] == [0, 1, 2, 3, 4, 6, 7]
 
 
+def test_late_member_is_read_by_its_peers_typical_call_not_their_largest_mode() -> None:
+    # Rank 5 posts last in most calls. Its peers' calls spread over three modes: their 40 fast ones (rank 5
+    # on time) are the most populous mode, but the typical (median) call waited x15.
+    topo = build_topology("j", dp=8)
+    rows = [(r, [(100, 1e6, 1.1e6)] if r == 5 else [(40, 1e6, 1.1e6), (30, 15e6, 16e6), (30, 30e6, 32e6)])
+            for r in range(8)]
+    res = detect_l3([_summary(rows, kernel=AR)], topo)
+    assert _found(res) == [(FindingKind.LATE_ARRIVAL, (5,))]
+    assert res[0].evidence["peers_over_rank_p50_ratio"] == pytest.approx(15, rel=0.05)
+
+
 def test_late_member_in_one_stage_explains_its_long_peers_only() -> None:
     topo = build_topology("j", dp=4, pp=2)
     factor = {0: 10.0, 1: 10.0, 3: 10.0}  # rank 2 arrived late: the rest of its DP group waited
