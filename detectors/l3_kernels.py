@@ -558,6 +558,26 @@ def _raised_floors(floors: F64) -> npt.NDArray[np.bool_] | None:
     return out
 
 
+def _floor_outliers(floors: F64, p: L3Params, calls: float) -> tuple[npt.NDArray[np.bool_], F64, F64]:
+    """Of pipeline sides (``floors``: each one's fastest calls, ns; NaN where unknown), which are slow by their
+    floors alone: ``link_ratio`` over the faster half of the known ones and ``link_z`` robust z-scores above
+    them (floored at ``_LINK_MAD_FLOOR``), up to ``link_max_ratio``; with each one's log ratio and its excess
+    over ``calls`` calls (ns, every call's transfer that much slower; 0 where not slow)."""
+    with np.errstate(invalid="ignore", divide="ignore"):
+        fl = np.log(floors)
+    known = np.isfinite(fl)
+    none = np.zeros(floors.size, dtype=bool)
+    if known.sum() < _SPREAD_SET:
+        return none, np.zeros(floors.size), np.zeros(floors.size)
+    ref = float(_faster_half(fl[known][:, None])[0])
+    mad = _MAD_SCALE * float(np.median(np.abs(fl[known] - np.median(fl[known]))))
+    lr = np.where(known, fl - ref, -np.inf)
+    slow = (lr >= math.log(p.link_ratio)) & (lr >= p.link_z * max(mad, _LINK_MAD_FLOOR)) & (
+        lr <= math.log(p.link_max_ratio))
+    extra = np.where(slow, (np.where(known, floors, 0.0) - math.exp(ref)) * calls, 0.0)
+    return slow, np.where(known, lr, 0.0), extra
+
+
 def _pipeline_sides(pp_group: I64, stage: I64) -> list[tuple[str, int, I64]]:
     """Each rank on its own, as one side of its pipeline transfers: a stream that carries one side only (the
     sends to the next stage and the receives from it are on one communicator's stream, the other stage's
@@ -606,7 +626,7 @@ def _links(s: KernelSummary, ranks: I64, batch: MixtureBatch, sc: RankScores, gr
                 del roles[key]
             roles[(kind, -1)] = pooled
     judged: list[tuple[str, int, list[tuple[int, I64]], F64, F64, F64, F64, npt.NDArray[np.bool_],
-                       npt.NDArray[np.bool_], bool]] = []
+                       npt.NDArray[np.bool_], bool, F64]] = []
     for (kind, role_stage), same in roles.items():
         if len(same) < 2:
             continue  # one group spans the comparison: nothing to compare its transfer with
@@ -653,6 +673,15 @@ def _links(s: KernelSummary, ranks: I64, batch: MixtureBatch, sc: RankScores, gr
                 raised = _raised_floors(np.array([floors(True)[rows].min() for _, rows in same]))
                 if raised is not None:
                     hit |= (lr >= math.log(p.link_ratio)) & raised[:, None]
+        floor_extra = np.zeros(n)
+        if kind == PIPELINE_SIDE and n >= 4:
+            # A side's fastest calls are its pure transfers, which waiting leaves alone, while its typical ones
+            # hold waiting (a bubble, a slow stage): where its stage peers' typical calls wait much, a side
+            # slower in every transfer stands out in its fastest calls only, so those alone can name it.
+            by_floor, floor_lr, floor_extra = _floor_outliers(np.array([floors(False)[rows[0]] for _, rows in same]),
+                                                              p, calls)
+            lr = np.where(by_floor[:, None], np.maximum(lr, floor_lr[:, None]), lr)
+            hit |= by_floor[:, None]
         slow = hit.any(axis=1)  # slow at any ratio, waiting included
         # Beyond a plausible slowdown of a transfer it is waiting: a group made only of ranks that wait in a
         # collective of another kind (all of one TP index, waiting for the others) looks "slow" by far more.
@@ -661,20 +690,20 @@ def _links(s: KernelSummary, ranks: I64, batch: MixtureBatch, sc: RankScores, gr
             raised = _raised_floors(np.array([floors(False)[rows[0]] for _, rows in same]))
             if raised is not None:  # a side without a floor (NaN) is no link
                 hit &= raised[:, None]
-        judged.append((kind, role_stage, same, lg, ref, lr, lr_low, hit, slow, few))
+        judged.append((kind, role_stage, same, lg, ref, lr, lr_low, hit, slow, few, floor_extra))
     # Of every group of a kind in the job, how many were compared and how many are slow: one slow group
     # among many even ones (each stage's groups compared among themselves) is one group's link, where waiting
     # in a collective of another kind would slow the same position in every stage's groups.
     of_kind: dict[str, list[int]] = {}
     slow_stages: dict[str, set[int]] = {}
-    for kind, role_stage, same, *_, slow, _few in judged:
+    for kind, role_stage, same, *_, slow, _few, _extra in judged:
         tally = of_kind.setdefault(kind, [0, 0, 0])
         tally[0] += len(same)
         tally[1] += int(slow.sum())
         tally[2] += 1
         if slow.any():
             slow_stages.setdefault(kind, set()).add(role_stage)
-    for kind, _stage, same, lg, ref, lr, lr_low, hit, _slow, few in judged:
+    for kind, _stage, same, lg, ref, lr, lr_low, hit, _slow, few, floor_extra in judged:
         n = lg.shape[0]
         if 2 * int(hit.any(axis=1).sum()) > n:
             continue  # most groups slow: the whole job's network or load, not one group's link
@@ -693,7 +722,8 @@ def _links(s: KernelSummary, ranks: I64, batch: MixtureBatch, sc: RankScores, gr
             if explained[rows].all():
                 continue
             j = int(np.argmax(np.where(hit[i], lr[i], -np.inf)))
-            extra = float(np.sum(np.where(hit[i], (np.exp(lg[i]) - np.exp(ref)) * modes.width * calls, 0.0)))
+            extra = max(float(np.sum(np.where(hit[i], (np.exp(lg[i]) - np.exp(ref)) * modes.width * calls, 0.0))),
+                        float(floor_extra[i]))
             ratio = float(np.exp(lr[i, j]))
             explained[rows] = True
             side = {"pp_group": g // 65536, "pp_stage": g % 65536} if kind == PIPELINE_SIDE else {}

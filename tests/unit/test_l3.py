@@ -245,6 +245,27 @@ def test_a_pipeline_side_that_waits_keeps_its_transfer_floor_and_is_no_link() ->
     assert _found(detect_l3([slow], topo)) == [(FindingKind.LINK_DEGRADED, (1,))]
 
 
+def test_a_pipeline_side_slow_in_its_fastest_calls_is_named_where_its_peers_typical_calls_wait() -> None:
+    # DP 8 x PP 2, the stage-0 side of the pipeline transfers: every rank's calls are mostly waiting (its
+    # typical call x1.6-2 its transfer, varying by rank), so rank 4's transfers x1.8 (fastest call 730 us
+    # against 400) leave its typical call among its peers'. Its fastest calls name it.
+    topo = build_topology("j", dp=8, pp=2)
+    mids = [656, 832, 779, 732, 848, 809, 771, 743]
+
+    def side(slow_floor: float) -> KernelSummary:
+        rows = [(r, [(132, m * 1e3, 10.6e6)]) if r != 4 else (r, [(110, m * 1e3, 3e6), (22, 10.3e6, 10.6e6)])
+                for r, m in enumerate(mids)]
+        s = _summary(rows, kernel="ncclDevKernel_SendRecv")
+        mins = [400e3 * (1 + 0.01 * (r % 3)) for r in range(8)]
+        return dataclasses.replace(s, cluster_min_ns=tuple(round(v) for v in [*mins[:4], slow_floor, 10e6, *mins[5:]]))
+
+    res = detect_l3([side(730e3)], topo)
+    assert _found(res) == [(FindingKind.LINK_DEGRADED, (4,))]
+    assert res[0].evidence["group_kind"] == PIPELINE_SIDE and res[0].evidence["transfer_ratio"] == pytest.approx(
+        1.8, rel=0.05)
+    assert detect_l3([side(410e3)], topo) == []  # its transfers as its peers': waiting only
+
+
 def test_row_floors_follow_the_fastest_calls_of_each_piece() -> None:
     # Rank 0: four pieces, the last three after an onset (fastest call x2); rank 1 steady; rank 2 absent.
     rows = [(0, [(10, 1e6, 2e6)])] + [(0, [(10, 2e6, 4e6)])] * 3 + [(1, [(5, 1e6, 1.5e6), (5, 3e6, 4e6)])] * 2
