@@ -558,6 +558,19 @@ def _raised_floors(floors: F64) -> npt.NDArray[np.bool_] | None:
     return out
 
 
+def _with_late_arrival(kind: str, same: list[tuple[int, I64]], typical: F64) -> npt.NDArray[np.bool_]:
+    """Per group of ``same`` (index, rows), whether a member is a late arrival by :func:`_late_candidates`
+    (``typical``: each row's typical call, ns); a pipeline side (one rank) never has one."""
+    late = np.zeros(len(same), dtype=bool)
+    if kind == PIPELINE_SIDE:
+        return late
+    at = {g: i for i, (g, _) in enumerate(same)}
+    for size in {rows.size for _, rows in same}:
+        for c in _late_candidates([(kind, g, rows) for g, rows in same if rows.size == size], typical):
+            late[at[c[2]]] = True
+    return late
+
+
 def _floor_outliers(floors: F64, p: L3Params, calls: float) -> tuple[npt.NDArray[np.bool_], F64, F64]:
     """Of pipeline sides (``floors``: each one's fastest calls, ns; NaN where unknown), which are slow by their
     floors alone: ``link_ratio`` over the faster half of the known ones and ``link_z`` robust z-scores above
@@ -627,15 +640,21 @@ def _links(s: KernelSummary, ranks: I64, batch: MixtureBatch, sc: RankScores, gr
             roles[(kind, -1)] = pooled
     judged: list[tuple[str, int, list[tuple[int, I64]], F64, F64, F64, F64, npt.NDArray[np.bool_],
                        npt.NDArray[np.bool_], bool, F64]] = []
+    typical = cluster_median_quantile(batch, 0.5)
     for (kind, role_stage), same in roles.items():
         if len(same) < 2:
             continue  # one group spans the comparison: nothing to compare its transfer with
+        # A group with a late arrival is no reference: its fastest member (the late one) never waits, while
+        # another group's fastest member waits in the calls where a peer posted last.
+        late = _with_late_arrival(kind, same, typical)
+        if late.any() and int((~late).sum()) < 2:
+            continue  # no two groups without one to compare the others with
         lg = np.log(_group_minima(q, [rows for _, rows in same]))
         n = lg.shape[0]
-        ref = _faster_half(lg)
+        ref = _faster_half(lg[~late])
         lr = lg - ref
         low = np.log(_group_minima(q_low, [rows for _, rows in same]))
-        lr_low = low - _faster_half(low)
+        lr_low = low - _faster_half(low[~late])
         # Two or three groups of one stage (reductions, gathers, all-to-alls), with no spread to judge by, or
         # any number in a grouping guessed from durations: see the several-stages rule below.
         few = role_stage >= 0 and kind in ("DP", "TP", "EP") and (n < 4 or not base.get("group_known"))
@@ -647,14 +666,9 @@ def _links(s: KernelSummary, ranks: I64, batch: MixtureBatch, sc: RankScores, gr
             # together on every member, so each group's fastest member is its last arrival, a pure transfer
             # however its members arrived, and two or three groups compare like many. (An all-to-all is sends
             # and receives: a member's part ends on its own.) Where the trace did not name the group, the
-            # grouping is one guess of several, which LinkLedger has confirmed by a second collective. A group
-            # with a late arrival is no reference then: its fastest member (the straggler) never waits, while
-            # a healthy group's fastest member waits in the calls where another posted last.
-            triples = [(kind, g, rows) for g, rows in same]
-            typical = cluster_median_quantile(batch, 0.5)
-            plain = base.get("group_known") or not any(
-                _late_candidates([t for t in triples if t[2].size == size], typical)
-                for size in {rows.size for _, rows in same})
+            # grouping is one guess of several, which LinkLedger has confirmed by a second collective; where
+            # one of the groups has a late arrival (no reference, above), such a guess must be x2 slower.
+            plain = base.get("group_known") or not late.any()
             hit = lr >= math.log(p.link_ratio if plain else max(p.link_ratio, _SMALL_LINK_RATIO))
         else:
             if kind != PIPELINE_SIDE:

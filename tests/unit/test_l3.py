@@ -266,6 +266,24 @@ def test_a_pipeline_side_slow_in_its_fastest_calls_is_named_where_its_peers_typi
     assert detect_l3([side(410e3)], topo) == []  # its transfers as its peers': waiting only
 
 
+def test_a_group_with_a_late_arrival_is_no_reference_for_the_others_links() -> None:
+    # DP 8 x PP 2 x EP 8 (a real run's summaries): each stage one expert group. Rank 11 (a straggler) posts
+    # last in its group's all-to-all and never waits: its calls are the pure transfers. Stage 0's members
+    # wait for each other in some calls, so their fastest member is x1.3-1.7 slower than rank 11, no link.
+    topo = build_topology("j", dp=8, pp=2, ep=8)
+    stage0 = [(r, [(173, 2.58e6, 6.2e6), (27, 17.7e6, 24.8e6)]) for r in range(8)]
+    stage0[2] = (2, [(174, 2.02e6, 4.8e6), (26, 17.3e6, 20.6e6)])
+    stage1 = [(r, [(90, 9.5e6, 12e6), (106, 17.6e6, 36e6)]) for r in range(8, 16)]
+    stage1[3] = (11, [(196, 1.58e6, 1.68e6)])
+    a2a = _summary(stage0 + stage1, kernel="ncclDevKernel_SendRecv")
+    res = detect_l3([a2a], topo, group_kind=ParallelGroup.EP)
+    assert _found(res) == [(FindingKind.LATE_ARRIVAL, (11,))]
+    # Without the late arrival the stages' groups compare: stage 0's slower by x2.2 is its link.
+    calm = [(r, [(173, 1.15e6, 1.3e6), (27, 8e6, 9e6)]) for r in range(8, 16)]
+    res = detect_l3([_summary(stage0 + calm, kernel="ncclDevKernel_SendRecv")], topo, group_kind=ParallelGroup.EP)
+    assert _found(res) == [(FindingKind.LINK_DEGRADED, tuple(range(8)))]
+
+
 def test_row_floors_follow_the_fastest_calls_of_each_piece() -> None:
     # Rank 0: four pieces, the last three after an onset (fastest call x2); rank 1 steady; rank 2 absent.
     rows = [(0, [(10, 1e6, 2e6)])] + [(0, [(10, 2e6, 4e6)])] * 3 + [(1, [(5, 1e6, 1.5e6), (5, 3e6, 4e6)])] * 2
