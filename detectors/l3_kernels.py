@@ -78,8 +78,8 @@ from argus.detectors.mixture import (
 from argus.detectors.victims import LATE_ARRIVAL_RATIO
 from argus.schemas.records import JobTopology, KernelSummary, Level, ParallelGroup
 
-__all__ = ["PIPELINE_SIDE", "L3Params", "L3Result", "RankScores", "Scope", "cluster_median_quantile",
-           "detect_l3", "is_collective", "primary_p50", "score_ranks"]
+__all__ = ["CORROBORATES_ONLY", "PIPELINE_SIDE", "L3Params", "L3Result", "RankScores", "Scope",
+           "cluster_median_quantile", "detect_l3", "is_collective", "primary_p50", "score_ranks"]
 
 F64 = npt.NDArray[np.float64]
 I64 = npt.NDArray[np.int64]
@@ -91,6 +91,9 @@ _MAD_SCALE = 1.4826
 #: ``group_kind`` of a link result that is one rank's side of its pipeline transfers (see :func:`_pipeline_sides`):
 #: evidence to pair with the adjacent stage's side, not a finding on its own.
 PIPELINE_SIDE = "PP_SIDE"
+#: Evidence key of a link result that only corroborates another (a result under the impact threshold, or a
+#: pipeline side slow by a weaker test than a finding needs): evidence for the job's link ledger, never published.
+CORROBORATES_ONLY = "corroborates_only"
 #: The u grid (share of a rank's calls) on which quantile functions are compared for an unseparated mode.
 _SCAN_STEP = 0.05
 _SCAN_U = np.arange(0.1, 0.9 + 1e-9, _SCAN_STEP)
@@ -639,7 +642,7 @@ def _links(s: KernelSummary, ranks: I64, batch: MixtureBatch, sc: RankScores, gr
                 del roles[key]
             roles[(kind, -1)] = pooled
     judged: list[tuple[str, int, list[tuple[int, I64]], F64, F64, F64, F64, npt.NDArray[np.bool_],
-                       npt.NDArray[np.bool_], bool, F64]] = []
+                       npt.NDArray[np.bool_], bool, F64, npt.NDArray[np.bool_]]] = []
     typical = cluster_median_quantile(batch, 0.5)
     for (kind, role_stage), same in roles.items():
         if len(same) < 2:
@@ -700,24 +703,33 @@ def _links(s: KernelSummary, ranks: I64, batch: MixtureBatch, sc: RankScores, gr
         # Beyond a plausible slowdown of a transfer it is waiting: a group made only of ranks that wait in a
         # collective of another kind (all of one TP index, waiting for the others) looks "slow" by far more.
         hit &= lr <= math.log(p.link_max_ratio)
+        weak = np.zeros(n, dtype=bool)
         if kind == PIPELINE_SIDE:  # a side is one rank
             raised = _raised_floors(np.array([floors(False)[rows[0]] for _, rows in same]))
             if raised is not None:  # a side without a floor (NaN) is no link
                 hit &= raised[:, None]
-        judged.append((kind, role_stage, same, lg, ref, lr, lr_low, hit, slow, few, floor_extra))
+            # The slowest side of the stage at the modes' middles, short of the z-score, and slower in its
+            # fast calls read inside their cluster (a slowdown from an onset inside the window shares a cluster
+            # with the old fast calls): no link on its own, but corroboration of its neighbour's side, which
+            # a degraded link slows too.
+            within = _raised_floors(np.array([floors(True)[rows[0]] for _, rows in same]))
+            if within is not None and n >= _SPREAD_SET and not hit.any():
+                top = np.where(lr <= math.log(p.link_max_ratio), lr, -np.inf).max(axis=1)
+                weak = within & (top >= math.log(p.link_ratio)) & (top == top.max())
+        judged.append((kind, role_stage, same, lg, ref, lr, lr_low, hit | weak[:, None], slow, few, floor_extra, weak))
     # Of every group of a kind in the job, how many were compared and how many are slow: one slow group
     # among many even ones (each stage's groups compared among themselves) is one group's link, where waiting
     # in a collective of another kind would slow the same position in every stage's groups.
     of_kind: dict[str, list[int]] = {}
     slow_stages: dict[str, set[int]] = {}
-    for kind, role_stage, same, *_, slow, _few, _extra in judged:
+    for kind, role_stage, same, *_, slow, _few, _extra, _weak in judged:
         tally = of_kind.setdefault(kind, [0, 0, 0])
         tally[0] += len(same)
         tally[1] += int(slow.sum())
         tally[2] += 1
         if slow.any():
             slow_stages.setdefault(kind, set()).add(role_stage)
-    for kind, _stage, same, lg, ref, lr, lr_low, hit, _slow, few, floor_extra in judged:
+    for kind, _stage, same, lg, ref, lr, lr_low, hit, _slow, few, floor_extra, weak in judged:
         n = lg.shape[0]
         if 2 * int(hit.any(axis=1).sum()) > n:
             continue  # most groups slow: the whole job's network or load, not one group's link
@@ -739,8 +751,10 @@ def _links(s: KernelSummary, ranks: I64, batch: MixtureBatch, sc: RankScores, gr
             extra = max(float(np.sum(np.where(hit[i], (np.exp(lg[i]) - np.exp(ref)) * modes.width * calls, 0.0))),
                         float(floor_extra[i]))
             ratio = float(np.exp(lr[i, j]))
-            explained[rows] = True
+            explained[rows] |= not weak[i]
             side = {"pp_group": g // 65536, "pp_stage": g % 65536} if kind == PIPELINE_SIDE else {}
+            if weak[i]:
+                side[CORROBORATES_ONLY] = True
             named = tuple(sorted(int(r) for r in ranks[rows]))
             out.append(L3Result(FindingKind.LINK_DEGRADED, named, s.kernel, s.stream, ratio, {
                 **base, **side, "group": f"{kind}{g}", "group_kind": kind, "group_index": g,

@@ -41,7 +41,7 @@ from argus.detectors.kernel_excess import detect_kernel_excess
 from argus.detectors.l1_iteration import IterationSeries, L1Params, L1Result, detect_l1
 from argus.detectors.l2_history import PhaseHistory
 from argus.detectors.l2_phases import L2Params, L2Result
-from argus.detectors.l3_kernels import PIPELINE_SIDE, L3Params, L3Result, detect_l3
+from argus.detectors.l3_kernels import CORROBORATES_ONLY, PIPELINE_SIDE, L3Params, L3Result, detect_l3
 from argus.detectors.l3_ranks import KernelTotals, RankExcessParams, detect_rank_excess, detect_stage_excess
 from argus.detectors.victims import straggler_ranks
 from argus.schemas.records import Finding, JobLifecycle, JobTopology, KernelSummary, ParallelGroup, PhaseBatch, Step
@@ -49,8 +49,6 @@ from argus.schemas.records import Finding, JobLifecycle, JobTopology, KernelSumm
 __all__ = ["CORROBORATES_ONLY", "DiagnosisParams", "JobDiagnosis", "KernelDiagnosis", "LinkLedger", "RankDiagnosis",
            "corroborates_only", "detector_version", "judge"]
 
-#: Evidence key of a link result under the impact threshold: corroboration for the ledger, never published.
-CORROBORATES_ONLY = "corroborates_only"
 #: Layouts (the tuple objects of a batch's streams, kinds and groups) a JobDiagnosis remembers having learnt
 #: collective groups from; past this many it starts again (learning again is only slower, never different).
 _LEARNT_KEPT = 256

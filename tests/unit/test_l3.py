@@ -24,7 +24,7 @@ from argus.detectors import (
     w1_to_reference,
 )
 from argus.detectors.kernel_rows import row_floors
-from argus.detectors.l3_kernels import PIPELINE_SIDE
+from argus.detectors.l3_kernels import CORROBORATES_ONLY, PIPELINE_SIDE
 from argus.producers.topology import build_topology
 from argus.schemas.records import KernelSummary, Level, ParallelGroup
 
@@ -282,6 +282,26 @@ def test_a_group_with_a_late_arrival_is_no_reference_for_the_others_links() -> N
     calm = [(r, [(173, 1.15e6, 1.3e6), (27, 8e6, 9e6)]) for r in range(8, 16)]
     res = detect_l3([_summary(stage0 + calm, kernel="ncclDevKernel_SendRecv")], topo, group_kind=ParallelGroup.EP)
     assert _found(res) == [(FindingKind.LINK_DEGRADED, tuple(range(8)))]
+
+
+def test_the_slowest_side_of_a_stage_short_of_the_z_score_only_corroborates() -> None:
+    # A real run's stage-0 sides (DP 4 x TP 2 x PP 2): rank 3's transfers x2 from the fourth of 21 steps on
+    # share a cluster with its earlier fast calls; its stage peers' calls vary too much for a z-score. The
+    # slowest side, slower in its fast calls too, corroborates its neighbour's side but is never a finding.
+    topo = build_topology("j", dp=4, tp=2, pp=2)
+    rows = [(0, [(42, 320.8e3, 338.7e3), (21, 732.5e3, 862.5e3), (21, 10.51e6, 10.94e6)]),
+            (1, [(42, 317.5e3, 335.9e3), (21, 747.1e3, 883.0e3), (21, 10.53e6, 10.97e6)]),
+            (2, [(42, 324.1e3, 408.9e3), (21, 1148.6e3, 1346.1e3), (21, 11.11e6, 11.67e6)]),
+            (3, [(63, 670.1e3, 1656.9e3), (21, 11.12e6, 11.65e6)]),
+            (4, [(63, 547.8e3, 1048.0e3), (21, 10.83e6, 11.20e6)]),
+            (5, [(63, 543.7e3, 1033.7e3), (21, 10.85e6, 11.21e6)]),
+            (6, [(63, 483.9e3, 998.7e3), (21, 10.71e6, 11.17e6)]),
+            (7, [(63, 419.4e3, 997.3e3), (21, 10.73e6, 11.18e6)])]
+    res = detect_l3([_summary(rows, kernel="ncclDevKernel_SendRecv")], topo)
+    assert _found(res) == [(FindingKind.LINK_DEGRADED, (3,))]
+    assert res[0].evidence["group_kind"] == PIPELINE_SIDE and res[0].evidence[CORROBORATES_ONLY] is True
+    rows[3] = (3, [(63, 460e3, 1000e3), (21, 10.9e6, 11.3e6)])  # as its peers: nothing
+    assert detect_l3([_summary(rows, kernel="ncclDevKernel_SendRecv")], topo) == []
 
 
 def test_row_floors_follow_the_fastest_calls_of_each_piece() -> None:
