@@ -649,15 +649,16 @@ def _links(s: KernelSummary, ranks: I64, batch: MixtureBatch, sc: RankScores, gr
             continue  # one group spans the comparison: nothing to compare its transfer with
         # A group with a late arrival is no reference: its fastest member (the late one) never waits, while
         # another group's fastest member waits in the calls where a peer posted last.
+        # Without two such groups nothing is named, but the slow groups still count as the kind's (below).
         late = _with_late_arrival(kind, same, typical)
-        if late.any() and int((~late).sum()) < 2:
-            continue  # no two groups without one to compare the others with
+        no_reference = late.any() and int((~late).sum()) < 2
+        ref_rows = ~late if not no_reference else np.ones(late.size, dtype=bool)
         lg = np.log(_group_minima(q, [rows for _, rows in same]))
         n = lg.shape[0]
-        ref = _faster_half(lg[~late])
+        ref = _faster_half(lg[ref_rows])
         lr = lg - ref
         low = np.log(_group_minima(q_low, [rows for _, rows in same]))
-        lr_low = low - _faster_half(low[~late])
+        lr_low = low - _faster_half(low[ref_rows])
         # Two or three groups of one stage (reductions, gathers, all-to-alls), with no spread to judge by, or
         # any number in a grouping guessed from durations: see the several-stages rule below.
         few = role_stage >= 0 and kind in ("DP", "TP", "EP") and (n < 4 or not base.get("group_known"))
@@ -700,6 +701,8 @@ def _links(s: KernelSummary, ranks: I64, batch: MixtureBatch, sc: RankScores, gr
             lr = np.where(by_floor[:, None], np.maximum(lr, floor_lr[:, None]), lr)
             hit |= by_floor[:, None]
         slow = hit.any(axis=1)  # slow at any ratio, waiting included
+        if no_reference:
+            hit[:] = False
         # Beyond a plausible slowdown of a transfer it is waiting: a group made only of ranks that wait in a
         # collective of another kind (all of one TP index, waiting for the others) looks "slow" by far more.
         hit &= lr <= math.log(p.link_max_ratio)

@@ -304,6 +304,21 @@ def test_the_slowest_side_of_a_stage_short_of_the_z_score_only_corroborates() ->
     assert detect_l3([_summary(rows, kernel="ncclDevKernel_SendRecv")], topo) == []
 
 
+def test_slow_groups_of_a_comparison_without_reference_still_count_for_the_several_stages_rule() -> None:
+    # A real run's reduce-scatter (DP 2 x TP 2 x PP 2, grouping guessed): DP1 {1, 3} slow in stage 0, and in
+    # stage 1 DP3 {5, 7} slow next to DP2 {4, 6}, which holds a late arrival (no reference, nothing named
+    # there). Slow pairs in both stages are ranks of one position waiting, not a link.
+    topo = build_topology("j", dp=2, tp=2, pp=2)
+    rows = [(0, [(153, 247.3e3, 3671.7e3)]), (1, [(62, 243.5e3, 402.8e3), (91, 1403.2e3, 5633.2e3)]),
+            (2, [(153, 242.4e3, 1577.8e3)]), (3, [(153, 1442.3e3, 7521.4e3)]),
+            (4, [(160, 244.6e3, 2429.5e3)]), (5, [(63, 246.5e3, 523.4e3), (97, 1795.6e3, 4304.7e3)]),
+            (6, [(160, 246.4e3, 3343.5e3)]), (7, [(160, 522.7e3, 3988.0e3)])]
+    rs = "ncclDevKernel_ReduceScatter_Sum_bf16_RING_LL"
+    assert [r for r in detect_l3([_summary(rows, kernel=rs)], topo) if r.kind is FindingKind.LINK_DEGRADED] == []
+    # Stage 0 alone: its slow pair is a link candidate (for the ledger to confirm)
+    assert _found(detect_l3([_summary(rows[:4], kernel=rs)], topo)) == [(FindingKind.LINK_DEGRADED, (1, 3))]
+
+
 def test_row_floors_follow_the_fastest_calls_of_each_piece() -> None:
     # Rank 0: four pieces, the last three after an onset (fastest call x2); rank 1 steady; rank 2 absent.
     rows = [(0, [(10, 1e6, 2e6)])] + [(0, [(10, 2e6, 4e6)])] * 3 + [(1, [(5, 1e6, 1.5e6), (5, 3e6, 4e6)])] * 2
