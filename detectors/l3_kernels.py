@@ -547,17 +547,26 @@ def _one_side(topology: JobTopology, at: I64) -> bool:
     return bool(np.unique(stages).size > np.unique(stages[at]).size)
 
 
-def _raised_floors(floors: F64) -> npt.NDArray[np.bool_] | None:
-    """Which of ``floors`` (per group, its members' fastest calls, ns; NaN where unknown) are at least
-    ``_SIDE_FLOOR_RATIO`` over the faster half of the known ones (an unknown one never is); ``None`` when
-    fewer than two are known (nothing to compare)."""
+def _floor_log_ratios(floors: F64) -> F64 | None:
+    """Per group, ``ln`` of its floor (its members' fastest calls, ns; NaN where unknown) over the faster half
+    of the known ones (NaN where unknown); ``None`` when fewer than two are known (nothing to compare)."""
     with np.errstate(invalid="ignore", divide="ignore"):
         fl = np.log(floors)
     known = np.isfinite(fl)
     if known.sum() < 2:
         return None
+    out: F64 = np.where(known, fl - _faster_half(fl[known][:, None])[0], np.nan)
+    return out
+
+
+def _raised_floors(floors: F64) -> npt.NDArray[np.bool_] | None:
+    """Which of ``floors`` (see :func:`_floor_log_ratios`) are at least ``_SIDE_FLOOR_RATIO`` over the faster
+    half of the known ones (an unknown one never is); ``None`` when fewer than two are known."""
+    lr = _floor_log_ratios(floors)
+    if lr is None:
+        return None
     with np.errstate(invalid="ignore"):
-        out: npt.NDArray[np.bool_] = fl - _faster_half(fl[known][:, None])[0] >= math.log(_SIDE_FLOOR_RATIO)
+        out: npt.NDArray[np.bool_] = lr >= math.log(_SIDE_FLOOR_RATIO)
     return out
 
 
@@ -579,18 +588,15 @@ def _floor_outliers(floors: F64, p: L3Params, calls: float) -> tuple[npt.NDArray
     floors alone: ``link_ratio`` over the faster half of the known ones and ``link_z`` robust z-scores above
     them (floored at ``_LINK_MAD_FLOOR``), up to ``link_max_ratio``; with each one's log ratio and its excess
     over ``calls`` calls (ns, every call's transfer that much slower; 0 where not slow)."""
-    with np.errstate(invalid="ignore", divide="ignore"):
-        fl = np.log(floors)
-    known = np.isfinite(fl)
-    none = np.zeros(floors.size, dtype=bool)
-    if known.sum() < _SPREAD_SET:
-        return none, np.zeros(floors.size), np.zeros(floors.size)
-    ref = float(_faster_half(fl[known][:, None])[0])
-    mad = _MAD_SCALE * float(np.median(np.abs(fl[known] - np.median(fl[known]))))
-    lr = np.where(known, fl - ref, -np.inf)
+    lr = _floor_log_ratios(floors)
+    known = np.isfinite(lr) if lr is not None else np.zeros(floors.size, dtype=bool)
+    if lr is None or known.sum() < _SPREAD_SET:
+        return np.zeros(floors.size, dtype=bool), np.zeros(floors.size), np.zeros(floors.size)
+    lr = np.where(known, lr, -np.inf)
+    mad = _MAD_SCALE * float(np.median(np.abs(lr[known] - np.median(lr[known]))))
     slow = (lr >= math.log(p.link_ratio)) & (lr >= p.link_z * max(mad, _LINK_MAD_FLOOR)) & (
         lr <= math.log(p.link_max_ratio))
-    extra = np.where(slow, (np.where(known, floors, 0.0) - math.exp(ref)) * calls, 0.0)
+    extra = np.where(slow, floors * -np.expm1(-lr) * calls, 0.0)  # floor minus the reference floor, per call
     return slow, np.where(known, lr, 0.0), extra
 
 
@@ -604,9 +610,10 @@ def _pipeline_sides(pp_group: I64, stage: I64) -> list[tuple[str, int, I64]]:
 
 def _links(s: KernelSummary, ranks: I64, batch: MixtureBatch, sc: RankScores, groups: list[tuple[str, int, I64]],
            stage: I64, p: L3Params, base: dict[str, Any], explained: npt.NDArray[np.bool_],
-           floors: Callable[[bool], F64]) -> list[L3Result]:
+           floors: Callable[[bool], F64], typical: F64) -> list[L3Result]:
     """Degraded links: groups whose *fastest* member is slow in some mode of the kernel, against the fastest
-    members of the other groups of their kind.
+    members of the other groups of their kind (``typical``: each row's typical call, ns, which tells the groups
+    with a late arrival).
 
     A collective ends together on every member, so each member's time is its waiting for the last to arrive
     plus the transfer; the last arrival does not wait, so a group's fastest member shows its transfer time.
@@ -643,7 +650,6 @@ def _links(s: KernelSummary, ranks: I64, batch: MixtureBatch, sc: RankScores, gr
             roles[(kind, -1)] = pooled
     judged: list[tuple[str, int, list[tuple[int, I64]], F64, F64, F64, F64, npt.NDArray[np.bool_],
                        npt.NDArray[np.bool_], bool, F64, npt.NDArray[np.bool_]]] = []
-    typical = cluster_median_quantile(batch, 0.5)
     for (kind, role_stage), same in roles.items():
         if len(same) < 2:
             continue  # one group spans the comparison: nothing to compare its transfer with
@@ -692,12 +698,13 @@ def _links(s: KernelSummary, ranks: I64, batch: MixtureBatch, sc: RankScores, gr
                 if raised is not None:
                     hit |= (lr >= math.log(p.link_ratio)) & raised[:, None]
         floor_extra = np.zeros(n)
+        if kind == PIPELINE_SIDE:  # a side is one rank
+            side_floors = floors(False)[[rows[0] for _, rows in same]]
         if kind == PIPELINE_SIDE and n >= 4:
             # A side's fastest calls are its pure transfers, which waiting leaves alone, while its typical ones
             # hold waiting (a bubble, a slow stage): where its stage peers' typical calls wait much, a side
             # slower in every transfer stands out in its fastest calls only, so those alone can name it.
-            by_floor, floor_lr, floor_extra = _floor_outliers(np.array([floors(False)[rows[0]] for _, rows in same]),
-                                                              p, calls)
+            by_floor, floor_lr, floor_extra = _floor_outliers(side_floors, p, calls)
             lr = np.where(by_floor[:, None], np.maximum(lr, floor_lr[:, None]), lr)
             hit |= by_floor[:, None]
         slow = hit.any(axis=1)  # slow at any ratio, waiting included
@@ -707,15 +714,15 @@ def _links(s: KernelSummary, ranks: I64, batch: MixtureBatch, sc: RankScores, gr
         # collective of another kind (all of one TP index, waiting for the others) looks "slow" by far more.
         hit &= lr <= math.log(p.link_max_ratio)
         weak = np.zeros(n, dtype=bool)
-        if kind == PIPELINE_SIDE:  # a side is one rank
-            raised = _raised_floors(np.array([floors(False)[rows[0]] for _, rows in same]))
+        if kind == PIPELINE_SIDE:
+            raised = _raised_floors(side_floors)
             if raised is not None:  # a side without a floor (NaN) is no link
                 hit &= raised[:, None]
             # The slowest side of the stage at the modes' middles, short of the z-score, and slower in its
             # fast calls read inside their cluster (a slowdown from an onset inside the window shares a cluster
             # with the old fast calls): no link on its own, but corroboration of its neighbour's side, which
             # a degraded link slows too.
-            within = _raised_floors(np.array([floors(True)[rows[0]] for _, rows in same]))
+            within = _raised_floors(floors(True)[[rows[0] for _, rows in same]])
             if within is not None and n >= _SPREAD_SET and not hit.any():
                 top = np.where(lr <= math.log(p.link_max_ratio), lr, -np.inf).max(axis=1)
                 weak = within & (top >= math.log(p.link_ratio)) & (top == top.max())
@@ -809,7 +816,7 @@ def _collective(summaries: Sequence[KernelSummary], ranks: I64, batch: MixtureBa
         stage_of = dict(zip(topology.rank, topology.pp_stage, strict=True))
         stage = np.array([stage_of[r] for r in ranks.tolist()], dtype=np.int64)
         floors = functools.cache(lambda within: row_floors(summaries, ranks, within=within))
-        results = _links(s, ranks, batch, sc, groups, stage, p, base, explained, floors)
+        results = _links(s, ranks, batch, sc, groups, stage, p, base, explained, floors, p50)
     late: list[tuple[float, str, int, int, I64, float]] = []
     whole = [grp for grp in groups if grp[0] != PIPELINE_SIDE]  # a rank alone has no peers to be late for
     for size in sorted({rows.size for _, _, rows in whole}, reverse=True):  # larger groups explain first
