@@ -54,7 +54,7 @@ from argus.schemas.records import (
 )
 
 __all__ = ["PARTITIONER", "RECORD_OF", "PublisherLike", "Topic", "ensure_topics", "job_key", "kernel_key",
-           "key_partition", "rank_key"]
+           "key_partition", "publish_in_order", "rank_key"]
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +115,24 @@ class PublisherLike(Protocol):
     def publish(self, topic: Topic, key: bytes, record: Any) -> bool: ...
 
     def flush(self, timeout_s: float = 30.0) -> int: ...
+
+
+def publish_in_order(publisher: PublisherLike, topic: Topic, key: bytes, record: Any, timeout_s: float = 30.0) -> bool:
+    """Publish ``record`` once every record queued before it is delivered (``flush`` first), as a job's END is.
+
+    Kafka orders a producer's messages within one partition only. The END goes to the lifecycle topic, the job's
+    kernel batches to the kernel partitions; after a broker outage the producer retries each partition on its
+    own, and an END delivered before the last batches makes the worker close the job's windows without them:
+    they become late pieces of windows already judged, and the findings differ from those of the same job
+    published without the outage. A flush that leaves records undelivered after ``timeout_s`` seconds is logged
+    and the record published all the same (an END is never held back for good). Returns what ``publish``
+    returned.
+    """
+    left = publisher.flush(timeout_s)
+    if left:
+        log.warning("%d records still undelivered after %.1f s: publishing the %s record to %s after them anyway",
+                    left, timeout_s, type(record).__name__, topic.value)
+    return publisher.publish(topic, key, record)
 
 
 def job_key(job_id: str) -> bytes:

@@ -57,7 +57,7 @@ from argus.schemas.records import (
     Record,
     Step,
 )
-from argus.topics import PublisherLike, Topic, job_key, rank_key
+from argus.topics import PublisherLike, Topic, job_key, publish_in_order, rank_key
 
 __all__ = ["ALIGN_THRESHOLD_NS", "ImportReport", "PublisherLike", "find_traces", "import_kineto", "kernel_batches",
            "parse_topology", "rank_records", "read_trace", "step_records", "topology_from_pg_config",
@@ -487,9 +487,9 @@ def _publish(pub: Any, job_id: str, topo: JobTopology, traces: list[RankTrace], 
              batch: int, say: Callable[[str], None], published: Callable[[int], None]) -> Counter[str]:
     counts: Counter[str] = Counter()
 
-    def send(topic: Topic, key: bytes, record: Record) -> None:
+    def send(topic: Topic, key: bytes, record: Record, in_order: bool = False) -> None:
         counts["records"] += 1
-        if not pub.publish(topic, key, record):
+        if not (publish_in_order(pub, topic, key, record) if in_order else pub.publish(topic, key, record)):
             counts["dropped"] += 1
 
     starts = [s.start_ns + shifts.get(t.rank, 0) for t in traces for s in t.steps[:1]]
@@ -520,7 +520,7 @@ def _publish(pub: Any, job_id: str, topo: JobTopology, traces: list[RankTrace], 
     send(Topic.LIFECYCLE, job_key(job_id),
          JobLifecycle(job_id, LifecycleEvent.END, max(ends, default=t_start), topo.world_size,
                       source="kineto-import", kernel_events=counts["kernels"], steps=counts["steps"],
-                      phase_batches=counts["phase_batches"]))
+                      phase_batches=counts["phase_batches"]), in_order=True)
     counts["pending"] = int(pub.flush())
     counts["dropped"] += counts["pending"]
     return counts

@@ -58,7 +58,7 @@ from argus.schemas.records import (
     PhaseKind,
     Step,
 )
-from argus.topics import PublisherLike, Topic, job_key, rank_key
+from argus.topics import PublisherLike, Topic, job_key, publish_in_order, rank_key
 
 __all__ = ["JobSimulator", "JobSpec", "PublisherLike", "SimRecord", "SimStats", "simulate"]
 
@@ -340,7 +340,11 @@ class JobSimulator:
                 if wait > 0:
                     publisher.flush(flush_timeout_s)
                     time.sleep(wait)
-            if not publisher.publish(rec.topic, rec.key, rec.record):
+            if isinstance(rec.record, JobLifecycle) and rec.record.event is LifecycleEvent.END:
+                sent = publish_in_order(publisher, rec.topic, rec.key, rec.record, flush_timeout_s)
+            else:
+                sent = publisher.publish(rec.topic, rec.key, rec.record)
+            if not sent:
                 dropped += 1
         left = publisher.flush(flush_timeout_s)
         if left:

@@ -65,7 +65,7 @@ from argus.producers.tracer_ddp import DDPMixin
 from argus.producers.tracer_hooks import HookMixin
 from argus.producers.tracer_patch import PatchMixin
 from argus.schemas.records import JobLifecycle, JobTopology, LifecycleEvent, ParallelGroup, PhaseKind
-from argus.topics import PublisherLike, Topic, job_key
+from argus.topics import PublisherLike, Topic, job_key, publish_in_order
 
 try:  # torch is optional: without it the tracer still times steps and phases with the host clock
     import torch as _torch
@@ -340,6 +340,14 @@ class Tracer(CollectiveMixin, HookMixin, AutoMixin, DDPMixin, PatchMixin):
         self._resolver.close(timeout_s=min(timeout_s, 10.0))  # the last Steps and PhaseBatches first,
         if self._kernels is not None:  # then the rank's end_of_stream kernel batch, then END (as the simulator)
             self._kernels.stop()
+        # Every rank's records delivered before the count all_reduce, which the lifecycle rank's END follows: an
+        # END delivered ahead of a rank's last kernel batches closes the job's windows without them.
+        deadline = time.monotonic() + timeout_s
+        try:
+            if left := self._publisher.flush(timeout_s / 2):
+                log.warning("rank %d: %d records not delivered before END", self.rank, left)
+        except Exception as exc:
+            self._error("publisher flush", exc)
         r = self._resolver
         counts = self._sum_over_ranks([r.steps_published, r.phase_batches_published,
                                        self._kernels.events if self._kernels else 0])
@@ -353,13 +361,14 @@ class Tracer(CollectiveMixin, HookMixin, AutoMixin, DDPMixin, PatchMixin):
         if self._lifecycle and self._started:
             steps, phases, kernels = counts if counts is not None else (None, None, None)
             try:
-                self._publisher.publish(Topic.LIFECYCLE, job_key(self.job_id), JobLifecycle(
+                publish_in_order(self._publisher, Topic.LIFECYCLE, job_key(self.job_id), JobLifecycle(
                     self.job_id, LifecycleEvent.END, time.time_ns(), self.world_size, source="live",
-                    kernel_events=kernels, steps=steps, phase_batches=phases))
+                    kernel_events=kernels, steps=steps, phase_batches=phases),
+                    max(0.0, (deadline - time.monotonic()) / 2))
             except Exception as exc:
                 self._error("END", exc)
         try:
-            left = self._publisher.flush(timeout_s)
+            left = self._publisher.flush(max(0.0, deadline - time.monotonic()))
             if left:
                 log.warning("rank %d: %d records not delivered at close", self.rank, left)
             if self._owns_publisher:

@@ -81,6 +81,8 @@ class RecordingPublisher:
         self.records: list[tuple[Topic, bytes, Any]] = []
         self.accept, self.refuse_every, self.check, self.round_trip = accept, refuse_every, check, round_trip
         self.flushes = 0
+        #: How many records had been published at each flush, in order.
+        self.flushed_at: list[int] = []
         self.lock = threading.Lock()
 
     def publish(self, topic: Topic, key: bytes, record: Any) -> bool:
@@ -95,7 +97,9 @@ class RecordingPublisher:
         return self.accept and not (self.refuse_every and n % self.refuse_every == 0)
 
     def flush(self, timeout_s: float = 30.0) -> int:
-        self.flushes += 1
+        with self.lock:
+            self.flushes += 1
+            self.flushed_at.append(len(self.records))
         return 0
 
     def of(self, kind: type) -> list[Any]:

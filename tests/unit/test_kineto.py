@@ -377,6 +377,7 @@ def test_import_publishes_in_pipeline_order_with_accounting(tmp_path: Path) -> N
     report = import_kineto(Settings(), tmp_path, "job-k", batch_events=4, publisher=out, progress=lines.append)
     topics = [t for t, _, _ in out.records]
     assert topics[:2] == [Topic.TOPOLOGY, Topic.LIFECYCLE] and topics[-1] is Topic.LIFECYCLE
+    assert len(out.records) - 1 in out.flushed_at  # END published after a flush of everything before it
     start, end = out.of(JobLifecycle)
     assert (start.event, end.event, start.source, end.source) == (LifecycleEvent.START, LifecycleEvent.END,
                                                                   "kineto-import", "kineto-import")

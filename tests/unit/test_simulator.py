@@ -303,6 +303,8 @@ def test_run_order_and_counts() -> None:
     assert topics[0] is Topic.TOPOLOGY and pub.records[0][1] == job_key("pub")
     assert topics[1] is Topic.LIFECYCLE and pub.records[1][2].event is LifecycleEvent.START
     assert topics[-1] is Topic.LIFECYCLE and pub.records[-1][2].event is LifecycleEvent.END
+    # END only once every record before it was delivered (a flush with all of them queued, none after).
+    assert len(pub.records) - 1 in pub.flushed_at
     body = pub.records[2:-1]
     eos = [c for c in body if c[0] is Topic.KERNELS and c[2].end_of_stream]
     assert len(eos) == 4 and body[-4:] == eos
@@ -318,7 +320,7 @@ def test_run_order_and_counts() -> None:
     assert stats.kernel_events == sum(len(c[2]) for c in body if c[0] is Topic.KERNELS)
     assert stats.kernel_events == pub.records[-1][2].kernel_events
     assert stats.messages == len(pub.records) and stats.dropped == len(pub.records) // 7
-    assert pub.flushes == 1 and progress == [(1, 3), (2, 3), (3, 3)]
+    assert pub.flushes == 2 and progress == [(1, 3), (2, 3), (3, 3)]  # before END, and at the end
     again = [(t, k) for t, k, _ in simulate(spec, batch_events=500)]
     assert again == [(t, k) for t, k, _ in pub.records]
 

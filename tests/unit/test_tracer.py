@@ -92,6 +92,7 @@ def test_publication_order_keys_and_end_counts(tmp_path: Path) -> None:
     topics = [t for t, _, _ in pub.records]
     assert topics[:2] == [Topic.TOPOLOGY, Topic.LIFECYCLE]
     assert topics[-1] is Topic.LIFECYCLE and topics.count(Topic.STEPS) == 2 and topics.count(Topic.PHASES) == 2
+    assert len(pub.records) - 1 in pub.flushed_at  # END published after a flush of everything before it
     assert all(k == job_key("job-t") for t, k, _ in pub.records if t is not Topic.KERNELS)
     topo = pub.of(JobTopology)[0]
     assert topo.world_size == 1 and topo.host == (socket.gethostname(),)
