@@ -46,8 +46,8 @@ from argus.detectors.l3_ranks import KernelTotals, RankExcessParams, detect_rank
 from argus.detectors.victims import straggler_ranks
 from argus.schemas.records import Finding, JobLifecycle, JobTopology, KernelSummary, ParallelGroup, PhaseBatch, Step
 
-__all__ = ["CORROBORATES_ONLY", "DiagnosisParams", "JobDiagnosis", "KernelDiagnosis", "LinkLedger", "RankDiagnosis",
-           "corroborates_only", "detector_version", "judge"]
+__all__ = ["CORROBORATES_ONLY", "DiagnosisParams", "JobDiagnosis", "JudgedWindow", "KernelDiagnosis", "LinkLedger",
+           "RankDiagnosis", "corroborates_only", "detector_version", "judge"]
 
 #: Layouts (the tuple objects of a batch's streams, kinds and groups) a JobDiagnosis remembers having learnt
 #: collective groups from; past this many it starts again (learning again is only slower, never different).
@@ -311,6 +311,23 @@ class JobDiagnosis:
         return self._history.state_bytes()
 
 
+@dataclass(frozen=True)
+class JudgedWindow:
+    """What L3 found in one window of a (job, kernel, stream): its end (ns), how many ranks it held, the topology
+    and group kind it was read under, and the detector results (before their impact is judged)."""
+
+    end_ns: int
+    ranks: int
+    topology: JobTopology | None
+    group_kind: ParallelGroup | None
+    results: tuple[DetectorResult, ...]
+
+    def holds(self, topology: JobTopology | None, group_kind: ParallelGroup | None) -> bool:
+        """Whether these results are what L3 would find under ``topology`` and ``group_kind``."""
+        return (self.group_kind == group_kind
+                and (self.topology is topology or (self.topology is not None and self.topology == topology)))
+
+
 class KernelDiagnosis:
     """L3 state of one (job, kernel, stream): summary rows by window.
 
@@ -322,6 +339,11 @@ class KernelDiagnosis:
     against the job's final step time: live, only findings clear of the impact bar by
     ``DiagnosisParams.live_impact_margin`` are raised, so what is raised does not depend on when a window
     completed.
+
+    Each judged window's detector results are kept (:class:`JudgedWindow`, a few results at most): the judgement
+    at the job's end re-reads them against the final step time instead of running L3 again on rows that did
+    not change (nor under another topology or group), so a subclass may drop the rows of judged windows
+    (:class:`~argus.streams.summary_pieces.BoundedKernelDiagnosis`) and the end still judges every window.
     """
 
     def __init__(self, job_id: str, kernel: str, stream: int, params: DiagnosisParams | None = None) -> None:
@@ -332,6 +354,7 @@ class KernelDiagnosis:
         self._seen_ranks: set[int] = set()
         self._judged: dict[int, int] = {}  # window start -> number of ranks when judged
         self._final_judged: dict[int, int] = {}  # the same, for the judgements at the job's end
+        self._results: dict[int, JudgedWindow] = {}  # window start -> its last judgement's results
         self._expected_for: tuple[tuple[int, int], set[int]] = ((0, -1), set())
         self._emitted: set[str] = set()
 
@@ -340,6 +363,7 @@ class KernelDiagnosis:
             self._windows[ws].append(_row(summary, i))
             self._ranks[ws].add(summary.rank[i])
             self._seen_ranks.add(summary.rank[i])
+            self._results.pop(ws, None)  # its rows changed
 
     def _expected(self, topology: JobTopology) -> set[int]:
         """The ranks of every pipeline stage this key was seen on (all ranks when the seen ones are unknown
@@ -369,14 +393,15 @@ class KernelDiagnosis:
         world = topology.world_size if topology is not None else len(self._seen_ranks)
         expected = self._expected(topology) if topology is not None else self._seen_ranks
         ready = []
-        for ws in sorted(self._windows):
-            n = len(self._ranks[ws])
+        # At the end, windows whose rows were dropped after their judgement are judged again from their results.
+        for ws in sorted(self._windows.keys() | self._results.keys()) if final else sorted(self._windows):
+            n = len(self._ranks[ws]) if ws in self._windows else self._results[ws].ranks
             if (self._final_judged if final else self._judged).get(ws) == n:
                 continue
             # Live, the window's steps must be known too (a step began after it): its impact spreads its excess
             # over them, and a restarted worker may see summaries before the steps they belong to.
-            known = bool(clock.starts_ns) and clock.starts_ns[-1] >= self._windows[ws][0].window_end_ns[0]
-            if final or (self._ranks[ws] >= expected and known):
+            if final or (self._ranks[ws] >= expected and bool(clock.starts_ns)
+                         and clock.starts_ns[-1] >= self._windows[ws][0].window_end_ns[0]):
                 ready.append(ws)
         # A live judgement reads the step time known so far, which depends on when the window completed: only
         # findings clear of the impact bar by a margin are raised live, the rest when every window is judged
@@ -384,13 +409,17 @@ class KernelDiagnosis:
         fraction = self.params.min_impact_fraction * (1.0 if final else self.params.live_impact_margin)
         new: list[Finding] = []
         for ws in ready:
-            self._judged[ws] = len(self._ranks[ws])
+            kept = self._results.get(ws)
+            if kept is None or (ws in self._windows and not kept.holds(topology, group_kind)):
+                rows = self._windows[ws]
+                kept = self._results[ws] = JudgedWindow(
+                    rows[0].window_end_ns[0], len(self._ranks[ws]), topology, group_kind,
+                    tuple(detect_l3(rows, topology, self.params.l3, group_kind)))
+            self._judged[ws] = kept.ranks
             if final:
-                self._final_judged[ws] = len(self._ranks[ws])
-            rows = self._windows[ws]
-            results: list[DetectorResult] = list(detect_l3(rows, topology, self.params.l3, group_kind))
-            for finding in judge(self.job_id, results, rows[0].window_end_ns[0], world, clock, fraction,
-                                 (ws, rows[0].window_end_ns[0])):
+                self._final_judged[ws] = kept.ranks
+            for finding in judge(self.job_id, list(kept.results), kept.end_ns, world, clock, fraction,
+                                 (ws, kept.end_ns)):
                 if corroborates_only(finding):
                     new.append(finding)
                 elif finding.finding_id not in self._emitted:

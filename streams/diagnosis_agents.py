@@ -61,8 +61,8 @@ exception, acked, and its job's state is repaired: rebuilt from the job's held r
 ones (the record itself is kept if the rebuilt state then works), or, if it still fails, discarded (its held
 records acked undiagnosed; they stay in ClickHouse). Undecodable records are acked and counted here; the sink
 dead-letters them. A dead letter that cannot be delivered raises :class:`~argus.core.errors.DeadLetterError`
-without acking, so the commit never passes it. L3 keeps at most ``Settings.l3_max_windows`` judged windows
-per (job, kernel, stream).
+without acking, so the commit never passes it. L3 keeps the rows of at most ``Settings.l3_max_windows`` judged windows
+per (job, kernel, stream), and of older windows what their judgement found.
 """
 
 from __future__ import annotations

@@ -115,11 +115,14 @@ class PieceLedger:
 
 
 class BoundedKernelDiagnosis(KernelDiagnosis):
-    """:class:`KernelDiagnosis` that forgets its oldest judged windows beyond ``max_windows``.
+    """:class:`KernelDiagnosis` that drops the rows of its oldest judged windows beyond ``max_windows``.
 
-    Each window is judged on its own rows, so dropping judged ones changes no later judgement; rows that
-    arrive afterwards for a dropped window are ignored (counted in :attr:`rows_ignored`), since judging them
-    without the window's other ranks would compare a rank against nobody.
+    Each window is judged on its own rows, so dropping judged ones changes no later judgement, and what their
+    judgement found is kept (:class:`~argus.streams.diagnosis.JudgedWindow`): the job's end judges them again
+    from it, so the state of a (job, kernel, stream) holds at most ``max_windows`` windows of rows whatever
+    the job's length. Rows that arrive afterwards for a dropped window are ignored (counted in
+    :attr:`rows_ignored`), since judging them without the window's other ranks would compare a rank against
+    nobody.
     """
 
     def __init__(self, job_id: str, kernel: str, stream: int, params: DiagnosisParams, max_windows: int) -> None:
@@ -127,7 +130,7 @@ class BoundedKernelDiagnosis(KernelDiagnosis):
         self.max_windows = max_windows
         self.forgotten_through: int | None = None
         self.rows_ignored = 0
-        self._pieces: dict[tuple[int, int], dict[int, KernelSummary]] = {}
+        self._pieces: dict[int, dict[int, dict[int, KernelSummary]]] = {}  # window -> rank -> piece -> row
         # Each window's merged row per rank; the rank-ordered row lists are rebuilt only for the windows
         # changed since the last judgement (a per-row re-sort costs O(ranks^2) per window at 10k ranks).
         self._by_rank: dict[int, dict[int, KernelSummary]] = {}
@@ -147,7 +150,7 @@ class BoundedKernelDiagnosis(KernelDiagnosis):
                 summary = select_rows(summary, rows)
         for i, (rank, ws, piece) in enumerate(zip(summary.rank, summary.window_start_ns, summary.pieces(),
                                                   strict=True)):
-            have = self._pieces.setdefault((ws, rank), {})
+            have = self._pieces.setdefault(ws, {}).setdefault(rank, {})
             old = have.get(piece)
             if old is not None and old.n_events[0] >= summary.n_events[i]:
                 continue
@@ -158,6 +161,7 @@ class BoundedKernelDiagnosis(KernelDiagnosis):
             self._dirty.add(ws)
             self._ranks[ws].add(rank)
             self._seen_ranks.add(rank)
+            self._results.pop(ws, None)  # its rows changed
             if len(have) > 1 or old is not None:
                 self._judged.pop(ws, None)  # judged without this piece: judge again
 
@@ -178,18 +182,17 @@ class BoundedKernelDiagnosis(KernelDiagnosis):
         self._dirty.clear()
 
     def prune(self) -> None:
-        """Drop the oldest windows beyond ``max_windows``, as far as they have been judged."""
+        """Drop the rows of the oldest windows beyond ``max_windows``, as far as they have been judged (their
+        judgements stay)."""
         starts = sorted(self._windows)
         for ws in starts[: max(len(starts) - self.max_windows, 0)]:
-            if ws not in self._judged:
+            if ws not in self._judged or ws not in self._results:
                 break
             del self._windows[ws]
             self._by_rank.pop(ws, None)
             self._dirty.discard(ws)
             self._ranks.pop(ws, None)
-            self._judged.pop(ws, None)
-            for key in [k for k in self._pieces if k[0] == ws]:
-                del self._pieces[key]
+            self._pieces.pop(ws, None)
             self.forgotten_through = ws
 
     @property

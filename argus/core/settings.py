@@ -230,9 +230,10 @@ class Settings:
     #: names are summarized together under the kernel name ``[other kernels]`` (its summary carries their
     #: count), so one window's compression cost stays bounded.
     max_kernel_names: int = 4096
-    #: Judged event-time windows the L3 agent keeps per (job, kernel, stream) (default 64; the newest
-    #: are kept, older ones were already judged and their findings published; rows that arrive later for a
-    #: dropped window are counted and ignored). At least 3.
+    #: Judged event-time windows whose rows the L3 agent keeps per (job, kernel, stream) (default 64; the
+    #: newest are kept; of older ones only what their judgement found stays, which the job's end judges again
+    #: against its final step time; rows that arrive later for a dropped window are counted and ignored).
+    #: At least 3.
     l3_max_windows: int = 64
     #: Stream worker: seconds without any record of a job (steps, phases, topology, lifecycle) after which
     #: the job is abandoned (default 300): a lifecycle record ``ABANDONED`` (reason, last step) is written, and

@@ -113,3 +113,56 @@ def test_undeliverable_dead_letter_raises_instead_of_being_lost(monkeypatch: pyt
     with pytest.raises(DeadLetterError, match="not delivered"):
         asyncio.run(dead.send(_Event(), "compress", "why"))  # type: ignore[arg-type]
     assert dead.sent == 0
+
+
+def test_pruned_windows_are_judged_again_at_the_end_from_their_results(monkeypatch: pytest.MonkeyPatch) -> None:
+    import argus.streams.diagnosis as diagnosis
+    from argus.detectors.impact import StepClock
+    from argus.streams.diagnosis import _row
+    from tests.unit.test_diagnosis_state import _summaries
+
+    topo, summaries = _summaries()  # the paper's case 1: rank 5's GEMMs slow, over several windows
+    rows = [_row(s, i) for s in summaries for i in range(len(s.rank))]
+    full = {ws for ws in {r.window_start_ns[0] for r in rows}
+            if sum(r.window_start_ns[0] == ws for r in rows) == topo.world_size}
+    summaries = sorted((r for r in rows if r.window_start_ns[0] in full), key=lambda r: r.window_start_ns[0])
+    assert len(full) >= 3
+    clock = StepClock((max(r.window_end_ns[0] for r in summaries),), 1e9)
+    # Nothing is raised live (a margin no impact clears): every finding comes from the end's judgement.
+    params = DiagnosisParams(live_impact_margin=1e9)
+    bounded = BoundedKernelDiagnosis("c1", summaries[0].kernel, summaries[0].stream, params, max_windows=1)
+    whole = diagnosis.KernelDiagnosis("c1", summaries[0].kernel, summaries[0].stream, params)
+    for s in summaries:
+        for state in (bounded, whole):
+            state.add(s)
+            assert state.diagnose(topo, clock=clock) == []
+        bounded.prune()
+    assert bounded.windows == 1 and bounded.forgotten_through is not None
+    calls: list[int] = []
+    real = diagnosis.detect_l3
+    monkeypatch.setattr(diagnosis, "detect_l3", lambda rows, *a: calls.append(len(rows)) or real(rows, *a))
+    found = bounded.diagnose(topo, final=True, clock=clock)
+    # The windows whose rows went are judged from what their live judgement found, and L3 does not run
+    # again on rows that did not change: the same findings, impacts and evidence as with every row kept.
+    assert calls == []
+    assert found and found == whole.diagnose(topo, final=True, clock=clock)
+    assert {r for f in found for r in f.ranks} == {5}
+
+
+def test_a_changed_topology_or_group_judges_the_rows_again() -> None:
+    from argus.detectors.impact import StepClock
+    from argus.schemas.records import ParallelGroup
+    from tests.unit.test_diagnosis_state import _summaries
+
+    topo, summaries = _summaries()
+    clock = StepClock((max(e for s in summaries for e in s.window_end_ns),), 1e9)
+    state = BoundedKernelDiagnosis("c1", summaries[0].kernel, summaries[0].stream, DiagnosisParams(),
+                                   max_windows=64)
+    for s in summaries:
+        state.add(s)
+    state.diagnose(topo, clock=clock)
+    kept = dict(state._results)
+    assert kept and all(k.holds(topo, None) for k in kept.values())
+    state.diagnose(topo, final=True, clock=clock, group_kind=ParallelGroup.TP)
+    assert all(state._results[ws].group_kind is ParallelGroup.TP and state._results[ws] is not k
+               for ws, k in kept.items())
