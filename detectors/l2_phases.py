@@ -34,7 +34,10 @@ amplifies small delays when the transfer itself is short (healthy jobs reach ~2.
 :attr:`FindingKind.COMPUTE_STRAGGLER` only if it is also ``collective_ratio`` (3x) short and its lateness
 (peers' median minus its own time, per step) is at least ``min_late_fraction`` of its longest phase per
 step, and if under half of that lateness is time its blocking collectives took beyond its peers' (a rank
-late because it waited in a TP all-reduce, for a degraded link or a late TP partner, is no straggler). A
+late because it waited in a TP all-reduce, for a degraded link or a late TP partner, is no straggler). In a
+group of two there is no peer to score a member against (GPUs a few percent apart make one member of some
+pair arrive last every step): a pair's difference must stand out among the phase's other pairs
+(:func:`~argus.detectors.l2_compare.pair_outliers`; its z is the flag's). A
 rank that shares a TP, PP or EP group with a compute straggler is a victim (it waited for it, e.g. in a
 blocking TP collective) and is not named for arriving late, nor is a late arrival sharing one with a
 victim (e.g. the victim's next pipeline stage), and so on. The same holds for a late arrival whose lateness

@@ -377,3 +377,41 @@ def test_a_tp_group_elevated_alike_names_none_even_where_one_member_alone_crosse
     # A straggler alone in its group is named.
     res = detect_l2(_job(topo, 5, _dp_step(16, {1: 1.51})), topo)
     assert [r.ranks for r in _by_kind(res)[FindingKind.COMPUTE_STRAGGLER]] == [(1,)]
+
+
+def _tp_pairs_job(dp: int, seed: int, slow: dict[int, float], steps: int = 8) -> tuple[JobTopology, PhaseTable]:
+    """DP x TP2 traced without compute phases (only the TP reduce-scatter that closes each rank's 100 ms of
+    compute, ending together for the pair, 0.7 ms of transfer): every GPU has a persistent speed of its own
+    (lognormal, 2.5 %) and each step a little noise (1 %); ``slow``: rank -> factor on its compute."""
+    topo = build_topology("j", dp=dp, tp=2)
+    rng = np.random.default_rng(seed)
+    speed = rng.lognormal(0.0, 0.025, topo.world_size) * np.array([slow.get(r, 1.0) for r in range(topo.world_size)])
+    batches = []
+    for step in range(steps):
+        arrive = 100 * MS * speed * rng.lognormal(0.0, 0.01, topo.world_size)
+        for r in range(topo.world_size):
+            end = max(arrive[q] for q in range(topo.world_size) if topo.tp_group[q] == topo.tp_group[r]) + 0.7 * MS
+            batches.append(_batch(r, step, [(PhaseKind.REDUCE_SCATTER, "tp-reduce-scatter", TP, end - arrive[r])],
+                                  starts=(int(arrive[r]),)))
+    return topo, PhaseTable.from_batches(batches)
+
+
+def test_the_most_different_of_many_gpu_pairs_is_no_straggler() -> None:
+    # In a pair there is no peer to score a member against: of 32 pairs of GPUs a few percent apart, one pair
+    # differs most, its slower member's collective several times shorter than its partner's, every step.
+    for seed in range(12):
+        topo, table = _tp_pairs_job(32, seed, {})
+        assert detect_l2(table, topo) == [], seed
+
+
+@pytest.mark.parametrize("dp", [4, 32])
+def test_a_straggler_in_a_gpu_pair_stands_out_among_the_pairs(dp: int) -> None:
+    found = 0
+    for seed in range(12):
+        topo, table = _tp_pairs_job(dp, seed, {5: 1.3})
+        res = detect_l2(table, topo)
+        assert {r.ranks for r in res} <= {(5,)}, seed
+        found += bool(res)
+        if res:
+            assert res[0].evidence["late_arrival_only"] and res[0].evidence["robust_z"] <= -5.5
+    assert found >= 11

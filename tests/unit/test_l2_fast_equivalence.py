@@ -38,13 +38,28 @@ def ref_phase_flags(name: str, kind: PhaseKind, label: str, column: np.ndarray, 
     member's ratio is written into ``ratios`` where given."""
     raw = raw() if callable(raw) else raw
     out = []
-    for g in sorted(set(column[has].tolist())):
-        members = [i for i in range(column.size) if has[i] and column[i] == g]
-        if len(members) < 2:
-            continue
+
+    def group_values(members: list[int]) -> tuple[list[float], list[float], bool]:
         rates = [float(occ[i]) for i in members]
         per_occ = max(rates) - min(rates) > 0.01 * max(rates)
         values = [float(per_step[i]) / (r if per_occ else 1.0) for i, r in zip(members, rates, strict=True)]
+        return values, rates, per_occ
+
+    groups = {g: [i for i in range(column.size) if has[i] and column[i] == g]
+              for g in sorted(set(column[has].tolist()))}
+    # Two-member groups of a collective: each pair's difference against the other pairs' (l2_compare.pair_outliers).
+    pairs = {g: group_values(m)[0] for g, m in groups.items() if len(m) == 2}
+    diffs = {g: abs(v[0] - v[1]) for g, v in pairs.items()}
+    bar = max(5.5, statistics.NormalDist().inv_cdf(1.0 - 0.01 / (2 * len(pairs)))) if pairs else math.inf
+    for g, members in groups.items():
+        if len(members) < 2:
+            continue
+        values, rates, per_occ = group_values(members)
+        pair_z = math.nan
+        if kind.is_collective and len(members) == 2 and len(pairs) >= 3:
+            others = statistics.median([d for h, d in diffs.items() if h != g])
+            scale = max(1.4826 * others, p.mad_floor * statistics.median(values))
+            pair_z = diffs[g] / scale if scale else (math.inf if diffs[g] else math.nan)
         peers = _loo(values)
         mid = statistics.median(values)
         mad = statistics.median([abs(v - mid) for v in values]) * 1.4826
@@ -63,14 +78,17 @@ def ref_phase_flags(name: str, kind: PhaseKind, label: str, column: np.ndarray, 
             if ratios is not None:
                 ratios[i] = ratio
             if kind.is_collective:
-                hit = ratio <= 0.5 and (len(members) < 3 or z <= -p.min_z)
+                hit = ratio <= 0.5 and (z <= -p.min_z if len(members) >= 3 else
+                                        len(pairs) < 3 or (math.isfinite(pair_z) and pair_z >= bar)
+                                        or pair_z == math.inf)
             else:
                 hit = (ratio >= p.min_elevation and (len(members) < 3 or z >= p.min_z)
                        and walls[j] - wall_peers[j] >= 0.5 * (v - pm))
             if not hit:
                 continue
             late_ns = (pm - v) * (rates[j] if per_occ else 1.0)
-            zi = z if len(members) >= 3 and math.isfinite(z) else None
+            zi = (z if len(members) >= 3 else -pair_z if kind.is_collective else math.nan)
+            zi = zi if math.isfinite(zi) else None
             out.append(Flag(int(rank[i]), name, kind, ratio, zi, v, pm, cv, f"{label}{g}",
                             late_ns / max(float(longest[i]), 1.0), (waits[j] - wait_peers[j]) / max(late_ns, 1.0),
                             late_ns if kind.is_collective else -late_ns))
