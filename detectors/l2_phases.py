@@ -500,7 +500,9 @@ def _slow_stages(per_step: F64, occ: F64, n_steps: I64, phases: PhaseStats, topo
                 explained.add(s)
             use = members & ~excluded if s not in explained else members
             if use.any():
-                values[s] = float(np.median(per_occ[use]))
+                # A slow stage slows every one of its ranks, a straggler (or an unknown one's victims) only some:
+                # the stage's fastest rank tells its speed (a stage with one straggler is no slow stage).
+                values[s] = float(np.nanmin(per_occ[use]))
         if len(values) < 2:
             continue
         for s, v in values.items():

@@ -415,3 +415,23 @@ def test_a_straggler_in_a_gpu_pair_stands_out_among_the_pairs(dp: int) -> None:
         if res:
             assert res[0].evidence["late_arrival_only"] and res[0].evidence["robust_z"] <= -5.5
     assert found >= 11
+
+
+def test_a_stage_with_two_stragglers_in_a_group_of_four_is_no_slow_stage() -> None:
+    # Two of a DP group of four slow 2.6x: too many for the group's own z-score (the peers' median is half
+    # slow), and the stage's median rank is half slow too. Its fastest ranks run as the other stage's.
+    topo = build_topology("j", dp=4, pp=2)
+    slow = {0: 2.6, 3: 2.6}
+
+    def phases(rank: int, step: int) -> list[Phase]:
+        f = slow.get(rank, 1.0) * (1.0 + 0.01 * ((rank * 7 + step * 3) % 5))
+        return [(F, "forward", NONE, 50 * MS * f), (B, "backward", NONE, 100 * MS * f),
+                (PhaseKind.ALL_REDUCE, "dp-allreduce", DP, 4 * MS)]
+
+    res = detect_l2(_job(topo, 6, phases), topo)
+    assert FindingKind.PP_STAGE_SLOW not in {r.kind for r in res}, res
+    # The whole stage 2.6x slower is one.
+    slow.update({1: 2.6, 2: 2.6})
+    res = detect_l2(_job(topo, 6, phases), topo)
+    assert [(r.kind, r.ranks) for r in res if r.kind is FindingKind.PP_STAGE_SLOW] == [
+        (FindingKind.PP_STAGE_SLOW, (0, 1, 2, 3))]
