@@ -7,8 +7,8 @@ time), :func:`detect_hangs` says:
   (:meth:`HangParams.stall_bound_ns`); evidence ``last_completed_step``, ``seconds_stalled``.
 * ``rank_silent`` (L2): a rank whose last record is older than the silence bound (the stall bound, and at
   least ``silent_heartbeats`` heartbeat intervals, so a rank between two heartbeats is not silent) while
-  other ranks still publish. When every rank is silent, the job is (``job_stalled`` with
-  ``all_ranks_silent``), not a rank.
+  other ranks still publish: by the bound older than the job's newest record. When every rank is silent,
+  the job is (``job_stalled`` with ``all_ranks_silent``), not a rank.
 * ``hang_wavefront`` (L2), in a stalled job, per parallel group (DP, TP, PP, EP, by the topology's group
   columns): the collective (kind, seq) most of the group's waiting members are in, the members waiting in
   it (*victims*) and the members that never entered it or never finished an earlier one (*suspects*, the
@@ -133,7 +133,8 @@ class HangResult:
 
 def detect_hangs(ranks: Mapping[int, RankLiveness] | Iterable[RankLiveness], topology: JobTopology, now_ns: int,
                  last_progress_ns: int, last_completed_step: int, median_step_ns: float,
-                 params: HangParams | None = None, silence_now_ns: int | None = None) -> list[HangResult]:
+                 params: HangParams | None = None, silence_now_ns: int | None = None,
+                 newest_ns: int | None = None) -> list[HangResult]:
     """Stall, silent ranks and the hang wavefront of a job at ``now_ns`` (see the module docstring).
 
     Args:
@@ -146,6 +147,8 @@ def detect_hangs(ranks: Mapping[int, RankLiveness] | Iterable[RankLiveness], top
         silence_now_ns: the time silence is measured at (default ``now_ns``): the clock of the stream that
             carries every rank's records in one order (heartbeats), so ranks are never compared across
             topics read at different paces.
+        newest_ns: the newest record read on that stream (default: the ranks' newest record): a rank is
+            silent only by the bound older than it (other ranks still published after it went quiet).
     """
     p = params or HangParams()
     live = dict(ranks) if isinstance(ranks, Mapping) else {r.rank: r for r in ranks}
@@ -154,8 +157,14 @@ def detect_hangs(ranks: Mapping[int, RankLiveness] | Iterable[RankLiveness], top
     bound, silent_bound = p.stall_bound_ns(median_step_ns), p.silent_bound_ns(median_step_ns)
     stalled_ns = now_ns - last_progress_ns
     quiet_now = now_ns if silence_now_ns is None else silence_now_ns
-    silent = sorted(r for r, s in live.items() if quiet_now - s.last_seen_ns >= silent_bound)
-    all_silent = len(silent) == len(live)
+    # Silent *while other ranks still publish*: measured against the newest record of the job, not against now
+    # alone. When the whole job goes quiet, its ranks' last records lie a little apart (and a busy worker reads
+    # them unevenly): now passes the bound for some before the others, none of which is a silent rank.
+    newest = max(s.last_seen_ns for s in live.values())
+    if newest_ns is not None:
+        newest = min(newest, newest_ns)  # records of other topics read ahead of it say nothing of silence
+    all_silent = quiet_now - newest >= silent_bound
+    silent = sorted(r for r, s in live.items() if newest - s.last_seen_ns >= silent_bound or all_silent)
     out: list[HangResult] = []
     if stalled_ns >= bound:
         out.append(HangResult(FindingKind.JOB_STALLED, (), (last_completed_step,), stalled_ns / bound, None, {

@@ -144,7 +144,8 @@ class JobLiveness:
         quiet_now = (self._hb_newest_ns + max(0, round((now - self._hb_newest_at) * pace * 1e9))
                      if self._hb_newest_ns else None)
         found = detect_hangs(self.ranks, topology, self.now_ns(now, pace), self.last_progress_ns,
-                             self.last_completed_step, median_step_ns, self.params, silence_now_ns=quiet_now)
+                             self.last_completed_step, median_step_ns, self.params, silence_now_ns=quiet_now,
+                             newest_ns=self._hb_newest_ns or None)
         if 0 < self._hb_newest_ns <= self.last_progress_ns:
             # Heartbeats, but none sent since the last completed step: nothing shows the ranks alive and not progressing
             # (a lull in a job's records on the way is no stall); a stuck job heartbeats on, in its collective.

@@ -132,3 +132,18 @@ def test_property_the_hung_rank_is_named_first_and_never_a_victim(dp: int, tp: i
     assert not any(r.kind is FindingKind.RANK_SILENT for r in results)
     # not stalled yet: nothing but silence could be raised, and nobody is silent
     assert detect_hangs(order, topo, now, now - STEP, 11, STEP, P) == []
+
+
+def test_a_job_going_quiet_rank_by_rank_names_no_silent_rank() -> None:
+    # The whole job stops; its ranks' last records lie a heartbeat or two apart, so *now* passes the silence
+    # bound for the earlier ones first. None was silent while others published: no rank_silent, and once
+    # every rank is past the bound, the job is silent.
+    topo = build_topology("j", 4, 1, 1)
+    bound = P.silent_bound_ns(STEP)
+    last = T0 + 100 * STEP
+    live = {r: RankLiveness(r, last - r * bound // 4, 20, "") for r in topo.rank}
+    out = detect_hangs(live, topo, last + bound - bound // 8, last - 5 * STEP, 19, STEP, P)
+    assert FindingKind.RANK_SILENT not in {r.kind for r in out}, out
+    out = detect_hangs(live, topo, last + bound, last - 5 * STEP, 19, STEP, P)
+    assert FindingKind.RANK_SILENT not in {r.kind for r in out}
+    assert [r.evidence["all_ranks_silent"] for r in out if r.kind is FindingKind.JOB_STALLED] == [True]
