@@ -313,19 +313,17 @@ class JobDiagnosis:
 
 @dataclass(frozen=True)
 class JudgedWindow:
-    """What L3 found in one window of a (job, kernel, stream): its end (ns), how many ranks it held, the topology
-    and group kind it was read under, and the detector results (before their impact is judged)."""
+    """What L3 found in one window of a (job, kernel, stream): its end (ns), the topology and group kind it was
+    read under, and the detector results (before their impact is judged)."""
 
     end_ns: int
-    ranks: int
     topology: JobTopology | None
     group_kind: ParallelGroup | None
     results: tuple[DetectorResult, ...]
 
     def holds(self, topology: JobTopology | None, group_kind: ParallelGroup | None) -> bool:
         """Whether these results are what L3 would find under ``topology`` and ``group_kind``."""
-        return (self.group_kind == group_kind
-                and (self.topology is topology or (self.topology is not None and self.topology == topology)))
+        return self.group_kind == group_kind and (self.topology is topology or self.topology == topology)
 
 
 class KernelDiagnosis:
@@ -392,32 +390,32 @@ class KernelDiagnosis:
         clock = clock or StepClock()
         world = topology.world_size if topology is not None else len(self._seen_ranks)
         expected = self._expected(topology) if topology is not None else self._seen_ranks
-        ready = []
+        ready: list[tuple[int, int]] = []
         # At the end, windows whose rows were dropped after their judgement are judged again from their results.
         for ws in sorted(self._windows.keys() | self._results.keys()) if final else sorted(self._windows):
-            n = len(self._ranks[ws]) if ws in self._windows else self._results[ws].ranks
+            # A window whose rows were dropped keeps the number of ranks it was judged with.
+            n = len(self._ranks[ws]) if ws in self._windows else self._judged[ws]
             if (self._final_judged if final else self._judged).get(ws) == n:
                 continue
             # Live, the window's steps must be known too (a step began after it): its impact spreads its excess
             # over them, and a restarted worker may see summaries before the steps they belong to.
             if final or (self._ranks[ws] >= expected and bool(clock.starts_ns)
                          and clock.starts_ns[-1] >= self._windows[ws][0].window_end_ns[0]):
-                ready.append(ws)
+                ready.append((ws, n))
         # A live judgement reads the step time known so far, which depends on when the window completed: only
         # findings clear of the impact bar by a margin are raised live, the rest when every window is judged
         # again against the job's final steps. So the same records give the same findings, however they came.
         fraction = self.params.min_impact_fraction * (1.0 if final else self.params.live_impact_margin)
         new: list[Finding] = []
-        for ws in ready:
+        for ws, n in ready:
             kept = self._results.get(ws)
             if kept is None or (ws in self._windows and not kept.holds(topology, group_kind)):
                 rows = self._windows[ws]
-                kept = self._results[ws] = JudgedWindow(
-                    rows[0].window_end_ns[0], len(self._ranks[ws]), topology, group_kind,
-                    tuple(detect_l3(rows, topology, self.params.l3, group_kind)))
-            self._judged[ws] = kept.ranks
+                kept = self._results[ws] = JudgedWindow(rows[0].window_end_ns[0], topology, group_kind,
+                                                        tuple(detect_l3(rows, topology, self.params.l3, group_kind)))
+            self._judged[ws] = n
             if final:
-                self._final_judged[ws] = kept.ranks
+                self._final_judged[ws] = n
             for finding in judge(self.job_id, list(kept.results), kept.end_ns, world, clock, fraction,
                                  (ws, kept.end_ns)):
                 if corroborates_only(finding):
