@@ -5,7 +5,10 @@ The job iteration time of a step is the maximum of :attr:`~argus.schemas.records
 detectors run on that series:
 
 * **Spikes** (:attr:`FindingKind.ITERATION_SPIKE`): a step whose iteration time is at least
-  ``spike_ratio`` (2x) times the median of the ``window // 2`` steps before it *and* of those after it.
+  ``spike_ratio`` (2x) times the median of the ``window // 2`` steps before it *and* of those after it,
+  or at least ``min_spike_ratio`` (1.5x) times both where that is also ``spike_sigmas`` (6) noise levels
+  of ``ln(iteration time)`` (``sigma_mad`` below): a host stall of 2x is measured against the larger of two
+  noisy medians, so a fixed 2x bar misses half of them, while in a quiet job 1.5x stands far out.
   Asking both sides keeps the first steps of a lasting regression from looking like spikes, and the
   medians ignore other spikes nearby. The GPU time of the same step says where the time went: a spike
   whose GPU time stays flat is a host-side stall (JIT compilation, data loading, Python GC).
@@ -127,7 +130,9 @@ class L1Params:
 
     ``window``: steps of context around a step, half before and half after [10]. ``min_context``: the
     fewest steps needed on each side before a step is judged a spike [3]. ``spike_ratio``: a spike's
-    iteration time over both neighbouring medians [2.0]. ``host_stall_gpu_ratio``: a spike whose GPU
+    iteration time over both neighbouring medians [2.0]. ``min_spike_ratio``, ``spike_sigmas``: the least
+    such ratio of a spike that is also ``spike_sigmas`` noise levels of the log iteration time [1.5, 6.0].
+    ``host_stall_gpu_ratio``: a spike whose GPU
     time is below this multiple of its neighbours' is called host-side [1.2]. ``min_segment``: fewest
     steps on each side of a change point, dropped pauses included, at least 2 of them kept [5].
     ``min_shift``: smallest ratio of the geometric means after and before a change point that counts as a
@@ -146,6 +151,8 @@ class L1Params:
     window: int = 10
     min_context: int = 3
     spike_ratio: float = 2.0
+    min_spike_ratio: float = 1.5
+    spike_sigmas: float = 6.0
     host_stall_gpu_ratio: float = 1.2
     min_segment: int = 5
     min_shift: float = 1.04
@@ -160,7 +167,7 @@ class L1Params:
         if self.window < 2 or not 1 <= self.min_context <= self.window // 2:
             raise DetectorError(f"need window >= 2 and 1 <= min_context <= window // 2, got {self.window}, "
                                 f"{self.min_context}")
-        for name in ("spike_ratio", "host_stall_gpu_ratio", "min_shift"):
+        for name in ("spike_ratio", "min_spike_ratio", "host_stall_gpu_ratio", "min_shift"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 1.0):
                 raise DetectorError(f"{name} must be finite and > 1, got {value}")
@@ -170,6 +177,10 @@ class L1Params:
             raise DetectorError(f"penalty must be finite and >= 0, got {self.penalty}")
         if self.smooth < 1 or self.smooth % 2 == 0:
             raise DetectorError(f"smooth must be odd and >= 1, got {self.smooth}")
+        if not (self.min_spike_ratio <= self.spike_ratio and math.isfinite(self.spike_sigmas)
+                and self.spike_sigmas >= 0.0):
+            raise DetectorError(f"need min_spike_ratio <= spike_ratio and spike_sigmas >= 0, got "
+                                f"{self.min_spike_ratio}, {self.spike_ratio}, {self.spike_sigmas}")
         if self.warmup < 0:
             raise DetectorError(f"warmup must be >= 0, got {self.warmup}")
         if not (math.isfinite(self.max_drift) and self.max_drift >= 0.0):
@@ -300,7 +311,10 @@ def _spikes(step: I64, wall: F64, gpu: F64, p: L1Params) -> list[L1Result]:
     base = np.fmax(wb, wa)
     judged = ~np.isnan(wb) & ~np.isnan(wa)
     ratio = np.where(judged, wall / np.where(judged, base, 1.0), np.nan)
-    hit = judged & (ratio >= p.spike_ratio)
+    sigma = _mad_sigma(np.log(wall))
+    with np.errstate(invalid="ignore", divide="ignore"):
+        quiet = (ratio >= p.min_spike_ratio) & (np.log(ratio) >= p.spike_sigmas * sigma)
+    hit = judged & ((ratio >= p.spike_ratio) | quiet)
     if not hit.any():
         return []
     gb, ga = _side_medians(gpu, half, p.min_context)

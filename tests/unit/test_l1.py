@@ -85,8 +85,31 @@ def test_two_step_spike_is_one_result_and_no_regression() -> None:
 
 def test_spike_below_ratio_is_ignored() -> None:
     wall = _noise(40, 0.0, 3)
-    wall[20] *= 1.8
+    wall[20] *= 1.45  # under min_spike_ratio, however quiet the job
     assert detect_l1(np.arange(40), wall) == []
+    noisy = _noise(40, 0.10, 3)
+    noisy[20] = 1.6 * BASE_NS  # over 1.5x, but under 6 noise levels of a 10 % noisy job (1.82x)
+    assert detect_l1(np.arange(40), noisy) == []
+
+
+@PROPERTY
+@given(n=st.integers(12, 40), sigma=st.floats(0.0, 0.05), factor=st.floats(1.75, 2.2), pos_frac=st.floats(0, 1),
+       seed=st.integers(0, 2**31))
+def test_a_stall_under_2x_is_a_spike_where_it_stands_out_of_the_noise(n: int, sigma: float, factor: float,
+                                                                       pos_frac: float, seed: int) -> None:
+    # A host stall of 2x measured against the larger of two noisy medians reads under 2x about half the time.
+    p = L1Params()
+    pos = p.min_context + round(pos_frac * (n - 1 - 2 * p.min_context))
+    wall = _noise(n, sigma, seed)
+    wall[pos] = factor * BASE_NS
+    assert [(r.kind, r.steps) for r in detect_l1(np.arange(n), wall)] == [(FindingKind.ITERATION_SPIKE, (pos,))]
+
+
+@settings(max_examples=200, deadline=None)
+@given(n=st.integers(7, 300), sigma=st.floats(0.03, 0.10), seed=st.integers(0, 2**31))
+def test_healthy_gaussian_noise_makes_no_spike(n: int, sigma: float, seed: int) -> None:
+    res = detect_l1(np.arange(n), _noise(n, sigma, seed))
+    assert not [r for r in res if r.kind is FindingKind.ITERATION_SPIKE]
 
 
 # -- regressions -------------------------------------------------------------------------------------
@@ -179,7 +202,8 @@ def test_bad_input_and_params_raise() -> None:
         detect_l1(np.arange(3.0), np.ones(3))
     with pytest.raises(DetectorError):
         detect_l1(np.arange(3))
-    for bad in ({"window": 1}, {"min_context": 6}, {"spike_ratio": 1.0}, {"min_shift": float("nan")},
+    for bad in ({"window": 1}, {"min_context": 6}, {"spike_ratio": 1.0}, {"min_spike_ratio": 2.5},
+                {"spike_sigmas": -1.0}, {"min_shift": float("nan")},
                 {"min_segment": 1}, {"penalty": -1.0}, {"smooth": 4}, {"max_change_points": 0}, {"warmup": -1},
                 {"outlier_sigmas": 0.0}):
         with pytest.raises(DetectorError):
