@@ -20,7 +20,7 @@ from argus.core.errors import DetectorError
 from argus.detectors.mixture import MixtureBatch
 from argus.schemas.records import KernelSummary
 
-__all__ = ["merge_rows", "one_key", "row_floors", "window_end"]
+__all__ = ["lower_part_floors", "merge_rows", "one_key", "row_floors", "window_end"]
 
 F64 = npt.NDArray[np.float64]
 I64 = npt.NDArray[np.int64]
@@ -132,6 +132,49 @@ def row_floors(summaries: Sequence[KernelSummary], ranks: I64, share: float = 0.
     pos = np.searchsorted(uniq, ranks)
     hit = (pos < uniq.size) & (uniq[np.minimum(pos, uniq.size - 1)] == ranks)
     out[hit] = value[pos[hit]]
+    return out
+
+
+def lower_part_floors(summaries: Sequence[KernelSummary], ranks: I64, levels: npt.ArrayLike,
+                      median_place: float = 0.4) -> F64:
+    """Per rank of ``ranks`` (ascending) and level of ``levels`` (``R x J``, ns): where the level lies in
+    the lower part of one of the rank's clusters (clusters in order of their medians, the level below
+    ``median_place`` of the way up to the cluster's median call), that cluster's shortest call -- a floor
+    under the rank's quantile there that holds whatever the cluster's shape. NaN where the level lies at or
+    above its cluster's median (there the median and p99 a summary keeps are exact), or the rank has no rows.
+
+    A log-normal rebuilt from a cluster's median and p99 is only right for a cluster of one shape. A rank
+    whose calls of three shapes came out as one wide cluster (one noisy window clustered so, its peers' not)
+    reads several times its peers' in the rebuilt lower part of that cluster, though its shortest call there
+    is no slower than their calls: such a reading is no slow mode, and the floor says so.
+    """
+    cols = {f: list(map(attrgetter(f), summaries))
+            for f in ("rank", "n_clusters", "cluster_count", "cluster_p50_ns", "cluster_min_ns")}
+    u = np.asarray(levels, dtype=np.float64)
+    out = np.full((ranks.size, u.size), np.nan)
+    row_rank = _flat(cols["rank"], np.int64)
+    per_row = _flat(cols["n_clusters"], np.int64)
+    count, p50, low = (_flat(cols[f], np.float64) for f in ("cluster_count", "cluster_p50_ns", "cluster_min_ns"))
+    if row_rank.size == 0 or not (low.size == p50.size == count.size == int(per_row.sum())):
+        return out
+    owner = np.repeat(row_rank, per_row)
+    keep = (count > 0) & np.isin(owner, ranks)
+    owner, count, p50, low = owner[keep], count[keep], p50[keep], np.minimum(low[keep], p50[keep])
+    if owner.size == 0:
+        return out
+    order = np.lexsort((p50, owner))
+    owner, count, p50, low = owner[order], count[order], p50[order], low[order]
+    cum = np.cumsum(count)
+    start = np.r_[0, np.flatnonzero(np.diff(owner)) + 1]
+    stop = np.r_[start[1:], owner.size]
+    before = np.r_[0.0, cum[start[1:] - 1]]
+    total = cum[stop - 1] - before
+    target = before[:, None] + u[None, :] * total[:, None]  # per owner and level, in the running count
+    at = np.minimum(np.searchsorted(cum, target, side="left"), (stop - 1)[:, None])
+    place = (target - (cum[at] - count[at])) / count[at]
+    floor = np.where(place >= median_place, np.nan, low[at])
+    pos = np.searchsorted(ranks, owner[start])
+    out[pos] = floor
     return out
 
 

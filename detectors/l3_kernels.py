@@ -66,7 +66,7 @@ from argus.core.errors import DetectorError
 from argus.core.kinds import FindingKind
 from argus.detectors.cdf_grid import median_sample, pointwise_median, sample_reference, score_against
 from argus.detectors.kernel_modes import ReferenceModes, reference_modes
-from argus.detectors.kernel_rows import merge_rows, one_key, row_floors, window_end
+from argus.detectors.kernel_rows import lower_part_floors, merge_rows, one_key, row_floors, window_end
 from argus.detectors.l2_groups import loo_median, loo_median_rows
 from argus.detectors.mixture import (
     MixtureBatch,
@@ -325,7 +325,7 @@ def detect_l3(summaries: Sequence[KernelSummary], topology: JobTopology | None =
     if collective:
         base["group_known"] = named
         return _collective(summaries, ranks, batch, total, topology, p, base, group_kind)
-    return _compute(first, ranks, batch, total, topology, p, base)
+    return _compute(summaries, ranks, batch, total, topology, p, base)
 
 
 def _slow_ranks(sc: RankScores, min_score: float, gate: float, p: L3Params) -> tuple[npt.NDArray[np.bool_], F64,
@@ -357,22 +357,29 @@ def _trusted_levels(batch: MixtureBatch) -> npt.NDArray[np.bool_]:
 
 
 def _mode_outliers(sc: RankScores, p: L3Params, trusted: npt.NDArray[np.bool_], modes: ReferenceModes,
-                   mode_q: F64, scan_q: F64) -> tuple[npt.NDArray[np.bool_], F64, F64]:
+                   mode_q: F64, scan_q: F64, floors: F64 | None = None) -> tuple[npt.NDArray[np.bool_], F64, F64]:
     """Ranks with a mode slower than the reference's (see :mod:`argus.detectors.kernel_modes`): the mask, each
     rank's largest mode ratio, and the share of calls of that mode. ``trusted``: per rank and level of the
     fixed u grid, whether the level is read in a modelled tail that holds (:func:`_trusted_levels`; the upper
     levels of a cluster lie in its tail). ``modes``: the reference's; ``mode_q`` and ``scan_q``: each rank's
-    quantiles (ns) at the modes' middles and at ``_SCAN_U``."""
+    quantiles (ns) at the modes' middles and at ``_SCAN_U``. ``floors``: at the same levels, modes' then
+    scan's, each rank's shortest call of the cluster in whose lower part the level lies, NaN elsewhere
+    (:func:`~argus.detectors.kernel_rows.lower_part_floors`): a level there is slow only where that call is
+    slower than the other ranks' quantile too."""
     n = sc.score.size
     logq = np.log(mode_q)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        log_floor = np.log(floors) if floors is not None else np.full((n, mode_q.shape[1] + scan_q.shape[1]), np.nan)
     if n >= 4:
         centre = np.median(logq, axis=0)
         lr = logq - centre
         mad = _MAD_SCALE * np.median(np.abs(lr), axis=0)
         hit = (lr >= math.log(p.mode_ratio)) & (lr >= p.mode_z * np.maximum(mad, p.mode_mad_floor))
+        hit &= ~(log_floor[:, :lr.shape[1]] <= centre)
     else:  # two or three ranks: against the others' median, and a wider gate
-        lr = logq - np.stack([loo_median(col) for col in logq.T], axis=1)
-        hit = lr >= math.log(max(p.mode_ratio, _SMALL_SET_RATIO))
+        others = np.stack([loo_median(col) for col in logq.T], axis=1)
+        lr = logq - others
+        hit = (lr >= math.log(max(p.mode_ratio, _SMALL_SET_RATIO))) & ~(log_floor[:, :lr.shape[1]] <= others)
     best = np.argmax(np.where(hit, lr, -np.inf), axis=1)
     rows = np.arange(n)
     found, ratio, share = hit.any(axis=1), np.exp(lr[rows, best]), modes.width[best]
@@ -381,9 +388,11 @@ def _mode_outliers(sc: RankScores, p: L3Params, trusted: npt.NDArray[np.bool_], 
         # then still lifts the quantile function over the u range of its calls, so the rank's quantiles are
         # read on a fixed u grid too; a run of two neighbouring levels is needed (a lone level is noise).
         lq = np.log(scan_q)
-        lq -= np.median(lq, axis=0)
+        middle = np.median(lq, axis=0)
+        lq -= middle
         floor = np.maximum(_MAD_SCALE * np.median(np.abs(lq), axis=0), p.mode_mad_floor)
-        level = (lq >= math.log(p.mode_ratio)) & (lq >= p.mode_z * floor) & trusted
+        level = ((lq >= math.log(p.mode_ratio)) & (lq >= p.mode_z * floor) & trusted
+                 & ~(log_floor[:, logq.shape[1]:] <= middle))
         run = level[:, 1:] & level[:, :-1]
         scan = run.any(axis=1) & ~found
         if scan.any():
@@ -394,8 +403,9 @@ def _mode_outliers(sc: RankScores, p: L3Params, trusted: npt.NDArray[np.bool_], 
     return found, ratio, share
 
 
-def _compute(s: KernelSummary, ranks: I64, batch: MixtureBatch, total: F64, topology: JobTopology | None,
-             p: L3Params, base: dict[str, Any]) -> list[L3Result]:
+def _compute(summaries: Sequence[KernelSummary], ranks: I64, batch: MixtureBatch, total: F64,
+             topology: JobTopology | None, p: L3Params, base: dict[str, Any]) -> list[L3Result]:
+    s = summaries[0]
     stages: I64 | None = None  # the ranks' stages when compared job-wide
     if topology is not None and p.compute_scope is Scope.STAGE:
         stage_of = dict(zip(topology.rank, topology.pp_stage, strict=True))
@@ -421,8 +431,9 @@ def _compute(s: KernelSummary, ranks: I64, batch: MixtureBatch, total: F64, topo
         tails = ((sub.counts == 0.0) | (sub.counts >= _TAIL_CALLS)).all(axis=1)
         modes = reference_modes(sc.reference, sc.grid)
         q = sc.quantiles_ns
+        floors = lower_part_floors(summaries, ranks, np.concatenate([modes.mid, _SCAN_U]))[rows]
         by_mode, mode_ratio, mode_share = _mode_outliers(sc, p, _trusted_levels(sub), modes, q[:, :len(modes)],
-                                                         q[:, len(modes):-1])
+                                                         q[:, len(modes):-1], floors)
         # Modes are matched by position among a rank's calls: only ranks with the set's calls (a window cut
         # between the ranks' calls of one step shifts every position) are judged by mode.
         calls = batch.counts[rows].sum(axis=1)

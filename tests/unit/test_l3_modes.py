@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from argus.core.kinds import FindingKind
 from argus.detectors import MixtureBatch, detect_l3, score_ranks
 from argus.detectors.kernel_modes import mode_quantiles, reference_modes
+from argus.detectors.kernel_rows import lower_part_floors
 from argus.detectors.mixture import mixture_cdf
 from argus.producers.topology import build_topology
 from argus.schemas.records import KernelSummary
@@ -167,3 +168,47 @@ def test_a_slow_shape_inside_a_large_cluster_is_found_beside_a_small_fast_cluste
     assert [(f.kind, f.ranks) for f in res] == [(FindingKind.KERNEL_DEGRADED, (5,))]
     assert detect_l3([_clusters(ranks({}, {5: 19e3}))]) == []
     assert detect_l3([_clusters(ranks({}, {}))]) == []
+
+
+def _summary_of(per_rank: dict[int, list[tuple[int, float, float, float]]]) -> KernelSummary:
+    """A summary from (calls, min ns, p50 ns, p99 ns) clusters per rank."""
+    ranks = sorted(per_rank)
+    comps = [c for r in ranks for c in per_rank[r]]
+    return KernelSummary(
+        job_id="j", kernel=GEMM, stream=7, rank=tuple(ranks), window_start_ns=(0,) * len(ranks),
+        window_end_ns=(10,) * len(ranks), n_events=tuple(sum(c[0] for c in per_rank[r]) for r in ranks),
+        n_clusters=tuple(len(per_rank[r]) for r in ranks), cluster_count=tuple(c[0] for c in comps),
+        cluster_min_ns=tuple(round(c[1]) for c in comps), cluster_p50_ns=tuple(round(c[2]) for c in comps),
+        cluster_p99_ns=tuple(round(c[3]) for c in comps), cluster_max_ns=tuple(round(c[3]) for c in comps),
+        cluster_sum_ns=tuple(round(c[0] * c[2]) for c in comps))
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_three_shapes_clustered_as_one_on_one_rank_are_no_slow_mode(seed: int) -> None:
+    # A noisy window: three shapes (2.1, 3.4 and 8 ms) come out as three clusters on most ranks and as one
+    # wide cluster on a few. Rebuilt from its median and p99, the wide cluster reads ~2.5x its peers' at the
+    # first shape's calls, yet its shortest call is no slower than theirs and its total time is theirs.
+    rng = np.random.default_rng(seed)
+    per_rank: dict[int, list[tuple[int, float, float, float]]] = {}
+    for r in range(16):
+        j = np.exp(0.02 * rng.standard_normal(3))
+        if r in (1, 6, 10):
+            per_rank[r] = [(300, 1.75e6 * j[0], 6.4e6 * j[1] * (1.05 if r == 6 else 1.0), 10.5e6 * j[2])]
+        else:
+            per_rank[r] = [(60, 1.75e6 * j[0], 2.15e6 * j[0], 2.6e6 * j[0]),
+                           (60, 2.8e6 * j[1], 3.4e6 * j[1], 4.2e6 * j[1]),
+                           (180, 5.2e6 * j[2], 8.0e6 * j[2], 10.5e6 * j[2])]
+    assert detect_l3([_summary_of(per_rank)]) == []
+    # The same rank with its first shape's calls truly slower (its shortest call above its peers' first
+    # shape) is still found.
+    per_rank[6] = [(60, 3.0e6, 3.4e6, 4.1e6), (60, 3.3e6, 3.6e6, 4.3e6), (180, 5.2e6, 8.0e6, 10.5e6)]
+    assert [(f.kind, f.ranks) for f in detect_l3([_summary_of(per_rank)])] == [(FindingKind.KERNEL_DEGRADED, (6,))]
+
+
+def test_lower_part_floors_read_a_cluster_s_shortest_call_below_its_median_only() -> None:
+    s = _summary_of({0: [(10, 100.0, 120.0, 150.0), (30, 200.0, 260.0, 300.0)], 3: [(40, 90.0, 250.0, 400.0)]})
+    f = lower_part_floors([s], np.array([0, 3, 7]), [0.05, 0.2, 0.3, 0.6, 0.9])
+    assert f[0, 0] == 100.0 and np.isnan(f[0, 1])  # 0.2 is the 8th call: past 0.4 of the first cluster
+    assert f[0, 2] == 200.0 and np.isnan(f[0, 3]) and np.isnan(f[0, 4])
+    assert f[1, :3].tolist() == [90.0, 90.0, 90.0] and np.isnan(f[1, 4])
+    assert np.isnan(f[2]).all()
