@@ -3,13 +3,16 @@ for L3 (:mod:`argus.detectors.l3_kernels`).
 
 A window of a 10,240-rank job arrives as one record per rank: every column is read once, straight from
 the records' tuples into one flat array (``operator.attrgetter`` over the records, one ``np.fromiter``
-per column), and the checks run on those arrays rather than record by record.
+per column), and the checks run on those arrays rather than record by record. :class:`SummaryColumns`
+keeps what it has read, so the functions here, handed one, share the reading (and the rank-ordered
+clusters) within one detector call.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from functools import cached_property
 from operator import attrgetter
 from typing import Any
 
@@ -20,10 +23,78 @@ from argus.core.errors import DetectorError
 from argus.detectors.mixture import MixtureBatch
 from argus.schemas.records import KernelSummary
 
-__all__ = ["lower_part_floors", "merge_rows", "one_key", "row_floors", "window_end"]
+__all__ = ["SummaryColumns", "lower_part_floors", "merge_rows", "one_key", "row_floors", "window_end"]
 
 F64 = npt.NDArray[np.float64]
 I64 = npt.NDArray[np.int64]
+
+
+class SummaryColumns:
+    """The columns of one (job, kernel, stream)'s summary records, each read from the records on first use
+    and kept: ``lists(f)`` the records' tuples of field ``f``, ``flat(f, dtype)`` their concatenation.
+
+    A helper of one detector call over records that do not change meanwhile (it holds them, not copies)."""
+
+    def __init__(self, summaries: Sequence[KernelSummary]) -> None:
+        self.summaries = summaries
+        self._lists: dict[str, list[Any]] = {}
+        self._flat: dict[tuple[str, Any], npt.NDArray[Any]] = {}
+
+    def __len__(self) -> int:
+        return len(self.summaries)
+
+    def lists(self, field: str) -> list[Any]:
+        """Per record, its tuple of ``field``."""
+        got = self._lists.get(field)
+        if got is None:
+            got = self._lists[field] = list(map(attrgetter(field), self.summaries))
+        return got
+
+    def flat(self, field: str, dtype: type[np.generic]) -> npt.NDArray[Any]:
+        """The records' ``field`` tuples concatenated, as one array of ``dtype`` (read-only: shared)."""
+        key = (field, dtype)
+        got = self._flat.get(key)
+        if got is None:
+            got = self._flat[key] = _flat(self.lists(field), dtype)
+            got.flags.writeable = False
+        return got
+
+    @cached_property
+    def by_rank(self) -> _RankClusters | None:
+        """The clusters with calls, ordered by rank, then median (None: no such cluster, or columns that do
+        not match ``n_clusters``)."""
+        per_row = self.flat("n_clusters", np.int64)
+        count, p50, low = (self.flat(f, np.float64) for f in ("cluster_count", "cluster_p50_ns", "cluster_min_ns"))
+        row_rank = self.flat("rank", np.int64)
+        if row_rank.size == 0 or not (low.size == p50.size == count.size == int(per_row.sum())):
+            return None
+        owner = np.repeat(row_rank, per_row)
+        keep = count > 0
+        if not keep.any():
+            return None
+        owner, count, p50, low = owner[keep], count[keep], p50[keep], np.minimum(low[keep], p50[keep])
+        order = np.lexsort((p50, owner))
+        owner, count, low = owner[order], count[order], low[order]
+        cum = np.cumsum(count)
+        start = np.r_[0, np.flatnonzero(np.diff(owner)) + 1]
+        stop = np.r_[start[1:], owner.size]
+        before = np.r_[0.0, cum[start[1:] - 1]]
+        return _RankClusters(owner[start], start, stop, before, cum[stop - 1] - before, count, low, cum)
+
+
+class _RankClusters:
+    """Clusters ordered by rank, then median: per rank (ascending ``rank``) its slice ``start:stop`` and the
+    running call count ``before`` it and ``total`` in it; per cluster its ``count``, shortest call ``low`` and
+    the running count ``cum`` through it."""
+
+    def __init__(self, rank: I64, start: I64, stop: I64, before: F64, total: F64, count: F64, low: F64,
+                 cum: F64) -> None:
+        self.rank, self.start, self.stop, self.before, self.total = rank, start, stop, before, total
+        self.count, self.low, self.cum = count, low, cum
+
+
+def _columns(summaries: SummaryColumns | Sequence[KernelSummary]) -> SummaryColumns:
+    return summaries if isinstance(summaries, SummaryColumns) else SummaryColumns(summaries)
 
 
 def one_key(summaries: Sequence[KernelSummary]) -> bool:
@@ -31,36 +102,34 @@ def one_key(summaries: Sequence[KernelSummary]) -> bool:
     return len(set(map(attrgetter("job_id", "kernel", "stream"), summaries))) <= 1
 
 
-def window_end(summaries: Sequence[KernelSummary]) -> int:
+def window_end(summaries: SummaryColumns | Sequence[KernelSummary]) -> int:
     """The latest window end (ns) of ``summaries``; a record without rows counts as 0."""
-    ends = list(map(attrgetter("window_end_ns"), summaries))
-    flat = _flat(ends, np.int64)
+    cols = _columns(summaries)
+    ends = cols.lists("window_end_ns")
+    flat = cols.flat("window_end_ns", np.int64)
     latest = int(flat.max()) if flat.size else 0
     return max(latest, 0) if min(map(len, ends), default=0) == 0 else latest
 
 
-def merge_rows(summaries: Sequence[KernelSummary], min_events: int) -> tuple[I64, MixtureBatch | None, F64]:
+def merge_rows(summaries: SummaryColumns | Sequence[KernelSummary], min_events: int) -> tuple[I64, MixtureBatch | None,
+                                                                                          F64]:
     """The ranks with at least ``min_events`` events, their merged mixtures (None if there are none) and
     their total time in the kernel (ns). Raises :class:`DetectorError` for a record whose cluster columns
     do not match its ``n_clusters``."""
-    fields = ("rank", "n_clusters", "cluster_count", "cluster_p50_ns", "cluster_p99_ns", "cluster_sum_ns")
-    # One pass over the records (10,240 of them in a window of a 10k-rank job), then one list per column.
-    per_record = list(map(attrgetter(*fields), summaries))
-    cols = {f: list(col) for f, col in zip(fields, zip(*per_record, strict=True), strict=True)} if per_record else {
-        f: [] for f in fields}
-    n_rows, n_counts, n_clusters = (np.fromiter(map(len, cols[f]), dtype=np.int64, count=len(summaries))
+    cols = _columns(summaries)
+    n_rows, n_counts, n_clusters = (np.fromiter(map(len, cols.lists(f)), dtype=np.int64, count=len(cols))
                                     for f in ("rank", "n_clusters", "cluster_count"))
-    per_row = _flat(cols["n_clusters"], np.int64)
+    per_row = cols.flat("n_clusters", np.int64)
     # Each record's sum of n_clusters, from one running sum over all records.
     running = np.concatenate([[0], np.cumsum(per_row)])
     stop = np.cumsum(n_counts)
     bad = (n_counts != n_rows) | (running[stop] - running[stop - n_counts] != n_clusters)
     if bad.any():
-        s = summaries[int(np.argmax(bad))]
+        s = cols.summaries[int(np.argmax(bad))]
         raise DetectorError(f"kernel summary {s.job_id}/{s.kernel}: cluster columns do not match n_clusters")
-    owner = np.repeat(_flat(cols["rank"], np.int64), per_row)
-    c, m, q, t = (_flat(cols[f], np.float64) for f in ("cluster_count", "cluster_p50_ns", "cluster_p99_ns",
-                                                         "cluster_sum_ns"))
+    owner = np.repeat(cols.flat("rank", np.int64), per_row)
+    c, m, q, t = (cols.flat(f, np.float64) for f in ("cluster_count", "cluster_p50_ns", "cluster_p99_ns",
+                                                     "cluster_sum_ns"))
     keep = c > 0
     owner, c, m, q, t = owner[keep], c[keep], np.maximum(m[keep], 1.0), q[keep], t[keep]
     ranks, idx = np.unique(owner, return_inverse=True)
@@ -76,7 +145,7 @@ def merge_rows(summaries: Sequence[KernelSummary], min_events: int) -> tuple[I64
     return ranks[ok].astype(np.int64), batch, total
 
 
-def row_floors(summaries: Sequence[KernelSummary], ranks: I64, share: float = 0.3, level: float = 0.75,
+def row_floors(summaries: SummaryColumns | Sequence[KernelSummary], ranks: I64, share: float = 0.3, level: float = 0.75,
                within: bool = False) -> F64:
     """Per rank of ``ranks`` (ns): how fast the rank's fast calls of the kernel were. Per row (a window, or a
     piece of one), the shortest call of the cluster that holds the row's ``share`` quantile call (clusters
@@ -92,11 +161,10 @@ def row_floors(summaries: Sequence[KernelSummary], ranks: I64, share: float = 0.
     call is of the old regime and only ``within`` sees the new; but in a cluster mostly of waiting calls
     (one side of a pipeline transfer) the quantile is waiting too.
     """
-    cols = {f: list(map(attrgetter(f), summaries))
-            for f in ("rank", "n_clusters", "cluster_count", "cluster_p50_ns", "cluster_min_ns")}
-    row_rank = _flat(cols["rank"], np.int64)
-    per_row = _flat(cols["n_clusters"], np.int64)
-    count, p50, low = (_flat(cols[f], np.float64) for f in ("cluster_count", "cluster_p50_ns", "cluster_min_ns"))
+    cols = _columns(summaries)
+    row_rank = cols.flat("rank", np.int64)
+    per_row = cols.flat("n_clusters", np.int64)
+    count, p50, low = (cols.flat(f, np.float64) for f in ("cluster_count", "cluster_p50_ns", "cluster_min_ns"))
     low = np.minimum(low, p50)
     out = np.full(ranks.size, np.nan)
     if row_rank.size == 0 or not (low.size == p50.size == count.size == int(per_row.sum())):
@@ -135,7 +203,7 @@ def row_floors(summaries: Sequence[KernelSummary], ranks: I64, share: float = 0.
     return out
 
 
-def lower_part_floors(summaries: Sequence[KernelSummary], ranks: I64, levels: npt.ArrayLike,
+def lower_part_floors(summaries: SummaryColumns | Sequence[KernelSummary], ranks: I64, levels: npt.ArrayLike,
                       median_place: float = 0.4) -> F64:
     """Per rank of ``ranks`` (ascending) and level of ``levels`` (``R x J``, ns): where the level lies in
     the lower part of one of the rank's clusters (clusters in order of their medians, the level below
@@ -148,33 +216,21 @@ def lower_part_floors(summaries: Sequence[KernelSummary], ranks: I64, levels: np
     reads several times its peers' in the rebuilt lower part of that cluster, though its shortest call there
     is no slower than their calls: such a reading is no slow mode, and the floor says so.
     """
-    cols = {f: list(map(attrgetter(f), summaries))
-            for f in ("rank", "n_clusters", "cluster_count", "cluster_p50_ns", "cluster_min_ns")}
     u = np.asarray(levels, dtype=np.float64)
     out = np.full((ranks.size, u.size), np.nan)
-    row_rank = _flat(cols["rank"], np.int64)
-    per_row = _flat(cols["n_clusters"], np.int64)
-    count, p50, low = (_flat(cols[f], np.float64) for f in ("cluster_count", "cluster_p50_ns", "cluster_min_ns"))
-    if row_rank.size == 0 or not (low.size == p50.size == count.size == int(per_row.sum())):
+    rc = _columns(summaries).by_rank
+    if rc is None:
         return out
-    owner = np.repeat(row_rank, per_row)
-    keep = (count > 0) & np.isin(owner, ranks)
-    owner, count, p50, low = owner[keep], count[keep], p50[keep], np.minimum(low[keep], p50[keep])
-    if owner.size == 0:
-        return out
-    order = np.lexsort((p50, owner))
-    owner, count, p50, low = owner[order], count[order], p50[order], low[order]
-    cum = np.cumsum(count)
-    start = np.r_[0, np.flatnonzero(np.diff(owner)) + 1]
-    stop = np.r_[start[1:], owner.size]
-    before = np.r_[0.0, cum[start[1:] - 1]]
-    total = cum[stop - 1] - before
-    target = before[:, None] + u[None, :] * total[:, None]  # per owner and level, in the running count
-    at = np.minimum(np.searchsorted(cum, target, side="left"), (stop - 1)[:, None])
-    place = (target - (cum[at] - count[at])) / count[at]
-    floor = np.where(place >= median_place, np.nan, low[at])
-    pos = np.searchsorted(ranks, owner[start])
-    out[pos] = floor
+    # Only the clusters of ``ranks`` are read (a pipeline stage's, of a window of the whole job).
+    pos = np.minimum(np.searchsorted(rc.rank, ranks), rc.rank.size - 1)
+    hit = np.flatnonzero(rc.rank[pos] == ranks)
+    at_rank = pos[hit]
+    start, stop = rc.start[at_rank], rc.stop[at_rank]
+    target = rc.before[at_rank][:, None] + u[None, :] * rc.total[at_rank][:, None]  # in the running count
+    at = np.minimum(np.searchsorted(rc.cum, target, side="left"), (stop - 1)[:, None])
+    at = np.maximum(at, start[:, None])
+    place = (target - (rc.cum[at] - rc.count[at])) / rc.count[at]
+    out[hit] = np.where(place >= median_place, np.nan, rc.low[at])
     return out
 
 

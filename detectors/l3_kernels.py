@@ -66,7 +66,8 @@ from argus.core.errors import DetectorError
 from argus.core.kinds import FindingKind
 from argus.detectors.cdf_grid import median_sample, pointwise_median, sample_reference, score_against
 from argus.detectors.kernel_modes import ReferenceModes, reference_modes
-from argus.detectors.kernel_rows import lower_part_floors, merge_rows, one_key, row_floors, window_end
+from argus.detectors.kernel_rows import (SummaryColumns, lower_part_floors, merge_rows, one_key, row_floors,
+                                         window_end)
 from argus.detectors.l2_groups import loo_median, loo_median_rows
 from argus.detectors.mixture import (
     MixtureBatch,
@@ -312,7 +313,8 @@ def detect_l3(summaries: Sequence[KernelSummary], topology: JobTopology | None =
     named = group_kind is not None and group_kind is not ParallelGroup.NONE
     one_grouping = named or (collective and topology is not None and not _is_p2p(first.kernel)
                              and _collective_kinds(topology) == 1)
-    ranks, batch, total = merge_rows(summaries, p.collective_min_events if collective and one_grouping
+    cols = SummaryColumns(summaries)  # each column read once, for every check below
+    ranks, batch, total = merge_rows(cols, p.collective_min_events if collective and one_grouping
                                      else p.min_events)
     if batch is None or ranks.size < p.min_ranks:
         return []
@@ -320,12 +322,12 @@ def detect_l3(summaries: Sequence[KernelSummary], topology: JobTopology | None =
         raise DetectorError(f"ranks {sorted(set(ranks.tolist()) - set(topology.rank))[:5]} are not in topology")
     # ``group_known``: the collective's group is known (its phases or the topology named it), or each
     # grouping is tried.
-    base: dict[str, Any] = {"window_end_ns": window_end(summaries), "n_ranks": int(ranks.size),
+    base: dict[str, Any] = {"window_end_ns": window_end(cols), "n_ranks": int(ranks.size),
                             "collective": collective}
     if collective:
         base["group_known"] = named
-        return _collective(summaries, ranks, batch, total, topology, p, base, group_kind)
-    return _compute(summaries, ranks, batch, total, topology, p, base)
+        return _collective(cols, ranks, batch, total, topology, p, base, group_kind)
+    return _compute(cols, ranks, batch, total, topology, p, base)
 
 
 def _slow_ranks(sc: RankScores, min_score: float, gate: float, p: L3Params) -> tuple[npt.NDArray[np.bool_], F64,
@@ -403,9 +405,9 @@ def _mode_outliers(sc: RankScores, p: L3Params, trusted: npt.NDArray[np.bool_], 
     return found, ratio, share
 
 
-def _compute(summaries: Sequence[KernelSummary], ranks: I64, batch: MixtureBatch, total: F64,
+def _compute(summaries: SummaryColumns, ranks: I64, batch: MixtureBatch, total: F64,
              topology: JobTopology | None, p: L3Params, base: dict[str, Any]) -> list[L3Result]:
-    s = summaries[0]
+    s = summaries.summaries[0]
     stages: I64 | None = None  # the ranks' stages when compared job-wide
     if topology is not None and p.compute_scope is Scope.STAGE:
         stage_of = dict(zip(topology.rank, topology.pp_stage, strict=True))
@@ -431,7 +433,7 @@ def _compute(summaries: Sequence[KernelSummary], ranks: I64, batch: MixtureBatch
         tails = ((sub.counts == 0.0) | (sub.counts >= _TAIL_CALLS)).all(axis=1)
         modes = reference_modes(sc.reference, sc.grid)
         q = sc.quantiles_ns
-        floors = lower_part_floors(summaries, ranks, np.concatenate([modes.mid, _SCAN_U]))[rows]
+        floors = lower_part_floors(summaries, ranks[rows], np.concatenate([modes.mid, _SCAN_U]))
         by_mode, mode_ratio, mode_share = _mode_outliers(sc, p, _trusted_levels(sub), modes, q[:, :len(modes)],
                                                          q[:, len(modes):-1], floors)
         # Modes are matched by position among a rank's calls: only ranks with the set's calls (a window cut
@@ -809,10 +811,10 @@ def _faster_half(lg: F64) -> F64:
     return out
 
 
-def _collective(summaries: Sequence[KernelSummary], ranks: I64, batch: MixtureBatch, total: F64,
+def _collective(summaries: SummaryColumns, ranks: I64, batch: MixtureBatch, total: F64,
                 topology: JobTopology | None, p: L3Params, base: dict[str, Any],
                 group_kind: ParallelGroup | None = None) -> list[L3Result]:
-    s = summaries[0]
+    s = summaries.summaries[0]
     sc = score_ranks(batch, p.grid_points, p.mode_log_gap, _collective_levels)
     slow, p50_ratio, healthy = _slow_ranks(sc, p.collective_min_score, p.collective_p50_ratio, p)
     # A late arrival is judged by each member's typical call (the median call, at its cluster's median): a

@@ -89,8 +89,11 @@ def ref_score_ranks(mixtures: MixtureBatch, grid_points: int = 512, mode_log_gap
                       lv, ref_mode_quantiles(cdf, grid, lv))
 
 
-def ref_merge(summaries: list[KernelSummary], min_events: int) -> tuple[np.ndarray, MixtureBatch | None, np.ndarray]:
+def ref_merge(summaries: list[KernelSummary] | kernel_rows.SummaryColumns,
+              min_events: int) -> tuple[np.ndarray, MixtureBatch | None, np.ndarray]:
     """Each rank's clusters with calls, in order of appearance; ranks with ``min_events`` calls, ascending."""
+    if isinstance(summaries, kernel_rows.SummaryColumns):  # as detect_l3 hands them over
+        summaries = list(summaries.summaries)
     per_rank: dict[int, list[tuple[float, float, float, float]]] = {}
     for s in summaries:
         at = 0

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from argus.core.kinds import FindingKind
 from argus.detectors import MixtureBatch, detect_l3, score_ranks
 from argus.detectors.kernel_modes import mode_quantiles, reference_modes
-from argus.detectors.kernel_rows import lower_part_floors
+from argus.detectors.kernel_rows import SummaryColumns, lower_part_floors
 from argus.detectors.mixture import mixture_cdf
 from argus.producers.topology import build_topology
 from argus.schemas.records import KernelSummary
@@ -212,3 +212,23 @@ def test_lower_part_floors_read_a_cluster_s_shortest_call_below_its_median_only(
     assert f[0, 2] == 200.0 and np.isnan(f[0, 3]) and np.isnan(f[0, 4])
     assert f[1, :3].tolist() == [90.0, 90.0, 90.0] and np.isnan(f[1, 4])
     assert np.isnan(f[2]).all()
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), n=st.integers(1, 24))
+def test_lower_part_floors_of_some_ranks_are_theirs_among_all(seed: int, n: int) -> None:
+    # detect_l3 reads a stage's ranks from the columns of the whole job's window, read once (SummaryColumns).
+    rng = np.random.default_rng(seed)
+    per_rank = {r: [(int(rng.integers(0, 50)), float(p), float(p) * 1.3, float(p) * 1.6)
+                    for p in np.sort(np.exp(rng.normal(12.0, 1.0, int(rng.integers(1, 4)))))]
+                for r in range(n) if rng.random() < 0.9}
+    if not per_rank:
+        return
+    s = _summary_of(per_rank)
+    cols = SummaryColumns([s])
+    levels = np.sort(rng.random(6))
+    ranks = np.arange(n + 2)
+    whole = lower_part_floors([s], ranks, levels)
+    some = np.sort(rng.choice(ranks, size=int(rng.integers(1, ranks.size + 1)), replace=False))
+    np.testing.assert_array_equal(lower_part_floors(cols, some, levels), whole[some])
+    np.testing.assert_array_equal(lower_part_floors(cols, ranks, levels), whole)
