@@ -66,8 +66,7 @@ from argus.core.errors import DetectorError
 from argus.core.kinds import FindingKind
 from argus.detectors.cdf_grid import median_sample, pointwise_median, sample_reference, score_against
 from argus.detectors.kernel_modes import ReferenceModes, reference_modes
-from argus.detectors.kernel_rows import (SummaryColumns, lower_part_floors, merge_rows, one_key, row_floors,
-                                         window_end)
+from argus.detectors.kernel_rows import SummaryColumns, lower_part_floors, merge_rows, one_key, row_floors, window_end
 from argus.detectors.l2_groups import loo_median, loo_median_rows
 from argus.detectors.mixture import (
     MixtureBatch,

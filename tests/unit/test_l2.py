@@ -221,6 +221,34 @@ def test_victims_chain_through_late_arrivals() -> None:
     assert waiting_victims({5}, {5}, topo) == set() and waiting_victims(set(), {4, 12}, topo) == set()
 
 
+def _victims_pairwise(stragglers: set[int], late: set[int], topology: JobTopology) -> set[int]:
+    """waiting_victims as first written: every late rank against every frontier rank, group by group."""
+    pos = {r: i for i, r in enumerate(topology.rank)}
+    columns = [getattr(topology, g.column) for g in (ParallelGroup.TP, ParallelGroup.PP, ParallelGroup.EP)]
+
+    def shares(r: int, s: int) -> bool:
+        return any(col[pos[s]] == col[pos[r]] for col in columns)
+
+    victims: set[int] = set()
+    frontier = set(stragglers)
+    while frontier:
+        frontier = {r for r in late - stragglers - victims if any(shares(r, s) for s in frontier)}
+        victims |= frontier
+    return victims
+
+
+@PROPERTY
+@given(seed=st.integers(0, 2**32 - 1), dp=st.integers(1, 4), tp=st.sampled_from([1, 2, 4]), pp=st.integers(1, 4),
+       ep=st.sampled_from([1, 2]))
+def test_victims_as_the_pairwise_rule(seed: int, dp: int, tp: int, pp: int, ep: int) -> None:
+    topo = build_topology("j", dp=dp * ep, tp=tp, pp=pp, ep=ep)
+    rng = np.random.default_rng(seed)
+    ranks = np.array(topo.rank)
+    stragglers = set(rng.choice(ranks, size=min(int(rng.integers(0, 3)), ranks.size), replace=False).tolist())
+    late = set(ranks[rng.random(ranks.size) < rng.random()].tolist())
+    assert waiting_victims(stragglers, late, topo) == _victims_pairwise(stragglers, late, topo)
+
+
 def test_host_phase_straggler_and_onset() -> None:
     topo = build_topology("j", dp=4)
 
