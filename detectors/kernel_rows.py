@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from dataclasses import dataclass
 from functools import cached_property
 from operator import attrgetter
 from typing import Any
@@ -82,15 +83,20 @@ class SummaryColumns:
         return _RankClusters(owner[start], start, stop, before, cum[stop - 1] - before, count, low, cum)
 
 
+@dataclass(frozen=True)
 class _RankClusters:
     """Clusters ordered by rank, then median: per rank (ascending ``rank``) its slice ``start:stop`` and the
     running call count ``before`` it and ``total`` in it; per cluster its ``count``, shortest call ``low`` and
     the running count ``cum`` through it."""
 
-    def __init__(self, rank: I64, start: I64, stop: I64, before: F64, total: F64, count: F64, low: F64,
-                 cum: F64) -> None:
-        self.rank, self.start, self.stop, self.before, self.total = rank, start, stop, before, total
-        self.count, self.low, self.cum = count, low, cum
+    rank: I64
+    start: I64
+    stop: I64
+    before: F64
+    total: F64
+    count: F64
+    low: F64
+    cum: F64
 
 
 def _columns(summaries: SummaryColumns | Sequence[KernelSummary]) -> SummaryColumns:
@@ -111,8 +117,8 @@ def window_end(summaries: SummaryColumns | Sequence[KernelSummary]) -> int:
     return max(latest, 0) if min(map(len, ends), default=0) == 0 else latest
 
 
-def merge_rows(summaries: SummaryColumns | Sequence[KernelSummary], min_events: int) -> tuple[I64, MixtureBatch | None,
-                                                                                          F64]:
+def merge_rows(summaries: SummaryColumns | Sequence[KernelSummary],
+               min_events: int) -> tuple[I64, MixtureBatch | None, F64]:
     """The ranks with at least ``min_events`` events, their merged mixtures (None if there are none) and
     their total time in the kernel (ns). Raises :class:`DetectorError` for a record whose cluster columns
     do not match its ``n_clusters``."""
