@@ -4,8 +4,8 @@ for L3 (:mod:`argus.detectors.l3_kernels`).
 A window of a 10,240-rank job arrives as one record per rank: every column is read once, straight from
 the records' tuples into one flat array (``operator.attrgetter`` over the records, one ``np.fromiter``
 per column), and the checks run on those arrays rather than record by record. :class:`SummaryColumns`
-keeps what it has read, so the functions here, handed one, share the reading (and the rank-ordered
-clusters) within one detector call.
+keeps what it has read, so the functions here, handed one, share the reading (and the clusters put in
+order) within one detector call.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import cached_property
 from operator import attrgetter
 from typing import Any
 
@@ -40,6 +39,7 @@ class SummaryColumns:
         self.summaries = summaries
         self._lists: dict[str, list[Any]] = {}
         self._flat: dict[tuple[str, Any], npt.NDArray[Any]] = {}
+        self._ordered: dict[bool, _OrderedClusters | None] = {}
 
     def __len__(self) -> int:
         return len(self.summaries)
@@ -60,41 +60,47 @@ class SummaryColumns:
             got.flags.writeable = False
         return got
 
-    @cached_property
-    def by_rank(self) -> _RankClusters | None:
-        """The clusters with calls, ordered by rank, then median (None: no such cluster, or columns that do
-        not match ``n_clusters``)."""
+    def ordered(self, by_rank: bool) -> _OrderedClusters | None:
+        """The clusters with calls, ordered by their owner (the rank with ``by_rank``, else the row: a window
+        or a piece of one), then by median; kept per owner kind. None: no such cluster, or columns that do
+        not match ``n_clusters``."""
+        if by_rank not in self._ordered:
+            self._ordered[by_rank] = self._order(by_rank)
+        return self._ordered[by_rank]
+
+    def _order(self, by_rank: bool) -> _OrderedClusters | None:
         per_row = self.flat("n_clusters", np.int64)
         count, p50, low = (self.flat(f, np.float64) for f in ("cluster_count", "cluster_p50_ns", "cluster_min_ns"))
         row_rank = self.flat("rank", np.int64)
         if row_rank.size == 0 or not (low.size == p50.size == count.size == int(per_row.sum())):
             return None
-        owner = np.repeat(row_rank, per_row)
+        owner = np.repeat(row_rank if by_rank else np.arange(row_rank.size), per_row)
         keep = count > 0
         if not keep.any():
             return None
         owner, count, p50, low = owner[keep], count[keep], p50[keep], np.minimum(low[keep], p50[keep])
         order = np.lexsort((p50, owner))
-        owner, count, low = owner[order], count[order], low[order]
+        owner, count, p50, low = owner[order], count[order], p50[order], low[order]
         cum = np.cumsum(count)
         start = np.r_[0, np.flatnonzero(np.diff(owner)) + 1]
         stop = np.r_[start[1:], owner.size]
         before = np.r_[0.0, cum[start[1:] - 1]]
-        return _RankClusters(owner[start], start, stop, before, cum[stop - 1] - before, count, low, cum)
+        return _OrderedClusters(owner[start], start, stop, before, cum[stop - 1] - before, count, p50, low, cum)
 
 
 @dataclass(frozen=True)
-class _RankClusters:
-    """Clusters ordered by rank, then median: per rank (ascending ``rank``) its slice ``start:stop`` and the
-    running call count ``before`` it and ``total`` in it; per cluster its ``count``, shortest call ``low`` and
-    the running count ``cum`` through it."""
+class _OrderedClusters:
+    """Clusters ordered by owner, then median: per owner (ascending ``owner``) its slice ``start:stop`` and
+    the running call count ``before`` it and ``total`` in it; per cluster its ``count``, median ``p50``,
+    shortest call ``low`` (at most its median) and the running count ``cum`` through it."""
 
-    rank: I64
+    owner: I64
     start: I64
     stop: I64
     before: F64
     total: F64
     count: F64
+    p50: F64
     low: F64
     cum: F64
 
@@ -151,8 +157,8 @@ def merge_rows(summaries: SummaryColumns | Sequence[KernelSummary],
     return ranks[ok].astype(np.int64), batch, total
 
 
-def row_floors(summaries: SummaryColumns | Sequence[KernelSummary], ranks: I64, share: float = 0.3, level: float = 0.75,
-               within: bool = False) -> F64:
+def row_floors(summaries: SummaryColumns | Sequence[KernelSummary], ranks: I64, share: float = 0.3,
+               level: float = 0.75, within: bool = False) -> F64:
     """Per rank of ``ranks`` (ns): how fast the rank's fast calls of the kernel were. Per row (a window, or a
     piece of one), the shortest call of the cluster that holds the row's ``share`` quantile call (clusters
     in duration order, weighted by their calls), or with ``within`` the quantile itself, read in that
@@ -168,27 +174,13 @@ def row_floors(summaries: SummaryColumns | Sequence[KernelSummary], ranks: I64, 
     (one side of a pipeline transfer) the quantile is waiting too.
     """
     cols = _columns(summaries)
-    row_rank = cols.flat("rank", np.int64)
-    per_row = cols.flat("n_clusters", np.int64)
-    count, p50, low = (cols.flat(f, np.float64) for f in ("cluster_count", "cluster_p50_ns", "cluster_min_ns"))
-    low = np.minimum(low, p50)
     out = np.full(ranks.size, np.nan)
-    if row_rank.size == 0 or not (low.size == p50.size == count.size == int(per_row.sum())):
+    oc = cols.ordered(by_rank=False)
+    if oc is None:
         return out
-    owner = np.repeat(np.arange(row_rank.size), per_row)
-    keep = count > 0
-    owner, count, p50, low = owner[keep], count[keep], p50[keep], low[keep]
-    if owner.size == 0:
-        return out
-    order = np.lexsort((p50, owner))
-    owner, count, low, p50 = owner[order], count[order], low[order], p50[order]
-    cum = np.cumsum(count)
-    start = np.r_[0, np.flatnonzero(np.diff(owner)) + 1]
-    rows = owner[start]
-    before = np.r_[0.0, cum[start[1:] - 1]]
-    total = np.r_[cum[start[1:] - 1], cum[-1]] - before
+    start, before, total, count, p50, low, cum = oc.start, oc.before, oc.total, oc.count, oc.p50, oc.low, oc.cum
     # Per row: the first cluster whose running count reaches share x the row's calls.
-    target = np.repeat(before + share * total, np.diff(np.r_[start, owner.size]))
+    target = np.repeat(before + share * total, oc.stop - start)
     reached = np.flatnonzero(cum >= target - 1e-9)
     first = np.searchsorted(reached, start)
     pick = reached[np.minimum(first, reached.size - 1)]
@@ -198,7 +190,7 @@ def row_floors(summaries: SummaryColumns | Sequence[KernelSummary], ranks: I64, 
     place *= within
     with np.errstate(divide="ignore", invalid="ignore"):
         fastest = np.where(low[pick] > 0, low[pick] * np.exp(place * np.log(p50[pick] / low[pick])), low[pick])
-    row_rank = row_rank[rows]
+    row_rank = cols.flat("rank", np.int64)[oc.owner]
     order = np.lexsort((fastest, row_rank))
     row_rank, fastest = row_rank[order], fastest[order]
     uniq, first_row, n = np.unique(row_rank, return_index=True, return_counts=True)
@@ -224,12 +216,12 @@ def lower_part_floors(summaries: SummaryColumns | Sequence[KernelSummary], ranks
     """
     u = np.asarray(levels, dtype=np.float64)
     out = np.full((ranks.size, u.size), np.nan)
-    rc = _columns(summaries).by_rank
+    rc = _columns(summaries).ordered(by_rank=True)
     if rc is None:
         return out
     # Only the clusters of ``ranks`` are read (a pipeline stage's, of a window of the whole job).
-    pos = np.minimum(np.searchsorted(rc.rank, ranks), rc.rank.size - 1)
-    hit = np.flatnonzero(rc.rank[pos] == ranks)
+    pos = np.minimum(np.searchsorted(rc.owner, ranks), rc.owner.size - 1)
+    hit = np.flatnonzero(rc.owner[pos] == ranks)
     at_rank = pos[hit]
     start, stop = rc.start[at_rank], rc.stop[at_rank]
     target = rc.before[at_rank][:, None] + u[None, :] * rc.total[at_rank][:, None]  # in the running count

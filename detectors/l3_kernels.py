@@ -404,9 +404,9 @@ def _mode_outliers(sc: RankScores, p: L3Params, trusted: npt.NDArray[np.bool_], 
     return found, ratio, share
 
 
-def _compute(summaries: SummaryColumns, ranks: I64, batch: MixtureBatch, total: F64,
+def _compute(cols: SummaryColumns, ranks: I64, batch: MixtureBatch, total: F64,
              topology: JobTopology | None, p: L3Params, base: dict[str, Any]) -> list[L3Result]:
-    s = summaries.summaries[0]
+    s = cols.summaries[0]
     stages: I64 | None = None  # the ranks' stages when compared job-wide
     if topology is not None and p.compute_scope is Scope.STAGE:
         stage_of = dict(zip(topology.rank, topology.pp_stage, strict=True))
@@ -432,7 +432,7 @@ def _compute(summaries: SummaryColumns, ranks: I64, batch: MixtureBatch, total: 
         tails = ((sub.counts == 0.0) | (sub.counts >= _TAIL_CALLS)).all(axis=1)
         modes = reference_modes(sc.reference, sc.grid)
         q = sc.quantiles_ns
-        floors = lower_part_floors(summaries, ranks[rows], np.concatenate([modes.mid, _SCAN_U]))
+        floors = lower_part_floors(cols, ranks[rows], np.concatenate([modes.mid, _SCAN_U]))
         by_mode, mode_ratio, mode_share = _mode_outliers(sc, p, _trusted_levels(sub), modes, q[:, :len(modes)],
                                                          q[:, len(modes):-1], floors)
         # Modes are matched by position among a rank's calls: only ranks with the set's calls (a window cut
@@ -810,10 +810,10 @@ def _faster_half(lg: F64) -> F64:
     return out
 
 
-def _collective(summaries: SummaryColumns, ranks: I64, batch: MixtureBatch, total: F64,
+def _collective(cols: SummaryColumns, ranks: I64, batch: MixtureBatch, total: F64,
                 topology: JobTopology | None, p: L3Params, base: dict[str, Any],
                 group_kind: ParallelGroup | None = None) -> list[L3Result]:
-    s = summaries.summaries[0]
+    s = cols.summaries[0]
     sc = score_ranks(batch, p.grid_points, p.mode_log_gap, _collective_levels)
     slow, p50_ratio, healthy = _slow_ranks(sc, p.collective_min_score, p.collective_p50_ratio, p)
     # A late arrival is judged by each member's typical call (the median call, at its cluster's median): a
@@ -827,7 +827,7 @@ def _collective(summaries: SummaryColumns, ranks: I64, batch: MixtureBatch, tota
     if topology is not None:
         stage_of = dict(zip(topology.rank, topology.pp_stage, strict=True))
         stage = np.array([stage_of[r] for r in ranks.tolist()], dtype=np.int64)
-        floors = functools.cache(lambda within: row_floors(summaries, ranks, within=within))
+        floors = functools.cache(lambda within: row_floors(cols, ranks, within=within))
         results = _links(s, ranks, batch, sc, groups, stage, p, base, explained, floors, p50)
     late: list[tuple[float, str, int, int, I64, float]] = []
     whole = [grp for grp in groups if grp[0] != PIPELINE_SIDE]  # a rank alone has no peers to be late for

@@ -21,7 +21,7 @@ from argus.streams.job_context import context_totals, totals_context
 
 def _job(n_ranks: int, seed: int, noise: float = 0.08, kernels: int = 16, calls: int = 300,
          slow: dict[tuple[int, int], float] | None = None, speed: dict[int, float] | None = None,
-         merged_share: float = 0.0, merged: tuple[int, ...] = ()) -> list[KernelTotals]:
+         merged: tuple[int, ...] = ()) -> list[KernelTotals]:
     """A job's totals: ``kernels`` kernels of ``calls`` calls per rank with per-call noise ``noise``.
     ``slow``: (rank, kernel) -> factor on a third of that kernel's calls (one shape of three);
     ``speed``: rank -> factor on everything it runs. Each rank's median time is its calls' median per
