@@ -109,10 +109,11 @@ def compare_rows(value: F64, p: L2Params, collective: bool) -> tuple[F64, F64, F
 
 def phase_flags(name: str, kind: PhaseKind, label: str, column: I64, has: npt.NDArray[np.bool_], per_step: F64,
                 occ: F64, longest: F64, in_blocking: F64, rank: I64, p: L2Params,
-                raw: Callable[[], F64] | None = None, ratios: F64 | None = None) -> list[Flag]:
+                raw: Callable[[I64], F64] | None = None, ratios: F64 | None = None) -> list[Flag]:
     """The flags of one phase: its ranks (``has``) compared within their groups (``column``: each rank's
-    group); ``per_step``, ``occ``, ``longest``, ``in_blocking`` and ``raw()`` (the duration, waiting included,
-    read only where a compute phase is flagged; ``None``: ``per_step``) per rank (see ``detect_l2``), ``rank``
+    group); ``per_step``, ``occ``, ``longest``, ``in_blocking`` and ``raw(positions)`` (the duration, waiting
+    included, at those positions: read only for the groups where a compute phase flags a member; ``None``:
+    ``per_step``) per rank (see ``detect_l2``), ``rank``
     the topology's ranks. In the order of a loop over the groups (ascending) and their members (by position).
     ``ratios`` (per rank, as ``per_step``): where given, each compared rank's ratio to its peers' median is
     written into it, flagged or not."""
@@ -141,10 +142,12 @@ def phase_flags(name: str, kind: PhaseKind, label: str, column: I64, has: npt.ND
         if ratios is not None:
             ratios[members] = ratio
         if not collective and raw is not None and hit.any():
+            # Only the groups with a flagged member: the durations are medians taken on demand.
+            at = np.flatnonzero(hit.any(axis=1))
             with np.errstate(invalid="ignore", divide="ignore"):
-                durations = raw()[members]
-                wall = np.where(per_occurrence, durations / rate, durations)
-            hit &= (wall - loo_median_rows(wall)) >= _WALL_SHARE * (value - peers)
+                durations = raw(members[at])
+                wall = np.where(per_occurrence[at], durations / rate[at], durations)
+            hit[at] &= (wall - loo_median_rows(wall)) >= _WALL_SHARE * (value[at] - peers[at])
         late_ns = (peers - value) * np.where(per_occurrence, rate, 1.0)
         late = late_ns / np.maximum(longest[members], 1.0)
         blocked = in_blocking[members]

@@ -16,6 +16,7 @@ for the held steps' batches in step order (each step's batches in arrival order,
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from operator import attrgetter
@@ -303,19 +304,28 @@ class PhaseHistory:
         per_step[cell] = med
         shape2 = (world, n_phases)
 
-        def raw() -> F64 | None:
-            if not shape.raw_gid.size:
-                return None
-            out = per_step.copy()
-            out[rank_positions(topology, shape.raw_rank) * n_phases + pid[shape.raw_gid]] = row_medians(
-                shape.mat[shape.n_own:], cols)
-            return out.reshape(shape2)
+        @functools.cache
+        def raw_rows() -> I64:
+            """Per cell, its row among the durations (``shape.mat`` from ``n_own``), -1 where nothing nests."""
+            out = np.full(size, -1, dtype=np.int64)
+            out[rank_positions(topology, shape.raw_rank) * n_phases + pid[shape.raw_gid]] = np.arange(
+                shape.raw_gid.size)
+            return out
+
+        def raw(k: int, positions: I64) -> F64:
+            cells = positions * n_phases + k
+            out: F64 = per_step[cells]
+            rows = raw_rows()[cells]
+            nests = rows >= 0
+            out[nests] = row_medians(shape.mat[shape.n_own + rows[nests]], cols)
+            return out
 
         sums = np.zeros(size)
         sums[cell] = shape.cell_count.astype(np.float64) * n
         with np.errstate(invalid="ignore", divide="ignore"):
             occ = sums / n_steps
-        return PhaseStats(*dictionary, n_steps.reshape(shape2), per_step.reshape(shape2), occ.reshape(shape2), n, raw)
+        return PhaseStats(*dictionary, n_steps.reshape(shape2), per_step.reshape(shape2), occ.reshape(shape2), n,
+                          raw if shape.raw_gid.size else None)
 
 
 def _sizes(index: LayoutIndex, lay: I64) -> tuple[I64, I64]:

@@ -276,9 +276,9 @@ class PhaseStats:
     steps that have the phase (``n_steps``), the median own time per step (``per_step``, ns; NaN where
     none) and the mean occurrences per step (``occ``; NaN where none), all ``world x phases``; the phase
     dictionary (``names``, ``kinds``, ``groups``) and the number of analysed steps (``n_analysed``).
-    :attr:`raw`: the median duration per step, blocking collectives included (``world x phases``; ``None``:
-    the own time, as where nothing nests), taken by ``raw_medians`` when first read (only a compute phase
-    flagged elevated reads it)."""
+    ``raw_medians(k, positions)``: the median duration per step of phase ``k``, blocking collectives included,
+    at those rank positions (any shape); ``None``: the own time, as where nothing nests. Only the groups where
+    a compute phase flags a member read it (:meth:`raw`), so it is taken on demand."""
 
     names: tuple[str, ...]
     kinds: tuple[PhaseKind, ...]
@@ -287,22 +287,23 @@ class PhaseStats:
     per_step: F64
     occ: F64
     n_analysed: int
-    raw_medians: Callable[[], F64 | None] | None = None
+    raw_medians: Callable[[int, I64], F64] | None = None
 
-    @functools.cached_property
-    def raw(self) -> F64 | None:
-        return None if self.raw_medians is None else self.raw_medians()
+    def raw(self, k: int, positions: I64) -> F64:
+        """Phase ``k``'s median duration per step (ns, waiting included) at rank ``positions``."""
+        if self.raw_medians is None:
+            out: F64 = self.per_step[positions, k]
+            return out
+        return self.raw_medians(k, positions)
 
 
 def rank_positions(topology: JobTopology, rank: I64) -> I64:
     """Each rank's position in ``topology`` (the last of equal ranks), by one search. Raises
     :class:`DetectorError` for ranks missing from it."""
-    ranks = np.asarray(topology.rank, dtype=np.int64)
-    missing = set(np.unique(rank).tolist()) - set(ranks.tolist())
-    if missing:
-        raise DetectorError(f"ranks {sorted(missing)[:5]} are not in topology {topology.job_id}")
-    order = np.argsort(ranks, kind="stable")
-    out: I64 = order[np.searchsorted(ranks[order], rank, side="right") - 1]
+    out, found = topology.positions(rank)
+    if not found.all():
+        raise DetectorError(f"ranks {np.unique(np.asarray(rank)[~found]).tolist()[:5]} are not in topology "
+                            f"{topology.job_id}")
     return out
 
 
@@ -323,9 +324,11 @@ def phase_stats(rank: I64, pid: I64, own: I64, count: I64, n_analysed: int,
     per_step = cell_median(cell, own.astype(np.float64), size).reshape(world, n_phases)
     with np.errstate(invalid="ignore", divide="ignore"):
         occ = np.bincount(cell, weights=count, minlength=size).reshape(world, n_phases) / n_steps
-    def raw_step() -> F64 | None:
-        if raw is None or not raw[0].size:
-            return None
+    if raw is None or not raw[0].size:
+        return PhaseStats(*dictionary, n_steps, per_step, occ, n_analysed)
+
+    @functools.cache
+    def raw_step() -> F64:
         raw_cell = rank_positions(topology, raw[0]) * n_phases + raw[1]
         flat = per_step.ravel().copy()
         at = np.unique(raw_cell)
@@ -333,7 +336,11 @@ def phase_stats(rank: I64, pid: I64, own: I64, count: I64, n_analysed: int,
         out: F64 = flat.reshape(world, n_phases)
         return out
 
-    return PhaseStats(*dictionary, n_steps, per_step, occ, n_analysed, raw_step)
+    def raw_at(k: int, positions: I64) -> F64:
+        out: F64 = raw_step()[positions, k]
+        return out
+
+    return PhaseStats(*dictionary, n_steps, per_step, occ, n_analysed, raw_at)
 
 
 def judge_l2(stats: PhaseStats, topology: JobTopology, p: L2Params) -> list[L2Result]:
@@ -347,10 +354,10 @@ def judge_l2(stats: PhaseStats, topology: JobTopology, p: L2Params) -> list[L2Re
     compute_flags: list[Flag] = []
     host_flags: list[Flag] = []
     short_flags: list[Flag] = []
-    ranks = np.asarray(topology.rank)
+    ranks = topology.array("rank")
     elevation = np.full(per_step.shape, np.nan)  # compute phases: every rank's ratio to its peers
-    def raw(k: int) -> Callable[[], F64]:
-        return lambda: (stats.raw if stats.raw is not None else per_step)[:, k]
+    def raw(k: int) -> Callable[[I64], F64]:
+        return lambda positions: stats.raw(k, positions)
 
     for k in range(len(stats.names)):
         kind, gkind = stats.kinds[k], stats.groups[k]
@@ -360,7 +367,7 @@ def judge_l2(stats: PhaseStats, topology: JobTopology, p: L2Params) -> list[L2Re
             # A reduction over a group that spans the pipeline's stages: which stage reaches it last is the
             # schedule's doing (the first stage ends its backward last), not a late member.
             continue
-        column = np.asarray(getattr(topology, (ParallelGroup.DP if gkind is ParallelGroup.NONE else gkind).column))
+        column = topology.array((ParallelGroup.DP if gkind is ParallelGroup.NONE else gkind).column)
         target = short_flags if collective else compute_flags if kind in _COMPUTE else host_flags
         target += phase_flags(stats.names[k], kind, gkind.value, column, n_steps[:, k] > 0, per_step[:, k],
                               occ[:, k], longest, in_blocking, ranks, p, raw(k),
@@ -457,7 +464,7 @@ def _waited_together(elevation: dict[int, float], topology: JobTopology,
     pos = {r: i for i, r in enumerate(topology.rank)}
     out: set[int] = set()
     for group in _WAIT_TOGETHER:
-        column = np.asarray(getattr(topology, group.column))
+        column = topology.array(group.column)
         members: dict[int, list[int]] = {}
         for r in elevation:
             members.setdefault(int(column[pos[r]]), []).append(r)
@@ -477,7 +484,7 @@ def _waited_together(elevation: dict[int, float], topology: JobTopology,
 
 def _slow_stages(per_step: F64, occ: F64, n_steps: I64, phases: PhaseStats, topology: JobTopology,
                  stragglers: set[int], p: L2Params) -> list[L2Result]:
-    stage = np.asarray(topology.pp_stage)
+    stage = topology.array("pp_stage")
     stages = np.unique(stage)
     if stages.size < 2:
         return []
@@ -485,7 +492,7 @@ def _slow_stages(per_step: F64, occ: F64, n_steps: I64, phases: PhaseStats, topo
     # from the work, it is in their phase times), and their peers in turn: those ranks say nothing of their
     # stage's speed. A stage all of whose ranks are stragglers or such victims is a baseline, never a finding.
     waiting = waiting_victims(stragglers, set(topology.rank), topology, _WAIT_TOGETHER)
-    excluded = np.isin(np.asarray(topology.rank), sorted(stragglers | waiting))
+    excluded = np.isin(topology.array("rank"), sorted(stragglers | waiting))
     found: dict[int, dict[tuple[str, str], _StageHit]] = {}
     for k, kind in enumerate(phases.kinds):
         if kind not in p.stage_kinds:
@@ -515,7 +522,7 @@ def _slow_stages(per_step: F64, occ: F64, n_steps: I64, phases: PhaseStats, topo
     for s, per_phase in sorted(_causes(found).items()):
         top = max(per_phase, key=lambda key: per_phase[key][0])
         ratio, stage_ms, excess = per_phase[top]
-        ranks = tuple(int(r) for r in np.asarray(topology.rank)[stage == s])
+        ranks = tuple(topology.array("rank")[stage == s].tolist())
         results.append(L2Result(FindingKind.PP_STAGE_SLOW, ranks, top[0], ratio, delay_ns_per_step=excess, evidence={
             "stage": int(s), "phase_kind": top[1], "stage_over_other_stages_ratio": ratio,
             "stage_per_occurrence_ms": stage_ms,

@@ -521,7 +521,7 @@ def _groups(topology: JobTopology | None, ranks: I64, p2p: bool,
         kinds = (_GROUP_KINDS[3], _GROUP_KINDS[2]) if p2p else _GROUP_KINDS[:2]
     out = []
     for kind, col in kinds:
-        column = np.asarray(getattr(topology, col))
+        column = topology.array(col)
         full = dict(zip(*np.unique(column, return_counts=True), strict=True))
         uniq, inv, counts = np.unique(column[at], return_inverse=True, return_counts=True)
         members = np.split(np.argsort(inv, kind="stable"), np.cumsum(counts)[:-1])
@@ -530,7 +530,7 @@ def _groups(topology: JobTopology | None, ranks: I64, p2p: bool,
         whole = [(int(g), rows) for g, rows in zip(uniq.tolist(), members, strict=True)
                  if rows.size >= 2 and rows.size == full[g]]
         if kind == "PP":
-            stage = np.asarray(topology.pp_stage)[at]
+            stage = topology.array("pp_stage")[at]
             for g, rows in whole:
                 chain = rows[np.argsort(stage[rows], kind="stable")]
                 out += [(kind, g * 65536 + i, chain[i:i + 2]) for i in range(chain.size - 1)]
@@ -545,7 +545,7 @@ def _groups(topology: JobTopology | None, ranks: I64, p2p: bool,
 def _collective_kinds(topology: JobTopology) -> int:
     """How many of the kinds a collective (no send/receive) runs in -- DP and TP -- have groups of 2 or more
     ranks in ``topology``: with one, a collective's grouping is not a guess among several."""
-    return sum(int(np.unique(np.asarray(getattr(topology, col)), return_counts=True)[1].max(initial=0) >= 2)
+    return sum(int(np.unique(topology.array(col), return_counts=True)[1].max(initial=0) >= 2)
                for _, col in _GROUP_KINDS[:2])
 
 
@@ -555,7 +555,7 @@ def _one_side(topology: JobTopology, at: I64) -> bool:
     skip the last, the receives from the previous one skip the first). An all-to-all runs in every stage
     with expert layers, so such a stream is no expert group's: read as one, the stage that waits longest
     for its neighbour (the first, in a pipeline's warm-up) would look like a slow expert group."""
-    stages = np.asarray(topology.pp_stage)
+    stages = topology.array("pp_stage")
     return bool(np.unique(stages).size > np.unique(stages[at]).size)
 
 

@@ -40,33 +40,44 @@ def _fold(start: I64, dur: I64, inverse: I64, n_ids: int, outer: I64, block: I64
     lo_so, hi_so = np.full(outer.size, big), np.full(outer.size, small)
     lo_eo, hi_eo = np.full(outer.size, big), np.full(outer.size, small)
     lo_sc, hi_ec = np.full(block.size, big), np.full(block.size, small)
+    # One row's collective intervals (relative starts and ends), read once by every pair that holds them.
+    s_c, e_c = np.empty(block.size, dtype=np.int64), np.empty(block.size, dtype=np.int64)
+    per_id = np.zeros(n_ids, dtype=np.int64)
     end, d_lo, d_hi = small, big, small
     for r in range(rows):
-        first = start[r, 0]
+        s_row, d_row = start[r], dur[r]
+        first, lo, hi = s_row[0], d_lo, d_hi
+        # Reductions alone (vectorized), apart from the scatter into the ids.
         for c in range(width):
-            d = dur[r, c]
-            first = min(first, start[r, c])
-            d_lo, d_hi = min(d_lo, d), max(d_hi, d)
-            sums[r, inverse[c]] += d
+            first = min(first, s_row[c])
+            lo, hi = min(lo, d_row[c]), max(hi, d_row[c])
+        d_lo, d_hi = lo, hi
+        per_id[:] = 0
+        for c in range(width):
+            per_id[inverse[c]] += d_row[c]
+        sums[r] = per_id
         for j in range(block.size):
             c = block[j]
-            s = start[r, c] - first
-            e = s + max(dur[r, c], 0)
+            s = s_row[c] - first
+            e = s + max(d_row[c], 0)
+            s_c[j], e_c[j] = s, e
             lo_sc[j], hi_ec[j] = min(lo_sc[j], s), max(hi_ec[j], e)
             end = max(end, e)
+        per_id[:] = 0
         for i in range(outer.size):
             c = outer[i]
-            s_o = start[r, c] - first
-            e_o = s_o + max(dur[r, c], 0)
+            d_o = d_row[c]
+            s_o = s_row[c] - first
+            e_o = s_o + max(d_o, 0)
             lo_so[i], hi_so[i] = min(lo_so[i], s_o), max(hi_so[i], s_o)
             lo_eo[i], hi_eo[i] = min(lo_eo[i], e_o), max(hi_eo[i], e_o)
             end = max(end, e_o)
             acc = 0
             for k in range(ptr[i], ptr[i + 1]):
-                b = block[pair_block[k]]
-                s_c = start[r, b] - first
-                acc += max(min(e_o, s_c + max(dur[r, b], 0)) - max(s_o, s_c), 0)
-            nested[r, inverse[c]] += min(acc, dur[r, c])
+                b = pair_block[k]
+                acc += max(min(e_o, e_c[b]) - max(s_o, s_c[b]), 0)
+            per_id[inverse[c]] += min(acc, d_o)
+        nested[r] = per_id
     return sums, nested, lo_so, hi_so, lo_eo, hi_eo, lo_sc, hi_ec, end, d_lo, d_hi
 
 

@@ -36,17 +36,17 @@ def waiting_victims(stragglers: set[int], late: set[int], topology: JobTopology,
     its DP all-reduce), then those sharing one with such a victim (e.g. the victim's next pipeline stage),
     and so on. A shared DP group is no link: the DP all-reduce ends the step, nothing waits behind it.
     ``stragglers`` themselves are never victims."""
-    candidates = sorted(late - stragglers)
+    candidates = late - stragglers
     if not candidates or not stragglers:
         return set()
-    pos = {r: i for i, r in enumerate(topology.rank)}
-    columns = [np.asarray(getattr(topology, g.column)) for g in sorted(set(groups), key=lambda g: g.value)]
+    columns = [topology.array(g.column) for g in sorted(set(groups), key=lambda g: g.value)]
     # One pass per round over the candidates' group ids (thousands of late ranks in a 10k-rank job wait
     # behind one straggler): a candidate is reached when one of its groups holds a rank of the frontier.
-    known = [r for r in candidates if r in pos]
-    rank = np.array(known, dtype=np.int64)
-    at = np.array([pos[r] for r in known], dtype=np.int64)
-    frontier = np.array([pos[s] for s in stragglers if s in pos], dtype=np.int64)
+    rank = np.fromiter(candidates, dtype=np.int64, count=len(candidates))
+    at, known = topology.positions(rank)
+    rank, at = rank[known], at[known]
+    frontier, known = topology.positions(np.fromiter(stragglers, dtype=np.int64, count=len(stragglers)))
+    frontier = frontier[known]
     reached = np.zeros(rank.size, dtype=bool)
     while frontier.size and not reached.all():
         new = np.zeros(rank.size, dtype=bool)

@@ -558,6 +558,34 @@ class JobTopology(Record):
     def _enum_fields(cls) -> dict[str, type[enum.Enum]]:
         return {"group_kinds": ParallelGroup}
 
+    def array(self, name: str) -> npt.NDArray[np.int64]:
+        """The integer column ``name`` (``rank``, ``dp_group``, ``pp_stage``, ...) as a read-only int64 array,
+        converted once per topology object: detectors read the columns of a 10,240-rank job dozens of times
+        a diagnosis."""
+        arrays = self.__dict__.setdefault("_arrays", {})  # frozen fields: the cache sits beside them
+        out: npt.NDArray[np.int64] | None = arrays.get(name)
+        if out is None:
+            out = np.array(getattr(self, name), dtype=np.int64)
+            out.flags.writeable = False
+            arrays[name] = out
+        return out
+
+    def positions(self, ranks: npt.ArrayLike) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.bool_]]:
+        """Each of ``ranks``' position in :attr:`rank` (the last of equal ranks), by one search, and whether
+        it is there at all (where not, its position is meaningless)."""
+        arrays = self.__dict__.setdefault("_arrays", {})
+        if "_rank_order" not in arrays:
+            order = np.argsort(self.array("rank"), kind="stable")
+            arrays["_rank_order"], arrays["_sorted_rank"] = order, self.array("rank")[order]
+        order, ordered = arrays["_rank_order"], arrays["_sorted_rank"]
+        want = np.asarray(ranks, dtype=np.int64)
+        at = np.maximum(np.searchsorted(ordered, want, side="right") - 1, 0)
+        if not ordered.size:
+            return np.zeros(want.shape, dtype=np.int64), np.zeros(want.shape, dtype=bool)
+        found: npt.NDArray[np.bool_] = ordered[at] == want
+        out: npt.NDArray[np.int64] = order[at]
+        return out, found
+
     def stream_groups(self) -> dict[int, ParallelGroup]:
         """``group_streams`` mapped to their ``group_kinds``."""
         return dict(zip(self.group_streams, self.group_kinds, strict=True))

@@ -31,12 +31,12 @@ def _loo(values: list[float]) -> list[float]:
 
 def ref_phase_flags(name: str, kind: PhaseKind, label: str, column: np.ndarray, has: np.ndarray, per_step: np.ndarray,
                     occ: np.ndarray, longest: np.ndarray, in_blocking: np.ndarray, rank: np.ndarray,
-                    p: L2Params, raw: np.ndarray | Callable[[], np.ndarray] | None = None,
+                    p: L2Params, raw: np.ndarray | Callable[[np.ndarray], np.ndarray] | None = None,
                     ratios: np.ndarray | None = None) -> list[Flag]:
     """Group by group (ascending), member by member: ratio and robust z against the others' median; a compute
     phase only where its duration (``raw``) exceeds the others' median by half its own excess at least. Each
     member's ratio is written into ``ratios`` where given."""
-    raw = raw() if callable(raw) else raw
+    raw = raw(np.arange(column.size)) if callable(raw) else raw
     out = []
 
     def group_values(members: list[int]) -> tuple[list[float], list[float], bool]:
@@ -132,7 +132,7 @@ def test_phase_flags_match_the_per_group_loop(seed: int, n: int, collective: boo
     raw = per_step + rng.choice([0.0, 0.1, 1.0]) * base * rng.random(n)
     args = ("ph", kind, label, column, has, per_step, occ, longest, in_blocking, rank, L2Params())
     fast_ratios, want_ratios = np.full(n, np.nan), np.full(n, np.nan)
-    _flags_same(phase_flags(*args, lambda: raw, fast_ratios), ref_phase_flags(*args, raw, want_ratios))
+    _flags_same(phase_flags(*args, raw.__getitem__, fast_ratios), ref_phase_flags(*args, raw, want_ratios))
     np.testing.assert_allclose(fast_ratios, want_ratios, rtol=1e-9)
 
 

@@ -78,3 +78,24 @@ def test_invalid(kwargs: dict[str, int]) -> None:
 def test_none_kind_rejected() -> None:
     with pytest.raises(ValueError):
         groups_of(build_topology("j", dp=2), ParallelGroup.NONE)
+
+
+def test_columns_as_arrays_are_read_only_and_made_once() -> None:
+    topo = build_topology("j", dp=4, tp=2, pp=2)
+    dp = topo.array("dp_group")
+    assert dp.tolist() == list(topo.dp_group) and dp.dtype.name == "int64"
+    assert topo.array("dp_group") is dp
+    with pytest.raises(ValueError):
+        dp[0] = 1
+    assert topo == build_topology("j", dp=4, tp=2, pp=2)  # the cache is no field: equality is unchanged
+
+
+@pytest.mark.parametrize("ranks", [(3, 0, 2, 1), (0, 1, 2, 3), (5, 5, 1, 9), ()])
+def test_positions_of_ranks_and_whether_they_are_there(ranks: tuple[int, ...]) -> None:
+    n, each = len(ranks), tuple(range(len(ranks)))
+    topo = JobTopology("j", n, 1, 1, 1, ranks, ("h",) * n, (0,) * n, each, each, each, (0,) * n)
+    want = [9, 5, 3, 0, 1, 4, -2]
+    at, found = topo.positions(want)
+    last = {r: i for i, r in enumerate(ranks)}  # the last of equal ranks
+    assert found.tolist() == [r in last for r in want]
+    assert [int(a) for a, f in zip(at, found, strict=True) if f] == [last[r] for r in want if r in last]
