@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 import itertools
 import struct
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from operator import attrgetter, itemgetter
 
@@ -45,6 +45,7 @@ _PACKED_TIMES = attrgetter("packed_times")
 #: Batches folded at once from packed times (~600 KiB of times at ~150 phases).
 _FOLD_BLOCK = 256
 _NAMES, _KINDS, _GROUPS, _SECOND = attrgetter("names"), attrgetter("kinds"), attrgetter("groups"), itemgetter(1)
+_SHARED_LAYOUT = attrgetter("shared_layout")
 
 
 @dataclass(frozen=True, eq=False)
@@ -224,14 +225,17 @@ class LayoutIndex:
 
         Python work per batch: the conversion of its two integer columns, none for decoded batches (their times
         are kept packed)."""
-        # Batches of one layout often hold the very same tuples (one producer's records, decoded ones of a layout
-        # seen lately): a layout is looked up once per (names, kinds, groups) objects (C-level passes over the
-        # batches, no Python step per batch), else by content, the previous key's layout first. The batches hold
-        # the tuples, so no id is reused during the call.
-        keys = list(zip(map(id, map(_NAMES, batches)), map(id, map(_KINDS, batches)), map(id, map(_GROUPS, batches)),
-                        strict=True))
+        # Batches of one layout often hold the very same tuples (decoded ones of a layout seen lately share one
+        # PhaseBatch.shared_layout; one producer's records their columns): a layout is looked up once per such
+        # object (C-level passes over the batches, no Python step per batch), else by content, the previous
+        # key's layout first. The batches hold the tuples, so no id is reused during the call.
+        keys: list[Hashable] = list(map(id, map(_SHARED_LAYOUT, batches)))
         firsts = dict(zip(reversed(keys), range(len(keys) - 1, -1, -1), strict=True))  # each key's first position
-        known: dict[tuple[int, int, int], int] = {}
+        if id(None) in firsts:  # some batch was not decoded so: by its three columns' identities
+            keys = list(zip(map(id, map(_NAMES, batches)), map(id, map(_KINDS, batches)),
+                            map(id, map(_GROUPS, batches)), strict=True))
+            firsts = dict(zip(reversed(keys), range(len(keys) - 1, -1, -1), strict=True))
+        known: dict[Hashable, int] = {}
         order: dict[int, None] = {}  # the layouts in the order first seen
         prev: PhaseBatch | None = None
         at = -1

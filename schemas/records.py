@@ -346,6 +346,10 @@ class PhaseBatch(Record):
     #: the Avro mapping ignore it); ``None`` for any other record (built, or decoded by fastavro). Bytes, not an
     #: array: whoever gathers many batches joins them at memory speed.
     packed_times: ClassVar[bytes | None] = None
+    #: The (kinds, names, groups, streams) tuple this record's columns were taken from where decoding shared a
+    #: layout (set on the instance, as :attr:`packed_times`): every batch decoded with an equal layout lately holds
+    #: the very same one, so a fold groups a step's batches by one identity. ``None`` for any other record.
+    shared_layout: ClassVar[tuple[Any, ...] | None] = None
 
     @classmethod
     def _enum_fields(cls) -> dict[str, type[enum.Enum]]:
@@ -355,10 +359,11 @@ class PhaseBatch(Record):
     def from_avro(cls, data: dict[str, Any]) -> PhaseBatch:
         # The ranks of one (TP index, stage) run the same phases: a layout equal to one decoded lately gets
         # that one's tuples (equal values), so whoever compares layouts compares objects, not 600 values.
-        kinds, names, groups, streams = _LAYOUTS.intern(data["kinds"], data["names"], data["groups"],
-                                                        data["streams"])
-        return cls(data["job_id"], data["rank"], data["step"], kinds, names, groups, streams,
-                   tuple(data["start_ns"]), tuple(data["duration_ns"]))
+        layout = _LAYOUTS.intern(data["kinds"], data["names"], data["groups"], data["streams"])
+        rec = cls(data["job_id"], data["rank"], data["step"], *layout, tuple(data["start_ns"]),
+                  tuple(data["duration_ns"]))
+        rec.__dict__["shared_layout"] = layout
+        return rec
 
     @classmethod
     def decode(cls, payload: bytes) -> PhaseBatch:
@@ -381,9 +386,10 @@ class PhaseBatch(Record):
                 if layout is not None:
                     rec = cls(raw.job_id, raw.rank, raw.step, *layout, tuple(raw.start_ns.tolist()),
                               tuple(raw.duration_ns.tolist()))
+                    # Not fields (equality, repr, replace and the Avro mapping ignore them): the same values as the
+                    # tuples, read once, for whoever needs them at once (L2's fold of a step).
+                    rec.__dict__["shared_layout"] = layout
                     if raw.times is not None:
-                        # Not a field (equality, repr, replace and the Avro mapping ignore it): the same values
-                        # as the two tuples, read once, for whoever needs them as arrays (L2's fold of a step).
                         rec.__dict__["packed_times"] = raw.times
                     rec.check()
                     return rec

@@ -136,6 +136,16 @@ def corroborates_only(finding: Finding) -> bool:
     return CORROBORATES_ONLY in finding.evidence_json and bool(finding.evidence.get(CORROBORATES_ONLY))
 
 
+def _most_gpu_ns(steps: Iterable[Step]) -> float:
+    """The largest GPU time of ``steps`` (ns), NaN where none has one."""
+    gpu = list(map(_GPU_NS, steps))
+    try:
+        return float(max(gpu))  # one C-level pass where every rank sent its GPU time (the usual case)
+    except (TypeError, ValueError):  # a None among them, or no step at all
+        known = [g for g in gpu if g is not None]
+        return float(max(known)) if known else math.nan
+
+
 class JobDiagnosis:
     """L1 and L2 state of one job.
 
@@ -295,8 +305,7 @@ class JobDiagnosis:
         self._done.add(step)
         bisect.insort(self._complete, step)
         ranks = self._steps.pop(step).values()
-        gpu = [g for g in map(_GPU_NS, ranks) if g is not None]
-        self._series.append((step, float(max(map(_WALL_NS, ranks))), float(max(gpu)) if gpu else math.nan))
+        self._series.append((step, float(max(map(_WALL_NS, ranks))), _most_gpu_ns(ranks)))
         self._starts.append(min(map(_START_NS, ranks)))
         batches = self._phases.pop(step)
         held = self.params.history_steps

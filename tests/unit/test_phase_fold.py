@@ -4,7 +4,10 @@ its earlier batches, shared or fresh tuples; and the medians over steps of the f
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -92,6 +95,29 @@ def test_fold_groups_batches_by_layout_whatever_their_tuples() -> None:
         got = [mixed[i] for i in f.members.tolist()]
         one = index.fold(got)[1][0]
         assert np.array_equal(one.duration, f.duration) and np.array_equal(one.nested, f.nested)
+
+
+@pytest.mark.parametrize("built", [False, True])
+def test_fold_groups_decoded_batches_by_their_shared_layout(built: bool) -> None:
+    """Decoded batches (one shared layout tuple per layout decoded), one whose streams differ (another shared
+    tuple, the same layout), and, with ``built``, batches built in-process among them: the layouts and sums of
+    the same batches built in-process."""
+    rng = np.random.default_rng(11)
+    a = _batches(rng, 5, 50, False)
+    b = [PhaseBatch("j", x.rank + 10, 0, x.kinds[:-2], x.names[:-2], x.groups[:-2], x.streams[:-2],
+                    x.start_ns[:-2], x.duration_ns[:-2]) for x in _batches(rng, 4, 50, False)]
+    other_streams = dataclasses.replace(a[4], rank=20, streams=tuple(range(len(LAYOUT))))
+    plain = [a[0], b[0], *a[1:3], other_streams, *b[1:], *a[3:]]
+    decoded = [PhaseBatch.decode(x.encode()) for x in plain]
+    assert decoded[0].shared_layout is decoded[2].shared_layout is not None
+    assert decoded[4].shared_layout is not decoded[2].shared_layout
+    got_in = [plain[i] if built and i % 3 == 0 else x for i, x in enumerate(decoded)]
+    which, folded = LayoutIndex().fold(got_in)
+    want_which, want = LayoutIndex().fold(plain)
+    assert which.tolist() == want_which.tolist() == [0, 1, 0, 0, 0, 1, 1, 1, 0, 0]
+    for f, w in zip(folded, want, strict=True):
+        assert f.layout == w.layout and np.array_equal(f.members, w.members)
+        assert np.array_equal(f.duration, w.duration) and np.array_equal(f.nested, w.nested)
 
 
 def test_columns_convert_what_struct_refuses_as_before() -> None:
