@@ -25,6 +25,7 @@ import numpy as np
 import numpy.typing as npt
 
 from argus.detectors.l2_phases import L2Params, L2Result, PhaseStats, judge_l2, phase_stats, rank_positions
+from argus.detectors.phase_fold import store_own_times
 from argus.detectors.phase_layout import COMPUTE_KINDS, LayoutIndex
 from argus.schemas.records import JobTopology, PhaseBatch
 
@@ -90,11 +91,13 @@ class _Shape:
     def same(self, ranks: I64, lay: I64) -> bool:
         return bool(np.array_equal(self.ranks, ranks) and np.array_equal(self.lay, lay))
 
-    def add(self, column: I64, cap: int) -> int:
-        """Store one step's column (``column``: own times, then durations, ns); returns its slot. ``cap``: the most
-        columns worth holding."""
-        if column.size and int(column.max()) > _INT32_MAX and self.mat.dtype != np.int64:
+    def widen(self) -> None:
+        """Hold times of int64 from now on (a time beyond int32's ns, ~2.1 s)."""
+        if self.mat.dtype != np.int64:
             self.mat = self.mat.astype(np.int64)
+
+    def reserve(self, cap: int) -> int:
+        """A free column for one step (written by the caller); ``cap``: the most columns worth holding."""
         if not self.free:
             width = self.mat.shape[1]
             grown = max(width + 1, min(2 * width, cap), 4)
@@ -103,7 +106,6 @@ class _Shape:
             self.mat = mat
             self.free = list(range(grown - 1, width - 1, -1))
         slot = self.free.pop()
-        self.mat[:, slot] = column
         self.used += 1
         return slot
 
@@ -155,19 +157,14 @@ class PhaseHistory:
         order = np.argsort(ranks, kind="stable")
         where = np.empty_like(order)
         where[order] = np.arange(order.size)
-        sizes, nsizes = _sizes(self.index, which[order])
-        offsets = np.cumsum(sizes) - sizes
-        raw_offsets = int(sizes.sum()) + np.cumsum(nsizes) - nsizes
-        column = np.empty(int(sizes.sum() + nsizes.sum()), dtype=np.int64)
+        shape, slot = self._reserve(step, ranks[order], which[order], order.astype(np.int64))
         for part in folded:
-            lay = self.index.layouts[part.layout]
             at = where[part.members]
-            column[(offsets[at][:, None] + np.arange(lay.ids.size)).ravel()] = np.maximum(
-                part.duration - part.nested, 0).ravel()
-            if lay.nests.size:
-                column[(raw_offsets[at][:, None] + np.arange(lay.nests.size)).ravel()] = np.maximum(
-                    part.duration[:, lay.nests], 0).ravel()
-        self._place(step, ranks[order], which[order], order.astype(np.int64), column)
+            args = (shape.offsets[at], shape.raw_offsets[at], part.duration, part.nested,
+                    self.index.layouts[part.layout].nests)
+            if not store_own_times(shape.mat, slot, *args):
+                shape.widen()
+                store_own_times(shape.mat, slot, *args)
 
     def replace(self, batch: PhaseBatch) -> None:
         """A batch of a folded step delivered again (or late): it replaces its rank's phases in that step,
@@ -221,6 +218,14 @@ class PhaseHistory:
         return total + sum(p.arrival.nbytes for p in self._pieces.values())
 
     def _place(self, step: int, ranks: I64, lay: I64, arrival: I64, column: I64) -> None:
+        shape, slot = self._reserve(step, ranks, lay, arrival)
+        if column.size and int(column.max()) > _INT32_MAX:
+            shape.widen()
+        shape.mat[:, slot] = column
+
+    def _reserve(self, step: int, ranks: I64, lay: I64, arrival: I64) -> tuple[_Shape, int]:
+        """The shape of a step's sorted ``ranks`` and their layouts, and the column it holds the step in (written
+        by the caller), replacing any earlier fold of the step."""
         self.drop(step)
         shape = next((s for s in self._shapes if s.same(ranks, lay)), None)
         if shape is None:
@@ -229,7 +234,9 @@ class PhaseHistory:
         in_arrival = lay[np.argsort(arrival, kind="stable")]
         uniq, first = np.unique(in_arrival, return_index=True)
         firsts = tuple(int(x) for x in uniq[np.argsort(first, kind="stable")])
-        self._pieces[step] = _Piece(shape, shape.add(column, self.cap), arrival, firsts)
+        slot = shape.reserve(self.cap)
+        self._pieces[step] = _Piece(shape, slot, arrival, firsts)
+        return shape, slot
 
     def _dictionary(self, pieces: list[_Piece]) -> I64:
         """Per phase id of the index, its position in the held steps' phase dictionary (-1: absent)."""

@@ -3,7 +3,10 @@ the same detect_l2 findings, with duplicates, out-of-order and late delivery, la
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -92,6 +95,30 @@ def test_history_gives_the_findings_of_the_table_of_all_held_batches(seed: int, 
         if held and b.rank == 0:
             table = PhaseTable.from_batches([x for s in sorted(held) for x in held[s].values()])
             _same(hist.detect(topo, params, onset), detect_l2(table, topo, params, onset_step=onset))
+
+
+@pytest.mark.parametrize("long_rank", [0, 7])
+def test_times_beyond_int32_widen_the_held_steps(long_rank: int) -> None:
+    """A step whose phase takes over 2**31 ns (~2.1 s) on one rank, folded among steps of int32 times (the rank's
+    layout written first or last): every held time kept exactly, the findings the table's."""
+    topo = build_topology("j", 2, 2, 2)
+    rng = np.random.default_rng(5)
+    by_step = {s: {r: _batch(rng, topo, r, s, 3, False) for r in topo.rank} for s in range(5)}
+    b = by_step[3][long_rank]
+    by_step[3][long_rank] = dataclasses.replace(b, duration_ns=(b.duration_ns[0], 3_000_000_000, *b.duration_ns[2:]))
+    arrival = sorted(topo.rank, key=lambda r: (r != long_rank, r))  # which layout is folded first
+    hist = PhaseHistory(8)
+    for s in sorted(by_step):
+        hist.fold(s, [PhaseBatch.decode(by_step[s][r].encode()) for r in arrival])
+    shape = hist._pieces[0].shape
+    assert all(p.shape is shape for p in hist._pieces.values())  # one matrix, widened in step 3
+    assert shape.mat.dtype == np.int64 and int(shape.mat.max()) >= 3_000_000_000
+    table = PhaseTable.from_batches([x for s in sorted(by_step) for x in by_step[s].values()])
+    _same(hist.detect(topo, L2Params()), detect_l2(table, topo, L2Params()))
+    for s in sorted(by_step):  # each step's column holds its own times, whatever was widened around it
+        one = PhaseHistory(1)
+        one.fold(s, [by_step[s][r] for r in arrival])
+        assert one._pieces[s].column.tolist() == hist._pieces[s].column.tolist()
 
 
 def test_history_cases_include_findings() -> None:
