@@ -87,6 +87,16 @@ class _Shape:
         self.mat: npt.NDArray[np.int32] | I64 = np.empty((total + self.raw_gid.size, 0), dtype=np.int32)
         self.free: list[int] = []
         self.used = 0
+        self._cells: tuple[JobTopology, I64, I64] | None = None
+
+    def cells(self, topology: JobTopology, pid: I64, n_phases: int) -> I64:
+        """Per own row, its cell of a ``world x phases`` array under ``topology`` and the phase positions ``pid``
+        (per phase id), kept for the next diagnosis while both stay the same (a steady job's every one)."""
+        held = self._cells
+        if held is None or held[0] is not topology or not np.array_equal(held[1], pid):
+            held = self._cells = (topology, pid.copy(),
+                                  rank_positions(topology, self.cell_rank) * n_phases + pid[self.cell_gid])
+        return held[2]
 
     def same(self, ranks: I64, lay: I64) -> bool:
         return bool(np.array_equal(self.ranks, ranks) and np.array_equal(self.lay, lay))
@@ -298,12 +308,11 @@ class PhaseHistory:
                topology: JobTopology) -> PhaseStats:
         """:class:`PhaseStats` of steps sharing one shape: every cell has a value in every step, so the medians
         are the middle of each row of the sorted ``cells x steps`` matrix (the values ``cell_median`` takes)."""
-        rpos = rank_positions(topology, shape.cell_rank)
         n = len(slots)
         cols = None if sorted(slots) == list(range(shape.mat.shape[1])) else slots
         med = row_medians(shape.mat[:shape.n_own], cols)
         world, n_phases = len(topology.rank), len(dictionary[0])
-        cell = rpos * n_phases + pid[shape.cell_gid]
+        cell = shape.cells(topology, pid, n_phases)
         size = world * n_phases
         n_steps = np.zeros(size, dtype=np.int64)
         n_steps[cell] = n
