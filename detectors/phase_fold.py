@@ -20,7 +20,7 @@ import numba
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["FoldedRows", "fold_rows", "overlaps", "pair_lists", "store_own_times"]
+__all__ = ["FoldedRows", "fold_rows", "overlaps", "pair_lists", "pairs_covered", "store_own_times"]
 
 I64 = npt.NDArray[np.int64]
 #: Per row and id the summed durations and the nested blocking time; per compute column the least and greatest
@@ -79,6 +79,28 @@ def _fold(start: I64, dur: I64, inverse: I64, n_ids: int, outer: I64, block: I64
             per_id[inverse[c]] += min(acc, d_o)
         nested[r] = per_id
     return sums, nested, lo_so, hi_so, lo_eo, hi_eo, lo_sc, hi_ec, end, d_lo, d_hi
+
+
+@numba.njit(cache=True, nogil=True)
+def _covered(lo_so: I64, hi_so: I64, lo_eo: I64, hi_eo: I64, lo_sc: I64, hi_ec: I64, pairs: npt.NDArray[np.bool_],
+             most: int) -> bool:  # pragma: no cover - compiled
+    crossing = 0
+    for i in range(lo_so.size):
+        for j in range(lo_sc.size):
+            if max(lo_so[i], lo_sc[j]) < min(hi_eo[i], hi_ec[j]):
+                if not pairs[i, j]:
+                    return False
+                if not (hi_so[i] <= lo_sc[j] and hi_ec[j] <= lo_eo[i]):
+                    crossing += 1
+    return crossing <= most
+
+
+def pairs_covered(ranges: tuple[I64, I64, I64, I64, I64, I64], pairs: npt.NDArray[np.bool_], most: int) -> bool:
+    """Whether the (compute, collective) ``pairs`` evaluated hold every pair whose ranges (:data:`FoldedRows`: the
+    compute columns' least and greatest start and end, the collectives' least start and greatest end) meet, and
+    at most ``most`` of those cross (meet without one inside the other in every row): then the overlaps
+    :func:`fold_rows` gave with them are the whole answer. One compiled pass over the pairs."""
+    return bool(_covered(*ranges, pairs, int(most)))
 
 
 def pair_lists(pairs: npt.NDArray[np.bool_]) -> tuple[I64, I64]:

@@ -24,7 +24,7 @@ import numpy as np
 import numpy.typing as npt
 
 from argus.core.errors import DetectorError
-from argus.detectors.phase_fold import fold_rows, overlaps, pair_lists
+from argus.detectors.phase_fold import fold_rows, overlaps, pair_lists, pairs_covered
 from argus.schemas.records import ParallelGroup, PhaseBatch, PhaseKind
 
 __all__ = ["BLOCKING_GROUPS", "COMPUTE_KINDS", "LayoutIndex", "PhaseLayout", "nested_one"]
@@ -152,9 +152,11 @@ class PhaseLayout:
             # Times beyond float64's integers: the per-batch float evaluation, as ever.
             return sums, np.stack([_float_sums(nested_one(start[i], duration[i].astype(np.float64), self), self)
                                    for i in range(rows)])
+        most = _MAX_PAIRS_PER_PHASE * self.outer.size
+        if cached is not None and pairs_covered((lo_so, hi_so, lo_eo, hi_eo, lo_sc, hi_ec), cached[0], most):
+            return sums, nested  # the usual case: a steady layout's batches meet where its earlier ones did
         meets = np.maximum(lo_so[:, None], lo_sc[None, :]) < np.minimum(hi_eo[:, None], hi_ec[None, :])
         inside = (hi_so[:, None] <= lo_sc[None, :]) & (hi_ec[None, :] <= lo_eo[:, None])
-        most = _MAX_PAIRS_PER_PHASE * self.outer.size
         if np.count_nonzero(meets & ~inside) > most:
             return sums, self._nested_by_coverage(start, duration, span)
         if cached is None or (meets & ~cached[0]).any():

@@ -30,28 +30,32 @@ What is timed, per rank count:
 
 * **L2** (budget: ``BUDGET_L2_MS`` per step). ``N = --l2-steps`` complete steps of every rank's
   :class:`~argus.schemas.records.PhaseBatch` (the simulator's per-stage phase layout, ~150 phases per batch,
-  durations jittered per rank; the slow rank's compute phases 1.6x longer). Timed as
-  :meth:`argus.streams.diagnosis.JobDiagnosis.diagnose` does it: ``PhaseTable.from_batches`` over the N x ranks
-  batches (``table_ms_per_step``) plus ``detect_l2`` over that table (``detect_ms_per_run``), divided by N:
-  ``ms_per_step`` = cost per step judged once. The live worker re-judges the last ``history_steps`` (200) steps
-  every ``detect_every`` (5) new steps, so ``live_ms_per_step_est`` = (``table_ms_per_step`` x 200 +
-  ``detect_ms_per_run``) / 5 estimates its steady-state cost per step added (table cost linear in steps,
-  detection cost taken at N steps: a lower bound); ``state_bytes_per_rank_step`` is the tracemalloc size of
-  one decoded PhaseBatch, ``history_state_gib_est`` that x ranks x 200 (what ``JobDiagnosis`` keeps).
+  durations jittered per rank; the slow rank's compute phases 1.6x longer), each decoded from its own Avro bytes
+  (untimed) as the worker holds them. Timed as :class:`~argus.detectors.l2_history.PhaseHistory` does it
+  live: each step folded once into a fresh history (``fold_ms_per_step``), then one ``detect`` over the N
+  steps (``detect_ms_per_run``); ``ms_per_step`` = (fold + detect) / N, the cost per step judged once.
+  ``live_ms_per_step_est`` = fold per step + detect / ``detect_every`` (the live figure is measured below);
+  ``table_ms_per_step``: ``PhaseTable.from_batches`` over the same batches (the one-shot table, for
+  comparison; ``same_as_table``: the history finds what ``detect_l2`` finds on that table).
+  ``state_bytes_per_rank_step`` is the tracemalloc size of one decoded PhaseBatch, ``history_state_gib_est``
+  the folded bytes per rank and step x ranks x 200. ``in_memory``: the same timings over the generated records
+  themselves (tuples shared per layout and, per (TP index, stage) and step, starts: as the simulator's, folded
+  from their tuples by ``struct``), not budgeted (a worker folds decoded records only).
 
 * **L2 live** (``l2.live``, budget: ``BUDGET_L2_MS`` per step; ``--live-steps``, 0: none).
   :class:`~argus.streams.diagnosis.JobDiagnosis` driven through ``history_steps`` (200) untimed steps to its
-  steady state (a full history), then ``--live-steps`` steps each timed: ``add`` of every rank's Step and
-  PhaseBatch of the step (folding the step into the history as it completes) plus ``diagnose()`` when due
-  (every ``detect_every``, 5, steps). Records are generated per step, untimed. The timed steps take the
-  records as the worker gets them: each decoded from its own Avro bytes (``PhaseBatch.decode(b.encode())``,
-  ``Step.decode``; untimed, ``decode_ms_per_step`` says what it took), so each holds tuples of its own
-  (starts included) but for what decoding shares (a layout equal to one decoded lately: see
-  ``PhaseBatch.from_avro``). ``live_ms_per_step``: the mean over the timed steps (the diagnoses amortized;
-  the budget is judged on it); ``add_ms_per_step`` and ``diagnose_ms_per_run``: medians. ``shared_tuples``:
-  the same figures over ``--live-steps`` further steps fed the generated records themselves, whose
-  PhaseBatch records of one (TP index, stage) share their names/kinds/groups/streams and, within a step,
-  their starts (one tuple each), as the simulator's do (the warm-up is fed those too: the state is the same).
+  steady state (a full history; its last ``detect_every`` steps fed decoded records, as the timed ones, so that
+  what a process does once for them is done), then ``--live-steps`` steps each timed: ``add`` of every rank's Step
+  and PhaseBatch of the step (folding the step into the history as it completes) plus ``diagnose()`` when due
+  (every ``detect_every``, 5, steps). Records are generated per step, untimed. The timed steps take the records as
+  the worker gets them: each decoded from its own Avro bytes (``PhaseBatch.decode(b.encode())``, ``Step.decode``;
+  untimed, ``decode_ms_per_step`` says what it took), so each holds tuples of its own (starts included) but for
+  what decoding shares (a layout equal to one decoded lately: see ``PhaseBatch.from_avro``). ``live_ms_per_step``:
+  the mean over the timed steps (the diagnoses amortized; the budget is judged on it); ``add_ms_per_step`` and
+  ``diagnose_ms_per_run``: medians. ``shared_tuples``: the same figures over ``--live-steps`` further steps fed
+  the generated records themselves, whose PhaseBatch records of one (TP index, stage) share their
+  names/kinds/groups/streams and, within a step, their starts (one tuple each), as the simulator's do (the warm-up
+  is fed those too: the state is the same).
 
 * **L1** (budget: ``BUDGET_L1_MS`` per step). ``N = --l1-steps`` steps (a 10 % regression from the middle):
   ``IterationSeries.from_arrays`` over one (step, wall, gpu) entry per (rank, step) (the reduction to the
@@ -396,7 +400,9 @@ def measure_l2_live(topo: JobTopology, templates: list[_Template], step_ns: int,
     for s in range(held + 2 * timed_steps):
         step_recs, batch_recs = phase_step(topo.job_id, topo, s, rng, templates, step_ns)
         timed = s >= held
-        decoded = held <= s < held + timed_steps
+        # The last diagnosis period of the warm-up decoded too: what a worker does once per process (the compiled
+        # fold's specializations for the decoded records' read-only times loaded) is not a step's cost.
+        decoded = held - params.detect_every <= s < held + timed_steps
         if decoded:
             # As the worker gets them: each record decoded from its own Avro bytes (fresh tuples). The decode is
             # the agent's, measured with the agent: not timed here.
@@ -405,7 +411,8 @@ def measure_l2_live(topo: JobTopology, templates: list[_Template], step_ns: int,
             t_dec = time.perf_counter()
             step_recs = [Step.decode(p) for p in step_bytes]
             batch_recs = [PhaseBatch.decode(p) for p in batch_bytes]
-            decode_runs.append((time.perf_counter() - t_dec) * 1e3)
+            if timed:
+                decode_runs.append((time.perf_counter() - t_dec) * 1e3)
             del step_bytes, batch_bytes
         if timed:
             gc.collect()
@@ -421,7 +428,7 @@ def measure_l2_live(topo: JobTopology, templates: list[_Template], step_ns: int,
         if got:
             findings += [f"{f.kind.value}:{','.join(map(str, f.ranks[:8]))}" for f in got]
         if timed:
-            add_runs, diag_runs, totals = runs[decoded]
+            add_runs, diag_runs, totals = runs[s < held + timed_steps]
             add_runs.append((t1 - t0) * 1e3)
             totals.append((t2 - t0) * 1e3)
             if got is not None:
@@ -529,10 +536,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             "topology": f"DP {topo.dp_size} x TP {TP} x PP {PP}", "slow_rank": slow_rank_of(n),
             "input_generation_s": _r(gen_s, 2),
             "l3": {name: measure_l3(rows, topo, repeats) for name, rows in l3_in.items()},
-            "l2": measure_l2(topo, batches, heavy),
+            # Budgeted on the records as the worker holds them: each decoded from its own Avro bytes.
+            "l2": measure_l2(topo, [[PhaseBatch.decode(b.encode()) for b in step] for step in batches], heavy),
             "l1": measure_l1(n, args.l1_steps, SEED + 11, repeats),
             "job_diagnosis": measure_job_diagnosis(topo, steps, batches, heavy),
         }
+        in_memory = measure_l2(topo, batches, heavy)
+        entry["l2"]["in_memory"] = {k: in_memory[k] for k in ("ms_per_step", "fold_ms_per_step", "detect_ms_per_run",
+                                                              "same_as_table")}
         if args.live_steps > 0:
             del steps, batches
             gc.collect()
