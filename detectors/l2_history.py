@@ -34,6 +34,8 @@ __all__ = ["PhaseHistory", "row_medians"]
 F64 = npt.NDArray[np.float64]
 I64 = npt.NDArray[np.int64]
 _INT32_MAX = 2**31 - 1
+#: Steps' columns staged before they are written into a shape's matrix at once (see _Shape).
+_STAGED = 8
 #: Values sorted at once for the medians over steps (a block of rows; 1 MiB of int32).
 _SORT_BLOCK_VALUES = 1 << 18
 
@@ -84,10 +86,46 @@ class _Shape:
                 self.cell_nests[(self.offsets[lay == j][:, None] + layout.nests).ravel()] = True
                 raw_rows = (self.raw_offsets[lay == j][:, None] + np.arange(layout.nests.size)).ravel() - total
                 self.raw_gid[raw_rows] = np.tile(layout.ids[layout.nests], raw_rows.size // layout.nests.size)
-        self.mat: npt.NDArray[np.int32] | I64 = np.empty((total + self.raw_gid.size, 0), dtype=np.int32)
+        self._mat: npt.NDArray[np.int32] | I64 = np.empty((total + self.raw_gid.size, 0), dtype=np.int32)
+        # The latest steps' columns, one contiguous row each, until a reader needs the matrix or _STAGED fill: a
+        # column written into the matrix touches a cache line per cell (174k at 10,240 ranks), a flush of several
+        # columns the same lines once.
+        self._stage: npt.NDArray[np.int32] | I64 | None = None
+        self._staged: list[int] = []
         self.free: list[int] = []
         self.used = 0
         self._cells: tuple[JobTopology, I64, I64] | None = None
+
+    @property
+    def mat(self) -> npt.NDArray[np.int32] | I64:
+        """The ``cells x columns`` matrix of the held steps (int32 while the times fit, else int64)."""
+        self.flush()
+        return self._mat
+
+    def flush(self) -> None:
+        """Write the staged columns into the matrix."""
+        slots = self._staged
+        if not slots or self._stage is None:
+            return
+        block = self._stage[:len(slots)].T
+        first = slots[0]
+        if slots == list(range(first, first + len(slots))):
+            self._mat[:, first:first + len(slots)] = block
+        else:
+            self._mat[:, slots] = block
+        self._staged = []
+
+    def staged_bytes(self) -> int:
+        return 0 if self._stage is None else int(self._stage.nbytes)
+
+    def staged_column(self, slot: int) -> npt.NDArray[np.int32] | I64:
+        """A contiguous row (of the matrix's dtype) that stands for column ``slot`` until :meth:`flush`."""
+        if len(self._staged) >= _STAGED or slot in self._staged:
+            self.flush()
+        if self._stage is None or self._stage.dtype != self._mat.dtype:
+            self._stage = np.empty((_STAGED, self._mat.shape[0]), dtype=self._mat.dtype)
+        self._staged.append(slot)
+        return self._stage[len(self._staged) - 1]
 
     def cells(self, topology: JobTopology, pid: I64, n_phases: int) -> I64:
         """Per own row, its cell of a ``world x phases`` array under ``topology`` and the phase positions ``pid``
@@ -102,24 +140,26 @@ class _Shape:
         return bool(np.array_equal(self.ranks, ranks) and np.array_equal(self.lay, lay))
 
     def widen(self) -> None:
-        """Hold times of int64 from now on (a time beyond int32's ns, ~2.1 s)."""
-        if self.mat.dtype != np.int64:
-            self.mat = self.mat.astype(np.int64)
+        """Hold times of int64 from now on (a time beyond int32's ns, ~2.1 s); staged columns are written first."""
+        if self._mat.dtype != np.int64:
+            self._mat = self.mat.astype(np.int64)
 
     def reserve(self, cap: int) -> int:
         """A free column for one step (written by the caller); ``cap``: the most columns worth holding."""
         if not self.free:
-            width = self.mat.shape[1]
+            old = self.mat
+            width = old.shape[1]
             grown = max(width + 1, min(2 * width, cap), 4)
-            mat = np.empty((self.mat.shape[0], grown), dtype=self.mat.dtype)
-            mat[:, :width] = self.mat
-            self.mat = mat
+            self._mat = np.empty((old.shape[0], grown), dtype=old.dtype)
+            self._mat[:, :width] = old
             self.free = list(range(grown - 1, width - 1, -1))
         slot = self.free.pop()
         self.used += 1
         return slot
 
     def release(self, slot: int) -> None:
+        if slot in self._staged:
+            self.flush()  # a staged column is its slot's until written: the slot may be reserved again
         self.free.append(slot)
         self.used -= 1
 
@@ -168,13 +208,15 @@ class PhaseHistory:
         where = np.empty_like(order)
         where[order] = np.arange(order.size)
         shape, slot = self._reserve(step, ranks[order], which[order], order.astype(np.int64))
-        for part in folded:
-            at = where[part.members]
-            args = (shape.offsets[at], shape.raw_offsets[at], part.duration, part.nested,
-                    self.index.layouts[part.layout].nests)
-            if not store_own_times(shape.mat, slot, *args):
-                shape.widen()
-                store_own_times(shape.mat, slot, *args)
+        parts = [(shape.offsets[where[p.members]], shape.raw_offsets[where[p.members]], p.duration, p.nested,
+                  self.index.layouts[p.layout].nests) for p in folded]
+        column = shape.staged_column(slot)
+        if not all(store_own_times(column, *part) for part in parts):
+            # A time beyond int32: the matrix widened, the step written again whole into a column of int64.
+            shape.widen()
+            column = shape.staged_column(slot)
+            for part in parts:
+                store_own_times(column, *part)
 
     def replace(self, batch: PhaseBatch) -> None:
         """A batch of a folded step delivered again (or late): it replaces its rank's phases in that step,
@@ -222,9 +264,9 @@ class PhaseHistory:
 
     def state_bytes(self) -> int:
         """Bytes of the arrays held (matrices, cells, arrival orders)."""
-        total = sum(s.mat.nbytes + s.ranks.nbytes + s.lay.nbytes + s.offsets.nbytes + s.cell_rank.nbytes
-                    + s.cell_gid.nbytes + s.cell_count.nbytes + s.raw_offsets.nbytes + s.raw_rank.nbytes
-                    + s.raw_gid.nbytes + s.cell_nests.nbytes for s in self._shapes)
+        total = sum(s.mat.nbytes + s.staged_bytes() + sum(x.nbytes for x in (
+            s.ranks, s.lay, s.offsets, s.cell_rank, s.cell_gid, s.cell_count, s.raw_offsets, s.raw_rank, s.raw_gid,
+            s.cell_nests)) for s in self._shapes)
         return total + sum(p.arrival.nbytes for p in self._pieces.values())
 
     def _place(self, step: int, ranks: I64, lay: I64, arrival: I64, column: I64) -> None:

@@ -125,7 +125,7 @@ def fold_rows(start: I64, dur: I64, inverse: I64, n_ids: int, outer: I64, block:
 
 
 @numba.njit(cache=True, nogil=True)
-def _store(mat: npt.NDArray[np.int32] | I64, slot: int, limit: int, offsets: I64, raw_offsets: I64, duration: I64,
+def _store(column: npt.NDArray[np.int32] | I64, limit: int, offsets: I64, raw_offsets: I64, duration: I64,
            nested: I64, nests: I64) -> bool:  # pragma: no cover - compiled
     for r in range(duration.shape[0]):
         at = offsets[r]
@@ -133,23 +133,23 @@ def _store(mat: npt.NDArray[np.int32] | I64, slot: int, limit: int, offsets: I64
             v = max(duration[r, i] - nested[r, i], 0)
             if v > limit:
                 return False
-            mat[at + i, slot] = v
+            column[at + i] = v
         at = raw_offsets[r]
         for j in range(nests.size):
             v = max(duration[r, nests[j]], 0)
             if v > limit:
                 return False
-            mat[at + j, slot] = v
+            column[at + j] = v
     return True
 
 
-def store_own_times(mat: npt.NDArray[np.int32] | I64, slot: int, offsets: I64, raw_offsets: I64, duration: I64,
+def store_own_times(column: npt.NDArray[np.int32] | I64, offsets: I64, raw_offsets: I64, duration: I64,
                     nested: I64, nests: I64) -> bool:
-    """Write folded rows into column ``slot`` of a ``cells x steps`` matrix: row ``r``'s own times (``duration -
-    nested``, ns, at least 0) into the cells from ``offsets[r]`` on, its durations at the positions ``nests``
-    (at least 0) into those from ``raw_offsets[r]`` on. One compiled pass, no column built first. ``False``
-    (some cells written) where a value exceeds what ``mat``'s dtype holds: widen it and write again."""
-    return bool(_store(mat, slot, int(np.iinfo(mat.dtype).max), offsets, raw_offsets, duration, nested, nests))
+    """Write folded rows into a step's ``column`` of cells: row ``r``'s own times (``duration - nested``, ns, at
+    least 0) into the cells from ``offsets[r]`` on, its durations at the positions ``nests`` (at least 0) into
+    those from ``raw_offsets[r]`` on. One compiled pass. ``False`` (some cells written) where a value exceeds
+    what ``column``'s dtype holds."""
+    return bool(_store(column, int(np.iinfo(column.dtype).max), offsets, raw_offsets, duration, nested, nests))
 
 
 def overlaps(s_o: I64, e_o: I64, s_c: I64, e_c: I64, span: int, max_pairs_per_phase: int) -> I64:
