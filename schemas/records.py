@@ -568,29 +568,29 @@ class JobTopology(Record):
         """The integer column ``name`` (``rank``, ``dp_group``, ``pp_stage``, ...) as a read-only int64 array,
         converted once per topology object: detectors read the columns of a 10,240-rank job dozens of times
         a diagnosis."""
-        arrays = self.__dict__.setdefault("_arrays", {})  # frozen fields: the cache sits beside them
-        out: npt.NDArray[np.int64] | None = arrays.get(name)
-        if out is None:
-            out = np.array(getattr(self, name), dtype=np.int64)
-            out.flags.writeable = False
-            arrays[name] = out
-        return out
+        return self._memo(name, lambda: np.array(getattr(self, name), dtype=np.int64))
 
     def positions(self, ranks: npt.ArrayLike) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.bool_]]:
         """Each of ``ranks``' position in :attr:`rank` (the last of equal ranks), by one search, and whether
         it is there at all (where not, its position is meaningless)."""
-        arrays = self.__dict__.setdefault("_arrays", {})
-        if "_rank_order" not in arrays:
-            order = np.argsort(self.array("rank"), kind="stable")
-            arrays["_rank_order"], arrays["_sorted_rank"] = order, self.array("rank")[order]
-        order, ordered = arrays["_rank_order"], arrays["_sorted_rank"]
+        order = self._memo("_rank_order", lambda: np.argsort(self.array("rank"), kind="stable"))
+        ordered = self._memo("_sorted_rank", lambda: self.array("rank")[order])
         want = np.asarray(ranks, dtype=np.int64)
-        at = np.maximum(np.searchsorted(ordered, want, side="right") - 1, 0)
         if not ordered.size:
             return np.zeros(want.shape, dtype=np.int64), np.zeros(want.shape, dtype=bool)
+        at = np.maximum(np.searchsorted(ordered, want, side="right") - 1, 0)
         found: npt.NDArray[np.bool_] = ordered[at] == want
         out: npt.NDArray[np.int64] = order[at]
         return out, found
+
+    def _memo(self, key: str, make: Callable[[], npt.NDArray[np.int64]]) -> npt.NDArray[np.int64]:
+        """``make()`` once per topology object, read-only (the fields are frozen: the cache sits beside them)."""
+        arrays: dict[str, npt.NDArray[np.int64]] = self.__dict__.setdefault("_arrays", {})
+        out = arrays.get(key)
+        if out is None:
+            out = arrays[key] = make()
+            out.flags.writeable = False
+        return out
 
     def stream_groups(self) -> dict[int, ParallelGroup]:
         """``group_streams`` mapped to their ``group_kinds``."""
