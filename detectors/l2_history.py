@@ -17,7 +17,7 @@ for the held steps' batches in step order (each step's batches in arrival order,
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from operator import attrgetter
 
@@ -34,6 +34,7 @@ __all__ = ["PhaseHistory", "row_medians"]
 F64 = npt.NDArray[np.float64]
 I64 = npt.NDArray[np.int64]
 _INT32_MAX = 2**31 - 1
+_RANK = attrgetter("rank")
 #: Steps' columns staged before they are written into a shape's matrix at once (see _Shape).
 _STAGED = 8
 #: Values sorted at once for the medians over steps (a block of rows; 1 MiB of int32).
@@ -200,10 +201,13 @@ class PhaseHistory:
     def steps(self) -> list[int]:
         return sorted(self._pieces)
 
-    def fold(self, step: int, batches: Sequence[PhaseBatch]) -> None:
-        """Fold one step's batches (one per rank, in arrival order) into the history, replacing any fold of it."""
+    def fold(self, step: int, batches: Sequence[PhaseBatch], ranks_of: Iterable[int] | None = None) -> None:
+        """Fold one step's batches (one per rank, in arrival order) into the history, replacing any fold of it.
+        ``ranks_of``: the batches' ranks, in their order, where the caller holds them (read from the batches
+        else)."""
         which, folded = self.index.fold(batches)
-        ranks = np.fromiter(map(attrgetter("rank"), batches), dtype=np.int64, count=len(batches))
+        ranks = np.fromiter(map(_RANK, batches) if ranks_of is None else ranks_of, dtype=np.int64,
+                            count=len(batches))
         order = np.argsort(ranks, kind="stable")
         where = np.empty_like(order)
         where[order] = np.arange(order.size)

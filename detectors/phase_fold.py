@@ -31,54 +31,57 @@ FoldedRows = tuple[I64, I64, I64, I64, I64, I64, I64, I64, int, int, int]
 
 
 @numba.njit(cache=True, nogil=True)
-def _fold(start: I64, dur: I64, inverse: I64, n_ids: int, outer: I64, block: I64, ptr: I64,
+def _fold(start: I64, s_at: int, dur: I64, d_at: int, inverse: I64, n_ids: int, outer: I64, block: I64, ptr: I64,
           pair_block: I64) -> FoldedRows:  # pragma: no cover - compiled
-    rows, width = dur.shape
+    rows, width = dur.shape[0], inverse.size
     big, small = np.iinfo(np.int64).max, np.iinfo(np.int64).min
     sums = np.zeros((rows, n_ids), dtype=np.int64)
     nested = np.zeros((rows, n_ids), dtype=np.int64)
-    lo_so, hi_so = np.full(outer.size, big), np.full(outer.size, small)
-    lo_eo, hi_eo = np.full(outer.size, big), np.full(outer.size, small)
-    lo_sc, hi_ec = np.full(block.size, big), np.full(block.size, small)
-    # One row's collective intervals (relative starts and ends), read once by every pair that holds them.
-    s_c, e_c = np.empty(block.size, dtype=np.int64), np.empty(block.size, dtype=np.int64)
-    per_id = np.zeros(n_ids, dtype=np.int64)
-    end, d_lo, d_hi = small, big, small
+    # Per column, the least and greatest relative start and end over the rows: kept for every column, in
+    # contiguous passes the compiler vectorizes; those of the compute and collective columns are returned.
+    lo_s, hi_s = np.full(width, big), np.full(width, small)
+    lo_e, hi_e = np.full(width, big), np.full(width, small)
+    # One row's relative starts and ends, read by the pairs that hold them.
+    rel, ends = np.empty(width, dtype=np.int64), np.empty(width, dtype=np.int64)
+    pair_col = block[pair_block]
+    # Per pair, its compute phase's position in outer and its column: one loop over all pairs (a loop per
+    # compute phase over its few pairs mispredicts its every exit).
+    pair_of = np.empty(pair_block.size, dtype=np.int64)
+    for i in range(outer.size):
+        pair_of[ptr[i]:ptr[i + 1]] = i
+    pair_out = outer[pair_of]
+    acc = np.zeros(outer.size, dtype=np.int64)
+    d_lo, d_hi = big, small
     for r in range(rows):
-        s_row, d_row = start[r], dur[r]
+        s_row, d_row = start[r, s_at:s_at + width], dur[r, d_at:d_at + width]
         first, lo, hi = s_row[0], d_lo, d_hi
-        # Reductions alone (vectorized), apart from the scatter into the ids.
         for c in range(width):
             first = min(first, s_row[c])
             lo, hi = min(lo, d_row[c]), max(hi, d_row[c])
         d_lo, d_hi = lo, hi
-        per_id[:] = 0
         for c in range(width):
-            per_id[inverse[c]] += d_row[c]
-        sums[r] = per_id
-        for j in range(block.size):
-            c = block[j]
             s = s_row[c] - first
             e = s + max(d_row[c], 0)
-            s_c[j], e_c[j] = s, e
-            lo_sc[j], hi_ec[j] = min(lo_sc[j], s), max(hi_ec[j], e)
-            end = max(end, e)
-        per_id[:] = 0
+            rel[c], ends[c] = s, e
+            lo_s[c], hi_s[c] = min(lo_s[c], s), max(hi_s[c], s)
+            lo_e[c], hi_e[c] = min(lo_e[c], e), max(hi_e[c], e)
+        sums_r, nested_r = sums[r], nested[r]
+        for c in range(width):
+            sums_r[inverse[c]] += d_row[c]
+        acc[:] = 0
+        for k in range(pair_col.size):
+            c, b = pair_out[k], pair_col[k]
+            acc[pair_of[k]] += max(min(ends[c], ends[b]) - max(rel[c], rel[b]), 0)
         for i in range(outer.size):
             c = outer[i]
-            d_o = d_row[c]
-            s_o = s_row[c] - first
-            e_o = s_o + max(d_o, 0)
-            lo_so[i], hi_so[i] = min(lo_so[i], s_o), max(hi_so[i], s_o)
-            lo_eo[i], hi_eo[i] = min(lo_eo[i], e_o), max(hi_eo[i], e_o)
-            end = max(end, e_o)
-            acc = 0
-            for k in range(ptr[i], ptr[i + 1]):
-                b = pair_block[k]
-                acc += max(min(e_o, e_c[b]) - max(s_o, s_c[b]), 0)
-            per_id[inverse[c]] += min(acc, d_o)
-        nested[r] = per_id
-    return sums, nested, lo_so, hi_so, lo_eo, hi_eo, lo_sc, hi_ec, end, d_lo, d_hi
+            nested_r[inverse[c]] += min(acc[i], d_row[c])
+    end = small
+    for i in range(outer.size):
+        end = max(end, hi_e[outer[i]])
+    for j in range(block.size):
+        end = max(end, hi_e[block[j]])
+    return (sums, nested, lo_s[outer], hi_s[outer], lo_e[outer], hi_e[outer], lo_s[block], hi_e[block], end,
+            d_lo, d_hi)
 
 
 @numba.njit(cache=True, nogil=True)
@@ -113,15 +116,23 @@ def pair_lists(pairs: npt.NDArray[np.bool_]) -> tuple[I64, I64]:
 
 
 def fold_rows(start: I64, dur: I64, inverse: I64, n_ids: int, outer: I64, block: I64, ptr: I64,
-              pair_block: I64) -> FoldedRows:
-    """One pass over ``start`` and ``dur`` (``batches x columns``, ns, at least one column; ``start`` matters to
-    the overlaps only, none where ``block`` is empty): per row the durations summed per id (``inverse``: each
-    column's id position), and each compute column ``outer[i]``'s overlap with the collective columns
-    ``block[pair_block[ptr[i]:ptr[i + 1]]]`` (:func:`pair_lists`), capped at its duration and summed into its
-    id; then the ranges of the columns (see :data:`FoldedRows`). Sums wrap beyond int64, as numpy's."""
-    # Read where they lie: the rows of packed times are strided views of one buffer, and a contiguous copy of
-    # them costs a third of the pass.
-    return _fold(start, dur, inverse, int(n_ids), outer, block, ptr, pair_block)
+              pair_block: I64, *, start_at: int = 0, dur_at: int = 0) -> FoldedRows:
+    """One pass over ``start`` and ``dur`` (``batches x columns``, ns; the ``inverse.size`` columns from
+    ``start_at`` and from ``dur_at`` on, at least one; both may be one array, as packed times are: starts then
+    durations per row; ``start`` matters to the overlaps only, none where ``block`` is empty): per row the
+    durations summed per id (``inverse``: each column's id position), and each compute column ``outer[i]``'s
+    overlap with the collective columns ``block[pair_block[ptr[i]:ptr[i + 1]]]`` (:func:`pair_lists`), capped at
+    its duration and summed into its id; then the ranges of the columns (see :data:`FoldedRows`). Sums wrap
+    beyond int64, as numpy's. Raises ``ValueError`` where the columns do not fit the arrays."""
+    width = inverse.size
+    if start.ndim != 2 or dur.ndim != 2 or start.shape[0] != dur.shape[0] or width == 0 \
+            or not (0 <= start_at <= start.shape[1] - width and 0 <= dur_at <= dur.shape[1] - width):
+        raise ValueError(f"fold_rows: {width} columns from {start_at} / {dur_at} do not fit arrays of shapes "
+                         f"{start.shape} / {dur.shape}")
+    # Rows read in place as contiguous slices of C-ordered arrays (what the compiled loops vectorize): one buffer
+    # of packed times is not split into strided views, nor copied.
+    return _fold(np.ascontiguousarray(start), int(start_at), np.ascontiguousarray(dur), int(dur_at), inverse,
+                 int(n_ids), outer, block, ptr, pair_block)
 
 
 @numba.njit(cache=True, nogil=True)

@@ -19,6 +19,7 @@ import struct
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from operator import attrgetter, itemgetter
+from typing import TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -46,6 +47,7 @@ _PACKED_TIMES = attrgetter("packed_times")
 _FOLD_BLOCK = 256
 _NAMES, _KINDS, _GROUPS, _SECOND = attrgetter("names"), attrgetter("kinds"), attrgetter("groups"), itemgetter(1)
 _SHARED_LAYOUT = attrgetter("shared_layout")
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, eq=False)
@@ -111,36 +113,45 @@ class PhaseLayout:
     def packed(self, batches: Sequence[PhaseBatch]) -> list[bytes] | None:
         """The times decoded ``batches`` (all of this layout) keep packed (:attr:`PhaseBatch.packed_times`), for
         :meth:`unpack`; ``None`` unless every batch has them."""
-        packed: list[bytes | None] = list(map(_PACKED_TIMES, batches))
-        if not packed or any(p is None for p in packed):
-            return None
-        return packed  # type: ignore[return-value]
+        return _every_packed(list(map(_PACKED_TIMES, batches)))
 
-    def unpack(self, packed: Sequence[bytes]) -> tuple[I64, I64]:
-        """:meth:`columns` of ``start_ns`` and ``duration_ns`` (``batches x phases`` each, read-only views of one
-        buffer) from :meth:`packed` times: bytes joined, no int converted (a numpy array per batch costs ~0.6 us to
-        concatenate, a join ~0.1 us). Raises :class:`DetectorError` where their lengths differ from the layout's."""
+    def unpack(self, packed: Sequence[bytes]) -> I64:
+        """:meth:`packed` times as one read-only ``batches x 2·phases`` array (one buffer): per row the batch's
+        ``start_ns``, then its ``duration_ns`` (what :meth:`fold_packed` takes). Bytes joined, no int converted
+        (a numpy array per batch costs ~0.6 us to concatenate, a join ~0.1 us). Raises :class:`DetectorError`
+        where their lengths differ from the layout's."""
         width = self.inverse.size
         # Decoding checked that each batch's times are as long as its kinds (those of this layout).
         both = np.frombuffer(b"".join(packed), dtype="<i8")
         if both.size != 2 * width * len(packed):
             raise DetectorError("phase batches of one layout differ in the length of their columns")
-        rows = both.reshape(len(packed), 2, width)
-        return rows[:, 0], rows[:, 1]
+        out: I64 = both.reshape(len(packed), 2 * width)
+        return out
 
     def fold_rows(self, start: I64, duration: I64) -> tuple[I64, I64]:
         """Per row of ``duration`` (``batches x phases``, ns, all of this layout) the sum per phase id, and the
         overlap of its compute phases with the batch's blocking collectives, each capped at the phase's
         duration, summed per id (0 for other ids): two ``batches x ids`` arrays. ``start``: the batches'
         starts (read only when the layout has blocking collectives)."""
-        rows, width = duration.shape
+        return self._fold_rows(start, 0, duration, 0)
+
+    def fold_packed(self, times: I64) -> tuple[I64, I64]:
+        """:meth:`fold_rows` of :meth:`unpack`'s ``times`` (per row the starts, then the durations)."""
+        return self._fold_rows(times, 0, times, self.inverse.size)
+
+    def _fold_rows(self, s_buf: I64, s_at: int, d_buf: I64, d_at: int) -> tuple[I64, I64]:
+        """fold_rows of the columns of ``s_buf`` from ``s_at`` on and of ``d_buf`` from ``d_at`` on."""
+        width = self.inverse.size
+        rows = d_buf.shape[0]
         if rows == 0 or width == 0:
             return np.zeros((rows, self.ids.size), dtype=np.int64), np.zeros((rows, self.ids.size), dtype=np.int64)
         cached = self._pairs[0] if self._pairs else None
         ptr, pair_block = (cached[1], cached[2]) if cached is not None else (np.zeros(self.outer.size + 1,
                                                                                       dtype=np.int64), _NONE)
         sums, nested, lo_so, hi_so, lo_eo, hi_eo, lo_sc, hi_ec, end, d_lo, d_hi = fold_rows(
-            start, duration, self.inverse, self.ids.size, self.outer, self.block, ptr, pair_block)
+            s_buf, d_buf, self.inverse, self.ids.size, self.outer, self.block, ptr, pair_block,
+            start_at=s_at, dur_at=d_at)
+        start, duration = s_buf[:, s_at:s_at + width], d_buf[:, d_at:d_at + width]
         beyond = max(d_hi, -d_lo) * width >= _EXACT_NS
         if beyond:
             # Sums beyond float64's integers: the per-batch float sums, as ever.
@@ -166,8 +177,8 @@ class PhaseLayout:
             if np.count_nonzero(pairs & ~inside) > most:
                 pairs = meets
             self._pairs[:] = [(pairs, *pair_lists(pairs))]
-            nested = fold_rows(start, duration, self.inverse, self.ids.size, self.outer, self.block,
-                               *self._pairs[0][1:])[1]
+            nested = fold_rows(s_buf, d_buf, self.inverse, self.ids.size, self.outer, self.block,
+                               *self._pairs[0][1:], start_at=s_at, dur_at=d_at)[1]
         return sums, nested
 
     def _nested_by_coverage(self, start: I64, duration: I64, span: int) -> I64:
@@ -249,23 +260,37 @@ class LayoutIndex:
             order[at] = None
             prev = b
         which = np.fromiter(map(known.__getitem__, keys), dtype=np.int64, count=len(keys))
+        times: list[bytes | None] = list(map(_PACKED_TIMES, batches))
         out = []
         for j in order:
             lay = self.layouts[j]
             idx = np.flatnonzero(which == j)
-            mine = [batches[i] for i in idx.tolist()] if len(order) > 1 else list(batches)
-            packed = lay.packed(mine)
+            packed = _every_packed(times if len(order) == 1 else _picked(times, idx))
             if packed is not None:
                 # A block of batches at a time: a few fresh MiB per layout each step (a join and its views) would
                 # cost more in page faults than the fold itself; a block's buffers are reused memory.
-                parts = [lay.fold_rows(*lay.unpack(packed[lo:lo + _FOLD_BLOCK]))
+                parts = [lay.fold_packed(lay.unpack(packed[lo:lo + _FOLD_BLOCK]))
                          for lo in range(0, len(packed), _FOLD_BLOCK)]
                 sums, nested = (np.concatenate(col) for col in zip(*parts, strict=True))
             else:
+                mine = list(batches) if len(order) == 1 else _picked(batches, idx)
                 dur = lay.columns(mine, "duration_ns")
                 sums, nested = lay.fold_rows(lay.columns(mine, "start_ns") if lay.block.size else dur, dur)
             out.append(FoldedLayout(j, idx.astype(np.int64), sums, nested))
         return which, out
+
+
+def _every_packed(times: list[bytes | None]) -> list[bytes] | None:
+    """``times`` (:attr:`PhaseBatch.packed_times` of batches) where every batch has them, else ``None``."""
+    # all(): one C-level truth test per batch (an empty bytes is false: the columns serve a layout of no
+    # phase alike).
+    return times if times and all(times) else None  # type: ignore[return-value]
+
+
+def _picked(items: Sequence[T], idx: I64) -> list[T]:
+    """``items`` at the positions ``idx`` (one C-level pass)."""
+    at = idx.tolist()
+    return [items[at[0]]] if len(at) == 1 else list(itemgetter(*at)(items))
 
 
 @functools.lru_cache(maxsize=256)

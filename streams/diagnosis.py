@@ -313,7 +313,7 @@ class JobDiagnosis:
             # The one step this one may push out of the history (the older ones were dropped before).
             self._history.drop(self._complete[-held - 1])
         if step in self._complete[-held:]:
-            self._history.fold(step, list(batches.values()))
+            self._history.fold(step, list(batches.values()), batches.keys())
 
     def phase_state_bytes(self) -> int:
         """Bytes of the folded phase history held (the arrays; see :class:`PhaseHistory`)."""

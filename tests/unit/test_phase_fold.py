@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from argus.core.errors import DetectorError
-from argus.detectors import l2_history, phase_layout
+from argus.detectors import l2_history, phase_fold, phase_layout
 from argus.detectors.l2_history import row_medians
 from argus.detectors.phase_layout import LayoutIndex, PhaseLayout, nested_one
 from argus.schemas.records import ParallelGroup, PhaseBatch, PhaseKind
@@ -25,16 +25,17 @@ LAYOUT = (("fwd", F, N), ("attn", F, N), ("ar", AR, TP), ("mlp", F, N), ("ar", A
           ("pp", SR, PP), ("dp", AR, DP), ("opt", OPT, N), ("data", DL, N), *(("ep", PhaseKind.ALL_TO_ALL, EP),) * 6)
 
 
-def _batches(rng: np.random.Generator, n: int, jitter: int, share_starts: bool) -> list[PhaseBatch]:
+def _batches(rng: np.random.Generator, n: int, jitter: int, share_starts: bool,
+             negative: bool = False) -> list[PhaseBatch]:
     """``n`` batches of one layout: phases one after another from a common offset, each moved by up to
     ``jitter`` ns (large jitter: timelines that differ, many pairs meet, by coverage); the forward holds the
-    layers."""
+    layers. ``negative``: some durations below 0 (clock skew in a bad record)."""
     names, kinds, groups = (tuple(x[i] for x in LAYOUT) for i in range(3))
     streams = tuple(-1 for _ in LAYOUT)
     shared = None
     out = []
     for r in range(n):
-        dur = rng.integers(0, 2000, len(LAYOUT))
+        dur = rng.integers(-300 if negative else 0, 2000, len(LAYOUT))
         start = np.cumsum(dur) - dur + rng.integers(0, jitter + 1, len(LAYOUT))
         start[0], dur[0] = 0, int(start.max() + dur.max())  # the forward spans the layers
         starts = tuple(int(x) + 10**12 for x in start)
@@ -57,15 +58,21 @@ def _per_batch(lay: PhaseLayout, batches: list[PhaseBatch]) -> tuple[np.ndarray,
 
 @PROPERTY
 @given(seed=st.integers(0, 2**32 - 1), sizes=st.lists(st.integers(1, 12), min_size=1, max_size=4),
-       jitters=st.lists(st.sampled_from([0, 50, 3000, 10**6]), min_size=4, max_size=4), share=st.booleans())
+       jitters=st.lists(st.sampled_from([0, 50, 3000, 10**6]), min_size=4, max_size=4), share=st.booleans(),
+       decoded=st.booleans(), negative=st.booleans())
 def test_fold_rows_matches_the_per_batch_evaluation(seed: int, sizes: list[int], jitters: list[int],
-                                                    share: bool) -> None:
+                                                    share: bool, decoded: bool, negative: bool) -> None:
     """One layout folded call after call (the pairs it keeps from one call serve the next) gives each call's
-    per-batch sums and nested times, and so does the coverage evaluation."""
+    per-batch sums and nested times, from the batches' columns or (``decoded``) their packed times, and so does
+    the coverage evaluation."""
     rng = np.random.default_rng(seed)
     index = LayoutIndex()
     for i, n in enumerate(sizes):
-        batches = _batches(rng, n, jitters[i], share)
+        # Negative durations only built in-process: records refuse them on the wire.
+        batches = _batches(rng, n, jitters[i], share, negative and not decoded)
+        if decoded:
+            batches = [PhaseBatch.decode(b.encode()) for b in batches]
+            assert all(b.packed_times is not None for b in batches)
         which, folded = index.fold(batches)
         assert which.tolist() == [0] * n and len(folded) == 1
         lay = index.layouts[0]
@@ -75,6 +82,26 @@ def test_fold_rows_matches_the_per_batch_evaluation(seed: int, sizes: list[int],
         start, dur = lay.columns(batches, "start_ns"), lay.columns(batches, "duration_ns")
         span = int((start - start.min(axis=1, keepdims=True) + dur).max()) + 1
         assert np.array_equal(lay._nested_by_coverage(start, dur, span), want_nested)
+        if decoded:
+            packed = lay.unpack(lay.packed(batches))
+            assert np.array_equal(packed, np.concatenate([start, dur], axis=1))
+            assert all(np.array_equal(a, b) for a, b in zip(lay.fold_packed(packed), lay.fold_rows(start, dur),
+                                                             strict=True))
+
+
+def test_fold_rows_refuses_columns_beyond_its_arrays() -> None:
+    """The compiled pass reads no column outside the arrays it is given."""
+    lay = LayoutIndex()
+    batches = _batches(np.random.default_rng(3), 2, 0, False)
+    lay.fold(batches)
+    layout = lay.layouts[0]
+    start = layout.columns(batches, "start_ns")
+    no_pairs = np.zeros(layout.outer.size + 1, dtype=np.int64), np.empty(0, np.int64)
+    args = (layout.inverse, layout.ids.size, layout.outer, layout.block, *no_pairs)
+    with pytest.raises(ValueError, match="do not fit"):
+        phase_fold.fold_rows(start, start, *args, dur_at=1)
+    with pytest.raises(ValueError, match="do not fit"):
+        phase_fold.fold_rows(start[:1], start, *args)
 
 
 def test_fold_groups_batches_by_layout_whatever_their_tuples() -> None:
