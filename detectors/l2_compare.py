@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import numpy.typing as npt
 
-from argus.detectors.l2_groups import loo_median_rows
+from argus.detectors.l2_groups import loo_median_rows, row_spreads
 from argus.detectors.victims import LATE_ARRIVAL_RATIO
 from argus.schemas.records import PhaseKind
 
@@ -91,9 +91,8 @@ class Flag:
 def compare_rows(value: F64, p: L2Params, collective: bool) -> tuple[F64, F64, F64, F64, npt.NDArray[np.bool_]]:
     """Each row of ``value`` one group's members: ratio to and z against the peers' median, that median, the
     group's CV (one per row) and the hits (see :func:`argus.detectors.l2_phases.detect_l2`)."""
-    peers = loo_median_rows(value)
-    med = np.median(value, axis=1, keepdims=True)
-    scale = np.maximum(np.median(np.abs(value - med), axis=1, keepdims=True) * _MAD_SCALE, p.mad_floor * peers)
+    peers, _, mad = row_spreads(value)
+    scale = np.maximum(mad * _MAD_SCALE, p.mad_floor * peers)
     with np.errstate(invalid="ignore", divide="ignore"):
         z = (value - peers) / scale
         ratio = np.maximum(value, _RESOLUTION_NS) / np.maximum(peers, _RESOLUTION_NS)
@@ -148,15 +147,21 @@ def phase_flags(name: str, kind: PhaseKind, label: str, column: I64, has: npt.ND
                 durations = raw(members[at])
                 wall = np.where(per_occurrence[at], durations / rate[at], durations)
             hit[at] &= (wall - loo_median_rows(wall)) >= _WALL_SHARE * (value[at] - peers[at])
-        late_ns = (peers - value) * np.where(per_occurrence, rate, 1.0)
-        late = late_ns / np.maximum(longest[members], 1.0)
-        blocked = in_blocking[members]
+        # What a flag tells beyond its ratio, for the groups with a flagged member only (row by row as for all).
+        at = np.flatnonzero(hit.any(axis=1))
+        if not at.size:
+            continue
+        mem = members[at]
+        late_ns = (peers[at] - value[at]) * np.where(per_occurrence[at], rate[at], 1.0)
+        late = late_ns / np.maximum(longest[mem], 1.0)
+        blocked = in_blocking[mem]
         waited = (blocked - loo_median_rows(blocked)) / np.maximum(late_ns, 1.0)
-        for g, i in zip(*np.nonzero(hit), strict=True):
+        for h, i in zip(*np.nonzero(hit[at]), strict=True):
+            g = at[h]
             zi = float(z[g, i]) if (n >= 3 or collective) and math.isfinite(float(z[g, i])) else None
-            excess = float(late_ns[g, i]) if collective else float(-late_ns[g, i])
+            excess = float(late_ns[h, i]) if collective else float(-late_ns[h, i])
             found.append((int(rows[g]), int(i), Flag(
-                int(rank[members[g, i]]), name, kind, float(ratio[g, i]), zi, float(value[g, i]), float(peers[g, i]),
-                float(cv[g]), f"{label}{int(uniq[rows[g]])}", float(late[g, i]), float(waited[g, i]), excess)))
+                int(rank[mem[h, i]]), name, kind, float(ratio[g, i]), zi, float(value[g, i]), float(peers[g, i]),
+                float(cv[g]), f"{label}{int(uniq[rows[g]])}", float(late[h, i]), float(waited[h, i]), excess)))
     found.sort(key=lambda t: (t[0], t[1]))
     return [f for _, _, f in found]

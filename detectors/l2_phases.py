@@ -461,7 +461,8 @@ def _waited_together(elevation: dict[int, float], topology: JobTopology,
     ``peers``: per flagged rank, every rank's ratio in that rank's top phase (NaN where not compared, by
     position in ``topology``): members elevated alike but just under the flagging ratio count as the next
     member too (a degraded TP link puts a whole group at ~1.5x, and which of them crosses 1.5x is noise)."""
-    pos = {r: i for i, r in enumerate(topology.rank)}
+    flagged = list(elevation)
+    pos = dict(zip(flagged, topology.positions(flagged)[0].tolist(), strict=True))  # the flagged are its ranks
     out: set[int] = set()
     for group in _WAIT_TOGETHER:
         column = topology.array(group.column)

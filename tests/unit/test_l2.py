@@ -13,6 +13,7 @@ from argus.core.errors import DetectorError
 from argus.core.kinds import FindingKind
 from argus.detectors import L2Params, PhaseTable, detect_l2, loo_median
 from argus.detectors.l2_compare import compare_rows
+from argus.detectors.l2_groups import loo_median_rows, row_spreads
 from argus.detectors.victims import waiting_victims
 from argus.producers.topology import build_topology
 from argus.schemas.records import JobTopology, Level, ParallelGroup, PhaseBatch, PhaseKind
@@ -99,6 +100,25 @@ def test_loo_median_matches_brute_force(values: list[float]) -> None:
             assert got[i] == pytest.approx(float(np.median(rest)))
         else:
             assert np.isnan(got[i])
+
+
+@PROPERTY
+@given(seed=st.integers(0, 2**32 - 1), rows=st.integers(1, 40), width=st.integers(2, 60),
+       ties=st.booleans(), nan=st.booleans())
+def test_row_spreads_are_numpys(seed: int, rows: int, width: int, ties: bool, nan: bool) -> None:
+    """Leave-one-out medians, medians and MADs per row: the values of numpy's calls, bit for bit, whether the
+    rows are short (compiled, by insertion) or long, with ties, with NaN."""
+    rng = np.random.default_rng(seed)
+    v = rng.integers(0, 4, (rows, width)).astype(np.float64) if ties else rng.normal(1e6, 1e4, (rows, width))
+    if nan:
+        v[rng.integers(0, rows), rng.integers(0, width)] = np.nan
+    loo, med, mad = row_spreads(v)
+    want_med = np.median(v, axis=1, keepdims=True)
+    assert np.array_equal(loo, loo_median_rows(v), equal_nan=True)
+    assert np.array_equal(med, want_med, equal_nan=True)
+    assert np.array_equal(mad, np.median(np.abs(v - want_med), axis=1, keepdims=True), equal_nan=True)
+    with pytest.raises(DetectorError):
+        row_spreads(v[:, :1])
 
 
 def test_phase_table_aggregates_and_deduplicates() -> None:
