@@ -317,8 +317,8 @@ def detect_l3(summaries: Sequence[KernelSummary], topology: JobTopology | None =
                                      else p.min_events)
     if batch is None or ranks.size < p.min_ranks:
         return []
-    if topology is not None and not set(topology.rank).issuperset(ranks.tolist()):
-        raise DetectorError(f"ranks {sorted(set(ranks.tolist()) - set(topology.rank))[:5]} are not in topology")
+    if topology is not None and not (known := topology.positions(ranks)[1]).all():
+        raise DetectorError(f"ranks {ranks[~known][:5].tolist()} are not in topology")  # ranks ascend
     # ``group_known``: the collective's group is known (its phases or the topology named it), or each
     # grouping is tried.
     base: dict[str, Any] = {"window_end_ns": window_end(cols), "n_ranks": int(ranks.size),
@@ -352,7 +352,12 @@ def _trusted_levels(batch: MixtureBatch) -> npt.NDArray[np.bool_]:
     counts = np.take_along_axis(batch.counts, order, axis=1)
     with np.errstate(invalid="ignore", divide="ignore"):
         share = np.cumsum(counts, axis=1) / counts.sum(axis=1, keepdims=True)
-    at = np.minimum((share[:, None, :] <= _SCAN_U[None, :, None]).sum(axis=2), counts.shape[1] - 1)
+    # Per level, the clusters wholly below it: a pass per cluster (a rank has a few; a sum over a last axis of
+    # that length costs several times more).
+    below = np.zeros((share.shape[0], _SCAN_U.size), dtype=np.int64)
+    for k in range(share.shape[1]):
+        below += share[:, k, None] <= _SCAN_U[None, :]
+    at = np.minimum(below, counts.shape[1] - 1)
     out: npt.NDArray[np.bool_] = np.take_along_axis(counts >= _TAIL_CALLS, at, axis=1)
     return out
 
@@ -409,8 +414,7 @@ def _compute(cols: SummaryColumns, ranks: I64, batch: MixtureBatch, total: F64,
     s = cols.summaries[0]
     stages: I64 | None = None  # the ranks' stages when compared job-wide
     if topology is not None and p.compute_scope is Scope.STAGE:
-        stage_of = dict(zip(topology.rank, topology.pp_stage, strict=True))
-        part = np.array([stage_of[r] for r in ranks.tolist()], dtype=np.int64)
+        part = topology.array("pp_stage")[topology.positions(ranks)[0]]  # detect_l3 checked they are its ranks
         calls = batch.counts.sum(axis=1)
         if (np.unique(part, return_counts=True)[1].min() < _SPREAD_SET and ranks.size >= _SPREAD_SET
                 and bool(np.all(np.abs(calls / np.median(calls) - 1.0) <= _SAME_CALLS))):
