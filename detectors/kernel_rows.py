@@ -27,6 +27,8 @@ __all__ = ["SummaryColumns", "lower_part_floors", "merge_rows", "one_key", "row_
 
 F64 = npt.NDArray[np.float64]
 I64 = npt.NDArray[np.int64]
+#: Most clusters per rank for which lower_part_floors counts them one position at a time (else one search).
+_FEW_CLUSTERS = 6
 
 
 class SummaryColumns:
@@ -79,8 +81,10 @@ class SummaryColumns:
         if not keep.any():
             return None
         owner, count, p50, low = owner[keep], count[keep], p50[keep], np.minimum(low[keep], p50[keep])
-        order = np.lexsort((p50, owner))
-        owner, count, p50, low = owner[order], count[order], p50[order], low[order]
+        step, rise = np.diff(owner), np.diff(p50)
+        if not bool(np.all((step > 0) | ((step == 0) & (rise >= 0)))):  # records in rank order hold them so
+            order = np.lexsort((p50, owner))
+            owner, count, p50, low = owner[order], count[order], p50[order], low[order]
         cum = np.cumsum(count)
         start = np.r_[0, np.flatnonzero(np.diff(owner)) + 1]
         stop = np.r_[start[1:], owner.size]
@@ -225,8 +229,18 @@ def lower_part_floors(summaries: SummaryColumns | Sequence[KernelSummary], ranks
     at_rank = pos[hit]
     start, stop = rc.start[at_rank], rc.stop[at_rank]
     target = rc.before[at_rank][:, None] + u[None, :] * rc.total[at_rank][:, None]  # in the running count
-    at = np.minimum(np.searchsorted(rc.cum, target, side="left"), (stop - 1)[:, None])
-    at = np.maximum(at, start[:, None])
+    longest = int((stop - start).max()) if start.size else 0
+    if longest <= _FEW_CLUSTERS and not np.isnan(u).any():
+        # The first of the rank's clusters whose running count reaches the target: counted among its few
+        # clusters, one pass per position (the same index as the search over all clusters, clipped alike).
+        at = start[:, None].repeat(u.size, axis=1)
+        for k in range(longest):
+            within = start + k < stop
+            at += within[:, None] & (rc.cum[np.minimum(start + k, stop - 1)][:, None] < target)
+        at = np.minimum(at, (stop - 1)[:, None])
+    else:
+        at = np.minimum(np.searchsorted(rc.cum, target, side="left"), (stop - 1)[:, None])
+        at = np.maximum(at, start[:, None])
     place = (target - (rc.cum[at] - rc.count[at])) / rc.count[at]
     out[hit] = np.where(place >= median_place, np.nan, rc.low[at])
     return out

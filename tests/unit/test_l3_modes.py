@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from argus.core.kinds import FindingKind
-from argus.detectors import MixtureBatch, detect_l3, score_ranks
+from argus.detectors import MixtureBatch, detect_l3, kernel_rows, score_ranks
 from argus.detectors.kernel_modes import mode_quantiles, reference_modes
 from argus.detectors.kernel_rows import SummaryColumns, lower_part_floors
 from argus.detectors.mixture import mixture_cdf
@@ -232,3 +234,42 @@ def test_lower_part_floors_of_some_ranks_are_theirs_among_all(seed: int, n: int)
     some = np.sort(rng.choice(ranks, size=int(rng.integers(1, ranks.size + 1)), replace=False))
     np.testing.assert_array_equal(lower_part_floors(cols, some, levels), whole[some])
     np.testing.assert_array_equal(lower_part_floors(cols, ranks, levels), whole)
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), n=st.integers(1, 20), windows=st.integers(1, 5))
+def test_lower_part_floors_count_few_clusters_as_the_search_finds_them(seed: int, n: int, windows: int) -> None:
+    """Ranks with few clusters (counted position by position) or many (searched), in records of several
+    windows (clusters out of rank order) or one: the floors of a search over all clusters, level by level,
+    0 and 1 included; and clusters already in order are the ones a sort gives."""
+    rng = np.random.default_rng(seed)
+    summaries = []
+    for _ in range(windows):
+        # Calls in powers of two: levels at quarters fall on clusters' boundaries.
+        per_rank = {r: [(int(rng.choice([0, 1, 2, 4, 8, 16])), float(p) * 0.7, float(p), float(p) * 1.6)
+                        for p in np.sort(np.exp(rng.normal(12.0, 1.0, int(rng.integers(1, 5)))))]
+                    for r in range(n) if rng.random() < 0.9}
+        if per_rank:
+            summaries.append(_summary_of(per_rank))
+    if not summaries:
+        return
+    ranks = np.arange(n + 1)
+    levels = np.concatenate([[0.0, 0.25, 0.5, 0.75, 1.0], rng.random(3)])
+    fast = lower_part_floors(summaries, ranks, levels)
+    saved = kernel_rows._FEW_CLUSTERS
+    try:
+        kernel_rows._FEW_CLUSTERS = 0  # every rank searched
+        np.testing.assert_array_equal(fast, lower_part_floors(summaries, ranks, levels))
+    finally:
+        kernel_rows._FEW_CLUSTERS = saved
+    # One window's clusters, given in order and reversed within each rank: one order.
+    one = summaries[0]
+    at = np.r_[0, np.cumsum(one.n_clusters)]
+    flipped = [i for r in range(len(one.rank)) for i in range(at[r + 1] - 1, at[r] - 1, -1)]
+    reordered = dataclasses.replace(one, **{f: tuple(getattr(one, f)[i] for i in flipped) for f in (
+        "cluster_count", "cluster_p50_ns", "cluster_p99_ns", "cluster_min_ns", "cluster_max_ns", "cluster_sum_ns")})
+    a, b = SummaryColumns([one]).ordered(True), SummaryColumns([reordered]).ordered(True)
+    assert (a is None) == (b is None)
+    if a is not None and b is not None and len(set(one.cluster_p50_ns)) == len(one.cluster_p50_ns):
+        for f in dataclasses.fields(a):
+            np.testing.assert_array_equal(getattr(a, f.name), getattr(b, f.name))
