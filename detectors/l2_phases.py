@@ -462,7 +462,7 @@ def _waited_together(elevation: dict[int, float], topology: JobTopology,
     position in ``topology``): members elevated alike but just under the flagging ratio count as the next
     member too (a degraded TP link puts a whole group at ~1.5x, and which of them crosses 1.5x is noise)."""
     flagged = list(elevation)
-    pos = dict(zip(flagged, topology.positions(flagged)[0].tolist(), strict=True))  # the flagged are its ranks
+    pos = dict(zip(flagged, rank_positions(topology, np.array(flagged, dtype=np.int64)).tolist(), strict=True))
     out: set[int] = set()
     for group in _WAIT_TOGETHER:
         column = topology.array(group.column)

@@ -68,6 +68,7 @@ from argus.detectors.cdf_grid import median_sample, pointwise_median, sample_ref
 from argus.detectors.kernel_modes import ReferenceModes, reference_modes
 from argus.detectors.kernel_rows import SummaryColumns, lower_part_floors, merge_rows, one_key, row_floors, window_end
 from argus.detectors.l2_groups import loo_median, loo_median_rows
+from argus.detectors.l2_phases import rank_positions
 from argus.detectors.mixture import (
     MixtureBatch,
     geometric_grid,
@@ -317,8 +318,8 @@ def detect_l3(summaries: Sequence[KernelSummary], topology: JobTopology | None =
                                      else p.min_events)
     if batch is None or ranks.size < p.min_ranks:
         return []
-    if topology is not None and not (known := topology.positions(ranks)[1]).all():
-        raise DetectorError(f"ranks {ranks[~known][:5].tolist()} are not in topology")  # ranks ascend
+    if topology is not None:
+        rank_positions(topology, ranks)  # raises for ranks not in it
     # ``group_known``: the collective's group is known (its phases or the topology named it), or each
     # grouping is tried.
     base: dict[str, Any] = {"window_end_ns": window_end(cols), "n_ranks": int(ranks.size),
@@ -414,7 +415,7 @@ def _compute(cols: SummaryColumns, ranks: I64, batch: MixtureBatch, total: F64,
     s = cols.summaries[0]
     stages: I64 | None = None  # the ranks' stages when compared job-wide
     if topology is not None and p.compute_scope is Scope.STAGE:
-        part = topology.array("pp_stage")[topology.positions(ranks)[0]]  # detect_l3 checked they are its ranks
+        part = topology.array("pp_stage")[rank_positions(topology, ranks)]
         calls = batch.counts.sum(axis=1)
         if (np.unique(part, return_counts=True)[1].min() < _SPREAD_SET and ranks.size >= _SPREAD_SET
                 and bool(np.all(np.abs(calls / np.median(calls) - 1.0) <= _SAME_CALLS))):
@@ -513,8 +514,7 @@ def _groups(topology: JobTopology | None, ranks: I64, p2p: bool,
     and in expert groups (all-to-all); collectives in DP, TP and EP groups."""
     if topology is None:
         return [("JOB", 0, np.arange(ranks.size))]
-    pos = {r: i for i, r in enumerate(topology.rank)}
-    at = np.array([pos[r] for r in ranks.tolist()], dtype=np.int64)
+    at = rank_positions(topology, ranks)
     # NCCL runs an all-to-all as grouped sends and receives, so expert groups show in point-to-point kernels
     # only; the reductions and gathers run in data- and tensor-parallel groups.
     if only is not None and only is not ParallelGroup.NONE:

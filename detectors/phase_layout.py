@@ -110,16 +110,12 @@ class PhaseLayout:
         shared.flags.writeable = False  # as the unshared columns (a view of bytes): one type for the kernels
         return shared
 
-    def packed(self, batches: Sequence[PhaseBatch]) -> list[bytes] | None:
-        """The times decoded ``batches`` (all of this layout) keep packed (:attr:`PhaseBatch.packed_times`), for
-        :meth:`unpack`; ``None`` unless every batch has them."""
-        return _every_packed(list(map(_PACKED_TIMES, batches)))
-
     def unpack(self, packed: Sequence[bytes]) -> I64:
-        """:meth:`packed` times as one read-only ``batches x 2·phases`` array (one buffer): per row the batch's
-        ``start_ns``, then its ``duration_ns`` (what :meth:`fold_packed` takes). Bytes joined, no int converted
-        (a numpy array per batch costs ~0.6 us to concatenate, a join ~0.1 us). Raises :class:`DetectorError`
-        where their lengths differ from the layout's."""
+        """Decoded batches' :attr:`PhaseBatch.packed_times` (all of this layout) as one read-only
+        ``batches x 2·phases`` array (one buffer): per row the batch's ``start_ns``, then its ``duration_ns``
+        (what :meth:`fold_packed` takes). Bytes joined, no int converted (a numpy array per batch costs ~0.6 us
+        to concatenate, a join ~0.1 us). Raises :class:`DetectorError` where their lengths differ from the
+        layout's."""
         width = self.inverse.size
         # Decoding checked that each batch's times are as long as its kinds (those of this layout).
         both = np.frombuffer(b"".join(packed), dtype="<i8")

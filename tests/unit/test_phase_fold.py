@@ -83,7 +83,7 @@ def test_fold_rows_matches_the_per_batch_evaluation(seed: int, sizes: list[int],
         span = int((start - start.min(axis=1, keepdims=True) + dur).max()) + 1
         assert np.array_equal(lay._nested_by_coverage(start, dur, span), want_nested)
         if decoded:
-            packed = lay.unpack(lay.packed(batches))
+            packed = lay.unpack([b.packed_times for b in batches])
             assert np.array_equal(packed, np.concatenate([start, dur], axis=1))
             assert all(np.array_equal(a, b) for a, b in zip(lay.fold_packed(packed), lay.fold_rows(start, dur),
                                                              strict=True))
