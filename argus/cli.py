@@ -1,28 +1,59 @@
 """The ``argus`` command line: the local stack, the demo, SQL, and the service entry points.
 
-This module is the user-facing output layer, so it writes to stdout; library code logs instead.
+This module is the user-facing output layer, so it writes to stdout; library code logs instead. Every failure
+is one line on stderr and an exit code of :class:`Exit`, never a traceback: bad arguments and settings exit 2
+(argparse's own code), brokers that do not answer within 10 s exit 6 after one line saying so.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import enum
 import json
 import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from argus.core.errors import ArgusError
+from argus.core.kafka_logs import LIBRDKAFKA_LOGGER, KafkaUnreachableError, require_kafka
 from argus.core.settings import Settings
 
-__all__ = ["main"]
+__all__ = ["Exit", "main"]
+
+#: Seconds a command waits for the brokers to answer before it gives up (with one line saying so first).
+KAFKA_REACH_S = 10.0
+
+
+class Exit(enum.IntEnum):
+    """The exit codes of ``argus`` (the README lists them)."""
+
+    OK = 0
+    #: An operation failed (the message says what); also a demo whose job was not fully processed.
+    ERROR = 1
+    #: Bad arguments or settings.
+    USAGE = 2
+    #: ``status``: not every process of this home's stack is healthy.
+    UNHEALTHY = 3
+    #: ``findings --wait`` / ``replay``: the diagnosis was not complete within the time allowed.
+    INCOMPLETE = 4
+    #: ``findings`` / ``report``: nothing is stored for the job (a typo, or another database or namespace).
+    UNKNOWN_JOB = 5
+    #: The Kafka brokers did not answer within :data:`KAFKA_REACH_S`.
+    KAFKA_UNREACHABLE = 6
+    INTERRUPTED = 130
 
 
 def _out(text: str = "") -> None:
     sys.stdout.write(text + "\n")
     sys.stdout.flush()
+
+
+def _err(text: str) -> None:
+    sys.stderr.write(text + "\n")
+    sys.stderr.flush()
 
 
 def _progress(msg: str) -> None:
@@ -67,6 +98,8 @@ def _cmd_status(settings: Settings, args: argparse.Namespace) -> int:
         for name in ("kafka", "worker", "sink"):
             s = status[name]
             state = "healthy" if s.get("healthy") else ("running" if s.get("running") else "stopped")
+            if s.get("foreign"):
+                state += " (its port answers for another home or process)"
             if s.get("state") not in (None, "running"):
                 state += f" ({s['state']})"  # e.g. backoff: the supervisor restarts it shortly
             last = s.get("last_exit")
@@ -74,7 +107,8 @@ def _cmd_status(settings: Settings, args: argparse.Namespace) -> int:
             _out(f"{name:10s} {state:8s} pid={s.get('pid')}  up since {s.get('up_since') or '-'}  "
                  f"restarts={s.get('restarts', 0)}  last exit={exit_text}  log={s.get('log')}")
         _out_jobs((status["worker"].get("stats") or {}).get("diagnosis"))
-    return 0 if all(status[n].get("healthy") for n in ("kafka", "worker", "sink")) else 3
+    healthy = status["supervisor"]["running"] and all(status[n].get("healthy") for n in ("kafka", "worker", "sink"))
+    return Exit.OK if healthy else Exit.UNHEALTHY
 
 
 def _out_jobs(diagnosis: dict[str, Any] | None, limit: int = 20) -> None:
@@ -172,6 +206,17 @@ def _cmd_follow(settings: Settings, args: argparse.Namespace) -> int:
     return 0
 
 
+def _unknown_job(settings: Settings, job: str) -> int | None:
+    """:attr:`Exit.UNKNOWN_JOB` after saying so when nothing is stored for ``job``, else None."""
+    from argus.sinks.findings_query import job_known
+
+    if job_known(settings, job):
+        return None
+    sys.stderr.write(f"argus: no job {job!r} in database {settings.clickhouse_database} (nothing stored for it: "
+                     "check the name, ARGUS_CLICKHOUSE_DATABASE, or wait until its records arrive)\n")
+    return Exit.UNKNOWN_JOB
+
+
 def _cmd_findings(settings: Settings, args: argparse.Namespace) -> int:
     from argus.sinks.findings_query import fetch_findings, pending_reasons, wait_diagnosed
 
@@ -179,7 +224,7 @@ def _cmd_findings(settings: Settings, args: argparse.Namespace) -> int:
         return _cmd_follow(settings, args)
     if not args.job:
         sys.stderr.write("argus: findings needs --job (or --follow for every job)\n")
-        return 2
+        return Exit.USAGE
     complete = True
     if args.wait:
         complete = wait_diagnosed(settings, args.job, args.wait)
@@ -191,13 +236,15 @@ def _cmd_findings(settings: Settings, args: argparse.Namespace) -> int:
             sys.stderr.write(f"argus: job {args.job} not fully diagnosed after {args.wait:.0f} s ({why}); "
                              "showing the findings so far\n")
     findings = fetch_findings(settings, args.job)
+    if not findings and (unknown := _unknown_job(settings, args.job)) is not None:
+        return unknown
     if args.json:
         _out(json.dumps(findings))
     elif not findings:
         _out(f"no findings for job {args.job}")
     else:
         _out(_table(_FINDING_COLUMNS, _finding_rows(findings)))
-    return 0 if complete else 4
+    return Exit.OK if complete else Exit.INCOMPLETE
 
 
 def _cmd_replay(settings: Settings, args: argparse.Namespace) -> int:
@@ -243,6 +290,8 @@ def _cmd_import_kineto(settings: Settings, args: argparse.Namespace) -> int:
 def _cmd_report(settings: Settings, args: argparse.Namespace) -> int:
     from argus.report import build_report
 
+    if (unknown := _unknown_job(settings, args.job)) is not None:
+        return unknown
     drawn = build_report(settings, args.job, args.out)
     if args.json:
         _out(json.dumps(drawn, default=str, indent=2))
@@ -292,10 +341,56 @@ def _cmd_stacks(settings: Settings, args: argparse.Namespace) -> int:
     return 0
 
 
+def _bounded_int(least: int, most: int = 1 << 31) -> Callable[[str], int]:
+    """An argparse type: an integer in ``[least, most]``, else argparse's usage error (exit 2)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if not least <= value <= most:
+            raise argparse.ArgumentTypeError(f"must be in {least}..{most}, got {value}")
+        return value
+
+    return parse
+
+
+def _seconds(text: str) -> float:
+    """An argparse type: a finite number of seconds >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds >= 0, got {text}")
+    return value
+
+
+def _job_id(text: str) -> str:
+    """An argparse type: a job id, non-empty, printable, at most 256 characters (it keys Kafka messages)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("a job id must not be empty")
+    if len(text) > 256 or not text.isprintable():
+        raise argparse.ArgumentTypeError(f"a job id is at most 256 printable characters, got {text[:40]!r}")
+    return text
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("argus-failslow")
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown (not installed)"
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="argus", description="Always-on tracing and fail-slow diagnosis "
                                 "for GPU training jobs.")
-    p.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING or ERROR (env ARGUS_LOG_LEVEL)")
+    p.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    p.add_argument("--log-level", default=None, choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                   type=str.upper, help="log level of this command (env ARGUS_LOG_LEVEL for services)")
     sub = p.add_subparsers(dest="command", required=True)
     s = sub.add_parser("up", help="start Kafka, the stream worker and the sink in the background, under a "
                        "supervisor that restarts any of them that exits")
@@ -332,67 +427,70 @@ def _parser() -> argparse.ArgumentParser:
     s.set_defaults(fn=_cmd_stacks)
     faults = ["none", "case1", "case2", "case3", "case4", "case5"]
     s = sub.add_parser("simulate", help="publish a simulated training job to Kafka")
-    s.add_argument("--job", required=True)
-    s.add_argument("--dp", type=int, default=8)
-    s.add_argument("--tp", type=int, default=2)
-    s.add_argument("--pp", type=int, default=2)
-    s.add_argument("--steps", type=int, default=40)
-    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--job", required=True, type=_job_id)
+    s.add_argument("--dp", type=_bounded_int(1, 65536), default=8, help="data-parallel degree (>= 1)")
+    s.add_argument("--tp", type=_bounded_int(1, 1024), default=2, help="tensor-parallel degree (>= 1)")
+    s.add_argument("--pp", type=_bounded_int(1, 1024), default=2, help="pipeline stages (>= 1)")
+    s.add_argument("--steps", type=_bounded_int(1, 1_000_000), default=40)
+    s.add_argument("--seed", type=_bounded_int(0), default=0)
     s.add_argument("--fault", choices=[*faults, "hang", "silent-rank", "crash"], default="none",
                    help="case1..case5 (fail-slow), hang / silent-rank (rank --hang-rank from step --hang-step), "
                         "crash (no END)")
-    s.add_argument("--hang-rank", type=int, default=5, metavar="R", help="hang / silent-rank: the rank")
-    s.add_argument("--hang-step", type=int, default=10, metavar="S", help="hang / silent-rank: the first step")
-    s.add_argument("--hang-s", type=float, default=20.0, metavar="SECONDS",
+    s.add_argument("--hang-rank", type=_bounded_int(0), default=5, metavar="R", help="hang / silent-rank: the rank")
+    s.add_argument("--hang-step", type=_bounded_int(0), default=10, metavar="S",
+                   help="hang / silent-rank: the first step")
+    s.add_argument("--hang-s", type=_seconds, default=20.0, metavar="SECONDS",
                    help="hang / silent-rank: seconds the blocked ranks heartbeat (in real time)")
     s.add_argument("--no-resume", action="store_true", help="hang: the job never resumes (no END)")
-    s.add_argument("--pause-step", type=int, default=-1, metavar="S",
+    s.add_argument("--pause-step", type=_bounded_int(-1), default=-1, metavar="S",
                    help="a checkpoint pause: every rank stops before step S (heartbeats only), then goes on")
-    s.add_argument("--pause-s", type=float, default=5.0, metavar="SECONDS", help="length of the --pause-step pause")
+    s.add_argument("--pause-s", type=_seconds, default=5.0, metavar="SECONDS",
+                   help="length of the --pause-step pause")
     s.set_defaults(fn=_cmd_simulate)
     s = sub.add_parser("findings", help="the diagnosis of a job (JSON contract with --json), or --follow "
                                         "findings as they arrive")
-    s.add_argument("--job", default=None, help="the job (required unless --follow)")
+    s.add_argument("--job", default=None, type=_job_id, help="the job (required unless --follow)")
     s.add_argument("--follow", action="store_true",
                    help="print findings as they arrive on the diagnosis topic (one JSON object per line with "
                         "--json), from now or --from-beginning, until Ctrl-C")
     s.add_argument("--from-beginning", action="store_true", help="--follow: start at the oldest retained finding")
-    s.add_argument("--idle-timeout", type=float, default=None, metavar="SECONDS",
+    s.add_argument("--idle-timeout", type=_seconds, default=None, metavar="SECONDS",
                    help="--follow: stop after this long without a finding")
-    s.add_argument("--wait", type=float, default=0.0, metavar="SECONDS",
+    s.add_argument("--wait", type=_seconds, default=0.0, metavar="SECONDS",
                    help="block until the job is diagnosed through to ClickHouse: every detector part done, its "
                         "findings and the END's record counts stored (exit 4 on timeout)")
     s.add_argument("--json", action="store_true", help="print a JSON array of findings")
     s.set_defaults(fn=_cmd_findings)
     s = sub.add_parser("import-kineto", help="publish torch.profiler/Kineto traces (one file per rank) as a job")
     s.add_argument("directory", type=Path)
-    s.add_argument("--job", required=True)
+    s.add_argument("--job", required=True, type=_job_id)
     s.add_argument("--topology", default=None, help="dp=N,tp=N,pp=N when the traces carry no pg_config")
     s.set_defaults(fn=_cmd_import_kineto)
     s = sub.add_parser("replay", help="diagnose a retained job again with the current detectors into a "
                                       "namespace of its own, and diff its findings against the stored ones")
-    s.add_argument("--job", required=True)
+    s.add_argument("--job", required=True, type=_job_id)
     s.add_argument("--into", default=None, metavar="NAMESPACE",
                    help="namespace of the replay's topics and ClickHouse database (default replay_<UTC time>)")
     s.add_argument("--from-time", default=None, metavar="T",
                    help="only records published from T (ISO 8601, or seconds since the epoch)")
     s.add_argument("--to-time", default=None, metavar="T", help="only records published until T")
-    s.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the replayed diagnosis")
+    s.add_argument("--timeout", type=_seconds, default=600.0, help="seconds to wait for the replayed diagnosis")
     s.add_argument("--json", action="store_true")
     s.set_defaults(fn=_cmd_replay)
     s = sub.add_parser("report", help="write one self-contained HTML page of a job: iteration time, per-rank "
                                       "heat maps of phases and kernels, the suspect kernel's clusters, findings")
-    s.add_argument("--job", required=True)
+    s.add_argument("--job", required=True, type=_job_id)
     s.add_argument("--out", type=Path, default=Path("report.html"))
     s.add_argument("--json", action="store_true", help="print what was drawn as JSON")
     s.set_defaults(fn=_cmd_report)
     s = sub.add_parser("export-trace", help="a Chrome/Perfetto trace of chosen ranks and steps (steps, phases, "
                                             "collectives, kernels per stream, findings), for ui.perfetto.dev")
-    s.add_argument("--job", required=True)
-    s.add_argument("--rank", type=int, default=None, help="a rank to export")
-    s.add_argument("--ranks", type=int, nargs="+", default=None, metavar="R", help="more ranks to export")
-    s.add_argument("--from-step", type=int, required=True)
-    s.add_argument("--to-step", type=int, required=True)
+    s.add_argument("--job", required=True, type=_job_id)
+    s.add_argument("--rank", type=_bounded_int(0), default=None, help="a rank to export")
+    s.add_argument("--ranks", type=_bounded_int(0), nargs="+", default=None, metavar="R",
+                   help="more ranks to export")
+    s.add_argument("--from-step", type=_bounded_int(0), required=True)
+    s.add_argument("--to-step", type=_bounded_int(0), required=True)
     s.add_argument("--out", type=Path, required=True, help="trace.json, or trace.json.gz for gzip")
     s.add_argument("--summaries-only", action="store_true",
                    help="kernel activity from the per-window summaries only (do not read the kernels topic)")
@@ -400,11 +498,20 @@ def _parser() -> argparse.ArgumentParser:
     s.set_defaults(fn=_cmd_export_trace)
     s = sub.add_parser("demo", help="start the stack, simulate a 32-rank job with a fault, report")
     s.add_argument("--fault", choices=faults[1:], default="case1")
-    s.add_argument("--steps", type=int, default=40)
-    s.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for processing")
+    s.add_argument("--steps", type=_bounded_int(1, 1_000_000), default=40)
+    s.add_argument("--timeout", type=_seconds, default=300.0, help="seconds to wait for processing")
     s.add_argument("--json", action="store_true")
     s.set_defaults(fn=_cmd_demo)
     return p
+
+
+def _needs_kafka(args: argparse.Namespace) -> bool:
+    """Whether the command talks to the brokers (checked first, so an unreachable one is one clear error)."""
+    if args.command in ("topics", "simulate", "replay", "import-kineto", "stacks"):
+        return True
+    if args.command == "findings":
+        return bool(args.follow)
+    return args.command == "export-trace" and not args.summaries_only
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -413,19 +520,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         settings = Settings.load(log_level=args.log_level)
     except ArgusError as exc:
         sys.stderr.write(f"argus: configuration error: {exc}\n")
-        return 2
-    # Services log at the configured level; interactive commands only show warnings unless asked.
+        return Exit.USAGE
+    # Services log at the configured level; interactive commands only show warnings unless asked, and leave
+    # librdkafka's retries to the one line require_kafka writes.
     service = args.command in ("worker", "sink", "stacks")
     level = settings.log_level.upper() if service or args.log_level else "WARNING"
     logging.basicConfig(level=level,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    if not (service or args.log_level):
+        logging.getLogger(LIBRDKAFKA_LOGGER).setLevel(logging.CRITICAL)
     try:
+        if _needs_kafka(args):
+            require_kafka(settings.kafka, KAFKA_REACH_S, notice=lambda m: _err(f"argus: {m}"))
         return int(args.fn(settings, args))
+    except KafkaUnreachableError as exc:
+        sys.stderr.write(f"argus: {exc}\n")
+        return Exit.KAFKA_UNREACHABLE
     except ArgusError as exc:
         sys.stderr.write(f"argus: {exc}\n")
-        return 1
+        return Exit.ERROR
     except KeyboardInterrupt:
-        return 130
+        return Exit.INTERRUPTED
 
 
 if __name__ == "__main__":

@@ -41,7 +41,10 @@ def build_spec(job_id: str, dp: int, tp: int, pp: int, steps: int, fault: str, s
     heartbeat every ``heartbeat_interval_s`` for ``hang_s`` seconds; a hang then resumes if
     ``hang_resume``) or ``crash`` (no END). With ``pause_step`` >= 1 every rank pauses ``pause_s`` seconds
     before that step (a checkpoint: heartbeats only), then the job goes on."""
-    topo = build_topology(job_id, dp, tp, pp)
+    try:
+        topo = build_topology(job_id, dp, tp, pp)
+    except ValueError as exc:
+        raise ArgusError(f"job topology: {exc}") from exc
     spec: FaultSpec | None
     hang_ns = round(hang_s * 1e9)
     try:

@@ -164,10 +164,17 @@ class Stack:
                            "uptime_s": _uptime(since), "log": str(self.supervisor_log)},
             "kafka": self.kafka.status(),
         }
+        # Ports are shared by every home on the host: what answers on one is this stack's only when this home
+        # started it (its pid file), or, for a broker, when this home's supervisor adopted it as external.
+        kafka = out["kafka"]
+        adopted = ((state or {}).get("services", {}).get("kafka") or {}).get("state") == "external"
+        kafka["foreign"] = bool(kafka["pid"] is None and kafka["healthy"] and not adopted)
+        kafka["healthy"] = bool(kafka["healthy"] and not kafka["foreign"])
         for service in Service:
             pid = service_pid(self.run_dir, service)
-            out[service.value] = {"running": pid is not None, "pid": pid, "healthy": self.healthy(service),
-                                  "log": str(self.log_path(service))}
+            answers = self.healthy(service)
+            out[service.value] = {"running": pid is not None, "pid": pid, "healthy": pid is not None and answers,
+                                  "foreign": pid is None and answers, "log": str(self.log_path(service))}
         for name in ("kafka", *(s.value for s in Service)):
             s = (state or {}).get("services", {}).get(name)
             if s is None:
@@ -179,8 +186,8 @@ class Stack:
                              restarts=int(s.get("restarts", 0)), up_since=_iso(s.get("up_since")),
                              uptime_s=_uptime(s.get("up_since")),
                              last_exit=None if last is None else {**last, "at": _iso(last.get("at"))})
-        out["sink"]["stats"] = endpoint_healthy(self.settings)
-        out["worker"]["stats"] = self.worker_stats()
+        out["sink"]["stats"] = endpoint_healthy(self.settings) if out["sink"]["running"] else None
+        out["worker"]["stats"] = self.worker_stats() if out["worker"]["running"] else None
         return out
 
     def _supervised(self, name: str) -> dict[str, Any]:

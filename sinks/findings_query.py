@@ -23,7 +23,7 @@ from argus.sinks.query_server import run_query
 #: Runs one SQL statement; defaults to :func:`argus.sinks.query_server.run_query` on the settings.
 Query = Callable[[str], QueryResult]
 
-__all__ = ["diagnosis_complete", "fetch_findings", "pending_reasons", "wait_diagnosed"]
+__all__ = ["diagnosis_complete", "fetch_findings", "job_known", "pending_reasons", "wait_diagnosed"]
 
 
 
@@ -116,3 +116,13 @@ def wait_diagnosed(settings: Settings, job_id: str, timeout_s: float, query: Que
         if time.monotonic() >= deadline:
             return False
         time.sleep(0.5)
+
+
+def job_known(settings: Settings, job_id: str, query: Query | None = None) -> bool:
+    """Whether anything is stored for the job: a lifecycle record, a step, a kernel summary or a finding
+    (a job id that matches none is a typo, or lives in another database or namespace)."""
+    db, job = settings.clickhouse_database, sql_string(job_id)
+    row = _runner(settings, query)(" UNION ALL ".join(
+        f"(SELECT 1 FROM `{db}`.{table} WHERE job_id = {job} LIMIT 1)"
+        for table in ("jobs", "steps", "kernel_summaries", "findings"))).rows
+    return bool(row)

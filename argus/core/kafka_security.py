@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from argus.core.errors import ConfigError
+from argus.core.kafka_logs import librdkafka_logger
 from argus.core.settings import KafkaSettings
 
 __all__ = ["AuthWatch", "client_config", "faust_credentials", "ssl_context"]
@@ -29,11 +30,14 @@ def client_config(kafka: KafkaSettings, extra: Mapping[str, Any] | None = None) 
     """A librdkafka (confluent-kafka) configuration: bootstrap servers and security, then ``extra``.
 
     ``extra`` holds the client's own options (group, acks, sizes); it cannot turn security off, since a
-    security key in it raises :class:`ConfigError` rather than silently replacing the settings.
+    security key in it raises :class:`ConfigError` rather than silently replacing the settings. librdkafka's
+    own log goes to the ``argus.librdkafka`` logger (:func:`argus.core.kafka_logs.librdkafka_logger`).
     """
     conf: dict[str, Any] = {
         "bootstrap.servers": kafka.bootstrap_servers,
         "security.protocol": kafka.security_protocol.lower(),
+        # librdkafka's own lines through logging (repeats held back), not straight to stderr.
+        "logger": librdkafka_logger(),
     }
     if kafka.security_protocol.startswith("SASL_"):
         conf["sasl.mechanism"] = kafka.sasl_mechanism

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from argus.core.errors import ConfigError
+from argus.core.kafka_logs import librdkafka_logger
 from argus.core.kafka_security import AuthWatch, client_config, faust_credentials, ssl_context
 from argus.core.settings import Settings
 
@@ -17,7 +18,8 @@ SASL = {"ARGUS_KAFKA_SECURITY_PROTOCOL": "SASL_PLAINTEXT", "ARGUS_KAFKA_SASL_MEC
 
 def test_defaults_are_plaintext_everywhere() -> None:
     s = Settings.load(env={})
-    assert client_config(s.kafka) == {"bootstrap.servers": s.bootstrap_servers, "security.protocol": "plaintext"}
+    assert client_config(s.kafka) == {"bootstrap.servers": s.bootstrap_servers, "security.protocol": "plaintext",
+                                      "logger": librdkafka_logger()}
     assert faust_credentials(s.kafka) is None and ssl_context(s.kafka) is None
 
 
@@ -51,7 +53,7 @@ def test_sasl_reaches_confluent_and_faust_and_stays_secret(tmp_path: Path) -> No
     conf = client_config(s.kafka, {"group.id": "g"})
     assert conf == {"bootstrap.servers": s.bootstrap_servers, "security.protocol": "sasl_plaintext",
                     "sasl.mechanism": "SCRAM-SHA-512", "sasl.username": "trainer", "sasl.password": "s3cret",
-                    "group.id": "g"}
+                    "group.id": "g", "logger": librdkafka_logger()}
     creds = faust_credentials(s.kafka)
     assert (creds.username, creds.password, creds.mechanism.value, creds.protocol.value) == (
         "trainer", "s3cret", "SCRAM-SHA-512", "SASL_PLAINTEXT")
