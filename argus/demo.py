@@ -15,6 +15,7 @@ from argus.producers.publisher import Publisher
 from argus.producers.seed_cases import SEED_CASES, seed_case
 from argus.producers.simulator import JobSimulator, JobSpec, SimStats
 from argus.producers.topology import build_topology
+from argus.sinks.clickhouse import sql_string
 from argus.sinks.findings_query import fetch_findings, wait_diagnosed
 from argus.sinks.query_server import run_query
 from argus.topics import Topic
@@ -108,11 +109,12 @@ def wait_processed(settings: Settings, job_id: str, kernel_events: int, steps: i
     and the job's END arrived. Returns the counts; raises :class:`ArgusError` on timeout."""
     say = progress or (lambda _m: None)
     db = settings.clickhouse_database
+    job = sql_string(job_id)
     sql = f"""SELECT
-        (SELECT sum(n_events) FROM `{db}`.kernel_summaries FINAL WHERE job_id = '{job_id}'),
-        (SELECT sum(kernel_events) FROM `{db}`.dead_letters FINAL WHERE job_id = '{job_id}'),
-        (SELECT count() FROM `{db}`.steps FINAL WHERE job_id = '{job_id}'),
-        (SELECT count() FROM `{db}`.jobs FINAL WHERE job_id = '{job_id}' AND event = 'END')"""
+        (SELECT sum(n_events) FROM `{db}`.kernel_summaries FINAL WHERE job_id = {job}),
+        (SELECT sum(kernel_events) FROM `{db}`.dead_letters FINAL WHERE job_id = {job}),
+        (SELECT count() FROM `{db}`.steps FINAL WHERE job_id = {job}),
+        (SELECT count() FROM `{db}`.jobs FINAL WHERE job_id = {job} AND event = 'END')"""
     deadline = time.monotonic() + timeout_s
     last = None
     while True:
@@ -154,7 +156,7 @@ def run_demo(settings: Settings, fault: str = "case1", steps: int = 40, progress
     tables = {}
     for table in ("steps", "phases", "kernel_summaries", "topology", "jobs", "findings"):
         tables[table] = int(run_query(settings, f"SELECT count() FROM `{db}`.{table} FINAL "
-                                                f"WHERE job_id = '{job_id}'").rows[0][0])
+                                                f"WHERE job_id = {sql_string(job_id)}").rows[0][0])
     kernel_bytes = sizes.get(Topic.KERNELS.full(settings), 0)
     elapsed = time.monotonic() - t0
     report: dict[str, Any] = {
@@ -186,7 +188,7 @@ def run_demo(settings: Settings, fault: str = "case1", steps: int = 40, progress
         *([f"    ... and {len(findings) - 12} more: argus findings --job {job_id}"] if len(findings) > 12 else []),
         f"  took              {elapsed:.1f} s",
         f"  try: argus sql \"SELECT rank, kernel, n_clusters, cluster_p50_ns FROM {db}.kernel_summaries FINAL "
-        f"WHERE job_id = '{job_id}' AND kernel LIKE '%gemm%' ORDER BY rank LIMIT 8\"",
+        f"WHERE job_id = {sql_string(job_id)} AND kernel LIKE '%gemm%' ORDER BY rank LIMIT 8\"",
     ]
     report["text"] = "\n".join(lines)
     return report

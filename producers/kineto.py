@@ -382,6 +382,11 @@ def import_kineto(settings: Settings, directory: Path, job_id: str, topology: st
                 f"{len(trace.steps)} steps, {len(trace.phases)} phases")
             tick(i + 1, 2 * len(files))
         traces.sort(key=lambda t: t.rank)
+        if not any(t.kernel_events or t.steps for t in traces):
+            dropped = sum((t.skipped for t in traces), Counter[str]())
+            why = ", ".join(f"{k} {v}" for k, v in sorted(dropped.items())) or "no kernel or step events"
+            raise ProducerError(f"nothing to import from {len(traces)} file(s) under {directory}: no kernel "
+                                f"event and no step was kept (skipped: {why})")
         world, traced = _check_ranks(traces, messages)
         topo, source = _resolve_topology(job_id, world, traces, topology, messages)
         hosts = list(topo.host)

@@ -681,6 +681,15 @@ class _Collector:
         for st, c in zip(*np.unique(cols[:, 1], return_counts=True), strict=True):
             self.streams[int(st)] += int(c)
 
+    def latest_ns(self) -> int | None:
+        """The latest time of anything kept (a kernel's, step's or phase's end), on the trace's clock."""
+        ends = [end for _, end in self.gpu_steps.values()]
+        ends += [start + dur for start, dur in self.cpu_steps.values()]
+        ends += [p.start_ns + p.dur_ns for p in self.phases]
+        if self.last_end is not None:
+            ends.append(self.last_end)
+        return max(ends, default=None)
+
     def step_spans(self, base: int) -> list[StepSpan]:
         out = []
         for step in set(self.cpu_steps) | set(self.gpu_steps):
@@ -767,6 +776,12 @@ def _build(path: Path, meta: dict[str, Any], col: _Collector, spill: Path, owned
     device = dev[0].get("name") if isinstance(dev, list) and dev and isinstance(dev[0], dict) else None
     host, base = meta.get("host_name"), meta.get("baseTimeNanoseconds")
     base = base if type(base) is int and 0 <= base < _MAX_NS else 0
+    latest = col.latest_ns()
+    # Each time is under 2^62 ns on the trace's clock; with the base added it must stay so (records carry int64
+    # nanoseconds, and their checks refuse 2^62 and beyond): a file beyond it is refused, not half imported.
+    if latest is not None and latest + base >= _MAX_NS:
+        raise ProducerError(f"{path.name}: refused: times reach {latest + base:,} ns (baseTimeNanoseconds "
+                            f"{base:,} included), beyond 2^62 ns")
     return RankTrace(
         path=path, rank=rank, world_size=ws, base_ns=base,
         pg_config=[g for g in pgs if isinstance(g, dict)], device=device if isinstance(device, str) else None,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import json
+import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Self
@@ -708,6 +709,14 @@ class Heartbeat(Record):
             raise SchemaError(f"{what}: collective {self.collective.value} is not a collective kind")
 
 
+#: Longest ``Finding.evidence_json`` accepted, characters (a detector's evidence is a few hundred).
+MAX_EVIDENCE_CHARS = 1 << 20
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a finite number")
+
+
 @dataclass(frozen=True)
 class Finding(Record):
     """A diagnosis; see ``schemas/finding.v3.avsc``.
@@ -767,6 +776,21 @@ class Finding(Record):
         _times(what, "time_ns", self.time_ns)
         if self.stream is not None:
             _bounded(what, "stream", self.stream, *_INT64)
+        for name in ("score", "impact_ns_per_step", "impact_ns"):
+            value = getattr(self, name)
+            if not math.isfinite(value) or (name != "score" and value < 0):
+                raise SchemaError(f"{what}: {name} must be finite{'' if name == 'score' else ' and >= 0'}, "
+                                  f"got {value!r}")
+        # Readers (argus findings, the report, replay's diff) parse the evidence: a finding whose evidence is
+        # not one JSON object of finite numbers would break them all for its job.
+        if len(self.evidence_json) > MAX_EVIDENCE_CHARS:
+            raise SchemaError(f"{what}: evidence_json is over {MAX_EVIDENCE_CHARS:,} characters")
+        try:
+            evidence = json.loads(self.evidence_json, parse_constant=_refuse_constant)
+        except ValueError as exc:  # JSONDecodeError is a ValueError; so is a NaN or Infinity refused
+            raise SchemaError(f"{what}: evidence_json is not JSON: {exc}") from exc
+        if not isinstance(evidence, dict):
+            raise SchemaError(f"{what}: evidence_json must be a JSON object, got {type(evidence).__name__}")
 
     @property
     def evidence(self) -> dict[str, Any]:

@@ -521,7 +521,8 @@ class LinkLedger:
                                                                for x in (f, g)}}
             evidence.pop("pp_stage", None)
             out.append(dataclasses.replace(
-                top, ranks=ranks, evidence_json=json.dumps(evidence, sort_keys=True, separators=(",", ":")),
+                top, ranks=ranks, evidence_json=json.dumps(evidence, sort_keys=True, allow_nan=False,
+                                                          separators=(",", ":")),
                 finding_id=finding_id(top.job_id, top.level.value, top.kind.value, ranks, top.phase, top.kernel,
                                       top.stream, top.steps)))
         return out

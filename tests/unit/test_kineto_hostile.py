@@ -220,3 +220,25 @@ def test_the_largest_world_is_accepted(tmp_path: Path) -> None:
     head = '{"distributedInfo": ' + json.dumps(info) + ', "traceEvents": ['
     with parse_rank(trace(tmp_path, head=head)) as t:
         assert (t.rank, t.world_size) == (MAX_WORLD_SIZE - 1, MAX_WORLD_SIZE)
+
+
+def test_times_beyond_2_62_once_the_base_is_added_are_refused(tmp_path: Path) -> None:
+    """A 349-byte trace whose base time and step times are near 2^62 ended the importer in an OverflowError."""
+    near = (2**62 - 10**7) // 1000  # µs, just under 2^62 ns on the trace's own clock
+    head = ('{"distributedInfo": {"rank": 0, "world_size": 1}, "baseTimeNanoseconds": '
+            f'{2**62 - 10**6}, "traceEvents": [')
+    step = json.dumps({"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#1", "ts": near, "dur": 5000})
+    path = tmp_path / "rank0.json"
+    path.write_text(head + ", ".join([step, event("k", ts=near + 1)]) + "]}")
+    refused(path, "beyond 2\\^62 ns")
+    # A kernel whose end alone passes 2^62 (its start and duration each under it), with no base.
+    refused(trace(tmp_path, json.dumps({"ph": "X", "cat": "kernel", "name": "long", "ts": near, "dur": near,
+                                        "args": {"stream": 7}})), "beyond 2\\^62 ns")
+
+
+def test_a_trace_with_nothing_kept_is_an_error_not_an_empty_job(tmp_path: Path) -> None:
+    """Every event out of range: nothing to import, said so with the reasons, instead of exit 0 and no job."""
+    (tmp_path / "rank0.json").write_text(HEAD.replace('"world_size": 2', '"world_size": 1')
+                                         + ", ".join([bad_event("1e300"), bad_event(str(2**62))]) + "]}")
+    with pytest.raises(ProducerError, match=r"nothing to import.*invalid_ts 2"):
+        import_kineto(Settings.load(env={}), tmp_path, "j", publisher=RecordingPublisher())

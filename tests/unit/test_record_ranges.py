@@ -99,3 +99,18 @@ def test_finding_dead_letter_and_stack_ranges() -> None:
 
 def test_job_end_marker_still_valid() -> None:
     KernelBatch.job_end_marker("j").check()
+
+
+@pytest.mark.parametrize(("change", "match"), [
+    ({"evidence_json": "{not json"}, "evidence_json is not JSON"),
+    ({"evidence_json": '{"ratio": NaN}'}, "not JSON.*NaN"),
+    ({"evidence_json": '{"ratio": -Infinity}'}, "not JSON.*Infinity"),
+    ({"evidence_json": "[1, 2]"}, "JSON object"),
+    ({"evidence_json": '{"x": "' + "a" * (1 << 20) + '"}'}, "over 1,048,576"),
+    ({"score": float("nan")}, "score must be finite"),
+    ({"impact_ns": float("inf")}, "impact_ns must be finite"),
+    ({"impact_ns_per_step": -1.0}, "impact_ns_per_step must be finite and >= 0"),
+])
+def test_a_finding_that_would_break_its_readers_is_rejected(change: dict[str, object], match: str) -> None:
+    """One stored finding with `{not json` made `argus findings`, the report and replay fail for its job."""
+    _rejected(dataclasses.replace(samples()["finding"], **change), match)
