@@ -256,6 +256,18 @@ class JobRouter(Generic[H]):
     def _take(self, rec: JobRecord, handle: H, now: float, out: list[Effect[H]]) -> None:
         job_id = rec.job_id
         if isinstance(rec, JobTopology):
+            # Fixed once set: another one is refused, a copy the running job holds already is acked.
+            known = self.ledger.topologies.get(job_id)
+            if known is not None and known != rec:
+                raise RejectedRecordError(f"job {job_id} has a topology already (world size {known.world_size}, "
+                                          f"dp {known.dp_size} x tp {known.tp_size} x pp {known.pp_size}); a "
+                                          f"job's topology is fixed once set, this different one (world size "
+                                          f"{rec.world_size}) is refused")
+            running = self._jobs.get(job_id)
+            if running is not None and running.topology == rec:
+                self.stats.duplicates += 1
+                out.append(Ack((handle,)))
+                return
             self.ledger.topologies[job_id] = rec
         if isinstance(rec, JobLifecycle) and rec.event is LifecycleEvent.DIAGNOSED:
             self.ledger.add_diagnosed(job_id, [rec.part])
@@ -275,6 +287,8 @@ class JobRouter(Generic[H]):
             self._abandoned(rec, handle, job, now, out)
             return
         self._admit(rec, job.world_size if job is not None else None)
+        if isinstance(rec, JobLifecycle):
+            self._check_lifecycle(rec, job)
         if (isinstance(rec, JobLifecycle) and rec.event is LifecycleEvent.END and job_id not in self.ledger.end_read
                 and not self.ledger.is_diagnosed(job_id, "l1l2")):
             self.ledger.end_read[job_id] = now
@@ -341,6 +355,22 @@ class JobRouter(Generic[H]):
             if foreign_ranks([rec.rank], self.ledger.topologies.get(rec.job_id), world):
                 raise RejectedRecordError(f"rank {rec.rank} is not in job {rec.job_id} (world size {world}, "
                                           f"topology {'known' if rec.job_id in self.ledger.topologies else 'unknown'})")
+
+    def _check_lifecycle(self, rec: JobLifecycle, job: JobDiagnosis | None) -> None:
+        """Refuse a START or END that contradicts what the job already is: another world size than its
+        topology's, or (END) a time before the steps it would close, by more than the events' allowed skew.
+        Either would close or reshape a running job on one forged or stray record."""
+        if rec.event not in (LifecycleEvent.START, LifecycleEvent.END):
+            return
+        topo = self.ledger.topologies.get(rec.job_id)
+        if topo is not None and rec.world_size != topo.world_size:
+            raise RejectedRecordError(f"{rec.event.value} of job {rec.job_id} says world size {rec.world_size}, "
+                                      f"its topology {topo.world_size}")
+        if (rec.event is LifecycleEvent.END and job is not None and job.last_time_ns
+                and rec.time_ns < job.last_time_ns - self.worker.max_event_skew_ns):
+            raise RejectedRecordError(f"END of job {rec.job_id} at {rec.time_ns} ns precedes the job's steps "
+                                      f"(the latest ends at {job.last_time_ns} ns) by more than "
+                                      f"max_event_skew_ns")
 
     def _finish(self, job_id: str, end_ns: int, now: float, out: list[Effect[H]]) -> None:
         """The job's final diagnosis on what arrived, DIAGNOSED ``l1l2``, its state dropped; its waiting L3

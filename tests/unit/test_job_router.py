@@ -332,3 +332,34 @@ def test_every_message_is_acked_exactly_once_whatever_the_order(order: list[int]
     assert [m.part for m in a.marks] == ["l1l2"] and len(a.ids()) == len(set(a.ids()))
     assert a.stats.duplicates + a.stats.replayed >= len(copies) - sum(1 for i in copies
                                                                       if not isinstance(records[i], Step | PhaseBatch))
+
+
+def test_a_jobs_topology_is_fixed_once_set_and_a_contradicting_lifecycle_refused() -> None:
+    """One decodable record could rewrite a job: a second, different topology replaced the first (later records
+    rejected, the straggler lost), an END of another world size or of time -2^62 ended the job early."""
+    records = list(job())
+    topo, start = records[0], records[1]
+    assert isinstance(start, JobLifecycle) and start.event is LifecycleEvent.START
+    *body, end = records
+    assert isinstance(end, JobLifecycle) and end.event is LifecycleEvent.END
+    a = Agent()
+    a.feed(body[:200])
+    n = a.next_id
+    a.take(topo)  # an identical copy: acked, nothing changes
+    assert a.acked == [n] and a.rejected == []
+    a.take(dataclasses.replace(topo, world_size=16, dp_size=8, rank=tuple(range(16)), host=("h",) * 16,
+                               dp_group=tuple(range(16)), tp_group=(0,) * 16, pp_group=(0,) * 16,
+                               ep_group=tuple(range(16)), pp_stage=(0,) * 16))
+    a.take(dataclasses.replace(end, world_size=4))
+    a.take(dataclasses.replace(end, time_ns=-(2**62) + 1))
+    a.take(dataclasses.replace(start, world_size=2))
+    assert [i for i, _ in a.rejected] == [n + 1, n + 2, n + 3, n + 4]
+    assert "topology is fixed once set" in a.rejected[0][1] and "world size 4, its topology 8" in a.rejected[1][1]
+    assert "precedes the job's steps" in a.rejected[2][1] and "START of job c1 says world size 2" in a.rejected[3][1]
+    assert a.router.is_open("c1") and a.marks == []
+    a.feed(body[200:])
+    a.take(end)
+    clean = Agent()
+    clean.feed(job())
+    assert sorted(a.ids()) == sorted(clean.ids()) and [m.part for m in a.marks] == ["l1l2"]
+    assert found(a.published) >= {(FindingKind.COMPUTE_STRAGGLER, (5,))}
