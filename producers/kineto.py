@@ -45,8 +45,9 @@ import numpy as np
 from argus.core.errors import ConfigError, ProducerError
 from argus.core.settings import Settings
 from argus.producers.kineto_groups import MEGATRON_GROUPS, PhaseGroups
-from argus.producers.kineto_parse import MAX_FILE_BYTES, Phase, RankTrace, assign_steps, parse_rank
-from argus.producers.topology import build_topology, groups_of
+from argus.producers.kineto_parse import MAX_FILE_BYTES, MemoryBudget, Phase, RankTrace, assign_steps, parse_rank
+from argus.producers.publisher import MAX_MESSAGE_BYTES, Publisher
+from argus.producers.topology import GROUP_COLUMN, build_topology, groups_of
 from argus.schemas.records import (
     JobLifecycle,
     JobTopology,
@@ -68,8 +69,6 @@ log = logging.getLogger(__name__)
 #: Skew of first step starts beyond which ranks are aligned by default (10 ms).
 ALIGN_THRESHOLD_NS = 10_000_000
 _SUFFIXES = (".json", ".json.gz")
-_COLUMN = {ParallelGroup.DP: "dp_group", ParallelGroup.TP: "tp_group", ParallelGroup.PP: "pp_group",
-           ParallelGroup.EP: "ep_group"}
 
 
 @dataclass(frozen=True)
@@ -274,7 +273,7 @@ def _custom_topology(job_id: str, world: int, found: dict[ParallelGroup, set[tup
                      hosts_per_node: int) -> JobTopology:
     cols: dict[str, list[int]] = {}
     stage = [0] * world
-    for kind, column in _COLUMN.items():
+    for kind, column in GROUP_COLUMN.items():
         groups = sorted(found.get(kind, ()), key=min)
         index = [-1] * world
         for i, g in enumerate(groups):
@@ -359,8 +358,10 @@ def import_kineto(settings: Settings, directory: Path, job_id: str, topology: st
     Raises:
         ProducerError: a file is not a trace or is refused as hostile (too deep, too long a number or string,
             too large, a rank or world size out of bounds: see :func:`~argus.producers.kineto_parse.parse_rank`; the
-            message names the file and the event), two files claim one rank, a rank is outside the world size,
-            or records could not be published.
+            message names the file and the event), keeps more than ``settings.import_max_memory_mb`` of
+            annotations, names and process groups, two files claim one rank, a rank is outside the world size,
+            the topology encodes to more than one Kafka message holds, nothing at all is kept, or records could not
+            be published.
         ConfigError: ``topology`` is malformed or does not multiply to the world size.
     """
     t0 = time.perf_counter()
@@ -371,12 +372,14 @@ def import_kineto(settings: Settings, directory: Path, job_id: str, topology: st
     if batch < 1:
         raise ProducerError(f"batch_events must be >= 1, got {batch}")
     files = find_traces(directory)
+    budget = MemoryBudget(settings.import_max_memory_mb << 20)
     tick = advance or (lambda _done, _total: None)
     messages: list[str] = []
     with tempfile.TemporaryDirectory(prefix="argus-kineto-") as spill, contextlib.ExitStack() as stack:
         traces: list[RankTrace] = []
         for i, path in enumerate(files):
-            trace = stack.enter_context(parse_rank(path, Path(spill), max_file_bytes=max_file_bytes))
+            trace = stack.enter_context(parse_rank(path, Path(spill), max_file_bytes=max_file_bytes,
+                                                   budget=budget))
             traces.append(trace)
             say(f"[{i + 1}/{len(files)}] {path.name}: rank {trace.rank}, {trace.kernel_events:,} kernel events, "
                 f"{len(trace.steps)} steps, {len(trace.phases)} phases")
@@ -395,6 +398,11 @@ def import_kineto(settings: Settings, directory: Path, job_id: str, topology: st
                 hosts[t.rank] = t.host
         topo = dataclasses.replace(topo, host=tuple(hosts))
         topo = with_stream_groups(topo, traces, messages)
+        size = len(topo.encode())
+        if size > MAX_MESSAGE_BYTES:  # refused before anything of the job is published
+            raise ProducerError(f"the job's topology of {topo.world_size:,} ranks encodes to {size:,} bytes, over "
+                                f"the {MAX_MESSAGE_BYTES:,}-byte message limit ({len(traces)} trace file(s); "
+                                "a world this large cannot be imported)")
         offsets, from_steps = _clock_offsets(traces, messages)
         skew = max(offsets.values()) - min(offsets.values()) if offsets else 0
         aligned = bool(offsets) and (align_clocks if align_clocks is not None
@@ -411,8 +419,6 @@ def import_kineto(settings: Settings, directory: Path, job_id: str, topology: st
         own = publisher is None
         pub: Any = publisher
         if own:
-            from argus.producers.publisher import Publisher
-
             pub = Publisher(settings, lossless=True)
         failed = 0
         try:

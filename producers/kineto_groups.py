@@ -24,8 +24,11 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 
+import numpy as np
+import numpy.typing as npt
+
 from argus.producers.kineto_parse import StreamPG
-from argus.producers.topology import groups_of
+from argus.producers.topology import GROUP_COLUMN
 from argus.schemas.records import JobTopology, ParallelGroup, PhaseKind
 
 __all__ = ["MEGATRON_GROUPS", "PhaseGroups"]
@@ -43,18 +46,41 @@ _KINDS = (ParallelGroup.DP, ParallelGroup.TP, ParallelGroup.PP, ParallelGroup.EP
 
 
 class PhaseGroups:
-    """Names and groups of one job's communication phases (see the module docstring)."""
+    """Names and groups of one job's communication phases (see the module docstring).
+
+    Groups are found on demand, for the ranks that ask (an import of a few ranks' traces of a large world
+    builds nothing per rank of the world): each kind's column is sorted once, a group is a slice of it.
+    """
 
     def __init__(self, topology: JobTopology) -> None:
-        self._stage = dict(zip(topology.rank, topology.pp_stage, strict=True))
-        #: (kind, rank) -> the members of the rank's group of that kind.
-        self._group: dict[tuple[ParallelGroup, int], frozenset[int]] = {}
-        for kind in _KINDS:
-            for members in groups_of(topology, kind).values():
-                group = frozenset(members)
-                for r in members:
-                    self._group[(kind, r)] = group
+        self._topo = topology
+        self._stages = topology.array("pp_stage")
+        #: kind -> (member ranks ordered by group index, their group indexes in that order, each rank's index).
+        self._sorted: dict[ParallelGroup, tuple[npt.NDArray[np.int64], npt.NDArray[np.int64],
+                                                 npt.NDArray[np.int64]]] = {}
+        self._groups: dict[tuple[ParallelGroup, int], frozenset[int]] = {}
         self._ep = topology.ep_size > 1
+
+    def _stage(self, rank: int) -> int | None:
+        """``rank``'s pipeline stage, or None when the topology does not have it."""
+        pos, found = self._topo.positions([rank])
+        return int(self._stages[pos[0]]) if found[0] else None
+
+    def _group(self, kind: ParallelGroup, rank: int) -> frozenset[int]:
+        """The members of ``rank``'s group of ``kind`` (``rank`` must be in the topology)."""
+        cols = self._sorted.get(kind)
+        if cols is None:
+            column = self._topo.array(GROUP_COLUMN[kind])
+            order = np.argsort(column, kind="stable")
+            cols = self._sorted[kind] = (self._topo.array("rank")[order], column[order], column)
+        members, indexes, column = cols
+        pos, _ = self._topo.positions([rank])
+        g = int(column[pos[0]])
+        group = self._groups.get((kind, g))
+        if group is None:
+            lo, hi = np.searchsorted(indexes, [g, g + 1])
+            group = self._groups[(kind, g)] = frozenset(members[lo:hi].tolist())
+        return group
 
     def stream_group(self, rank: int, pg: StreamPG) -> ParallelGroup:
         """The kind of ``rank``'s group that ``pg`` is: by its Megatron description, else by its ranks (the
@@ -62,10 +88,10 @@ class PhaseGroups:
         by_desc = MEGATRON_GROUPS.get(pg.desc.strip().upper())
         if by_desc is not None:
             return by_desc
-        if rank not in self._stage or len(pg.ranks) < 2:
+        if self._stage(rank) is None or len(pg.ranks) < 2:
             return ParallelGroup.NONE
         members = frozenset(pg.ranks)
-        return next((kind for kind in _KINDS if self._group.get((kind, rank)) == members), ParallelGroup.NONE)
+        return next((kind for kind in _KINDS if self._group(kind, rank) == members), ParallelGroup.NONE)
 
     def phase(self, rank: int, name: str, kind: PhaseKind, stream_group: ParallelGroup) -> tuple[str, ParallelGroup]:
         """The name and group kind of ``rank``'s phase ``name`` of ``kind``; ``stream_group``: the group of the
@@ -80,15 +106,16 @@ class PhaseGroups:
         return name, ParallelGroup.NONE
 
     def _p2p(self, rank: int, op: str, a: int, b: int) -> tuple[str, ParallelGroup] | None:
-        stage = self._stage.get(rank)
+        stage = self._stage(rank)
         if stage is None:
             return None
-        pipe = self._group[(ParallelGroup.PP, rank)]
-        if a == rank and b in self._stage:  # global ranks
-            if b in pipe and abs(self._stage[b] - stage) == 1:
-                return f"nccl:{op} {'next' if self._stage[b] > stage else 'prev'}", ParallelGroup.PP
-            if self._ep and b in self._group[(ParallelGroup.EP, rank)]:
+        pipe = self._group(ParallelGroup.PP, rank)
+        peer_stage = self._stage(b) if a == rank else None
+        if peer_stage is not None:  # global ranks
+            if b in pipe and abs(peer_stage - stage) == 1:
+                return f"nccl:{op} {'next' if peer_stage > stage else 'prev'}", ParallelGroup.PP
+            if self._ep and b in self._group(ParallelGroup.EP, rank):
                 return f"nccl:{op} ep", ParallelGroup.EP
-        if a == stage and abs(b - stage) == 1 and any(self._stage[r] == b for r in pipe):  # the pipeline's ranks
+        if a == stage and abs(b - stage) == 1 and any(self._stage(r) == b for r in pipe):  # the pipeline's ranks
             return f"nccl:{op} {'next' if b > stage else 'prev'}", ParallelGroup.PP
         return None

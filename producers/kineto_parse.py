@@ -56,9 +56,9 @@ import numpy.typing as npt
 from argus.core.errors import ProducerError
 from argus.schemas.records import PhaseKind
 
-__all__ = ["GPU_CATEGORIES", "MAX_DEPTH", "MAX_EXPONENT_DIGITS", "MAX_FILE_BYTES", "MAX_NUMBER_DIGITS",
-           "MAX_STRING_BYTES", "MAX_WORLD_SIZE", "Phase", "RankTrace", "StepSpan", "StreamPG", "classify_phase",
-           "parse_rank", "rank_from_name", "stream_pg", "to_ns"]
+__all__ = ["GPU_CATEGORIES", "MAX_DEPTH", "MAX_EXPONENT_DIGITS", "MAX_FILE_BYTES", "MAX_KEPT_BYTES",
+           "MAX_NUMBER_DIGITS", "MAX_STRING_BYTES", "MAX_WORLD_SIZE", "MemoryBudget", "Phase", "RankTrace", "StepSpan",
+           "StreamPG", "classify_phase", "parse_rank", "rank_from_name", "stream_pg", "to_ns"]
 
 #: Event categories imported as kernel events (compared lower-case).
 GPU_CATEGORIES = frozenset({"kernel", "gpu_memcpy", "gpu_memset"})
@@ -70,6 +70,7 @@ _SPILL = np.dtype([("name", "<u4"), ("stream", "<u4"), ("start", "<i8"), ("dur",
 _SPILL_ROWS = 16_384
 #: Streams per file whose process group is kept, and the longest ``Process Group Ranks`` text read.
 _MAX_PG_STREAMS = 1024
+_MAX_INTERNED = 1 << 16  # distinct phase names shared as one string each
 _MAX_PG_TEXT = 1 << 20
 _CHUNK = 256 * 1024
 _TAIL = 1024 * 1024
@@ -95,6 +96,8 @@ MAX_NUMBER_DIGITS = 100
 MAX_EXPONENT_DIGITS = 4
 #: Longest string, in bytes as written (escapes included).
 MAX_STRING_BYTES = 16 << 20
+#: Default of what one import keeps in memory (see :class:`MemoryBudget`), bytes: 4 GiB.
+MAX_KEPT_BYTES = 4 << 30
 # Byte classes for the guard's scan: quote, backslash, opening and closing bracket; everything else 0.
 _CLASS = bytes(1 if b == 0x22 else 2 if b == 0x5C else 3 if b in b"[{" else 4 if b in b"]}" else 0 for b in range(256))
 _DELTA = np.array([0, 0, 0, 1, -1], dtype=np.int64)
@@ -169,6 +172,38 @@ def rank_from_name(path: Path) -> int | None:
     return int(m.group(1)) if m else None
 
 
+class MemoryBudget:
+    """What an import may keep in memory across its files, estimated as they are read: phases, distinct
+    names, process-group members (kernels go to a spill file and are not counted).
+
+    Args:
+        limit_bytes: the most it may keep (``ARGUS_IMPORT_MAX_MEMORY_MB`` for ``argus import-kineto``).
+
+    :meth:`charge` raises :class:`ProducerError` once the estimate passes the limit, so a hostile or oversized
+    set of traces is refused while it is read, not after it took the machine's memory.
+    """
+
+    #: Bytes one kept phase takes (a slotted Phase, its two ints, the list's pointer), measured.
+    PHASE_BYTES = 220
+    #: Bytes one kept process-group member takes (an int and the tuple's pointer).
+    MEMBER_BYTES = 40
+
+    def __init__(self, limit_bytes: int) -> None:
+        if limit_bytes <= 0:
+            raise ValueError(f"limit_bytes must be > 0, got {limit_bytes}")
+        self.limit_bytes = limit_bytes
+        self.used_bytes = 0
+        self.path: Path | None = None  # the file being read, for the refusal's message
+
+    def charge(self, nbytes: int) -> None:
+        self.used_bytes += nbytes
+        if self.used_bytes > self.limit_bytes:
+            where = f"{self.path.name}: " if self.path is not None else ""
+            raise ProducerError(f"{where}refused: the traces' annotations, names and process groups would keep "
+                                f"more than {self.limit_bytes / 2**20:,.0f} MiB in memory "
+                                "(ARGUS_IMPORT_MAX_MEMORY_MB)")
+
+
 @dataclass(frozen=True)
 class StepSpan:
     """One ``ProfilerStep#N`` of a rank; absolute ns on the rank's clock."""
@@ -184,8 +219,10 @@ class StepSpan:
     kernel_end_ns: int | None = None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Phase:
+    """One annotation kept as a phase (slots: a trace may hold millions)."""
+
     kind: PhaseKind
     name: str
     stream: int
@@ -558,8 +595,9 @@ def _skip(text: str, pos: int) -> int:
 class _Collector:
     """Per-event state of the pass over ``traceEvents``; times on the trace's clock (ts * 1000)."""
 
-    def __init__(self, spill: Path) -> None:
+    def __init__(self, spill: Path, budget: MemoryBudget) -> None:
         self.spill = spill
+        self.budget = budget
         self.cats: dict[str, tuple[str, bool]] = {}
         self.names: list[str] = []
         self.name_ids: dict[str, int] = {}
@@ -568,6 +606,7 @@ class _Collector:
         self.cpu_steps: dict[int, tuple[int, int]] = {}
         self.gpu_steps: dict[int, tuple[int, int]] = {}
         self.phases: list[Phase] = []
+        self.phase_names: dict[str, tuple[str, PhaseKind]] = {}
         self.buf: list[tuple[int, int, int, int]] = []
         self.n = self.max_lag = 0
         self.seen = 0  # items of traceEvents so far
@@ -612,6 +651,7 @@ class _Collector:
                     and type(args) is dict and "Process Group Name" in args:
                 pg = stream_pg(args)
                 if pg is not None:
+                    self.budget.charge(len(pg.ranks) * MemoryBudget.MEMBER_BYTES + len(pg.name) + len(pg.desc))
                     self.stream_pgs[stream] = pg
         else:
             self._annotation(name, on_gpu, stream if on_gpu and stream is not None else -1, start, dur)
@@ -633,6 +673,7 @@ class _Collector:
     def _kernel(self, name: str, stream: int, start: int, dur: int) -> None:
         idx = self.name_ids.get(name)
         if idx is None:
+            self.budget.charge(2 * len(name) + 100)  # kept twice (list and dict) with the dict's entry
             idx = self.name_ids[name] = len(self.names)
             self.names.append(name)
         self.buf.append((idx, stream, start, dur))
@@ -642,7 +683,14 @@ class _Collector:
     def _annotation(self, name: str, on_gpu: bool, stream: int, start: int, dur: int) -> None:
         m = _STEP_RE.fullmatch(name)
         if m is None:
-            self.phases.append(Phase(classify_phase(name), name, stream, start, dur, on_gpu))
+            known = self.phase_names.get(name)
+            if known is None:  # one string and one classification per distinct name, however often it repeats
+                known = (name, classify_phase(name))
+                self.budget.charge(len(name))
+                if len(self.phase_names) < _MAX_INTERNED:
+                    self.phase_names[name] = known
+            self.budget.charge(MemoryBudget.PHASE_BYTES)
+            self.phases.append(Phase(known[1], known[0], stream, start, dur, on_gpu))
             return
         digits = m.group(1)
         if len(digits) > _MAX_STEP_DIGITS or int(digits) >= 2**31:
@@ -699,7 +747,8 @@ class _Collector:
         return sorted(out, key=lambda s: s.start_ns)
 
 
-def parse_rank(path: Path, spill_dir: Path | None = None, *, max_file_bytes: int = MAX_FILE_BYTES) -> RankTrace:
+def parse_rank(path: Path, spill_dir: Path | None = None, *, max_file_bytes: int = MAX_FILE_BYTES,
+               budget: MemoryBudget | None = None) -> RankTrace:
     """Read one rank's trace file in one streaming pass (see the module docstring).
 
     Hostile or broken input is refused before the JSON parser sees it (see :class:`_Guard`): nesting deeper
@@ -713,6 +762,8 @@ def parse_rank(path: Path, spill_dir: Path | None = None, *, max_file_bytes: int
         path: a Kineto ``.json`` or ``.json.gz`` file (gzip is detected by content).
         spill_dir: where to put the kernel spill file; default: a private temporary directory.
         max_file_bytes: the most bytes the file may hold after decompression (default :data:`MAX_FILE_BYTES`).
+        budget: what the import may keep in memory, shared by its files (default: :data:`MAX_KEPT_BYTES`
+            for this file alone).
 
     Raises:
         ProducerError: the file is not a trace (bad JSON or gzip, no ``traceEvents`` array), breaks one of the
@@ -726,7 +777,9 @@ def parse_rank(path: Path, spill_dir: Path | None = None, *, max_file_bytes: int
     with tempfile.NamedTemporaryFile("wb", dir=owned or spill_dir, suffix=".kernels", delete=False) as sp:
         spill = Path(sp.name)
     try:
-        col = _Collector(spill)
+        budget = budget if budget is not None else MemoryBudget(MAX_KEPT_BYTES)
+        budget.path = path
+        col = _Collector(spill, budget)
         try:
             with _open(path) as fh:
                 reader = _Guard(fh, path, max_file_bytes, lambda: col.seen)
@@ -786,12 +839,21 @@ def _build(path: Path, meta: dict[str, Any], col: _Collector, spill: Path, owned
         path=path, rank=rank, world_size=ws, base_ns=base,
         pg_config=[g for g in pgs if isinstance(g, dict)], device=device if isinstance(device, str) else None,
         host=host if isinstance(host, str) else None, steps=col.step_spans(base),
-        phases=[Phase(p.kind, p.name, p.stream, p.start_ns + base, p.dur_ns, p.on_gpu) for p in col.phases],
+        phases=_rebased(col.phases, base),
         kernel_events=col.n, names=col.names, streams=dict(col.streams), skipped=col.skipped,
         first_kernel_ns=None if col.first is None else col.first + base,
         last_kernel_end_ns=None if col.last_end is None else col.last_end + base, max_lag_ns=col.max_lag,
         stream_pgs=col.stream_pgs,
         spill=spill, owned_dir=owned)
+
+
+def _rebased(phases: list[Phase], base: int) -> list[Phase]:
+    """``phases`` moved by ``base`` ns, in place: each old phase is freed as its new one is made, so the
+    list is never held twice."""
+    if base:
+        for i, p in enumerate(phases):
+            phases[i] = Phase(p.kind, p.name, p.stream, p.start_ns + base, p.dur_ns, p.on_gpu)
+    return phases
 
 
 def _kernel_spans(trace: RankTrace) -> None:

@@ -34,7 +34,10 @@ from argus.topics import PARTITIONER, Topic
 if TYPE_CHECKING:
     from argus.metrics import MetricsServer
 
-__all__ = ["EncodableRecord", "Publisher", "PublisherStats"]
+__all__ = ["MAX_MESSAGE_BYTES", "EncodableRecord", "Publisher", "PublisherStats"]
+
+#: Largest message the publisher sends, bytes (under the local broker's 16 MiB ``message.max.bytes``).
+MAX_MESSAGE_BYTES = 8_000_000
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +90,7 @@ class Publisher:
             "compression.type": settings.compression,
             "linger.ms": 20,
             "batch.size": 1_000_000,
-            "message.max.bytes": 8_000_000,
+            "message.max.bytes": MAX_MESSAGE_BYTES,
             "queue.buffering.max.messages": max(10_000, settings.publisher_queue_max * 4),
             "queue.buffering.max.kbytes": 256 * 1024,
             "message.timeout.ms": 120_000,

@@ -36,13 +36,14 @@ from collections.abc import Mapping, Sequence
 
 from argus.schemas.records import JobTopology, ParallelGroup
 
-__all__ = ["build_topology", "group_index", "group_members", "groups_of", "parse_topology_spec", "stage_ranks",
-           "topology_from_groups", "with_hosts"]
+__all__ = ["GROUP_COLUMN", "build_topology", "group_index", "group_members", "groups_of", "parse_topology_spec",
+           "stage_ranks", "topology_from_groups", "with_hosts"]
 
 _SPEC_KEYS = {"dp": "dp", "tp": "tp", "pp": "pp", "ep": "ep"}
 _SPEC_ITEM = re.compile(r"^\s*([a-z]+)\s*[=:]\s*(\d+)\s*$")
 
-_COLUMN = {
+#: The topology column holding each rank's group index of a kind.
+GROUP_COLUMN: dict[ParallelGroup, str] = {
     ParallelGroup.DP: "dp_group",
     ParallelGroup.TP: "tp_group",
     ParallelGroup.PP: "pp_group",
@@ -95,7 +96,7 @@ def build_topology(job_id: str, dp: int, tp: int = 1, pp: int = 1, ep: int = 1,
 
 def _column(topology: JobTopology, kind: ParallelGroup) -> tuple[int, ...]:
     try:
-        return tuple(getattr(topology, _COLUMN[kind]))
+        return tuple(getattr(topology, GROUP_COLUMN[kind]))
     except KeyError:
         raise ValueError(f"{kind} is not a parallel group kind") from None
 

@@ -275,6 +275,11 @@ class Settings:
     session_timeout_s: float = 10.0
     #: Log level of argus processes.
     log_level: str = "INFO"
+    #: ``argus import-kineto``: the most memory, in MiB, that the traces' annotations (phases), names and
+    #: process groups may keep across all files of one import, estimated while they are read (kernels go to a
+    #: spill file on disk and do not count). A set of traces over it is refused, naming the file where it ran
+    #: out (default 4096).
+    import_max_memory_mb: int = 4096
 
     # -- the supervisor of the local stack (``argus up``) --
     #: First delay, in seconds, before the supervisor restarts a crashed worker, sink or local broker; it
@@ -322,7 +327,7 @@ class Settings:
         positive = (
             "partitions", "replication_factor", "retention_ms", "window_ns", "kde_grid_points",
             "kde_min_samples", "publisher_batch_events", "publisher_queue_max", "sink_batch_max",
-            "sink_flush_ms", "query_port", "worker_web_port",
+            "sink_flush_ms", "query_port", "worker_web_port", "import_max_memory_mb",
         )
         for name in positive:
             if getattr(self, name) <= 0:

@@ -18,14 +18,18 @@ from argus.core.errors import ProducerError
 from argus.core.settings import Settings
 from argus.producers import kineto_parse
 from argus.producers.kineto import import_kineto
+from argus.producers.kineto_groups import PhaseGroups
 from argus.producers.kineto_parse import (
     MAX_DEPTH,
     MAX_FILE_BYTES,
     MAX_NUMBER_DIGITS,
     MAX_WORLD_SIZE,
+    StreamPG,
     parse_rank,
     to_ns,
 )
+from argus.producers.topology import build_topology
+from argus.schemas.records import ParallelGroup, PhaseKind
 from tests.samples import RecordingPublisher
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -242,3 +246,76 @@ def test_a_trace_with_nothing_kept_is_an_error_not_an_empty_job(tmp_path: Path) 
                                          + ", ".join([bad_event("1e300"), bad_event(str(2**62))]) + "]}")
     with pytest.raises(ProducerError, match=r"nothing to import.*invalid_ts 2"):
         import_kineto(Settings.load(env={}), tmp_path, "j", publisher=RecordingPublisher())
+
+
+def _peak(fn: Any) -> int:
+    """Peak bytes Python (and numpy) allocated while ``fn`` ran."""
+    tracemalloc.start()
+    try:
+        fn()
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+def _gz_trace(path: Path, events: Any, world: int = 1) -> int:
+    """Write a gzipped trace of ``events`` (JSON texts); returns its decompressed size, bytes."""
+    body = ('{"distributedInfo": {"rank": 0, "world_size": ' + str(world) + '}, "traceEvents": ['
+            + json.dumps({"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#1", "ts": T0, "dur": 10**9})
+            + "".join("," + e for e in events) + "," + GOOD + "]}").encode()
+    path.write_bytes(gzip.compress(body, 9))
+    return len(body)
+
+
+def test_annotations_and_process_groups_keep_memory_in_proportion_to_the_input(tmp_path: Path) -> None:
+    """1.07 MB gzipped of annotations took 2 GB, 138 KB gzipped of process-group rank lists 1.1 GB: kept
+    memory is now a small multiple of the decompressed input (the budget: 20x, plus a fixed allowance)."""
+    allowance = 32 << 20
+    annotations = (json.dumps({"ph": "X", "cat": "user_annotation", "name": "forward", "ts": T0 + i, "dur": 1})
+                   for i in range(60_000))
+    size = _gz_trace(tmp_path / "rank0.json.gz", annotations)
+    assert _peak(lambda: import_kineto(Settings(), tmp_path, "j", publisher=RecordingPublisher())) \
+        < 20 * size + allowance
+    (tmp_path / "rank0.json.gz").unlink()
+    members = list(range(20_000))
+    groups = (json.dumps({"ph": "X", "cat": "kernel", "name": "ncclDevKernel_AllReduce", "ts": T0 + s, "dur": 1,
+                          "args": {"stream": s, "Process Group Name": str(s), "Process Group Ranks": members}})
+              for s in range(40))
+    size = _gz_trace(tmp_path / "rank0.json.gz", groups, world=20_000)
+    assert _peak(lambda: parse_rank(tmp_path / "rank0.json.gz", spill_dir=tmp_path).close()) < 20 * size + allowance
+
+
+def test_an_import_over_its_memory_setting_is_refused_naming_the_file(tmp_path: Path) -> None:
+    names = (json.dumps({"ph": "X", "cat": "user_annotation", "name": f"phase {i} " + "x" * 1000, "ts": T0 + i,
+                         "dur": 1}) for i in range(3000))
+    _gz_trace(tmp_path / "rank0.json.gz", names)
+    out = RecordingPublisher()
+    with pytest.raises(ProducerError, match=r"rank0\.json\.gz: refused: .* more than 2 MiB in memory "
+                                            r"\(ARGUS_IMPORT_MAX_MEMORY_MB\)"):
+        import_kineto(Settings(import_max_memory_mb=2), tmp_path, "j", publisher=out)
+    assert out.records == []
+    import_kineto(Settings(import_max_memory_mb=64), tmp_path, "j", publisher=out)  # within a larger budget
+    assert out.records
+
+
+def test_a_world_whose_topology_exceeds_a_message_is_refused_before_publishing(tmp_path: Path) -> None:
+    """A 200-byte file declaring rank 2^20 - 1 took 59.5 s and 1.66 GB and made a 25 MB topology record."""
+    info = {"rank": MAX_WORLD_SIZE - 1, "world_size": MAX_WORLD_SIZE}
+    trace(tmp_path, head='{"distributedInfo": ' + json.dumps(info) + ', "traceEvents": [')
+    out = RecordingPublisher()
+    with pytest.raises(ProducerError, match=r"topology of 1,048,576 ranks encodes to [\d,]+ bytes, over the "
+                                            r"8,000,000-byte message limit"):
+        import_kineto(Settings(), tmp_path, "j", publisher=out)
+    assert out.records == []
+
+
+def test_phase_groups_are_built_for_the_ranks_that_ask_only() -> None:
+    """Groups were built for every rank of the world (4 dicts of a million entries for one traced rank)."""
+    topo = build_topology("j", 1024, 4, 2)
+    groups = PhaseGroups(topo)
+    pg = StreamPG("0", "", tuple(r for r in topo.rank if topo.tp_group[r] == topo.tp_group[5]))
+    assert groups.stream_group(5, pg) is ParallelGroup.TP
+    [peer] = [r for r in topo.rank if topo.pp_group[r] == topo.pp_group[0] and topo.pp_stage[r] == 1]
+    assert groups.phase(0, f"nccl:send 0->{peer}", PhaseKind.SEND_RECV, ParallelGroup.NONE) == (
+        "nccl:send next", ParallelGroup.PP)
+    assert len(groups._groups) == 3  # the DP and TP groups of rank 5 (tried in order), the PP group of rank 0
