@@ -27,8 +27,8 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, MetricsHandler, generate_latest
 
-__all__ = ["CONTENT_TYPE", "DELAY_BUCKETS_S", "IMPACT_BUCKETS_S", "LATENCY_BUCKETS_S", "Histogram", "MetricsServer", "counter",
-           "exposition", "gauge", "histogram", "start_metrics_server"]
+__all__ = ["CONTENT_TYPE", "DELAY_BUCKETS_S", "IMPACT_BUCKETS_S", "LATENCY_BUCKETS_S", "Histogram", "MetricsServer",
+           "counter", "exposition", "gauge", "histogram", "start_metrics_server"]
 
 log = logging.getLogger(__name__)
 
