@@ -138,14 +138,18 @@ class ComposeStack:
         self.procs.append(proc)
         return proc
 
+    def check(self, name: str) -> subprocess.CompletedProcess[str]:
+        """Run the service's own health check once (the argus image's checks run its Python)."""
+        test = compose()["services"][name]["healthcheck"]["test"]
+        assert test[:2] == ["CMD", "python"], test
+        return subprocess.run([sys.executable, *test[2:]], env=self.process_env(name), capture_output=True,
+                              text=True, timeout=30, check=False)
+
     def healthy(self, name: str, proc: subprocess.Popen[bytes], timeout_s: float = 120) -> None:
         """Wait until the service's own health check passes (the process must stay up meanwhile)."""
-        test = compose()["services"][name]["healthcheck"]["test"]
-        assert test[:2] == ["CMD", "python"], test  # the argus image's check: its Python
         deadline = time.monotonic() + timeout_s
         while True:
-            check = subprocess.run([sys.executable, *test[2:]], env=self.process_env(name), capture_output=True,
-                                   text=True, timeout=30, check=False)
+            check = self.check(name)
             if check.returncode == 0:
                 return
             if proc.poll() is not None or time.monotonic() > deadline:
@@ -314,8 +318,13 @@ def test_every_argus_command_runs_with_its_compose_environment(stack: ComposeSta
     assert used and used <= exported, sorted(used - exported)
     assert worker.poll() is None and sink.poll() is None
 
+    # The checks fail once their service is gone (so that compose restarts or reports it).
+    stack.stop_all()
+    assert stack.check("worker").returncode != 0 and stack.check("sink").returncode != 0
+
 
 def test_query_service_command(stack: ComposeStack) -> None:
     """The ``query`` service's ``argus query-service`` answers its health check (``GET /ping`` -> ``Ok.``)."""
+    assert stack.check("query").returncode != 0  # nothing answers before it starts
     query = stack.start("query")
     stack.healthy("query", query, timeout_s=90)
