@@ -27,8 +27,8 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, MetricsHandler, generate_latest
 
-__all__ = ["CONTENT_TYPE", "DELAY_BUCKETS_S", "LATENCY_BUCKETS_S", "Histogram", "MetricsServer", "counter",
-           "exposition", "gauge", "histogram", "start_metrics_server"]
+__all__ = ["CONTENT_TYPE", "DELAY_BUCKETS_S", "IMPACT_BUCKETS_S", "LATENCY_BUCKETS_S", "Histogram", "MetricsServer",
+           "counter", "exposition", "gauge", "histogram", "start_metrics_server"]
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +40,9 @@ LATENCY_BUCKETS_S: tuple[float, ...] = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5
 #: Bucket upper bounds, in seconds, for how far behind the ranks' clocks a finding is published.
 DELAY_BUCKETS_S: tuple[float, ...] = (0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0,
                                        3600.0)
+#: Bucket upper bounds, in GPU-seconds lost per step, for a finding's impact (``impact_ns_per_step / 1e9``). An
+#: alert on findings above an impact compares against one of these bounds (deploy/prometheus/rules/).
+IMPACT_BUCKETS_S: tuple[float, ...] = (0.001, 0.01, 0.1, 1.0, 10.0, 100.0, 1000.0)
 
 
 @dataclass

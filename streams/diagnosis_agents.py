@@ -189,6 +189,7 @@ def install_diagnosis(app: faust.App, settings: Settings, params: DiagnosisParam
         for f in findings:
             by_kind = stats.findings_by_kind.setdefault(f.level.value, {})
             by_kind[f.kind.value] = by_kind.get(f.kind.value, 0) + 1
+            stats.observe_impact(f.kind.value, f.impact_ns_per_step)
             if f.time_ns > 0:
                 stats.finding_delay_s.observe(max(0.0, (stats.last_finding_ns - f.time_ns) / 1e9))
             log.info("finding %s %s job=%s ranks=%s phase=%s kernel=%s steps=%s score=%.2f", f.level.value,

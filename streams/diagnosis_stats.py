@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from argus.metrics import DELAY_BUCKETS_S, Histogram
+from argus.metrics import DELAY_BUCKETS_S, IMPACT_BUCKETS_S, Histogram
 
 __all__ = ["DiagnosisStats"]
 
@@ -49,6 +49,8 @@ class DiagnosisStats:
     jobs: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     #: Jobs with diagnosis context here (topology, steps, stragglers, ...): running or not fully diagnosed.
     context_jobs: int = 0
+    #: Open jobs whose hang episode is open (``job_stalled`` raised, no step completed since).
+    stalled_jobs: int = 0
     #: Findings published, per level and kind: ``{level: {kind: count}}`` (for ``/metrics``).
     findings_by_kind: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
     #: Seconds from a job's END record read here to its DIAGNOSED ``l1l2`` written (``l1l2``), and to every
@@ -57,3 +59,12 @@ class DiagnosisStats:
         default_factory=lambda: {"l1l2": Histogram(), "job": Histogram()})
     #: Seconds from each finding's event time (``time_ns``, the ranks' clocks) to its publication here.
     finding_delay_s: Histogram = dataclasses.field(default_factory=lambda: Histogram(DELAY_BUCKETS_S))
+    #: Each published finding's impact, GPU-seconds lost per affected step (``impact_ns_per_step / 1e9``), per kind.
+    finding_impact_s: dict[str, Histogram] = dataclasses.field(default_factory=dict)
+
+    def observe_impact(self, kind: str, impact_ns_per_step: float) -> None:
+        """Count one published finding of ``kind`` with its impact (ns of GPU time lost per step)."""
+        hist = self.finding_impact_s.get(kind)
+        if hist is None:
+            hist = self.finding_impact_s[kind] = Histogram(IMPACT_BUCKETS_S)
+        hist.observe(max(0.0, impact_ns_per_step) / 1e9)

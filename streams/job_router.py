@@ -225,6 +225,8 @@ class JobRouter(Generic[H]):
         job), the listed jobs, the jobs with context here (with ``l3_jobs``, those with L3 rank totals)."""
         st = self.stats
         st.open_jobs = len(self._jobs)
+        st.stalled_jobs = sum(1 for job_id, live in self._liveness.items()
+                              if job_id in self._jobs and live.stalled_since_ns is not None)
         st.held_messages = sum(len(v) for v in self._held.values()) + sum(l3_held.values())
         listed = []
         quiet = self._quiet.read(now)

@@ -18,9 +18,12 @@ Exported (all ``argus_worker_``; counters are per worker process, since its star
   ``l3_parts_diagnosed_total``, ``jobs_abandoned_total{by}`` (``compressor``: kernels only; ``diagnosis``),
   ``jobs_closed_abandoned_total``, ``states_repaired_total``, ``states_discarded_total``,
   ``l3_rows_ignored_total``, ``finals_deferred_total``, ``finals_without_steps_total``; gauges ``open_jobs``,
-  ``held_messages``, ``context_jobs`` (refreshed on the idle-jobs timer, every ``job_idle_timeout_s / 4``
-  clamped to [0.05, 10] s);
+  ``held_messages``, ``context_jobs``, ``stalled_jobs`` (open jobs whose ``job_stalled`` has no step after it;
+  all refreshed on the idle-jobs timer, every ``job_idle_timeout_s / 4`` clamped to [0.05, 10] s);
 * ``findings_total{level,kind}``: findings published; ``last_finding_timestamp_seconds``;
+* ``finding_impact_seconds_per_step{level,kind}`` (histogram, buckets :data:`argus.metrics.IMPACT_BUCKETS_S`):
+  each finding published, by its impact in GPU-seconds lost per affected step; every kind is exported from the
+  start with zero counts, so an alert on ``increase()`` sees a kind's first finding;
 * ``diagnosis_latency_seconds{scope}`` (histogram): from a job's END record read by this worker to its
   DIAGNOSED ``l1l2`` written (``scope="l1l2"``), and to every part of the job DIAGNOSED (``scope="job"``:
   when ``argus findings --wait`` returns);
@@ -42,7 +45,8 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import Metric
 
-from argus.metrics import counter, gauge, histogram
+from argus.core.kinds import FindingKind
+from argus.metrics import IMPACT_BUCKETS_S, Histogram, counter, gauge, histogram
 from argus.streams.diagnosis_stats import DiagnosisStats
 
 __all__ = ["WorkerCollector", "consumer_lag", "worker_registry"]
@@ -85,6 +89,8 @@ _DIAGNOSIS_GAUGES = {
     "open_jobs": ("open_jobs", "Jobs open in the L1/L2 agent (refreshed on the idle-jobs timer)."),
     "held_messages": ("held_messages", "Job and summary messages held un-acked (refreshed on the idle-jobs timer)."),
     "context_jobs": ("context_jobs", "Jobs with diagnosis context kept here (refreshed on the idle-jobs timer)."),
+    "stalled_jobs": ("stalled_jobs", "Open jobs stalled: job_stalled raised and no step completed since (refreshed "
+                     "on the idle-jobs timer)."),
 }
 _PREFIX = "argus_worker_"
 
@@ -159,6 +165,12 @@ class WorkerCollector:
         yield histogram(_PREFIX + "diagnosis_latency_seconds", "Seconds from a job's END read here to its DIAGNOSED "
                         "l1l2 written (scope l1l2) and to every part DIAGNOSED (scope job).",
                         {(scope,): h for scope, h in d.diagnosis_latency_s.items()}, labels=("scope",))
+        # Every kind from the start (zero counts): an alert's increase() sees a kind's first finding too.
+        impact = {(kind.level.value, kind.value): d.finding_impact_s.get(kind.value) or Histogram(IMPACT_BUCKETS_S)
+                  for kind in FindingKind}
+        yield histogram(_PREFIX + "finding_impact_seconds_per_step", "Findings published, by the GPU-seconds their "
+                        "job loses per affected step (impact_ns_per_step / 1e9), per level and kind.", impact,
+                        labels=("level", "kind"))
         yield histogram(_PREFIX + "finding_delay_seconds", "Seconds from a finding's event time (ranks' clocks) to "
                         "its publication (worker clock).", {(): d.finding_delay_s})
         if self._consumer is not None:

@@ -99,7 +99,8 @@ def test_clickhouse_datasource_matches_the_compose_stack() -> None:
     assert ch["jsonData"]["defaultDatabase"] == Settings.load(env={}).clickhouse_database
     secret = re.fullmatch(r"\$__file\{/run/secrets/(\w+)\}", ch["secureJsonData"]["password"])
     assert secret and secret.group(1) in services["grafana"]["secrets"]
-    assert CLICKHOUSE_TYPE in services["grafana"]["environment"]["GF_INSTALL_PLUGINS"].split(",")
+    plugins = services["grafana"]["environment"]["GF_INSTALL_PLUGINS"].split(",")  # "<id> <version>" each
+    assert CLICKHOUSE_TYPE in [p.split()[0] for p in plugins]
     prom = next(d for d in doc["datasources"] if d["type"] == "prometheus")
     assert prom["url"].startswith("http://prometheus:")
 

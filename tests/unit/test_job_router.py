@@ -311,9 +311,13 @@ def test_heartbeats_are_acked_at_once_and_a_stall_is_judged_by_the_timer() -> No
     assert a.stats.heartbeats == len(beats)
     assert stalled_at is not None and stalled_at - last > 2.0  # at least the stall bound after the last step
     assert [f.kind for f in a.published].count(FindingKind.JOB_STALLED) == 1  # judged again, published once
+    a.router.refresh_stats(a.now, {}, [])
+    assert a.stats.stalled_jobs == 1  # the gauge of the ArgusJobStalled alert
     nxt = next(r for r in job() if isinstance(r, Step) and r.step == 10)
     a.take(nxt, now=a.now + 1.0)
     assert FindingKind.JOB_RESUMED in [f.kind for f in a.published]
+    a.router.refresh_stats(a.now, {}, [])
+    assert a.stats.stalled_jobs == 0
 
 
 @settings(max_examples=20, deadline=None)
