@@ -1,0 +1,112 @@
+"""The rank side as a training host installs it: ``pip install argus-failslow`` (no extras) into a clean
+virtualenv beside the torch the image already has (``tests/rank_venv.py`` builds it from a wheel of this
+checkout). Nothing of the server side is installed there, importing the rank side loads nothing of it, the
+``rank`` extra keeps the image's torch, and a 2-rank DDP (gloo) job traced by ``argus.attach`` from that venv
+is diagnosed by the real worker and sink of this environment through to ClickHouse.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import zipfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from argus.core.settings import Settings
+from argus.sinks.findings_query import fetch_findings, wait_diagnosed
+from load_tests.rank_footprint import BUDGET_INSTALLED_MB
+from tests.integration.conftest import SinkThread, WorkerProcess
+from tests.integration.ranks import EXAMPLES, run_ranks
+from tests.rank_venv import (
+    CONSTRAINTS,
+    SERVER_MODULES,
+    RankVenv,
+    beyond_image_bytes,
+    build_rank_venv,
+    clean_env,
+    installed_bytes,
+    probe,
+)
+
+pytestmark = pytest.mark.integration
+torch = pytest.importorskip("torch", reason="torch is a test dependency (extra 'rank'); CI installs it")
+
+WORLD, STEPS = 2, 20
+JOB = "rank-install"
+#: What the base distribution may install, and nothing else (canonical names).
+BASE = {"argus-failslow", "confluent-kafka", "fastavro", "numpy", "prometheus-client"}
+
+
+@pytest.fixture(scope="module")
+def rank_venv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RankVenv]:
+    yield build_rank_venv(tmp_path_factory.mktemp("rank-venv"))
+
+
+def _canonical(name: str) -> str:
+    return name.lower().replace("_", "-").replace(".", "-")
+
+
+def test_base_install_is_the_rank_side_only(rank_venv: RankVenv) -> None:
+    sizes = installed_bytes(rank_venv)
+    assert {_canonical(n) for n in sizes} == BASE, sizes
+    assert beyond_image_bytes(sizes) / 1e6 <= BUDGET_INSTALLED_MB, sizes
+    seen = probe(rank_venv)
+    # argus from the installed wheel, torch the image's (this environment's, not a copy or a download).
+    assert Path(seen["argus_file"]).is_relative_to(rank_venv.site_packages), seen
+    assert seen["torch_version"] == torch.__version__
+    assert {"scipy", "numba", "chdb", "clickhouse_connect", "faust", "aiokafka", "pyarrow", "plotly"} \
+        <= set(SERVER_MODULES)
+    assert seen["server_importable"] == [] and seen["server_loaded"] == [], seen
+    with zipfile.ZipFile(rank_venv.wheel) as wheel:
+        assert {"argus/py.typed", "argus/__main__.py", "argus/schemas/kernel_batch.v2.avsc"} <= set(wheel.namelist())
+
+
+def test_server_names_say_which_extra_to_install(rank_venv: RankVenv) -> None:
+    out = rank_venv.run("import argus\n"
+                        "try:\n    argus.fetch_findings\n"
+                        "except ImportError as exc:\n    print(type(exc).__name__, exc)\n")
+    assert out.startswith("MissingExtraError argus.fetch_findings needs the 'server' extra"), out
+    assert "pip install 'argus-failslow[server]'" in out
+    help_text = rank_venv.run("import runpy, sys\nsys.argv = ['argus', '--help']\n"
+                              "try:\n    runpy.run_module('argus', run_name='__main__')\n"
+                              "except SystemExit as exc:\n    assert exc.code == 0, exc.code\n")
+    assert "usage: argus" in help_text
+    out = rank_venv.run("from argus.core.extras import Extra, require_extra\n"
+                        "try:\n    require_extra(Extra.SERVER, 'argus up')\n"
+                        "except ImportError as exc:\n    print(exc)\n")
+    assert out.startswith("argus up needs the 'server' extra ("), out
+
+
+def test_rank_extra_keeps_the_images_torch(rank_venv: RankVenv) -> None:
+    """``argus-failslow[rank]`` declares the torch it supports as a range: pip leaves the image's in place."""
+    proc = subprocess.run([sys.executable, "-m", "pip", "--python", str(rank_venv.python), "install", "--dry-run",
+                           "--quiet", "--report", "-", "-c", str(CONSTRAINTS), f"{rank_venv.wheel}[rank]"],
+                          capture_output=True, text=True, env=clean_env(), timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    would_install = {_canonical(item["metadata"]["name"]) for item in json.loads(proc.stdout)["install"]}
+    assert "torch" not in would_install and not any(n.startswith("nvidia-") for n in would_install), would_install
+    assert "py-spy" in would_install, would_install
+
+
+def test_job_traced_from_the_clean_install_is_diagnosed(rank_venv: RankVenv, settings: Settings,
+                                                        worker: WorkerProcess, sink: SinkThread,
+                                                        tmp_path: Path) -> None:
+    # The ranks run the clean venv's Python outside the checkout: argus is the wheel's, torch the image's.
+    run_ranks(EXAMPLES / "train_ddp.py", ["--steps", str(STEPS)], world=WORLD, settings=settings, log_dir=tmp_path,
+              python=str(rank_venv.python), base_env=clean_env(), cwd=tmp_path,
+              extra_env={"ARGUS_JOB_ID": JOB, "PYTHONNOUSERSITE": "1"})
+    assert wait_diagnosed(settings, JOB, 120, query=sink.store.query)
+    assert sink.scalar(f"SELECT count() FROM {{db}}.steps FINAL WHERE job_id = '{JOB}'") == WORLD * STEPS
+    rows = sink.store.query(f"SELECT name, uniqExact(rank), count() FROM {sink.store.database}.phases FINAL "
+                            f"WHERE job_id = '{JOB}' AND name != '' GROUP BY name ORDER BY name").rows
+    assert {r[0]: int(r[1]) for r in rows} == {"backward": WORLD, "dp-allreduce": WORLD, "forward": WORLD,
+                                                "optimizer": WORLD}, rows
+    # The job's END (published by the clean install's tracer) counted every step of every rank.
+    assert sink.scalar(f"SELECT groupArray(steps) FROM {{db}}.jobs FINAL WHERE job_id = '{JOB}' AND event = 'END'") \
+        == [WORLD * STEPS]
+    findings = fetch_findings(settings, JOB, query=sink.store.query)
+    assert isinstance(findings, list)
