@@ -15,20 +15,19 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from packaging.utils import canonicalize_name
 
 from argus.core.settings import Settings
 from argus.sinks.findings_query import fetch_findings, wait_diagnosed
-from load_tests.rank_footprint import BUDGET_INSTALLED_MB
+from load_tests.rank_footprint import BUDGET_INSTALLED_MB, measure
 from tests.integration.conftest import SinkThread, WorkerProcess
 from tests.integration.ranks import EXAMPLES, run_ranks
 from tests.rank_venv import (
     CONSTRAINTS,
     SERVER_MODULES,
     RankVenv,
-    beyond_image_bytes,
     build_rank_venv,
     clean_env,
-    installed_bytes,
     probe,
 )
 
@@ -46,21 +45,19 @@ def rank_venv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RankVenv]:
     yield build_rank_venv(tmp_path_factory.mktemp("rank-venv"))
 
 
-def _canonical(name: str) -> str:
-    return name.lower().replace("_", "-").replace(".", "-")
-
-
 def test_base_install_is_the_rank_side_only(rank_venv: RankVenv) -> None:
-    sizes = installed_bytes(rank_venv)
-    assert {_canonical(n) for n in sizes} == BASE, sizes
-    assert beyond_image_bytes(sizes) / 1e6 <= BUDGET_INSTALLED_MB, sizes
-    seen = probe(rank_venv)
-    # argus from the installed wheel, torch the image's (this environment's, not a copy or a download).
-    assert Path(seen["argus_file"]).is_relative_to(rank_venv.site_packages), seen
-    assert seen["torch_version"] == torch.__version__
+    # The benchmark's measurement (load_tests/rank_footprint.py) on this venv; its import-time budget is judged
+    # by the benchmark, not on a busy test machine.
+    footprint = measure(rank_venv, repeats=1)
+    assert {canonicalize_name(n) for n in footprint["installed_mb"]} == BASE, footprint
+    assert footprint["installed_mb_beyond_image"] <= BUDGET_INSTALLED_MB, footprint
+    assert footprint["server_modules_importable"] == [] and footprint["server_modules_loaded"] == [], footprint
+    assert footprint["import_s_beyond_torch"] > 0 and footprint["torch_version"] == torch.__version__, footprint
     assert {"scipy", "numba", "chdb", "clickhouse_connect", "faust", "aiokafka", "pyarrow", "plotly"} \
         <= set(SERVER_MODULES)
-    assert seen["server_importable"] == [] and seen["server_loaded"] == [], seen
+    # argus from the installed wheel, torch the image's (this environment's, not a copy or a download).
+    seen = probe(rank_venv)
+    assert Path(seen["argus_file"]).is_relative_to(rank_venv.site_packages), seen
     with zipfile.ZipFile(rank_venv.wheel) as wheel:
         assert {"argus/py.typed", "argus/__main__.py", "argus/schemas/kernel_batch.v2.avsc"} <= set(wheel.namelist())
 
@@ -71,10 +68,10 @@ def test_server_names_say_which_extra_to_install(rank_venv: RankVenv) -> None:
                         "except ImportError as exc:\n    print(type(exc).__name__, exc)\n")
     assert out.startswith("MissingExtraError argus.fetch_findings needs the 'server' extra"), out
     assert "pip install 'argus-failslow[server]'" in out
-    help_text = rank_venv.run("import runpy, sys\nsys.argv = ['argus', '--help']\n"
-                              "try:\n    runpy.run_module('argus', run_name='__main__')\n"
-                              "except SystemExit as exc:\n    assert exc.code == 0, exc.code\n")
-    assert "usage: argus" in help_text
+    # The command line is in the base distribution: its console script and python -m argus.
+    for cmd in ([str(rank_venv.python.parent / "argus"), "--help"], [str(rank_venv.python), "-m", "argus", "--help"]):
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=clean_env(), cwd=rank_venv.root, timeout=120)
+        assert proc.returncode == 0 and proc.stdout.startswith("usage: argus"), (cmd, proc.stderr[-2000:])
     out = rank_venv.run("from argus.core.extras import Extra, require_extra\n"
                         "try:\n    require_extra(Extra.SERVER, 'argus up')\n"
                         "except ImportError as exc:\n    print(exc)\n")
@@ -87,7 +84,7 @@ def test_rank_extra_keeps_the_images_torch(rank_venv: RankVenv) -> None:
                            "--quiet", "--report", "-", "-c", str(CONSTRAINTS), f"{rank_venv.wheel}[rank]"],
                           capture_output=True, text=True, env=clean_env(), timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    would_install = {_canonical(item["metadata"]["name"]) for item in json.loads(proc.stdout)["install"]}
+    would_install = {canonicalize_name(item["metadata"]["name"]) for item in json.loads(proc.stdout)["install"]}
     assert "torch" not in would_install and not any(n.startswith("nvidia-") for n in would_install), would_install
     assert "py-spy" in would_install, would_install
 
