@@ -1,12 +1,13 @@
-# The argus image used by docker-compose for the worker, the sink and one-shot commands.
+# The argus image used by docker-compose for the worker, the sink and one-shot commands: the server extra at
+# the exact versions CI tests (constraints.txt).
 FROM python:3.11-slim
 WORKDIR /app
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md constraints.txt ./
 COPY argus ./argus
 COPY producers ./producers
 COPY streams ./streams
 COPY sinks ./sinks
 COPY detectors ./detectors
 COPY schemas ./schemas
-RUN pip install --no-cache-dir .
+RUN pip install --no-cache-dir -c constraints.txt ".[server]"
 ENTRYPOINT ["argus"]

@@ -3,7 +3,10 @@
 The user's entry points: ``argus.attach(model, optimizer)`` traces a training rank in one line (see
 :mod:`argus.producers.attach`), :class:`Tracer` is the tracer it builds, :class:`Settings` the configuration and
 :func:`fetch_findings` a job's findings from ClickHouse. Each is imported on first use, so ``import argus``
-alone loads neither torch, Faust nor ClickHouse, and the rank-side names load no Faust or ClickHouse.
+alone loads neither torch, Faust nor ClickHouse, and the rank-side names load no Faust or ClickHouse (the base
+distribution installs none of them: a name whose extra is missing raises
+:class:`~argus.core.extras.MissingExtraError` with the pip command, e.g. ``fetch_findings`` without
+``argus-failslow[server]``).
 """
 
 from __future__ import annotations
@@ -33,6 +36,14 @@ def __getattr__(name: str) -> Any:
         raise AttributeError(f"module 'argus' has no attribute {name!r}")
     import importlib
 
-    value = getattr(importlib.import_module(module), name)
+    try:
+        value = getattr(importlib.import_module(module), name)
+    except ModuleNotFoundError as exc:
+        from argus.core.extras import missing_extra
+
+        error = missing_extra(exc, f"argus.{name}")
+        if error is None:
+            raise
+        raise error from exc
     globals()[name] = value
     return value

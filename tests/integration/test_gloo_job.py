@@ -10,21 +10,18 @@ the pipeline measured with what the test injected, not one rank's luck with the 
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from argus.core.settings import Settings
 from argus.sinks.findings_query import fetch_findings, wait_diagnosed
-from tests.integration.conftest import SinkThread, WorkerProcess, _free_port
+from tests.integration.conftest import SinkThread, WorkerProcess
+from tests.integration.ranks import EXAMPLES, run_ranks
 
 pytestmark = pytest.mark.integration
 torch = pytest.importorskip("torch", reason="torch is a test dependency (extra 'rank'); CI installs it")
 
-ROOT = Path(__file__).resolve().parents[2]
 WORLD, SLOW = 4, 2
 #: Extra work per forward on the slowed rank, ms: far above what contention adds to a healthy rank's forward
 #: (its median stayed under 5 ms on two cores with a busy loop on each, against 40 ms of injection before).
@@ -33,21 +30,8 @@ SLOW_MS = 200
 
 def test_gloo_job_slowed_rank_is_flagged(settings: Settings, worker: WorkerProcess, sink: SinkThread,
                                          tmp_path: Path) -> None:
-    port = _free_port()
-    procs = []
-    for rank in range(WORLD):
-        env = {**os.environ, **settings.to_env(), "RANK": str(rank), "WORLD_SIZE": str(WORLD),
-               "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-               "ARGUS_EXAMPLE_QUIET": "1", "ARGUS_RANK_REGISTRY": str(tmp_path / "ranks"), "OMP_NUM_THREADS": "1"}
-        log = open(tmp_path / f"rank{rank}.log", "wb")  # noqa: SIM115 - closed below
-        procs.append((subprocess.Popen([sys.executable, str(ROOT / "examples" / "train_gloo.py"), "--job", "gloo",
-                                        "--steps", "40", "--slow-rank", str(SLOW), "--slow-ms", str(SLOW_MS)],
-                                       env=env, stdout=log,
-                                       stderr=subprocess.STDOUT, cwd=ROOT), log))
-    for rank, (proc, log) in enumerate(procs):
-        rc = proc.wait(timeout=300)
-        log.close()
-        assert rc == 0, (tmp_path / f"rank{rank}.log").read_text()[-3000:]
+    run_ranks(EXAMPLES / "train_gloo.py", ["--job", "gloo", "--steps", "40", "--slow-rank", str(SLOW),
+                                           "--slow-ms", str(SLOW_MS)], world=WORLD, settings=settings, log_dir=tmp_path)
     assert wait_diagnosed(settings, "gloo", 120, query=sink.store.query)
     assert sink.scalar("SELECT count() FROM {db}.steps FINAL WHERE job_id = 'gloo'") == WORLD * 40
     findings = fetch_findings(settings, "gloo", query=sink.store.query)

@@ -13,9 +13,6 @@ clock) and every assertion compares what the pipeline measured with what the tes
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -23,12 +20,12 @@ import pytest
 
 from argus.core.settings import Settings
 from argus.sinks.findings_query import fetch_findings, wait_diagnosed
-from tests.integration.conftest import SinkThread, WorkerProcess, _free_port
+from tests.integration.conftest import SinkThread, WorkerProcess
+from tests.integration.ranks import EXAMPLES, run_ranks
 
 pytestmark = pytest.mark.integration
 torch = pytest.importorskip("torch", reason="torch is a test dependency (extra 'rank'); CI installs it")
 
-ROOT = Path(__file__).resolve().parents[2]
 WORLD, SLOW, STEPS = 4, 1, 30
 #: Extra work per forward on the slowed rank, ms (see test_gloo_job.SLOW_MS).
 SLOW_MS = 200
@@ -37,22 +34,9 @@ JOB = "ddp-attach"
 
 def test_ddp_job_traced_by_attach_names_the_slowed_rank(settings: Settings, worker: WorkerProcess,
                                                         sink: SinkThread, tmp_path: Path) -> None:
-    port = _free_port()
-    procs = []
     t0 = time.monotonic()
-    for rank in range(WORLD):
-        env = {**os.environ, **settings.to_env(), "RANK": str(rank), "WORLD_SIZE": str(WORLD),
-               "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(WORLD), "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": str(port), "ARGUS_JOB_ID": JOB, "ARGUS_EXAMPLE_QUIET": "1",
-               "ARGUS_RANK_REGISTRY": str(tmp_path / "ranks"), "OMP_NUM_THREADS": "1"}
-        log = open(tmp_path / f"rank{rank}.log", "wb")  # noqa: SIM115 - closed below
-        procs.append((subprocess.Popen([sys.executable, str(ROOT / "examples" / "train_ddp.py"),
-                                        "--steps", str(STEPS), "--slow-rank", str(SLOW), "--slow-ms", str(SLOW_MS)],
-                                       env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT), log))
-    for rank, (proc, log) in enumerate(procs):
-        rc = proc.wait(timeout=300)
-        log.close()
-        assert rc == 0, (tmp_path / f"rank{rank}.log").read_text()[-3000:]
+    run_ranks(EXAMPLES / "train_ddp.py", ["--steps", str(STEPS), "--slow-rank", str(SLOW), "--slow-ms", str(SLOW_MS)],
+              world=WORLD, settings=settings, log_dir=tmp_path, extra_env={"ARGUS_JOB_ID": JOB})
     job_s = time.monotonic() - t0
     assert wait_diagnosed(settings, JOB, 120, query=sink.store.query)
     assert sink.scalar(f"SELECT count() FROM {{db}}.steps FINAL WHERE job_id = '{JOB}'") == WORLD * STEPS
