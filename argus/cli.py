@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from argus.core.errors import ArgusError
+from argus.core.extras import Extra, missing_extra, require_extra
 from argus.core.kafka_logs import LIBRDKAFKA_LOGGER, KafkaUnreachableError, require_kafka
 from argus.core.settings import Settings
 
@@ -505,6 +506,10 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+#: Commands of the base install (the rank side): everything else needs the ``server`` extra.
+_RANK_SIDE_COMMANDS = frozenset({"stacks", "topics"})
+
+
 def _needs_kafka(args: argparse.Namespace) -> bool:
     """Whether the command talks to the brokers (checked first, so an unreachable one is one clear error)."""
     if args.command in ("topics", "simulate", "replay", "import-kineto", "stacks"):
@@ -530,6 +535,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not (service or args.log_level):
         logging.getLogger(LIBRDKAFKA_LOGGER).setLevel(logging.CRITICAL)
     try:
+        if args.command not in _RANK_SIDE_COMMANDS:  # before the brokers: the first thing to fix is said first
+            require_extra(Extra.SERVER, f"argus {args.command}")
         if _needs_kafka(args):
             require_kafka(settings.kafka, KAFKA_REACH_S, notice=lambda m: _err(f"argus: {m}"))
         return int(args.fn(settings, args))
@@ -538,6 +545,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return Exit.KAFKA_UNREACHABLE
     except ArgusError as exc:
         sys.stderr.write(f"argus: {exc}\n")
+        return Exit.ERROR
+    except ModuleNotFoundError as exc:  # a module of an extra this installation lacks, found deeper down
+        error = missing_extra(exc, f"argus {args.command}")
+        if error is None:
+            raise
+        sys.stderr.write(f"argus: {error}\n")
         return Exit.ERROR
     except KeyboardInterrupt:
         return Exit.INTERRUPTED

@@ -76,6 +76,13 @@ def test_server_names_say_which_extra_to_install(rank_venv: RankVenv) -> None:
                         "try:\n    require_extra(Extra.SERVER, 'argus up')\n"
                         "except ImportError as exc:\n    print(exc)\n")
     assert out.startswith("argus up needs the 'server' extra ("), out
+    # A server command in the base install: one line naming the extra, exit 1, no traceback.
+    for argv in (["worker"], ["sql", "SELECT 1"], ["findings", "--job", "j"]):
+        proc = subprocess.run([str(rank_venv.python.parent / "argus"), *argv], capture_output=True, text=True,
+                              env=clean_env(), cwd=rank_venv.root, timeout=120)
+        assert proc.returncode == 1 and "Traceback" not in proc.stderr, (argv, proc.stderr[-2000:])
+        assert f"argus {argv[0]} needs the 'server' extra" in proc.stderr, proc.stderr
+        assert "pip install 'argus-failslow[server]'" in proc.stderr, proc.stderr
 
 
 def test_rank_extra_keeps_the_images_torch(rank_venv: RankVenv) -> None:

@@ -19,3 +19,23 @@ def test_scale_diagnosis_runs_and_finds_its_slow_rank(capsys: pytest.CaptureFixt
     assert entry["l3"]["collective"]["found"] == [f"late_arrival:{slow}"]
     assert f"compute_straggler:{slow}" in entry["l2"]["found"]
     assert entry["l3"]["compute"]["ms_per_window"] > 0 and entry["l2"]["ms_per_step"] > 0
+
+
+def test_fuzz_runs_every_target_and_reports_a_failure_with_its_seed(capsys: pytest.CaptureFixture[str],
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    from load_tests import fuzz
+
+    assert fuzz.main(["--minutes", "5", "--cases", "9", "--seed", "7"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert {t: c["cases"] for t, c in out["targets"].items()} == {"codec": 3, "kineto": 3, "routers": 3}
+    assert out["within_budget"] and out["escapes"] == 0 and out["failures"] == []
+
+    def broken(rng: object) -> str:
+        raise KeyError("boom")
+
+    monkeypatch.setitem(fuzz.TARGETS, "codec", broken)
+    assert fuzz.main(["--target", "codec", "--case-seed", "42", "--cases", "1"]) == 1
+    out = json.loads(capsys.readouterr().out)
+    [failure] = out["failures"]
+    assert failure["case_seed"] == 42 and failure["outcome"] == "escape" and "KeyError" in failure["what"]
+    assert failure["repro"].endswith("--target codec --case-seed 42 --cases 1")
