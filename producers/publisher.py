@@ -155,7 +155,9 @@ class Publisher:
 
     def close(self, timeout_s: float = 30.0) -> PublisherStats:
         """Flush, stop the sender thread and return the final counters; returns within about ``timeout_s``,
-        whatever state the sender is in (records still queued then are given up and logged). Idempotent."""
+        whatever state the sender is in. Records still queued then, or handed to Kafka and not delivered, are
+        given up, logged and counted as failed: after close, every accepted record is delivered, failed or an
+        encode error. Idempotent."""
         if not self._closed:
             deadline = time.monotonic() + timeout_s
             pending = self.flush(timeout_s)
@@ -166,8 +168,26 @@ class Publisher:
             if self._thread is not None:
                 # The sender checks the flag at least every 0.1 s; a put of a sentinel could block on a full queue.
                 self._thread.join(timeout=max(0.2, deadline - time.monotonic()))
+            if pending:
+                self._give_up()
             self._stop_metrics()
         return self.stats()
+
+    def _give_up(self) -> None:
+        """Count what close() leaves behind as failed: records never handed to Kafka, and those librdkafka
+        still holds (purged, so their delivery callbacks report them)."""
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            self._count_error("failed", item, "not sent before close", TimeoutError("publisher closed"))
+            self._queue.task_done()
+        try:
+            self._producer.purge(in_queue=True, in_flight=True, blocking=False)
+            self._producer.flush(0)  # serves the purged messages' delivery callbacks: counted as failed
+        except Exception as exc:  # a broken producer: its messages cannot be told apart any more
+            log.error("purging the Kafka producer at close failed: %s", exc)
 
     def stats(self) -> PublisherStats:
         with self._lock:
@@ -296,14 +316,12 @@ class Publisher:
                   counter, n, type(exc).__name__, exc)
 
     def _on_delivery(self, err: KafkaError | None, msg: Message) -> None:
+        if err is not None:  # counted and logged as any dropped record (throttled: a purge reports thousands)
+            self._count_error("failed", (msg.topic(), msg.key(), None), "not delivered", KafkaException(err))
+            return
         with self._lock:
-            if err is None:
-                size = len(msg.value() or b"")
-                self._delivered += 1
-                self._bytes += size
-                topic = msg.topic() or ""
-                self._bytes_by_topic[topic] = self._bytes_by_topic.get(topic, 0) + size
-            else:
-                self._failed += 1
-        if err is not None:
-            log.error("delivery to %s failed: %s", msg.topic(), err)
+            size = len(msg.value() or b"")
+            self._delivered += 1
+            self._bytes += size
+            topic = msg.topic() or ""
+            self._bytes_by_topic[topic] = self._bytes_by_topic.get(topic, 0) + size
