@@ -81,7 +81,10 @@ def create_app(settings: Settings) -> faust.App:
         value_serializer="raw",
         topic_partitions=settings.partitions,
         topic_allow_declare=False,
-        web_host=settings.metrics_host,  # the web server's /health, /stats and /metrics (loopback by default)
+        # The web server's /health, /stats and /metrics (loopback by default): web_bind is the address it binds,
+        # web_host only the host name Faust writes into its URLs.
+        web_bind=settings.metrics_host,
+        web_host=settings.metrics_host,
         web_port=settings.worker_web_port,
         web_in_thread=False,
         broker_session_timeout=settings.session_timeout_s,

@@ -30,3 +30,12 @@ def test_the_worker_keeps_the_root_logger_at_its_level(tmp_path: Path) -> None:
 
 def test_the_compiled_core_loads() -> None:
     load_compiled_core()  # decodes and clusters a small batch; raises if a kernel does not compile
+
+
+def test_the_web_server_binds_the_metrics_host_only(tmp_path: Path) -> None:
+    """Faust's web_host only names the host in URLs; web_bind stayed 0.0.0.0 (/stats and /metrics open to the
+    network, seen listening on 0.0.0.0:16066)."""
+    app = create_app(Settings.load(env={}, home=tmp_path, bootstrap_servers="127.0.0.1:1"))
+    assert app.conf.web_bind == "127.0.0.1" and app.conf.web_host == "127.0.0.1"
+    app = create_app(Settings.load(env={}, home=tmp_path, bootstrap_servers="127.0.0.1:1", metrics_host="0.0.0.0"))
+    assert app.conf.web_bind == "0.0.0.0"
