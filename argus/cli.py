@@ -12,6 +12,7 @@ import dataclasses
 import enum
 import json
 import logging
+import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -506,6 +507,22 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+#: Commands whose output files are the user's to share (the home is not created by them).
+_PUBLIC_OUTPUT_COMMANDS = frozenset({"report", "export-trace", "ddl"})
+
+
+def _private_home(home: Path) -> None:
+    """Keep argus's state to its user: files and directories this process (and the processes it starts)
+    creates get no group or other permissions (the embedded chDB's tables, logs, pid files, the token), and
+    a home created by an older version with 0755 is closed to 0700."""
+    os.umask(0o077)
+    try:
+        if home.is_dir() and home.stat().st_uid == os.getuid() and home.stat().st_mode & 0o077:
+            home.chmod(0o700)
+    except OSError:  # not ours to change: the files in it are still created private
+        pass
+
+
 #: Commands of the base install (the rank side): everything else needs the ``server`` extra.
 _RANK_SIDE_COMMANDS = frozenset({"stacks", "topics"})
 
@@ -526,6 +543,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ArgusError as exc:
         sys.stderr.write(f"argus: configuration error: {exc}\n")
         return Exit.USAGE
+    if args.command not in _PUBLIC_OUTPUT_COMMANDS:
+        _private_home(settings.home)
     # Services log at the configured level; interactive commands only show warnings unless asked, and leave
     # librdkafka's retries to the one line require_kafka writes.
     service = args.command in ("worker", "sink", "stacks")

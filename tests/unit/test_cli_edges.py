@@ -123,3 +123,20 @@ def test_settings_table_is_generated_and_complete() -> None:
 def test_readme_points_to_every_setting() -> None:
     readme = (ROOT / "README.md").read_text()
     assert "docs/settings.md" in readme
+
+
+def test_the_embedded_store_and_home_are_private(tmp_path: Path) -> None:
+    """The home and chdb directories were created 0755 and the files 0644: other local users could read every
+    table without the token."""
+    home = tmp_path / "home"
+    home.mkdir(mode=0o755)
+    home.chmod(0o755)  # a home an older version created
+    env = {**os.environ, "ARGUS_HOME": str(home), "ARGUS_BOOTSTRAP_SERVERS": f"127.0.0.1:{_closed_port()}"}
+    proc = subprocess.run([sys.executable, "-m", "argus", "findings", "--job", "j"], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == Exit.UNKNOWN_JOB, proc.stderr
+    paths = [home, *home.rglob("*")]
+    assert any(p.name == "chdb" for p in paths) and len(paths) > 5
+    opened = [f"{p.relative_to(tmp_path)} {oct(p.stat().st_mode & 0o777)}" for p in paths
+              if not p.is_symlink() and p.stat().st_mode & 0o077]
+    assert opened == []
