@@ -135,7 +135,7 @@ class Stack:
                 os.killpg(pid, signal.SIGKILL)
 
     def _spawn_supervisor(self) -> int:
-        env = {**os.environ, **self.settings.to_env()}
+        env = self.settings.child_env()
         with open(self.supervisor_log, "ab") as logf:
             proc = subprocess.Popen(
                 [sys.executable, "-m", SUPERVISOR_MODULE], stdin=subprocess.DEVNULL, stdout=logf,

@@ -337,7 +337,7 @@ class Supervisor:
         log.warning("%s: exited (%s); restarting in %.1f s", name, state.last_exit, state.backoff_s)
 
     def _spawn(self, service: Service) -> subprocess.Popen[bytes]:
-        env = {**os.environ, **self.settings.to_env()}
+        env = self.settings.child_env()
         with open(self.run_dir / f"{service.value}.log", "ab") as logf:
             cmd = [sys.executable, "-m", SUPERVISOR_MODULE, "--child", service.value, "--parent", str(os.getpid())]
             proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT, env=env,

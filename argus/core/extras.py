@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import enum
 import importlib.util
+import sys
 
 from argus.core.errors import ArgusError
 
@@ -76,5 +77,7 @@ def require_extra(extra: Extra, what: str) -> None:
         MissingExtraError: the first module of ``extra`` that is not installed, with the pip command.
     """
     for module in _MODULES[extra]:
+        if module in sys.modules:  # imported already (find_spec refuses a module whose __spec__ is unset)
+            continue
         if importlib.util.find_spec(module) is None:
             raise MissingExtraError(extra, module, what)

@@ -416,21 +416,37 @@ class Settings:
         new.validate()
         return new
 
-    def to_env(self) -> dict[str, str]:
-        """These settings as ``ARGUS_*`` environment variables, for child processes."""
+    def to_env(self, secrets_dir: Path | None = None) -> dict[str, str]:
+        """These settings as ``ARGUS_*`` environment variables, for child processes.
+
+        A credential is never put in the environment (which other tools print, dump and pass on): it is
+        written to a file of its own, mode 0600, in ``secrets_dir`` (default ``<home>/run/secrets``, 0700), and
+        passed as ``ARGUS_<NAME>_FILE``.
+
+        Raises:
+            ConfigError: a credential's file cannot be written.
+        """
         out: dict[str, str] = {}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if isinstance(value, Secret):
-                if not value.reveal():
-                    continue
-                value = value.reveal()
-            elif isinstance(value, Path):
+                if value.reveal():
+                    path = _write_secret((secrets_dir or self.home / "run" / "secrets") / f.name, value)
+                    out[ENV_PREFIX + f.name.upper() + "_FILE"] = str(path)
+                continue
+            if isinstance(value, Path):
                 value = value.resolve()
             out[ENV_PREFIX + f.name.upper()] = str(value)
         if self.chdb_path is not None:
             out[ENV_PREFIX + "CLICKHOUSE_DSN"] = f"chdb://{self.chdb_path}"
         return out
+
+    def child_env(self, base: Mapping[str, str] | None = None) -> dict[str, str]:
+        """The environment of a child process: ``base`` (default ``os.environ``) less any credential given
+        there as a value, plus :meth:`to_env` (credentials as files)."""
+        base = os.environ if base is None else base
+        secrets = {ENV_PREFIX + f.name.upper() for f in dataclasses.fields(self) if _type_name(f.type) == "Secret"}
+        return {**{k: v for k, v in base.items() if k not in secrets}, **self.to_env()}
 
     @property
     def chdb_path(self) -> Path | None:
@@ -460,6 +476,23 @@ def check_identifier(setting: str, value: str) -> str:
         raise ConfigError(f"{setting} must be a letter or _ followed by up to 127 letters, digits, _ or -, "
                           f"got {value!r}")
     return value
+
+
+def _write_secret(path: Path, secret: Secret) -> Path:
+    """``secret`` in ``path`` (mode 0600, its directory 0700), rewritten only when it changed; its absolute
+    path."""
+    try:
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        path.parent.chmod(0o700)
+        data = secret.reveal().encode()
+        if not (path.is_file() and path.read_bytes() == data):
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "wb") as fh:
+                fh.write(data)
+        path.chmod(0o600)
+    except OSError as exc:
+        raise ConfigError(f"cannot write the credential file {path}: {exc}") from exc
+    return path.resolve()
 
 
 def _type_name(typ: Any) -> str:

@@ -61,3 +61,18 @@ def test_bounds_have_defaults_and_come_from_the_environment() -> None:
     s = Settings.load(env={"ARGUS_MAX_EVENT_SKEW_NS": "60000000000", "ARGUS_MAX_KERNEL_NAMES": "10",
                            "ARGUS_L3_MAX_WINDOWS": "5"})
     assert (s.max_event_skew_ns, s.max_kernel_names, s.l3_max_windows) == (60_000_000_000, 10, 5)
+
+
+def test_credentials_reach_child_processes_as_files_never_as_values(tmp_path: Path) -> None:
+    """Secrets passed to child processes in environment variables (seen in /proc/<pid>/environ, ps e, crash
+    dumps); now each is a 0600 file of the home named by ARGUS_<NAME>_FILE."""
+    s = Settings.load(env={}, home=tmp_path, kafka_security_protocol="SASL_PLAINTEXT", kafka_sasl_mechanism="PLAIN",
+                      kafka_sasl_username="u", kafka_sasl_password="hunter2", clickhouse_password="ch-pw")
+    env = s.child_env({"PATH": "/bin", "ARGUS_KAFKA_SASL_PASSWORD": "hunter2", "ARGUS_CLICKHOUSE_PASSWORD": "x"})
+    assert "hunter2" not in "".join(env.values()) and "ch-pw" not in "".join(env.values())
+    assert "ARGUS_KAFKA_SASL_PASSWORD" not in env and env["PATH"] == "/bin"
+    path = Path(env["ARGUS_KAFKA_SASL_PASSWORD_FILE"])
+    assert path.read_text() == "hunter2" and path.stat().st_mode & 0o777 == 0o600
+    assert path.parent.stat().st_mode & 0o777 == 0o700
+    again = Settings.load(env=env)
+    assert again.kafka_sasl_password.reveal() == "hunter2" and again.clickhouse_password.reveal() == "ch-pw"
