@@ -97,7 +97,7 @@ def _cmd_status(settings: Settings, args: argparse.Namespace) -> int:
         sup = status["supervisor"]
         _out(f"{'supervisor':10s} {'running' if sup['running'] else 'stopped':8s} pid={sup['pid']}  "
              f"up since {sup['up_since'] or '-'}  log={sup['log']}")
-        for name in ("kafka", "worker", "sink"):
+        for name in ("kafka", "worker", "sink", "query-service"):
             s = status[name]
             state = "healthy" if s.get("healthy") else ("running" if s.get("running") else "stopped")
             if s.get("foreign"):
@@ -109,7 +109,8 @@ def _cmd_status(settings: Settings, args: argparse.Namespace) -> int:
             _out(f"{name:10s} {state:8s} pid={s.get('pid')}  up since {s.get('up_since') or '-'}  "
                  f"restarts={s.get('restarts', 0)}  last exit={exit_text}  log={s.get('log')}")
         _out_jobs((status["worker"].get("stats") or {}).get("diagnosis"))
-    healthy = status["supervisor"]["running"] and all(status[n].get("healthy") for n in ("kafka", "worker", "sink"))
+    healthy = status["supervisor"]["running"] and all(status[n].get("healthy")
+                                                      for n in ("kafka", "worker", "sink", "query-service"))
     return Exit.OK if healthy else Exit.UNHEALTHY
 
 
@@ -158,6 +159,13 @@ def _cmd_sink(settings: Settings, args: argparse.Namespace) -> int:
     from argus.sinks.writer import serve
 
     serve(settings)
+    return 0
+
+
+def _cmd_query_service(settings: Settings, args: argparse.Namespace) -> int:
+    from argus.sinks.query_service import serve_query_service
+
+    serve_query_service(settings)
     return 0
 
 
@@ -405,9 +413,9 @@ def _parser() -> argparse.ArgumentParser:
                        "all healthy)")
     s.add_argument("--json", action="store_true")
     s.set_defaults(fn=_cmd_status)
-    s = sub.add_parser("sql", help="run SQL against the configured ClickHouse (embedded or server); through a "
-                       "running sink only one read-only statement (SELECT, WITH, SHOW, DESCRIBE, EXPLAIN, EXISTS), "
-                       "sent with the token in <ARGUS_HOME>/query.token")
+    s = sub.add_parser("sql", help="run SQL against the configured ClickHouse (embedded or server); through the "
+                       "running query service (or sink) only one read-only statement (SELECT, WITH, SHOW, DESCRIBE, "
+                       "EXPLAIN, EXISTS), sent with ARGUS_QUERY_PASSWORD or the token in <ARGUS_HOME>/query.token")
     s.add_argument("query")
     s.add_argument("--json", action="store_true", help="print a JSON array of row objects")
     s.set_defaults(fn=_cmd_sql)
@@ -417,6 +425,10 @@ def _parser() -> argparse.ArgumentParser:
     s.set_defaults(fn=_cmd_worker)
     s = sub.add_parser("sink", help="run the ClickHouse sink (and its SQL endpoint) in the foreground")
     s.set_defaults(fn=_cmd_sink)
+    s = sub.add_parser("query-service", help="serve argus's tables read-only over ClickHouse's HTTP interface on "
+                       "ARGUS_QUERY_SERVICE_HOST:ARGUS_QUERY_SERVICE_PORT (default 127.0.0.1:18123), in the "
+                       "foreground (`argus up` supervises it)")
+    s.set_defaults(fn=_cmd_query_service)
     s = sub.add_parser("ddl", help="print the statements that create argus's ClickHouse schema, one per line "
                        "ending in ';' (for review, or `clickhouse-client --multiquery`), without connecting")
     s.add_argument("--cluster", default=None, metavar="NAME",
@@ -547,7 +559,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         _private_home(settings.home)
     # Services log at the configured level; interactive commands only show warnings unless asked, and leave
     # librdkafka's retries to the one line require_kafka writes.
-    service = args.command in ("worker", "sink", "stacks")
+    service = args.command in ("worker", "sink", "query-service", "stacks")
     level = settings.log_level.upper() if service or args.log_level else "WARNING"
     logging.basicConfig(level=level,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)

@@ -2,12 +2,12 @@
 
 ``up`` starts the broker in the foreground (the first run fetches its jars and formats its storage, with
 progress), creates the topics, then starts the stack's supervisor (:mod:`argus.supervisor`): a background
-process, in a session of its own, that runs the worker and the sink as its children and restarts any of
-them, and the broker, when they exit. ``up`` is idempotent (a running supervisor and healthy services are
-reused; there is never a second supervisor per home) and waits until everything is healthy. ``down`` stops
+process, in a session of its own, that runs the worker, the sink and the query service as its children and
+restarts any of them, and the broker, when they exit. ``up`` is idempotent (a running supervisor and healthy
+services are reused; there is never a second supervisor per home) and waits until everything is healthy. ``down`` stops
 the supervisor, which stops the sink and then the worker, then the broker. Logs and pid files are under
-``<home>/run``; the sink owns the embedded chDB directory and answers SQL for other processes (see
-:mod:`argus.sinks.query_server`).
+``<home>/run``; the sink owns the embedded chDB directory, and the query service answers SQL for other
+processes over ClickHouse's HTTP interface (see :mod:`argus.sinks.query_service`).
 """
 
 from __future__ import annotations
@@ -31,7 +31,15 @@ from argus.core.errors import ArgusError
 from argus.core.settings import Settings
 from argus.local_kafka import LocalKafka, pid_alive
 from argus.sinks.query_server import endpoint_healthy
-from argus.supervisor import SUPERVISOR_MODULE, Service, read_state, service_pid, supervisor_pid, terminate
+from argus.supervisor import (
+    SUPERVISOR_MODULE,
+    Service,
+    health_url_of_query_service,
+    read_state,
+    service_pid,
+    supervisor_pid,
+    terminate,
+)
 from argus.topics import ensure_topics
 
 __all__ = ["Service", "Stack"]
@@ -109,7 +117,8 @@ class Stack:
         """Stop the supervisor (it stops the sink and the worker), any stray worker or sink, and (unless
         ``keep_kafka``) Kafka. Idempotent."""
         self._stop_supervisor()
-        for service in (Service.SINK, Service.WORKER):  # left by an argus up that had no supervisor
+        # Left by an argus up that had no supervisor.
+        for service in (Service.QUERY_SERVICE, Service.SINK, Service.WORKER):
             pid = service_pid(self.run_dir, service)
             if pid is not None:
                 terminate(pid, timeout_s=30)
@@ -188,6 +197,8 @@ class Stack:
                              last_exit=None if last is None else {**last, "at": _iso(last.get("at"))})
         out["sink"]["stats"] = endpoint_healthy(self.settings) if out["sink"]["running"] else None
         out["worker"]["stats"] = self.worker_stats() if out["worker"]["running"] else None
+        qs = Service.QUERY_SERVICE.value
+        out[qs]["stats"] = _get_json(health_url_of_query_service(self.settings)) if out[qs]["running"] else None
         return out
 
     def _supervised(self, name: str) -> dict[str, Any]:
@@ -201,6 +212,8 @@ class Stack:
     def healthy(self, service: Service) -> bool:
         if service is Service.SINK:
             return endpoint_healthy(self.settings) is not None
+        if service is Service.QUERY_SERVICE:
+            return _get_json(health_url_of_query_service(self.settings)) is not None
         return _get_json(f"http://127.0.0.1:{self.settings.worker_web_port}/health") is not None
 
     @property

@@ -2,19 +2,19 @@
 the ClickHouse sink and the local Kafka broker running.
 
 ``argus up`` starts the broker, then this process (``python -m argus.supervisor``, a session of its own, log
-``<home>/run/supervisor.log``). It runs the worker and the sink as its children and restarts whichever exits,
-for whatever reason (a crash, ``kill -9``, the OOM killer), after a backoff that doubles with each crash in a
-row (``ARGUS_SUPERVISOR_BACKOFF_S`` up to ``ARGUS_SUPERVISOR_BACKOFF_MAX_S``). The broker this home started is
-watched through its pid file and relaunched the same way; a broker that someone else runs on the port is left
-alone. What it did is in ``<home>/run/supervisor.json`` (per process: pid, state, restarts, last exit, up
-since), which ``argus status`` shows. A worker or sink that runs but stops answering its health check
+``<home>/run/supervisor.log``). It runs the worker, the sink and the query service as its children and restarts
+whichever exits, for whatever reason (a crash, ``kill -9``, the OOM killer), after a backoff that doubles with
+each crash in a row (``ARGUS_SUPERVISOR_BACKOFF_S`` up to ``ARGUS_SUPERVISOR_BACKOFF_MAX_S``). The broker this
+home started is watched through its pid file and relaunched the same way; a broker that someone else runs on
+the port is left alone. What it did is in ``<home>/run/supervisor.json`` (per process: pid, state, restarts,
+last exit, up since), which ``argus status`` shows. A worker or sink that runs but stops answering its health check
 (``/health``) for ``ARGUS_SUPERVISOR_HANG_S`` (after it answered once) is hung: it is killed and restarted like
 a crashed one (counted in ``hang_kills``).
 
 No orphans: the supervisor holds ``supervisor.lock`` for its whole life, so a second one for the same home exits
 at once; its children get SIGTERM from the kernel if it dies (``PR_SET_PDEATHSIG``), and on SIGTERM
-(``argus down``) it stops the sink, then the worker, and exits. The broker outlives it on purpose:
-``argus down --keep-kafka`` keeps it, ``argus down`` stops it.
+(``argus down``) it stops the query service, the sink, then the worker, and exits. The broker outlives it on
+purpose: ``argus down --keep-kafka`` keeps it, ``argus down`` stops it.
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ __all__ = [
     "Service",
     "ServiceState",
     "Supervisor",
+    "health_url_of_query_service",
     "is_service_process",
     "process_start",
     "read_state",
@@ -83,6 +84,8 @@ class Service(enum.Enum):
 
     WORKER = "worker"
     SINK = "sink"
+    #: Serves SQL (ClickHouse's HTTP interface) apart from the sink, so no query slows ingestion.
+    QUERY_SERVICE = "query-service"
 
 
 @dataclass
@@ -262,6 +265,8 @@ class Supervisor:
         return True
 
     def health_url(self, service: Service) -> str:
+        if service is Service.QUERY_SERVICE:
+            return health_url_of_query_service(self.settings)
         port = self.settings.worker_web_port if service is Service.WORKER else self.settings.query_port
         return f"http://127.0.0.1:{port}/health"
 
@@ -346,7 +351,8 @@ class Supervisor:
         return proc
 
     def _stop_children(self) -> None:
-        for service in (Service.SINK, Service.WORKER):  # the sink first: it commits what the worker produced
+        # The query service first (it only forwards to the sink), then the sink: it commits what the worker produced.
+        for service in (Service.QUERY_SERVICE, Service.SINK, Service.WORKER):
             proc = self.procs.pop(service, None)
             if proc is None:
                 continue
@@ -370,6 +376,13 @@ class Supervisor:
         tmp = self.run_dir / f".{STATE_FILE}.{os.getpid()}"
         tmp.write_text(json.dumps(doc, indent=1))
         os.replace(tmp, self.run_dir / STATE_FILE)  # readers never see half a file
+
+
+def health_url_of_query_service(settings: Settings) -> str:
+    """The query service's ``/health`` as this host reaches it (a wildcard bind address on loopback)."""
+    host = settings.query_service_host
+    host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+    return f"http://{f'[{host}]' if ':' in host else host}:{settings.query_service_port}/health"
 
 
 def terminate(pid: int, timeout_s: float) -> None:

@@ -198,6 +198,16 @@ class Settings:
     clickhouse_cluster: str = ""
     #: Loopback port on which the sink process answers SQL for the embedded chDB it owns.
     query_port: int = 18124
+    #: Interface the query service (``argus query-service``: ClickHouse's HTTP interface, read-only) binds:
+    #: default ``127.0.0.1``; ``0.0.0.0`` for Grafana or clients on other hosts (set ``query_password`` then).
+    query_service_host: str = "127.0.0.1"
+    #: Port of the query service (default 18123, beside ClickHouse's 8123).
+    query_service_port: int = 18123
+    #: User name clients give the query service (default ``argus``).
+    query_user: str = "argus"
+    #: Password of ``query_user`` (``ARGUS_QUERY_PASSWORD`` or ``..._FILE``); empty (default): the per-home
+    #: token in ``<home>/query.token``, which ``argus sql`` reads.
+    query_password: Secret = Secret()
     #: Port of the Faust worker's web server: ``/health``, ``/stats`` (JSON) and ``/metrics`` (Prometheus).
     worker_web_port: int = 16066
     #: Interface the metrics endpoints bind: the worker's web server (all its pages), the sink's and the
@@ -327,17 +337,22 @@ class Settings:
         positive = (
             "partitions", "replication_factor", "retention_ms", "window_ns", "kde_grid_points",
             "kde_min_samples", "publisher_batch_events", "publisher_queue_max", "sink_batch_max",
-            "sink_flush_ms", "query_port", "worker_web_port", "import_max_memory_mb",
+            "sink_flush_ms", "query_port", "worker_web_port", "import_max_memory_mb", "query_service_port",
         )
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)!r}")
-        for name in ("query_port", "worker_web_port", "sink_metrics_port", "publisher_metrics_port"):
+        for name in ("query_port", "worker_web_port", "sink_metrics_port", "publisher_metrics_port",
+                     "query_service_port"):
             if not 0 <= getattr(self, name) <= 65535:
                 raise ConfigError(f"{name} must be a port in 0..65535, got {getattr(self, name)!r}")
         if not self.metrics_host or any(c in self.metrics_host for c in " /[]@") or "://" in self.metrics_host:
             raise ConfigError(f"metrics_host must be a host name or IP address (e.g. 127.0.0.1 or 0.0.0.0), "
                               f"got {self.metrics_host!r}")
+        for name, refused in (("query_service_host", " /[]@\t\r\n"), ("query_user", " /[]@:\t\r\n")):
+            value = getattr(self, name)
+            if not value or any(c in refused for c in value):
+                raise ConfigError(f"{name} must be a plain name (no spaces, '/', '@' or brackets), got {value!r}")
         if not 0 < self.heartbeat_interval_s <= 3600:
             raise ConfigError(f"heartbeat_interval_s must be in (0, 3600], got {self.heartbeat_interval_s!r}")
         if self.allowed_lateness_ns < 0:

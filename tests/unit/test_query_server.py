@@ -35,10 +35,9 @@ home = Path(sys.argv[1])
 settings = Settings.load(env={}, home=home, clickhouse_dsn=f"chdb://{home}/chdb")
 store = ClickHouseStore(settings.clickhouse)
 store.ensure_schema()
-qs._Handler.timeout = 1.0  # the socket timeout, short for the test
 health = {"latencies": []}
-server = qs.QueryServer(store, settings, health, port=0, limits={**qs.QUERY_LIMITS, "max_execution_time": 3,
-                                                                  "max_result_rows": 10_000})
+server = qs.QueryServer(store, settings, health, port=0, request_deadline_s=1.0,  # short for the test
+                        limits={**qs.QUERY_LIMITS, "max_execution_time": 3, "max_result_rows": 10_000})
 stop = threading.Event()
 
 def insert() -> None:  # the sink's inserts, on the sink's own connection
