@@ -115,6 +115,10 @@ class BoundedHttpServer:
         if self._thread.is_alive():
             async def close() -> None:
                 self._server.close()
+                tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+                for t in tasks:
+                    t.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
             asyncio.run_coroutine_threadsafe(close(), self._loop).result(10)
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(10)
@@ -126,7 +130,7 @@ class BoundedHttpServer:
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         if self.open_connections >= self.max_connections:
             self.refused_connections += 1
-            await self._refuse_connection(writer)
+            await self._refuse_connection(reader, writer)
             return
         self.open_connections += 1
         try:
@@ -159,13 +163,16 @@ class BoundedHttpServer:
             with contextlib.suppress(Exception):
                 await writer.wait_closed()
 
-    async def _refuse_connection(self, writer: asyncio.StreamWriter) -> None:
+    async def _refuse_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         body = b"too many connections; try again\n"
         writer.write(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/plain; charset=UTF-8\r\n"
                      b"Content-Length: %d\r\nConnection: close\r\nRetry-After: 1\r\n\r\n%s" % (len(body), body))
         with contextlib.suppress(Exception):
             async with asyncio.timeout(1.0):
                 await writer.drain()
+        with contextlib.suppress(Exception):  # what the client sent already: unread, closing would reset
+            async with asyncio.timeout(0.05):
+                await reader.read(MAX_HEAD_BYTES)
         writer.close()
 
     async def _read(self, reader: asyncio.StreamReader, deadline: float) -> Request | None:
