@@ -64,6 +64,7 @@ def fresh_settings(kafka: str, tmp_path: Path) -> Settings:
         env={}, bootstrap_servers=kafka, topic_prefix=f"t{tag}.", app_id=f"argus-test-{tag}",
         sink_group=f"sink-{tag}", clickhouse_database=f"test_{tag}", partitions=4, session_timeout_s=6,
         worker_web_port=_free_port(), query_port=_free_port(), sink_metrics_port=_free_port(), home=tmp_path,
+        query_service_port=_free_port(),
         window_ns=1_000_000_000,
         allowed_lateness_ns=500_000_000, publisher_batch_events=2048,
     )

@@ -44,7 +44,7 @@ def test_state_file_is_what_status_reads(tmp_path: Path) -> None:
     doc = read_state(sup.run_dir)
     assert doc is not None and doc == json.loads((sup.run_dir / STATE_FILE).read_text())
     assert doc["services"]["sink"]["pid"] == 42 and doc["services"]["sink"]["state"] == "running"
-    assert set(doc["services"]) == {"kafka", "worker", "sink"}
+    assert set(doc["services"]) == {"kafka", "worker", "sink", "query-service"}
     assert read_state(tmp_path / "nowhere") is None
 
 
