@@ -30,6 +30,7 @@ whose trailing-``LIMIT`` regex backtracks quadratically on long whitespace while
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import json
 import logging
@@ -159,21 +160,42 @@ class _Handle:
     """One read-only chDB connection of the sink's engine, and its current database."""
 
     def __init__(self, path: Path, limits: dict[str, Any], database: str) -> None:
+        self.path, self.limits, self.default_database = path, limits, database
+        self.conn: Any = None
+        self.database = ""
+        self._open()
+
+    def _open(self) -> None:
         import chdb
 
+        settings = {**self.limits, "readonly": 1}  # readonly last: once set, nothing else can change
+        for name, value in settings.items():
+            if not _SETTING_VALUE.fullmatch(str(value)):
+                raise SinkError(f"query limit {name}={value!r} is not a plain value")
+        conn = None
         try:
-            self.conn = chdb.connect(str(path))
-            for name, value in {**limits, "readonly": 1}.items():  # readonly last: then nothing changes
-                if not _SETTING_VALUE.fullmatch(str(value)):
-                    raise SinkError(f"query limit {name}={value!r} is not a plain value")
-                self.conn.query(f"SET {name} = '{value}'" if isinstance(value, str) else f"SET {name} = {value}")
+            conn = chdb.connect(str(self.path))
+            for name, value in settings.items():
+                conn.query(f"SET {name} = '{value}'" if isinstance(value, str) else f"SET {name} = {value}")
         except Exception as exc:
+            if conn is not None:  # never left half set up (without readonly) for the next query
+                with contextlib.suppress(Exception):
+                    conn.close()
             raise SinkError(f"cannot open a read-only chDB connection: {exc}") from exc
-        self.database = ""
-        self.default_database = database
+        self.conn, self.database = conn, ""
+
+    def discard(self) -> None:
+        """Close the connection after a failed query; the next :meth:`run` opens a fresh one. chDB 4.4 keeps
+        the output a query wrote before it failed (up to ``max_result_bytes``) and returns it ahead of the next
+        answer on the same connection: another client's query would get it."""
+        self.close()
+        self.conn = None
 
     def run(self, sql: str, fmt: str, database: str | None, bound: dict[str, str]) -> Any:
-        """The engine's result of ``sql`` (raises the engine's exception)."""
+        """The engine's result of ``sql`` (raises the engine's exception, or :class:`SinkError` when a fresh
+        connection cannot be opened)."""
+        if self.conn is None:
+            self._open()
         want = database or self.default_database
         if want != self.database:
             self.conn.query(f"USE `{want.replace('`', '``')}`")
@@ -182,7 +204,8 @@ class _Handle:
 
     def close(self) -> None:
         try:
-            self.conn.close()
+            if self.conn is not None:
+                self.conn.close()
         except Exception as exc:
             log.debug("closing a chDB query connection: %s", exc)
 
@@ -300,23 +323,28 @@ class QueryServer:
         bound = {k[len("param_"):]: v for k, v in req.params if k.startswith("param_")}
         handle = self._handles.get()  # a worker of the server holds at most one: never waits long
         try:
-            t0 = time.monotonic_ns()
-            res = handle.run(stmt.text, fmt, req.headers.get("x-argus-database"), bound)
-            size = res.size() if hasattr(res, "size") else len(res.bytes())
-            if size > MAX_RESULT_BYTES:
-                raise ClickHouseError(TOO_MANY_ROWS_OR_BYTES, f"answer of {size} bytes is over the "
-                                      f"{MAX_RESULT_BYTES} served; add a LIMIT or aggregate")
-            data = bytes(res.bytes())
-            summary = {"read_rows": res.rows_read(), "read_bytes": res.bytes_read(), "result_bytes": len(data),
-                       "elapsed_ns": time.monotonic_ns() - t0}
-        except ClickHouseError:
-            raise
-        except Exception as exc:  # the engine's errors: ClickHouse's text, code included
-            raise ClickHouseError.from_text(str(exc)) from exc
+            return _run(handle, stmt.text, fmt, req.headers.get("x-argus-database"), bound)
         finally:
             self._handles.put(handle)
-        return Response(HTTPStatus.OK, data, [("Content-Type", content_type(fmt)), ("X-ClickHouse-Format", fmt),
-                                              ("X-Argus-Summary", json.dumps(summary))])
+
+
+def _run(handle: _Handle, sql: str, fmt: str, database: str | None, bound: dict[str, str]) -> Response:
+    """One statement on ``handle``: the engine's bytes with their format and summary."""
+    t0 = time.monotonic_ns()
+    try:
+        res = handle.run(sql, fmt, database, bound)
+    except Exception as exc:  # the engine's errors: ClickHouse's text, code included
+        handle.discard()
+        raise ClickHouseError.from_text(str(exc)) from exc
+    size = res.size()
+    if size > MAX_RESULT_BYTES:
+        raise ClickHouseError(TOO_MANY_ROWS_OR_BYTES, f"answer of {size} bytes is over the {MAX_RESULT_BYTES} "
+                              "served; add a LIMIT or aggregate")
+    data = bytes(res.bytes())
+    summary = {"read_rows": res.rows_read(), "read_bytes": res.bytes_read(), "result_bytes": len(data),
+               "elapsed_ns": time.monotonic_ns() - t0}
+    return Response(HTTPStatus.OK, data, [("Content-Type", content_type(fmt)), ("X-ClickHouse-Format", fmt),
+                                          ("X-Argus-Summary", json.dumps(summary))])
 
 
 def _text(status: int, message: str, close: bool = False) -> Response:

@@ -121,7 +121,7 @@ def test_raw_http_like_curl(stack: Stack) -> None:
     assert (status, body) == (200, b"2\n")
     status, _, body = stack.get(f"/?user={stack.user}&password={stack.password}&query=SELECT%203&readonly=1")
     assert (status, body) == (200, b"3\n")
-    status, headers, body = stack.get(f"/?enable_http_compression=1&query=SELECT%204&database=argus",
+    status, headers, body = stack.get("/?enable_http_compression=1&query=SELECT%204&database=argus",
                                       {**stack.auth(), "Accept-Encoding": "gzip"})
     assert status == 200 and headers["Content-Encoding"] == "gzip" and gzip.decompress(body) == b"4\n"
     # Refusals, ClickHouse-style.
@@ -136,7 +136,8 @@ def test_raw_http_like_curl(stack: Stack) -> None:
         status, headers, body = stack.get(path, headers_)
         assert status >= 400 and headers["X-ClickHouse-Exception-Code"] == str(code), (path, status, body)
         assert body.startswith(f"Code: {code}. DB::Exception:".encode()), body
-    assert service_query(stack.settings.replace(query_service_port=stack.port), "SELECT toUInt64(5) AS n").rows == [(5,)]
+    at_service = stack.settings.replace(query_service_port=stack.port)
+    assert service_query(at_service, "SELECT toUInt64(5) AS n").rows == [(5,)]
 
 
 def _raw(port: int, request: bytes, timeout_s: float = 30) -> bytes:
@@ -208,6 +209,9 @@ def test_a_gigabyte_result_is_refused(stack: Stack) -> None:
     assert status >= 400 and headers["X-ClickHouse-Exception-Code"] in ("396", "241"), body[:300]
     assert took < 30
     _inserts_went_on(stack, before)
+    # chDB keeps a failed query's partial output for the next query on its connection: never served.
+    for _ in range(4):
+        assert stack.get("/?query=SELECT%201%2B1", stack.auth())[::2] == (200, b"2\n")
     # Several at once: bounded by the slots, each refused, the service still answers.
     results: list[int] = []
     threads = [threading.Thread(target=lambda: results.append(stack.get(
