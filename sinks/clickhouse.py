@@ -2,7 +2,8 @@
 
 Both go through clickhouse-connect, so the code above this module does not care which. chDB locks its data
 directory to one process, and a process can open only one chDB directory: the sink process owns it and
-answers other processes' SQL through :mod:`argus.sinks.query_server`. The client is not safe for concurrent use,
+answers other processes' SQL through :mod:`argus.sinks.query_server` (behind the query service,
+:mod:`argus.sinks.query_service`). The client is not safe for concurrent use,
 so every call here holds one lock. :meth:`ClickHouseStore.reader` opens a second, read-only connection with
 its own lock and limits: chDB serves several connections of one process at once, so a long query on the
 reader does not hold up the sink's inserts.
@@ -88,7 +89,8 @@ class ClickHouseStore:
             if "Cannot lock file" in msg or "EmbeddedServer" in msg:
                 raise SinkError(
                     f"chDB directory {path} is owned by another process (the argus sink); query it through "
-                    f"`argus sql`, which uses the sink's endpoint on 127.0.0.1:{settings.query_port}") from exc
+                    f"`argus sql` or the query service (`argus query-service`, ClickHouse's HTTP interface), "
+                    f"which use the sink's endpoint on 127.0.0.1:{settings.query_port}") from exc
             raise SinkError(f"cannot connect to ClickHouse {settings.dsn}: {msg}") from exc
         self._is_chdb = path is not None
         self.read_only = str(self.client_settings.get("readonly", "0")) != "0"
