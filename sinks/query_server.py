@@ -135,11 +135,20 @@ def ensure_token(settings: Settings) -> str:
         if st is not None:
             log.warning("replacing query token %s (not private to this user, or empty)", path)
         token = secrets.token_urlsafe(32)
-        tmp = path.with_name(f".{_TOKEN_FILE}.{os.getpid()}")
+        tmp = path.with_name(f".{_TOKEN_FILE}.{os.getpid()}.{secrets.token_hex(4)}")
         tmp.unlink(missing_ok=True)
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as f:
             f.write(token + "\n")
+        if st is None:
+            # Create only if still absent: the sink and the query service start together, and must agree.
+            try:
+                os.link(tmp, path)
+            except FileExistsError:
+                return ensure_token(settings)  # the other process's file, complete (linked once written)
+            finally:
+                tmp.unlink(missing_ok=True)
+            return token
         os.replace(tmp, path)
         return token
     except OSError as exc:
@@ -235,6 +244,7 @@ class QueryServer:
                  port: int | None = None, limits: dict[str, Any] | None = None,
                  request_deadline_s: float = REQUEST_DEADLINE_S) -> None:
         self.health = health if health is not None else {}
+        self.settings = settings
         self.token = ensure_token(settings)
         self._handles: queue.Queue[_Handle] = queue.Queue()
         self.serves_queries = store.embedded and store.clickhouse.chdb_path is not None
@@ -295,9 +305,13 @@ class QueryServer:
         return _text(HTTPStatus.NOT_FOUND, "GET /health or POST /query")
 
     def _post_refusal(self, req: Request) -> tuple[int, str] | None:
-        auth = req.headers.get("authorization", "")
-        if not hmac.compare_digest(auth.encode(), f"Bearer {self.token}".encode()):
-            return HTTPStatus.UNAUTHORIZED, "a bearer token is required (see <ARGUS_HOME>/query.token)"
+        auth = req.headers.get("authorization", "").encode()
+        if not hmac.compare_digest(auth, f"Bearer {self.token}".encode()):
+            # The file may have been replaced since (found readable by others): its token is the one.
+            with contextlib.suppress(SinkError):
+                self.token = read_token(self.settings)
+            if not hmac.compare_digest(auth, f"Bearer {self.token}".encode()):
+                return HTTPStatus.UNAUTHORIZED, "a bearer token is required (see <ARGUS_HOME>/query.token)"
         ctype = req.headers.get("content-type", "").split(";")[0].strip().lower()
         if ctype != _CONTENT_TYPE:
             return HTTPStatus.UNSUPPORTED_MEDIA_TYPE, f"Content-Type must be {_CONTENT_TYPE}"
@@ -386,15 +400,17 @@ def _fetch_json(req: urllib.request.Request, what: str, timeout_s: float) -> Que
         raise SinkError(f"{what} failed: {exc}") from exc
 
 
-def service_credentials(settings: Settings) -> tuple[str, str]:
+def service_credentials(settings: Settings, create: bool = False) -> tuple[str, str]:
     """(user, password) of the query service: ``query_user`` and ``query_password``, or the per-home token
-    (``<home>/query.token``) when no password is set.
+    (``<home>/query.token``; ``create``: made when missing, as the service does) when no password is set.
 
     Raises:
-        SinkError: no password is set and the token cannot be created or read.
+        SinkError: no password is set and the token cannot be read (or created).
     """
     password = settings.query_password.reveal()
-    return settings.query_user, password or ensure_token(settings)
+    if password:
+        return settings.query_user, password
+    return settings.query_user, ensure_token(settings) if create else read_token(settings)
 
 
 def service_address(settings: Settings) -> tuple[str, int]:

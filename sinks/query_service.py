@@ -81,7 +81,7 @@ class QueryService:
     def __init__(self, settings: Settings, port: int | None = None,
                  request_deadline_s: float = REQUEST_DEADLINE_S) -> None:
         self.settings = settings
-        self.user, self.password = service_credentials(settings)
+        self.user, _ = service_credentials(settings, create=True)
         self.backend = "sink" if settings.chdb_path is not None else "server"
         self.counts = {"queries": 0, "failed": 0, "refused": 0}
         self._lock = threading.Lock()
@@ -147,8 +147,12 @@ class QueryService:
         return result_response(body, fmt_back or fmt, query_id, summary, q.compression)
 
     def _authenticate(self, q: QueryRequest) -> None:
+        try:  # read each time: the token may be replaced (when its file was found readable by others)
+            _, password = service_credentials(self.settings)
+        except SinkError as exc:
+            raise ClickHouseError(AUTHENTICATION_FAILED, f"no password to check against: {exc}") from exc
         user_ok = hmac.compare_digest((q.user or "default").encode(), self.user.encode())
-        password_ok = hmac.compare_digest((q.password or "").encode(), self.password.encode())
+        password_ok = hmac.compare_digest((q.password or "").encode(), password.encode())
         if not (user_ok and password_ok):
             raise ClickHouseError(AUTHENTICATION_FAILED, f"{(q.user or 'default')[:64]}: Authentication failed: "
                                   "password is incorrect, or there is no user with such name")

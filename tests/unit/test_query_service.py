@@ -222,3 +222,18 @@ def test_a_gigabyte_result_is_refused(stack: Stack) -> None:
         t.join(120)
     assert len(results) == 6 and all(s >= 400 for s in results)
     assert stack.get("/ping")[::2] == (200, b"Ok.\n")
+
+
+def test_processes_starting_together_agree_on_one_token(tmp_path: Path) -> None:
+    from argus.sinks.query_server import ensure_token
+
+    settings = Settings.load(env={}, home=tmp_path / "home")
+    tokens: list[str] = []
+    threads = [threading.Thread(target=lambda: tokens.append(ensure_token(settings))) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(tokens) == 8 and len(set(tokens)) == 1
+    assert service_credentials(settings) == ("argus", tokens[0])
+    assert sorted(p.name for p in (tmp_path / "home").iterdir()) == ["query.token"]
