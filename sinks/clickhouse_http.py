@@ -9,8 +9,10 @@ What a ClickHouse client sends (clickhouse-connect, curl, Grafana's datasource o
 ClickHouse's HTTP status for the code.
 
 Every statement runs with ``readonly=1``, as for a read-only ClickHouse user: URL parameters that only steer
-the HTTP transport are accepted (:data:`TRANSPORT_PARAMS`; ``readonly=1`` or ``2`` too), any other setting is
-refused with ``Code: 164 ... (READONLY)`` as ClickHouse refuses it, so no client can lift the limits. Response
+the HTTP transport are accepted (:data:`TRANSPORT_PARAMS`; ``readonly=1`` or ``2`` too), and so is a limit the
+service enforces (``max_execution_time``, ``max_result_rows``, ...) named with a value no looser than its own
+(the service's stays in force); any other setting is refused with ``Code: 164 ... (READONLY)`` as ClickHouse
+refuses it, so no client can lift readonly or the limits. Response
 compression (``enable_http_compression=1`` with ``Accept-Encoding: gzip`` or ``deflate``) is done here;
 ClickHouse's own block compression (``compress=1``, ``decompress=1``) and compressed request bodies are refused
 with ``Code: 48 (NOT_IMPLEMENTED)``.
@@ -23,6 +25,7 @@ import binascii
 import json
 import re
 import zlib
+from collections.abc import Mapping
 from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any
@@ -137,8 +140,9 @@ class QueryRequest:
     compression: str | None
 
 
-def parse_query_request(req: Request, query_id: str) -> QueryRequest:
-    """Read a ClickHouse HTTP request.
+def parse_query_request(req: Request, query_id: str, limits: Mapping[str, Any]) -> QueryRequest:
+    """Read a ClickHouse HTTP request; ``limits`` are the numeric settings the service enforces (a client may
+    name one of them with a value no looser: Grafana's datasource sends its ``max_execution_time``).
 
     Raises:
         ClickHouseError: an empty statement, a body that is not UTF-8 text, an unknown or lifted setting, or a
@@ -149,6 +153,8 @@ def parse_query_request(req: Request, query_id: str) -> QueryRequest:
     for name, value in req.params:
         if name.startswith("param_"):
             continue
+        if name in limits and isinstance(limits[name], int) and value.isdigit() and 0 < int(value) <= limits[name]:
+            continue  # within what is enforced anyway: nothing is lifted
         if name not in TRANSPORT_PARAMS:
             raise ClickHouseError(READONLY, f"Cannot modify '{name}' setting in readonly mode")
         if name == "readonly" and value not in ("1", "2"):

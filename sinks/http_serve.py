@@ -157,6 +157,8 @@ class BoundedHttpServer:
                     break
         except (ConnectionError, OSError) as exc:
             log.debug("%s: connection lost: %s", self.name, exc)
+        except asyncio.CancelledError:
+            pass  # the server stops: end quietly (asyncio's stream callback chokes on a cancelled task)
         finally:
             self.open_connections -= 1
             writer.close()

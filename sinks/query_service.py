@@ -127,7 +127,7 @@ class QueryService:
     def _handle(self, req: Request) -> Response:
         query_id = req.param("query_id") or str(uuid.uuid4())
         try:
-            q = parse_query_request(req, query_id)
+            q = parse_query_request(req, query_id, QUERY_LIMITS)
             self._authenticate(q)
             try:
                 stmt = prepare_statement(q.sql)

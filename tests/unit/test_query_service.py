@@ -121,6 +121,8 @@ def test_raw_http_like_curl(stack: Stack) -> None:
     assert (status, body) == (200, b"2\n")
     status, _, body = stack.get(f"/?user={stack.user}&password={stack.password}&query=SELECT%203&readonly=1")
     assert (status, body) == (200, b"3\n")
+    status, _, body = stack.get("/?query=SELECT%203&max_execution_time=30&max_result_rows=10", stack.auth())
+    assert (status, body) == (200, b"3\n")  # limits no looser than the service's own: accepted
     status, headers, body = stack.get("/?enable_http_compression=1&query=SELECT%204&database=argus",
                                       {**stack.auth(), "Accept-Encoding": "gzip"})
     assert status == 200 and headers["Content-Encoding"] == "gzip" and gzip.decompress(body) == b"4\n"
@@ -130,6 +132,9 @@ def test_raw_http_like_curl(stack: Stack) -> None:
             ("/?query=SELECT%201&readonly=0", stack.auth(), 164),
             ("/?query=SELECT%201&max_execution_time=1000", stack.auth(), 164),
             ("/?query=SELECT%201&max_result_bytes=0", stack.auth(), 164),
+            ("/?query=SELECT%201&max_execution_time=51", stack.auth(), 164),
+            ("/?query=SELECT%201&max_threads=64", stack.auth(), 164),
+            ("/?query=SELECT%201&output_format_json_quote_64bit_integers=0", stack.auth(), 164),
             ("/?query=SELECT%201&compress=1", stack.auth(), 48),
             ("/?query=SELECT%201%20SETTINGS%20readonly%3D0", stack.auth(), 164),
             ("/?query=SELECT%201%20FORMAT%20Template", stack.auth(), 73)):
@@ -237,3 +242,20 @@ def test_processes_starting_together_agree_on_one_token(tmp_path: Path) -> None:
     assert len(tokens) == 8 and len(set(tokens)) == 1
     assert service_credentials(settings) == ("argus", tokens[0])
     assert sorted(p.name for p in (tmp_path / "home").iterdir()) == ["query.token"]
+
+
+def test_settings_of_the_query_service(tmp_path: Path) -> None:
+    from argus.core.errors import ConfigError
+
+    s = Settings.load(env={})
+    assert (s.query_service_host, s.query_service_port, s.query_user) == ("127.0.0.1", 18123, "argus")
+    secret = tmp_path / "pw"
+    secret.write_text("s3cret\n")
+    s = Settings.load(env={"ARGUS_QUERY_PASSWORD_FILE": str(secret), "ARGUS_QUERY_SERVICE_PORT": "28123",
+                           "ARGUS_QUERY_SERVICE_HOST": "0.0.0.0", "ARGUS_HOME": str(tmp_path)})
+    assert service_credentials(s) == ("argus", "s3cret") and s.query_service_port == 28123
+    assert not (tmp_path / "query.token").exists()  # a password set: no token needed
+    for bad in ({"query_service_host": "a b"}, {"query_service_port": 70000}, {"query_user": "a:b"},
+                {"query_user": ""}):
+        with pytest.raises(ConfigError):
+            Settings.load(env={}, **bad)
