@@ -10,9 +10,10 @@ ClickHouse's HTTP status for the code.
 
 Every statement runs with ``readonly=1``, as for a read-only ClickHouse user: URL parameters that only steer
 the HTTP transport are accepted (:data:`TRANSPORT_PARAMS`; ``readonly=1`` or ``2`` too), and so is a limit the
-service enforces (``max_execution_time``, ``max_result_rows``, ...) named with a value no looser than its own
-(the service's stays in force); any other setting is refused with ``Code: 164 ... (READONLY)`` as ClickHouse
-refuses it, so no client can lift readonly or the limits. Response
+service enforces (``max_execution_time``, ``max_result_rows``, ...) with an integer value, which is not applied:
+the service's own stays in force (Grafana's datasource sends its query timeout this way); any other setting is
+refused with ``Code: 164 ... (READONLY)`` as ClickHouse refuses it, so no client can lift readonly or the
+limits. Response
 compression (``enable_http_compression=1`` with ``Accept-Encoding: gzip`` or ``deflate``) is done here;
 ClickHouse's own block compression (``compress=1``, ``decompress=1``) and compressed request bodies are refused
 with ``Code: 48 (NOT_IMPLEMENTED)``.
@@ -141,8 +142,8 @@ class QueryRequest:
 
 
 def parse_query_request(req: Request, query_id: str, limits: Mapping[str, Any]) -> QueryRequest:
-    """Read a ClickHouse HTTP request; ``limits`` are the numeric settings the service enforces (a client may
-    name one of them with a value no looser: Grafana's datasource sends its ``max_execution_time``).
+    """Read a ClickHouse HTTP request; ``limits`` are the settings the service enforces (a client may name one
+    of them, with an integer value that is not applied: Grafana's datasource sends its ``max_execution_time``).
 
     Raises:
         ClickHouseError: an empty statement, a body that is not UTF-8 text, an unknown or lifted setting, or a
@@ -153,8 +154,8 @@ def parse_query_request(req: Request, query_id: str, limits: Mapping[str, Any]) 
     for name, value in req.params:
         if name.startswith("param_"):
             continue
-        if name in limits and isinstance(limits[name], int) and value.isdigit() and 0 < int(value) <= limits[name]:
-            continue  # within what is enforced anyway: nothing is lifted
+        if name in limits and value.isdigit():
+            continue  # the service's own value stays in force: nothing is lifted
         if name not in TRANSPORT_PARAMS:
             raise ClickHouseError(READONLY, f"Cannot modify '{name}' setting in readonly mode")
         if name == "readonly" and value not in ("1", "2"):
