@@ -139,6 +139,8 @@ class QueryRequest:
     bound: dict[str, str]
     #: The response compression asked for with ``enable_http_compression=1``: ``gzip``, ``deflate`` or ``None``.
     compression: str | None
+    #: ``client_protocol_version``: the revision of ClickHouse's Native format the client reads (0: the plain one).
+    protocol_version: int = 0
 
 
 def parse_query_request(req: Request, query_id: str, limits: Mapping[str, Any]) -> QueryRequest:
@@ -180,7 +182,8 @@ def parse_query_request(req: Request, query_id: str, limits: Mapping[str, Any]) 
         sql=sql, user=user, password=password, database=req.param("database") or
         req.headers.get("x-clickhouse-database") or None, default_format=fmt, query_id=query_id,
         bound={k[len("param_"):]: v for k, v in req.params if k.startswith("param_")},
-        compression=_compression(req) if req.param("enable_http_compression") == "1" else None)
+        compression=_compression(req) if req.param("enable_http_compression") == "1" else None,
+        protocol_version=int(version) if (version := req.param("client_protocol_version") or "0").isdigit() else 0)
 
 
 def _credentials(req: Request) -> tuple[str | None, str | None]:

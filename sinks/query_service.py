@@ -33,6 +33,7 @@ from argus.sinks.clickhouse_http import (
     ACCESS_DENIED,
     AUTHENTICATION_FAILED,
     NETWORK_ERROR,
+    NOT_IMPLEMENTED,
     OUTPUT_FORMATS,
     TOO_MANY_ROWS_OR_BYTES,
     UNKNOWN_FORMAT,
@@ -127,6 +128,7 @@ class QueryService:
     def _handle(self, req: Request) -> Response:
         query_id = req.param("query_id") or str(uuid.uuid4())
         try:
+            log.debug("query %s: %s %s %s", query_id, req.method, req.params, req.body[:200])
             q = parse_query_request(req, query_id, QUERY_LIMITS)
             self._authenticate(q)
             try:
@@ -136,6 +138,12 @@ class QueryService:
             fmt = stmt.format or q.default_format
             if fmt not in OUTPUT_FORMATS:
                 raise ClickHouseError(UNKNOWN_FORMAT, f"Unknown or unserved output format {fmt[:40]!r}")
+            if fmt == "Native" and q.protocol_version and self.backend == "sink":
+                # The embedded engine writes the plain Native format only; a client reading the revision it
+                # asked for would misread it (clickhouse-go, and so Grafana, asks; clickhouse-connect probes).
+                raise ClickHouseError(NOT_IMPLEMENTED, f"Native at client_protocol_version {q.protocol_version} is "
+                                      "not served by the embedded store; ask for client_protocol_version 0 or another "
+                                      "format")
             body, fmt_back, summary = self._forward(stmt, fmt, q)
         except ClickHouseError as exc:
             with self._lock:
@@ -176,8 +184,8 @@ class QueryService:
             host, tls = url.hostname or "127.0.0.1", url.scheme == "https"
             port = url.port or (8443 if tls else 8123)
             params = {"database": q.database or self.settings.clickhouse_database, "default_format": fmt,
-                      "query_id": q.query_id, **{k: str(v) for k, v in QUERY_LIMITS.items()}, "readonly": "1",
-                      **bound}
+                      "query_id": q.query_id, "client_protocol_version": str(q.protocol_version),
+                      **{k: str(v) for k, v in QUERY_LIMITS.items()}, "readonly": "1", **bound}
             path = (url.path or "/") + "?" + urllib.parse.urlencode(params)
             headers = {"X-ClickHouse-User": self.settings.clickhouse_user,
                        "X-ClickHouse-Key": self.settings.clickhouse_password.reveal(),
