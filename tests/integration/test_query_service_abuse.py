@@ -141,6 +141,8 @@ def test_clients_and_abuse_while_a_job_is_diagnosed(settings: Settings, tmp_path
                          f"{took:.1f} s under abuse; (count, max s) per abuse: {summary}; sink RSS "
                          f"{rss_before // 1024} MB before, peak {peak_kb // 1024} MB\n")
         assert not failures, failures[:5]
+        # Each abuse bounded (generous for a busy 2-core machine; before: 14 s for a 60 KB bomb, slow-loris forever).
+        assert max(figures["bomb"]) < 10 and max(figures["giga"]) < 60 and max(figures["loris_cut"]) < 40, summary
         # A gigabyte asked for 30 times over never sat in the sink: its peak stays far below one.
         assert peak_kb - rss_before < 768 * 1024, (rss_before, peak_kb)
         assert all(figures[k] for k in figures), summary
