@@ -152,7 +152,7 @@ class BoundedHttpServer:
                     response = await self._handle(request)
                 close = response.close or request.headers.get("connection", "").lower() == "close"
                 response.close = close
-                await self._write(writer, response)
+                await self._write(writer, response, head_only=request.method == "HEAD")
                 if close:
                     break
         except (ConnectionError, OSError) as exc:
@@ -249,14 +249,15 @@ class BoundedHttpServer:
             log.exception("%s: handler failed", self.name)
             return Response(HTTPStatus.INTERNAL_SERVER_ERROR, b"internal error\n", close=True)
 
-    async def _write(self, writer: asyncio.StreamWriter, response: Response) -> None:
+    async def _write(self, writer: asyncio.StreamWriter, response: Response, head_only: bool = False) -> None:
         status = HTTPStatus(response.status)
         head = [f"HTTP/1.1 {status.value} {status.phrase}", f"Content-Length: {len(response.body)}",
                 f"Connection: {'close' if response.close else 'keep-alive'}", "X-Content-Type-Options: nosniff",
                 "Cache-Control: no-store"]
         head += [f"{k}: {v}" for k, v in response.headers]
         writer.write(("\r\n".join(head) + "\r\n\r\n").encode("latin-1"))
-        writer.write(response.body)
+        if not head_only:
+            writer.write(response.body)
         async with asyncio.timeout(_WRITE_TIMEOUT_S):  # a client that stops reading frees its connection too
             await writer.drain()
 

@@ -85,6 +85,8 @@ def test_ping_and_health(stack: Stack) -> None:
     assert stack.get("/")[::2] == (200, b"Ok.\n")
     status, _, body = stack.get("/health")
     assert status == 200 and b'"backend": "sink"' in body
+    answer = _raw(stack.port, b"HEAD /ping HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    assert answer.startswith(b"HTTP/1.1 200 OK") and answer.endswith(b"\r\n\r\n")  # headers only
 
 
 def test_clickhouse_connect_query_arrow_and_df(stack: Stack) -> None:
@@ -107,6 +109,8 @@ def test_clickhouse_connect_query_arrow_and_df(stack: Stack) -> None:
     with pytest.raises(Exception, match=r"Code: 164"):
         client.command("DROP DATABASE argus")
     assert client.query("EXISTS TABLE argus.steps").result_rows == [(1,)]
+    time.sleep(3)  # past the 2 s deadline: the service closed the pooled keep-alive connection
+    assert client.query("SELECT 7").result_rows == [(7,)]
     client.close()
 
 
@@ -143,6 +147,10 @@ def test_raw_http_like_curl(stack: Stack) -> None:
             ("/?query=SELECT%201&compress=1", stack.auth(), 48),
             ("/?query=SELECT%201%20SETTINGS%20readonly%3D0", stack.auth(), 164),
             ("/?query=SELECT%201%20FORMAT%20Template", stack.auth(), 73),
+            ("/?query=", stack.auth(), 62), ("/?query=SELECT%201", {"Authorization": "Basic !!"}, 516),
+            ("/?query=SELECT%201", {**stack.auth(), "Content-Type": "multipart/form-data; boundary=x"}, 48),
+            ("/?query=SELECT%201", {**stack.auth(), "Content-Encoding": "gzip"}, 48),
+            ("/?query=SELECT%201", {**stack.auth(), "Origin": "http://evil.example"}, 497),
             # Native at a protocol revision: the embedded engine writes the plain one only (clickhouse-go asks).
             ("/?query=SELECT%201%20FORMAT%20Native&client_protocol_version=54460", stack.auth(), 48)):
         status, headers, body = stack.get(path, headers_)
