@@ -59,7 +59,13 @@ from argus.sinks.clickhouse_http import (
     parse_json_compact,
 )
 from argus.sinks.http_serve import BoundedHttpServer, Request, Response
-from argus.sinks.sql_guard import REFUSED_FUNCTIONS, StatementRefusedError, check_statement, prepare_statement
+from argus.sinks.sql_guard import (
+    REFUSED_FUNCTIONS,
+    SAFE_TABLE_FUNCTIONS,
+    StatementRefusedError,
+    check_statement,
+    prepare_statement,
+)
 
 __all__ = [
     "MAX_RESULT_BYTES",
@@ -104,11 +110,6 @@ QUERY_LIMITS: dict[str, Any] = {
 }
 _TOKEN_FILE = "query.token"
 _CONTENT_TYPE = "application/sql"
-_SAFE_TABLE_FUNCTIONS = frozenset(name.lower() for name in (
-    "numbers", "numbers_mt", "zeros", "zeros_mt", "generate_series", "generateSeries", "primes", "values",
-    "null", "view", "viewExplain", "viewIfPermitted", "merge", "format", "generateRandom", "loop",
-    "SQLStandardValues", "dictionary", "mergeTreeIndex", "mergeTreeProjection",
-))
 _SETTING_VALUE = re.compile(r"[A-Za-z0-9_.]+")
 
 
@@ -271,7 +272,7 @@ class QueryServer:
             return frozenset()
         finally:
             self._handles.put(handle)
-        return frozenset(data.decode().lower().split()) - _SAFE_TABLE_FUNCTIONS
+        return frozenset(data.decode().lower().split()) - SAFE_TABLE_FUNCTIONS
 
     def start(self) -> None:
         self._http.start()

@@ -15,12 +15,11 @@ from dataclasses import dataclass
 
 from argus.core.errors import SinkError
 
-__all__ = ["MAX_STATEMENT_BYTES", "REFUSED_FUNCTIONS", "Statement", "StatementRefusedError", "check_statement",
-           "prepare_statement"]
+__all__ = ["MAX_STATEMENT_BYTES", "REFUSED_FUNCTIONS", "SAFE_TABLE_FUNCTIONS", "Statement", "StatementRefusedError",
+           "check_statement", "prepare_statement"]
 
 #: Longest statement served once normalized, bytes (UTF-8): dashboards' and argus's own queries are a few KB.
 MAX_STATEMENT_BYTES = 256 * 1024
-
 
 
 class StatementRefusedError(SinkError):
@@ -37,7 +36,7 @@ class StatementRefusedError(SinkError):
 _ALLOWED_FIRST = frozenset({"select", "with", "show", "describe", "desc", "explain", "exists"})
 #: Table functions that only compute or read argus's own tables; every other name that can be called as a
 #: table function (or as ``file``, a scalar function reading files) is refused, so new ones fail closed.
-_SAFE_TABLE_FUNCTIONS = frozenset(name.lower() for name in (
+SAFE_TABLE_FUNCTIONS = frozenset(name.lower() for name in (
     "numbers", "numbers_mt", "zeros", "zeros_mt", "generate_series", "generateSeries", "primes", "values",
     "null", "view", "viewExplain", "viewIfPermitted", "merge", "format", "generateRandom", "loop",
     "SQLStandardValues", "dictionary", "mergeTreeIndex", "mergeTreeProjection",
