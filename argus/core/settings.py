@@ -85,8 +85,8 @@ class KafkaSettings:
 @dataclass(frozen=True)
 class ClickHouseSettings:
     """What the ClickHouse store and the sink take (``settings.clickhouse``): where, as whom, into which
-    database and cluster, the sink's consumer group and batching, and the port of the sink's query endpoint
-    (the way into an embedded chDB that the sink owns)."""
+    database and cluster, the sink's consumer group and batching, the port of the sink's query endpoint
+    (the way into an embedded chDB that the sink owns) and the query service's address and credentials."""
 
     dsn: str = field(metadata={"from": "clickhouse_dsn"})
     database: str = field(metadata={"from": "clickhouse_database"})
@@ -99,6 +99,11 @@ class ClickHouseSettings:
     #: argus's own directory: an embedded chDB without a directory in its DSN lives in ``home/chdb``.
     home: Path = field(metadata={"from": "home"})
     query_port: int = field(metadata={"from": "query_port"})
+    #: The query service (``argus query-service``): where it listens, and the user and password it asks for.
+    query_service_host: str = field(metadata={"from": "query_service_host"})
+    query_service_port: int = field(metadata={"from": "query_service_port"})
+    query_user: str = field(metadata={"from": "query_user"})
+    query_password: Secret = field(metadata={"from": "query_password"})
 
     @property
     def chdb_path(self) -> Path | None:
