@@ -286,7 +286,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--case-timeout", type=float, default=30.0, help="seconds before a case counts as a hang")
     args = p.parse_args(argv)
     logging.disable(logging.CRITICAL)  # the routers log every dead letter; the counts say it here
-    signal.signal(signal.SIGALRM, _on_alarm)
+    previous = signal.signal(signal.SIGALRM, _on_alarm)
+    try:
+        return _fuzz(args)
+    finally:
+        logging.disable(logging.NOTSET)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def _fuzz(args: argparse.Namespace) -> int:
     seed = args.seed if args.seed is not None else time.time_ns() % 2**32
     master = random.Random(seed)
     targets = list(TARGETS) if args.target == "all" else [args.target]
