@@ -47,6 +47,7 @@ from http import HTTPStatus
 from pathlib import Path
 from typing import Any
 
+from argus.core.endpoints import announce, verified_port, withdraw
 from argus.core.errors import SinkError
 from argus.core.settings import Settings
 from argus.sinks.clickhouse import ClickHouseStore, QueryResult
@@ -68,10 +69,12 @@ from argus.sinks.sql_guard import (
 )
 
 __all__ = [
+    "BACKEND_ENDPOINT",
     "MAX_RESULT_BYTES",
     "MAX_SQL_BYTES",
     "QUERY_LIMITS",
     "REFUSED_FUNCTIONS",
+    "SERVICE_ENDPOINT",
     "QueryServer",
     "check_statement",
     "endpoint_healthy",
@@ -82,6 +85,11 @@ __all__ = [
     "service_credentials",
     "token_path",
 ]
+
+#: Names under which the query service and the sink's backend announce themselves in the home
+#: (:mod:`argus.core.endpoints`): clients send the token only to the process that announced.
+SERVICE_ENDPOINT = "query-service"
+BACKEND_ENDPOINT = "query-backend"
 
 log = logging.getLogger(__name__)
 
@@ -276,10 +284,12 @@ class QueryServer:
 
     def start(self) -> None:
         self._http.start()
+        announce(self.settings.home, BACKEND_ENDPOINT, self.port)  # local clients send their token here only
         log.info("query backend on 127.0.0.1:%d", self.port)
 
     def stop(self) -> None:
         """Stop serving and close the read-only connections."""
+        withdraw(self.settings.home, BACKEND_ENDPOINT)
         self._http.stop()
         while not self._handles.empty():
             self._handles.get_nowait().close()
@@ -430,13 +440,15 @@ def service_healthy(settings: Settings, timeout_s: float = 1.0) -> bool:
         return False
 
 
-def service_query(settings: Settings, sql: str, timeout_s: float = 60.0) -> QueryResult:
-    """Run ``sql`` through the query service (ClickHouse's HTTP interface, ``JSONCompact``).
+def service_query(settings: Settings, sql: str, timeout_s: float = 60.0, port: int | None = None) -> QueryResult:
+    """Run ``sql`` through the query service (ClickHouse's HTTP interface, ``JSONCompact``) on ``port``
+    (default the configured one).
 
     Raises:
         SinkError: the service refused the request or the query, or did not answer in ``timeout_s``.
     """
-    host, port = service_address(settings)
+    host, configured = service_address(settings)
+    port = configured if port is None else port
     user, password = service_credentials(settings)
     url = f"http://{_url_host(host)}:{port}/?" + urllib.parse.urlencode(
         {"default_format": "JSONCompact", "database": settings.clickhouse_database})
@@ -459,10 +471,13 @@ def run_query(settings: Settings, sql: str, timeout_s: float = 60.0) -> QueryRes
     Raises:
         SinkError: the query failed, or the store cannot be reached.
     """
-    if service_healthy(settings):
-        return service_query(settings, sql, timeout_s)
-    if settings.chdb_path is not None and endpoint_healthy(settings) is not None:
-        return post_query(settings.query_port, read_token(settings), sql, timeout_s)
+    # Only to a process this home announced and that listens there: never a token to whoever took the port.
+    service_port = verified_port(settings.home, SERVICE_ENDPOINT)
+    if service_port is not None:
+        return service_query(settings, sql, timeout_s, port=service_port)
+    backend_port = verified_port(settings.home, BACKEND_ENDPOINT) if settings.chdb_path is not None else None
+    if backend_port is not None:
+        return post_query(backend_port, read_token(settings), sql, timeout_s)
     store = ClickHouseStore(settings.clickhouse)
     try:
         store.ensure_schema()

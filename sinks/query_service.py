@@ -27,6 +27,7 @@ import uuid
 from http import HTTPStatus
 from typing import Any
 
+from argus.core.endpoints import announce, withdraw
 from argus.core.errors import SinkError
 from argus.core.settings import Settings
 from argus.sinks.clickhouse_http import (
@@ -48,6 +49,7 @@ from argus.sinks.query_server import (
     MAX_SQL_BYTES,
     QUERY_LIMITS,
     REQUEST_DEADLINE_S,
+    SERVICE_ENDPOINT,
     read_token,
     service_credentials,
 )
@@ -95,9 +97,11 @@ class QueryService:
 
     def start(self) -> None:
         self._http.start()
+        announce(self.settings.home, SERVICE_ENDPOINT, self.port)  # local clients send their token here only
         log.info("query service on %s:%d (backend: %s)", self.settings.query_service_host, self.port, self.backend)
 
     def stop(self) -> None:
+        withdraw(self.settings.home, SERVICE_ENDPOINT)
         self._http.stop()
 
     def health(self) -> dict[str, Any]:
