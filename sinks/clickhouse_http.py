@@ -178,9 +178,12 @@ def parse_query_request(req: Request, query_id: str, limits: Mapping[str, Any]) 
         raise ClickHouseError(SYNTAX_ERROR, "Empty query")
     user, password = _credentials(req)
     fmt = req.param("default_format") or req.headers.get("x-clickhouse-format") or "TabSeparated"
+    database = req.param("database") or req.headers.get("x-clickhouse-database") or None
+    if database is not None and database.lower() == "system":
+        # Unqualified names would read the system tables sql_guard refuses by their qualified names.
+        raise ClickHouseError(READONLY, "the system database is not served as the default database")
     return QueryRequest(
-        sql=sql, user=user, password=password, database=req.param("database") or
-        req.headers.get("x-clickhouse-database") or None, default_format=fmt, query_id=query_id,
+        sql=sql, user=user, password=password, database=database, default_format=fmt, query_id=query_id,
         bound={k[len("param_"):]: v for k, v in req.params if k.startswith("param_")},
         compression=_compression(req) if req.param("enable_http_compression") == "1" else None,
         protocol_version=int(version) if (version := req.param("client_protocol_version") or "0").isdigit() else 0)

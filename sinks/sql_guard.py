@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 from argus.core.errors import SinkError
 
-__all__ = ["MAX_STATEMENT_BYTES", "REFUSED_FUNCTIONS", "SAFE_TABLE_FUNCTIONS", "Statement", "StatementRefusedError",
-           "check_statement", "prepare_statement"]
+__all__ = ["MAX_STATEMENT_BYTES", "PRIVATE_SYSTEM_TABLES", "REFUSED_FUNCTIONS", "SAFE_TABLE_FUNCTIONS", "Statement",
+           "StatementRefusedError", "check_statement", "prepare_statement"]
 
 #: Longest statement served once normalized, bytes (UTF-8): dashboards' and argus's own queries are a few KB.
 MAX_STATEMENT_BYTES = 256 * 1024
@@ -38,9 +38,23 @@ _ALLOWED_FIRST = frozenset({"select", "with", "show", "describe", "desc", "expla
 #: table function (or as ``file``, a scalar function reading files) is refused, so new ones fail closed.
 SAFE_TABLE_FUNCTIONS = frozenset(name.lower() for name in (
     "numbers", "numbers_mt", "zeros", "zeros_mt", "generate_series", "generateSeries", "primes", "values",
-    "null", "view", "viewExplain", "viewIfPermitted", "merge", "format", "generateRandom", "loop",
-    "SQLStandardValues", "dictionary", "mergeTreeIndex", "mergeTreeProjection",
+    "null", "view", "viewExplain", "viewIfPermitted", "format", "SQLStandardValues", "dictionary",
+    "mergeTreeIndex", "mergeTreeProjection",
 ))
+#: System tables that show where and how the store keeps its data (paths of disks, parts and tables), the
+#: server's own settings and logs, or its users: refused by name (``system.<name>``) so the served SQL tells
+#: nothing of the machine. Table discovery goes by ``SHOW TABLES`` / ``DESCRIBE``.
+PRIVATE_SYSTEM_TABLES = frozenset({
+    "disks", "storage_policies", "parts", "parts_columns", "projection_parts", "projection_parts_columns",
+    "detached_parts", "detached_tables", "part_log", "tables", "filesystem_cache", "remote_data_paths",
+    "server_settings", "build_options", "user_directories", "named_collections", "stack_trace", "processes",
+    "query_log", "query_thread_log", "query_views_log", "text_log", "crash_log", "trace_log", "error_log",
+    "users", "roles", "grants", "settings_profiles", "settings_profile_elements", "quotas", "row_policies",
+    "dictionaries", "models", "backups", "backup_log", "zookeeper", "mutations", "merges", "moves",
+    "replicas", "replication_queue", "distribution_queue", "database_engines", "databases", "metrics",
+    "asynchronous_metrics", "events", "asynchronous_metric_log", "metric_log", "session_log", "blob_storage_log",
+    "filesystem_cache_log", "s3queue", "azure_queue", "kafka_consumers", "certificates", "user_processes",
+})
 #: Functions that reach outside the database: the table functions of ClickHouse 26.9 / chDB 4.4 that are not
 #: in the safe list (files, URLs, object stores, other databases, clusters, programs, Python objects of the
 #: serving process), plus the scalar ``file``. The server adds whatever else ``system.table_functions`` lists.
@@ -57,6 +71,9 @@ REFUSED_FUNCTIONS = frozenset(name.lower() for name in (
     "timeSeriesData", "timeSeriesMetrics", "timeSeriesTags", "timeSeriesSamples", "timeSeriesSelector",
     "timeSeriesMetricFamilies", "mergeTreeAnalyzeIndexes", "mergeTreeAnalyzeIndexesUUID",
     "mergeTreeCodecBlockCounts", "mergeTreeTextIndex", "fuzzJSON", "fuzzQuery",
+    # Not outside the database, but unbounded work on the serving machine (random data, an endless loop) or
+    # any database's tables, the system ones included (merge's regular expressions).
+    "generateRandom", "loop", "merge",
 ))
 #: Families refused by prefix, whatever a newer ClickHouse names their members.
 _REFUSED_PREFIXES = ("s3", "hdfs", "azure", "iceberg", "deltalake", "hudi", "paimon", "remote", "url", "file",
@@ -129,6 +146,11 @@ def _check_tokens(tokens: list[tuple[str, str, int, int]], refused_functions: It
     for i, (kind, text, _s, _e) in enumerate(tokens):
         if kind == "punct" and text == ";" and i != len(tokens) - 1:
             raise StatementRefusedError("one statement per query", 164)
+    for i in range(len(tokens) - 2):
+        if tokens[i][1].lower() == "system" and tokens[i + 1][:2] == ("punct", ".") \
+                and tokens[i + 2][1].lower() in PRIVATE_SYSTEM_TABLES:
+            raise StatementRefusedError(f"system.{tokens[i + 2][1]} is not served: it shows the store's paths, "
+                                        "settings or users", 497)
     for i, kind, text in words:
         name = text.lower()
         if kind == "word" and name in _REFUSED_WORDS:

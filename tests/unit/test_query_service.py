@@ -127,6 +127,8 @@ def test_raw_http_like_curl(stack: Stack) -> None:
     assert (status, body) == (200, b"3\n")
     status, _, body = stack.get("/?query=SELECT%203&max_execution_time=300&max_result_rows=0", stack.auth())
     assert (status, body) == (200, b"3\n")  # a limit named by the client: accepted, the service's own holds
+    status, _, body = stack.get("/?query=SELECT%203&max_threads=64", stack.auth())
+    assert (status, body) == (200, b"3\n")  # max_threads too: the service's 2 stay in force
     slow = "SELECT count() FROM numbers(100000000000) WHERE sipHash64(number) % 7 = 3"
     status, _, body = stack.get("/?max_execution_time=300", stack.auth(), data=slow.encode())
     assert status >= 400 and b"Code: 159" in body, body  # TIMEOUT_EXCEEDED at the backend's 3 s
@@ -142,9 +144,10 @@ def test_raw_http_like_curl(stack: Stack) -> None:
             ("/?query=SELECT%201", {}, 516), ("/?query=SELECT%201", {**stack.auth(), "X-ClickHouse-Key": "x"}, 516),
             ("/?query=SELECT%201&readonly=0", stack.auth(), 164),
             ("/?query=SELECT%201&max_execution_time=1e9", stack.auth(), 164),
-            ("/?query=SELECT%201&max_threads=64", stack.auth(), 164),
             ("/?query=SELECT%201&output_format_json_quote_64bit_integers=0", stack.auth(), 164),
             ("/?query=SELECT%201&compress=1", stack.auth(), 48),
+            ("/?query=SELECT%20*%20FROM%20disks&database=system", stack.auth(), 164),
+            ("/?query=SELECT%20path%20FROM%20system.disks", stack.auth(), 497),
             ("/?query=SELECT%201%20SETTINGS%20readonly%3D0", stack.auth(), 164),
             ("/?query=SELECT%201%20FORMAT%20Template", stack.auth(), 73),
             ("/?query=", stack.auth(), 62), ("/?query=SELECT%201", {"Authorization": "Basic !!"}, 516),

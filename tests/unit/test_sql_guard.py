@@ -51,3 +51,22 @@ def test_normalized_text_is_checked_the_same_and_stable(sql: str) -> None:
         assert again == stmt  # normalizing is idempotent
         if not any(q in stmt.text for q in "'\"`"):  # outside quoted text, gaps are single spaces
             assert "  " not in stmt.text and stmt.text == stmt.text.strip()
+
+
+@pytest.mark.parametrize("sql", [
+    "SELECT * FROM system.disks", "SELECT path FROM `system`.`disks`", 'SELECT * FROM "system" . "parts"',
+    "SELECT data_paths FROM system.tables", "SELECT * FROM SYSTEM.STORAGE_POLICIES",
+    "SELECT count() FROM generateRandom('a String')", "SELECT * FROM loop(numbers(3))",
+    "SELECT * FROM merge('system', '^disks$')", "WITH x AS (SELECT * FROM system.query_log) SELECT 1",
+])
+def test_statements_that_show_the_machine_or_cost_unbounded_work_are_refused(sql: str) -> None:
+    """system.disks showed the data path; generateRandom and loop ran 50 s of CPU on the sink's machine."""
+    with pytest.raises(StatementRefusedError) as info:
+        prepare_statement(sql)
+    assert info.value.code == 497
+
+
+def test_harmless_system_tables_and_discovery_stay_served() -> None:
+    for sql in ("SELECT * FROM system.one", "SELECT number FROM system.numbers LIMIT 3", "SHOW TABLES FROM argus",
+                "SELECT name FROM system.functions LIMIT 1", "SELECT uniqMerge(x) FROM t", "DESCRIBE argus.findings"):
+        prepare_statement(sql)
