@@ -34,7 +34,8 @@ import socket
 import subprocess
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +43,7 @@ from argus.core.errors import KafkaLocalError
 from argus.core.kafka_security import AuthWatch, client_config
 from argus.core.settings import Settings
 
-__all__ = ["LocalKafka", "fetch_jars", "pid_alive", "pom_path"]
+__all__ = ["BrokerNode", "LocalKafka", "broker_nodes", "fetch_jars", "pid_alive", "pom_path"]
 
 logger = logging.getLogger(__name__)
 
@@ -157,6 +158,39 @@ def _random_cluster_id() -> str:
             return cid
 
 
+@dataclass(frozen=True)
+class BrokerNode:
+    """One combined broker+controller node of the local Kafka: its KRaft ``node.id`` (from 1), the loopback
+    host, its client port and its controller port."""
+
+    node_id: int
+    host: str
+    port: int
+    controller_port: int
+
+    @property
+    def bootstrap(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
+def broker_nodes(settings: Settings) -> tuple[BrokerNode, ...]:
+    """The local Kafka's nodes: node ``i`` on the ``i``-th ``bootstrap_servers`` entry, its controller on the next
+    port; ``settings.brokers`` of them (one: the first entry, whatever else is listed).
+
+    Raises:
+        KafkaLocalError: two nodes would share a port (entries must be 2 ports apart at least).
+    """
+    nodes = []
+    for i, entry in enumerate(settings.bootstrap_servers.split(",")[:settings.brokers], 1):
+        host, _, port = entry.strip().rpartition(":")
+        nodes.append(BrokerNode(i, host.strip("[]") or "127.0.0.1", int(port), int(port) + 1))
+    ports = [(n.host, p) for n in nodes for p in (n.port, n.controller_port)]
+    if len(set(ports)) != len(ports):
+        raise KafkaLocalError(f"the local brokers' ports overlap in {settings.bootstrap_servers!r}: each broker "
+                              "takes its port and the next (its controller), so entries must be 2 apart")
+    return tuple(nodes)
+
+
 def pid_alive(pid: int) -> bool:
     """True while process ``pid`` runs (an exited child of ours is reaped, a zombie counts as gone)."""
     try:  # reap it if it is our own exited child, so it does not linger as a zombie
@@ -186,20 +220,33 @@ def _is_kafka_process(pid: int) -> bool:
 
 
 class LocalKafka:
-    """A single combined broker+controller Kafka node managed by argus."""
+    """One combined broker+controller Kafka node managed by argus: the single local broker, or one node of the
+    local cluster (:class:`argus.kafka_cluster.KafkaCluster`) when ``voters`` holds several.
 
-    def __init__(self, settings: Settings) -> None:
+    Args:
+        settings: home, ports (``bootstrap_servers``), security, replication.
+        node: which node (default: the first of :func:`broker_nodes`).
+        voters: the KRaft quorum, every node of the cluster (default: :func:`broker_nodes`). A node of a
+            cluster keeps its state in ``<home>/kafka/cluster<N>/node<id>``, the cluster id shared in
+            ``<home>/kafka/cluster<N>/cluster.id``; the single broker in ``<home>/kafka``.
+    """
+
+    def __init__(self, settings: Settings, node: BrokerNode | None = None,
+                 voters: Sequence[BrokerNode] | None = None) -> None:
         self.settings = settings
-        first = settings.bootstrap_servers.split(",")[0].strip()
-        host, _, port = first.rpartition(":")
-        self.host = host.strip("[]") or "127.0.0.1"
-        self.port = int(port)
-        self.controller_port = self.port + 1
-        self.dir = (settings.home / "kafka").resolve()
+        self.voters = tuple(voters) if voters is not None else broker_nodes(settings)
+        self.node = node or self.voters[0]
+        self.host, self.port, self.controller_port = self.node.host, self.node.port, self.node.controller_port
+        root = (settings.home / "kafka").resolve()
+        if self.clustered:
+            root = root / f"cluster{len(self.voters)}"
+            self.dir = root / f"node{self.node.node_id}"
+        else:
+            self.dir = root
         self.data_dir = self.dir / "data"
         self.properties_path = self.dir / "server.properties"
         self.log4j_path = self.dir / "log4j2.properties"
-        self.cluster_id_path = self.dir / "cluster.id"
+        self.cluster_id_path = root / "cluster.id"
         self.pid_path = self.dir / "kafka.pid"
         self.console_path = self.dir / "kafka.out"
         self.log_path = self.dir / "logs" / "server.log"
@@ -210,6 +257,16 @@ class LocalKafka:
     @property
     def bootstrap(self) -> str:
         return f"{self.host}:{self.port}"
+
+    @property
+    def clustered(self) -> bool:
+        """Whether this node is one of a cluster of several."""
+        return len(self.voters) > 1
+
+    @property
+    def name(self) -> str:
+        """The node's name in the supervisor's state and ``argus status``: ``kafka``, or ``kafka-<id>``."""
+        return f"kafka-{self.node.node_id}" if self.clustered else "kafka"
 
     # -- state ------------------------------------------------------------------------------------
     def pid(self) -> int | None:
@@ -257,16 +314,19 @@ class LocalKafka:
             admin.poll(0)  # serves the error callbacks: was it the credentials?
             logger.debug("metadata probe failed: %s", exc)
             return False
-        return bool(md.brokers) and md.controller_id >= 0
+        # A node of a cluster is healthy once it is registered and unfenced (its metadata lists itself).
+        return bool(md.brokers) and md.controller_id >= 0 and (not self.clustered
+                                                                or self.node.node_id in md.brokers)
 
-    def _probe_topic(self, timeout_s: float = 10.0) -> bool:
+    def _probe_topic(self, timeout_s: float = 10.0, replication: int = 1) -> bool:
         """Create and delete a throw-away topic: proves the controller accepts metadata changes."""
         from confluent_kafka.admin import NewTopic
 
         admin = self._admin()
         name = f"_argus_probe_{uuid.uuid4().hex[:12]}"
         try:
-            admin.create_topics([NewTopic(name, 1, 1)], operation_timeout=timeout_s)[name].result(timeout_s)
+            admin.create_topics([NewTopic(name, 1, replication)],
+                                operation_timeout=timeout_s)[name].result(timeout_s)
             admin.delete_topics([name], operation_timeout=timeout_s)[name].result(timeout_s)
         except Exception as exc:
             logger.debug("probe topic failed: %s", exc)
@@ -278,6 +338,7 @@ class LocalKafka:
         whoever started it), ``bootstrap``, ``log`` (broker log) and ``home``."""
         pid = self.pid()
         return {
+            "node_id": self.node.node_id,
             "running": pid is not None,
             "pid": pid,
             "healthy": self.is_healthy(),
@@ -299,6 +360,10 @@ class LocalKafka:
                                   "bootstrap_servers at a TLS-enabled cluster instead")
         if protocol == "PLAINTEXT":
             return False
+        if self.clustered:
+            # Each node's controller listener takes a secret of its own launch: nodes could not reach each other.
+            raise KafkaLocalError("the local cluster (brokers > 1) serves PLAINTEXT only; SASL is offered by the "
+                                  "single local broker (brokers = 1)")
         if not _LOCAL_USER.match(self.settings.kafka_sasl_username):
             raise KafkaLocalError("the local broker takes SASL user names of letters, digits and ._@- only, "
                                   f"got {self.settings.kafka_sasl_username!r}")
@@ -369,21 +434,27 @@ class LocalKafka:
     def _write_configs(self) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        # A cluster replicates as the settings say (internal topics too); the single broker has one copy.
+        rf, isr = ((self.settings.replication_factor, self.settings.min_insync_replicas) if self.clustered
+                   else (1, 1))
         props = {
             "process.roles": "broker,controller",
-            "node.id": "1",
-            "controller.quorum.voters": f"1@{self.host}:{self.controller_port}",
+            "node.id": str(self.node.node_id),
+            "controller.quorum.voters": ",".join(f"{v.node_id}@{v.host}:{v.controller_port}" for v in self.voters),
             **self._security_props(),
             "controller.listener.names": "CONTROLLER",
             "log.dirs": str(self.data_dir),
             "num.partitions": str(self.settings.partitions),
-            "default.replication.factor": "1",
-            "min.insync.replicas": "1",
-            "offsets.topic.replication.factor": "1",
-            "transaction.state.log.replication.factor": "1",
-            "transaction.state.log.min.isr": "1",
-            "share.coordinator.state.topic.replication.factor": "1",
-            "share.coordinator.state.topic.min.isr": "1",
+            "default.replication.factor": str(rf),
+            "min.insync.replicas": str(isr),
+            "offsets.topic.replication.factor": str(rf),
+            "transaction.state.log.replication.factor": str(rf),
+            "transaction.state.log.min.isr": str(isr),
+            "share.coordinator.state.topic.replication.factor": str(rf),
+            "share.coordinator.state.topic.min.isr": str(isr),
+            # A follower that stopped fetching leaves the ISR after this (a killed one sooner: fenced when its
+            # broker session expires), so acks=all writes wait for it at most this long.
+            "replica.lag.time.max.ms": "10000",
             "group.initial.rebalance.delay.ms": "0",
             # After a kill -9 the new incarnation waits for the old registration to expire: keep it short.
             "broker.session.timeout.ms": "4000",
