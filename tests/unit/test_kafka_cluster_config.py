@@ -101,7 +101,7 @@ def test_durable_producer_config_cannot_be_weakened() -> None:
     assert aiokafka_durable_config() == {"acks": "all", "enable_idempotence": True}
 
 
-class _Captured(Exception):
+class _CapturedError(Exception):
     pass
 
 
@@ -110,7 +110,7 @@ def _capture(store: list[dict[str, Any]], stop: bool = False) -> Any:
         def __init__(self, conf: dict[str, Any]) -> None:
             store.append(conf)
             if stop:
-                raise _Captured
+                raise _CapturedError
 
         def __getattr__(self, name: str) -> Any:
             return lambda *a, **k: 0
@@ -142,7 +142,7 @@ def test_every_producer_is_durable(monkeypatch: pytest.MonkeyPatch, tmp_path: Pa
     writer.SinkWriter(settings, store=None)  # type: ignore[arg-type]
     monkeypatch.setattr(replay, "Consumer", _capture([]))
     monkeypatch.setattr(replay, "Producer", _capture(seen, stop=True))
-    with pytest.raises(_Captured):
+    with pytest.raises(_CapturedError):
         replay.copy_job_records(settings, settings, "job")
     assert len(seen) == 3 and all(_durable(c) for c in seen), seen
 
