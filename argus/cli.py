@@ -74,8 +74,6 @@ def _table(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
 def _cmd_up(settings: Settings, args: argparse.Namespace) -> int:
     from argus.stack import Stack
 
-    if args.brokers is not None:  # explicit > ARGUS_BROKERS > 1; bootstrap servers and replication follow
-        settings = Settings.load(log_level=args.log_level, brokers=args.brokers)
     status = Stack(settings).up(progress=_progress)
     _out(json.dumps(status, indent=2) if args.json else "argus stack is up")
     return 0
@@ -560,7 +558,8 @@ def _needs_kafka(args: argparse.Namespace) -> bool:
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        settings = Settings.load(log_level=args.log_level)
+        # up --brokers N: explicit > ARGUS_BROKERS > 1 (the bootstrap servers and replication follow).
+        settings = Settings.load(log_level=args.log_level, brokers=getattr(args, "brokers", None))
     except ArgusError as exc:
         sys.stderr.write(f"argus: configuration error: {exc}\n")
         return Exit.USAGE

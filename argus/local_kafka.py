@@ -1,11 +1,12 @@
-"""The local broker: a project-managed, single-node Apache Kafka (KRaft) without Docker.
+"""The local broker: a project-managed Apache Kafka (KRaft) node without Docker, the single broker of ``argus up``
+or one node of the local cluster (:mod:`argus.kafka_cluster`, ``brokers`` > 1).
 
-The jars come from Maven Central through the ``kafka/pom.xml`` shipped in this package and are cached
-under ``Settings.kafka_cache/<version>/libs``. The broker's state lives under ``Settings.home/"kafka"``:
+The jars come from Maven Central (:mod:`argus.kafka_jars`, re-exported here). The single broker's state lives
+under ``Settings.home/"kafka"`` (a cluster node's under ``Settings.home/"kafka"/"cluster<N>"/"node<id>"``):
 ``data/`` (log dirs, formatted once with a stable cluster id kept in ``cluster.id``), ``server.properties``,
 ``log4j2.properties``, ``kafka.pid``, ``logs/server.log`` (broker log) and ``kafka.out`` (JVM console).
-The broker listens on the host and port of the first ``Settings.bootstrap_servers`` entry; its KRaft
-controller listens on the next port.
+The single broker listens on the host and port of the first ``Settings.bootstrap_servers`` entry, node ``i`` of
+a cluster on the ``i``-th; each node's KRaft controller listens on the next port.
 
 Security follows the ``kafka_*`` settings the clients use (:mod:`argus.core.kafka_security`): ``PLAINTEXT``, or
 ``SASL_PLAINTEXT`` with the configured mechanism and user. For SCRAM the user's credential is written into
@@ -14,7 +15,8 @@ arguments in a 0600 Java argument file so that no command line shows them); ``sc
 user (a hash of the salted password, never the password), so a storage formatted for another user or
 password is refused with what to do. For PLAIN the user is declared in the listener's JAAS entry. The
 controller listener then takes SASL/PLAIN with a random per-launch secret, so no listener is left open.
-``server.properties`` holds the credentials and is written 0600. TLS listeners are not offered locally.
+``server.properties`` holds the credentials and is written 0600. TLS listeners are not offered locally, and a
+local cluster serves PLAINTEXT only.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import socket
 import subprocess
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,78 +44,16 @@ from typing import Any
 from argus.core.errors import KafkaLocalError
 from argus.core.kafka_security import AuthWatch, client_config
 from argus.core.settings import Settings
+from argus.kafka_jars import fetch_jars, pom_path, tail_text
 
 __all__ = ["BrokerNode", "LocalKafka", "broker_nodes", "fetch_jars", "pid_alive", "pom_path"]
 
 logger = logging.getLogger(__name__)
 
-_COMPLETE_MARKER = ".complete"
-_TAIL_CHARS = 4000
 #: SCRAM user names the local broker takes: they go unquoted into ``--add-scram`` and JAAS option names.
 _LOCAL_USER = re.compile(r"^[A-Za-z0-9._@-]{1,128}$")
 _SCRAM_ITERATIONS = 8192
 _SCRAM_HASH = {"SCRAM-SHA-256": "sha256", "SCRAM-SHA-512": "sha512"}
-
-
-def pom_path() -> Path:
-    """The pom that lists the broker's jars (shipped inside the package)."""
-    return Path(__file__).parent / "kafka" / "pom.xml"
-
-
-def _tail(text: str, limit: int = _TAIL_CHARS) -> str:
-    text = text.strip()
-    return text if len(text) <= limit else "..." + text[-limit:]
-
-
-def fetch_jars(settings: Settings, progress: Callable[[str], None] | None = None) -> Path:
-    """Download Apache Kafka ``settings.kafka_version`` and its runtime dependencies with Maven.
-
-    Idempotent: a completed download (marker file present) is reused. Concurrent callers are
-    serialised with a lock file. Returns the ``libs`` directory holding the jars.
-
-    Raises:
-        KafkaLocalError: ``mvn`` is missing or failed (the message carries the tail of its output).
-    """
-    version_dir = (settings.kafka_cache / settings.kafka_version).resolve()
-    libs = version_dir / "libs"
-    marker = version_dir / _COMPLETE_MARKER
-    if marker.exists() and any(libs.glob("kafka_*.jar")):
-        return libs
-    mvn = shutil.which("mvn")
-    if mvn is None:
-        raise KafkaLocalError("Maven (mvn) is not on PATH; it is needed to fetch the Kafka jars")
-    version_dir.mkdir(parents=True, exist_ok=True)
-    with open(version_dir / ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if marker.exists() and any(libs.glob("kafka_*.jar")):  # another process finished meanwhile
-            return libs
-        staging = version_dir / f"libs.partial-{os.getpid()}"
-        shutil.rmtree(staging, ignore_errors=True)
-        cmd = [
-            mvn, "-q", "-B", "-f", str(pom_path()), f"-Dkafka.version={settings.kafka_version}",
-            "dependency:copy-dependencies", "-DincludeScope=runtime", f"-DoutputDirectory={staging}",
-        ]
-        msg = f"fetching Apache Kafka {settings.kafka_version} jars from Maven Central into {libs}"
-        logger.info(msg)
-        if progress is not None:
-            progress(msg)
-        started = time.monotonic()
-        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-        if proc.returncode != 0 or not any(staging.glob("kafka_*.jar")):
-            shutil.rmtree(staging, ignore_errors=True)
-            raise KafkaLocalError(
-                f"mvn failed (exit {proc.returncode}) fetching Kafka {settings.kafka_version}:\n"
-                + _tail(proc.stderr + "\n" + proc.stdout)
-            )
-        shutil.rmtree(libs, ignore_errors=True)
-        staging.rename(libs)
-        count = sum(1 for _ in libs.glob("*.jar"))
-        marker.write_text(f"{settings.kafka_version} {count} jars\n")
-        msg = f"fetched {count} jars in {time.monotonic() - started:.1f}s"
-        logger.info(msg)
-        if progress is not None:
-            progress(msg)
-    return libs
 
 
 def _jaas_quote(value: str) -> str:
@@ -534,7 +474,7 @@ class LocalKafka:
             argfile.unlink(missing_ok=True)
         if proc.returncode != 0:
             raise KafkaLocalError(f"kafka-storage format failed (exit {proc.returncode}):\n"
-                                  + _tail(proc.stdout + "\n" + proc.stderr))
+                                  + tail_text(proc.stdout + "\n" + proc.stderr))
         if marker is not None:
             _write_private(self.dir / "scram.json", json.dumps(marker) + "\n")
 
@@ -544,7 +484,7 @@ class LocalKafka:
         with contextlib.suppress(OSError):
             console = self.console_path.read_text(errors="replace")
             if console.strip():
-                parts.append(f"--- {self.console_path} ---\n" + _tail(console, 1500))
+                parts.append(f"--- {self.console_path} ---\n" + tail_text(console, 1500))
         with contextlib.suppress(OSError):
             with open(self.log_path, errors="replace") as fh:
                 fh.seek(self._log_offset if self._log_offset <= self.log_path.stat().st_size else 0)
@@ -555,7 +495,7 @@ class LocalKafka:
             ]
             if errors:
                 parts.append("--- errors ---\n" + "\n".join(errors[-3:]))
-            parts.append(f"--- {self.log_path} ---\n" + _tail("\n".join(lines), 1500))
+            parts.append(f"--- {self.log_path} ---\n" + tail_text("\n".join(lines), 1500))
         return "\n".join(parts)
 
     def _launch(self) -> int:

@@ -157,3 +157,34 @@ def test_every_producer_is_durable(monkeypatch: pytest.MonkeyPatch, tmp_path: Pa
     assert aio._txn_manager is not None  # aiokafka's idempotence (a producer id, sequence numbers)
     assert aio._sender._acks == -1  # all
     assert producer._settings_extra()["enable_idempotence"] is True and producer.acks == -1
+
+
+def test_the_supervisor_keeps_each_node_of_a_cluster(tmp_path: Path) -> None:
+    from argus.supervisor import Supervisor
+
+    settings = Settings.load(env={}, home=tmp_path, brokers=3, supervisor_backoff_s=0.5)
+    sup = Supervisor(settings)
+    sup.run_dir.mkdir(parents=True)
+    assert set(sup.states) == {"worker", "sink", "kafka-1", "kafka-2", "kafka-3"}
+    sup._started("kafka-2", 4242)
+    sup._exited("kafka-2", -9)
+    state = sup.states["kafka-2"]
+    assert state.state == "backoff" and state.last_exit is not None and state.last_exit["signal"] == "SIGKILL"
+    assert sup.states["kafka-1"].state == sup.states["kafka-3"].state == "stopped"
+    assert set(Supervisor(Settings.load(env={}, home=tmp_path)).states) == {"worker", "sink", "kafka"}
+
+
+def test_status_folds_the_brokers_into_one_kafka_entry() -> None:
+    from argus.stack import _brokers_view
+
+    def broker(state: str | None, healthy: bool, restarts: int, at: str | None) -> dict[str, Any]:
+        return {"supervised": True, "healthy": healthy, "foreign": False, "state": state, "restarts": restarts,
+                "last_exit": None if at is None else {"signal": "SIGKILL", "at": at},
+                "up_since": "2026-12-06T10:00:00+00:00", "uptime_s": 5.0}
+
+    view = _brokers_view([broker("running", True, 0, None), broker("backoff", False, 2, "2026-12-06T10:01:00"),
+                          broker("running", True, 1, "2026-12-06T10:00:30")])
+    assert view["state"] == "backoff" and not view["healthy"] and view["restarts"] == 3
+    assert view["last_exit"]["at"] == "2026-12-06T10:01:00" and view["supervised"] and not view["foreign"]
+    whole = _brokers_view([broker("running", True, 0, None)] * 3)
+    assert whole["state"] == "running" and whole["healthy"]
