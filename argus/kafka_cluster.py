@@ -25,7 +25,7 @@ from typing import Any
 
 from argus.core.errors import KafkaLocalError
 from argus.core.settings import Settings
-from argus.local_kafka import LocalKafka, broker_nodes, pid_alive
+from argus.local_kafka import LocalKafka, broker_nodes, is_kafka_process, pid_alive
 
 __all__ = ["KafkaCluster", "stop_local_brokers"]
 
@@ -174,7 +174,7 @@ def stop_local_brokers(home: Path, timeout_s: float = 30) -> list[int]:
             pid = int(pid_path.read_text().strip())
         except (OSError, ValueError):
             continue
-        if pid_alive(pid) and _is_broker(pid):
+        if pid_alive(pid) and is_kafka_process(pid):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGTERM)
             pids.append(pid)
@@ -194,9 +194,3 @@ def stop_local_brokers(home: Path, timeout_s: float = 30) -> list[int]:
                 pid_path.unlink(missing_ok=True)
     return pids
 
-
-def _is_broker(pid: int) -> bool:
-    try:
-        return b"kafka.Kafka" in Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return True  # no /proc: trust the pid file

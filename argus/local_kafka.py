@@ -46,7 +46,7 @@ from argus.core.kafka_security import AuthWatch, client_config
 from argus.core.settings import Settings
 from argus.kafka_jars import fetch_jars, pom_path, tail_text
 
-__all__ = ["BrokerNode", "LocalKafka", "broker_nodes", "fetch_jars", "pid_alive", "pom_path"]
+__all__ = ["BrokerNode", "LocalKafka", "broker_nodes", "fetch_jars", "is_kafka_process", "pid_alive", "pom_path"]
 
 logger = logging.getLogger(__name__)
 
@@ -151,7 +151,9 @@ def pid_alive(pid: int) -> bool:
         return True
 
 
-def _is_kafka_process(pid: int) -> bool:
+def is_kafka_process(pid: int) -> bool:
+    """Whether ``pid`` runs a Kafka broker (``kafka.Kafka`` on its ``/proc`` command line; without ``/proc`` the
+    pid file is trusted), so a reused pid is never taken for a broker."""
     try:
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
@@ -215,7 +217,7 @@ class LocalKafka:
             pid = int(self.pid_path.read_text().strip())
         except (OSError, ValueError):
             return None
-        return pid if self._alive(pid) and _is_kafka_process(pid) else None
+        return pid if self._alive(pid) and is_kafka_process(pid) else None
 
     def _alive(self, pid: int) -> bool:
         if self._proc is not None and self._proc.pid == pid:

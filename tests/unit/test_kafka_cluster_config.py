@@ -188,3 +188,34 @@ def test_status_folds_the_brokers_into_one_kafka_entry() -> None:
     assert view["last_exit"]["at"] == "2026-12-06T10:01:00" and view["supervised"] and not view["foreign"]
     whole = _brokers_view([broker("running", True, 0, None)] * 3)
     assert whole["state"] == "running" and whole["healthy"]
+
+
+def test_down_stops_every_broker_of_the_home_whatever_the_count(tmp_path: Path) -> None:
+    """``stop_local_brokers`` (what ``argus down`` ends with) stops the single broker and the nodes of any cluster
+    started from the home, and never a process that only took a broker's old pid."""
+    import subprocess
+    import sys
+
+    from argus.kafka_cluster import stop_local_brokers
+    from argus.local_kafka import pid_alive
+
+    def fake_broker(*argv: str) -> subprocess.Popen[bytes]:
+        return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", *argv])
+
+    procs = {"kafka/kafka.pid": fake_broker("kafka.Kafka"),
+             "kafka/cluster3/node2/kafka.pid": fake_broker("kafka.Kafka"),
+             "kafka/cluster3/node3/kafka.pid": fake_broker("something.Else")}
+    try:
+        for rel, proc in procs.items():
+            (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+            (tmp_path / rel).write_text(f"{proc.pid}\n")
+        stopped = stop_local_brokers(tmp_path, timeout_s=10)
+        assert sorted(stopped) == sorted(p.pid for r, p in procs.items() if "node3" not in r)
+        for rel, proc in procs.items():
+            alive = proc.poll() is None and pid_alive(proc.pid)
+            assert alive == ("node3" in rel), rel
+        assert not (tmp_path / "kafka/kafka.pid").exists()
+    finally:
+        for proc in procs.values():
+            proc.kill()
+            proc.wait()
