@@ -219,3 +219,29 @@ def test_down_stops_every_broker_of_the_home_whatever_the_count(tmp_path: Path) 
         for proc in procs.values():
             proc.kill()
             proc.wait()
+
+
+def test_up_brokers_option_over_the_environment(monkeypatch: pytest.MonkeyPatch,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    import argus.stack
+    from argus.cli import main
+
+    seen: list[Settings] = []
+
+    class FakeStack:
+        def __init__(self, settings: Settings) -> None:
+            seen.append(settings)
+
+        def up(self, progress: Any = None) -> dict[str, Any]:
+            return {}
+
+    monkeypatch.setattr(argus.stack, "Stack", FakeStack)
+    monkeypatch.setenv("ARGUS_BROKERS", "2")
+    monkeypatch.setenv("ARGUS_BOOTSTRAP_SERVERS", "127.0.0.1:39400")
+    monkeypatch.delenv("ARGUS_REPLICATION_FACTOR", raising=False)
+    assert main(["up", "--brokers", "3"]) == 0
+    assert main(["up"]) == 0
+    assert [(s.brokers, s.replication_factor, len(s.bootstrap_servers.split(","))) for s in seen] == [
+        (3, 3, 3), (2, 2, 2)]
+    assert main(["up", "--brokers", "0"]) == 2
+    assert "brokers must be in 1..9" in capsys.readouterr().err
