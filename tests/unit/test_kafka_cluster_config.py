@@ -160,18 +160,19 @@ def test_every_producer_is_durable(monkeypatch: pytest.MonkeyPatch, tmp_path: Pa
 
 
 def test_the_supervisor_keeps_each_node_of_a_cluster(tmp_path: Path) -> None:
-    from argus.supervisor import Supervisor
+    from argus.supervisor import Service, Supervisor
 
     settings = Settings.load(env={}, home=tmp_path, brokers=3, supervisor_backoff_s=0.5)
     sup = Supervisor(settings)
     sup.run_dir.mkdir(parents=True)
-    assert set(sup.states) == {"worker", "sink", "kafka-1", "kafka-2", "kafka-3"}
+    services = {s.value for s in Service}
+    assert set(sup.states) == services | {"kafka-1", "kafka-2", "kafka-3"}
     sup._started("kafka-2", 4242)
     sup._exited("kafka-2", -9)
     state = sup.states["kafka-2"]
     assert state.state == "backoff" and state.last_exit is not None and state.last_exit["signal"] == "SIGKILL"
     assert sup.states["kafka-1"].state == sup.states["kafka-3"].state == "stopped"
-    assert set(Supervisor(Settings.load(env={}, home=tmp_path)).states) == {"worker", "sink", "kafka"}
+    assert set(Supervisor(Settings.load(env={}, home=tmp_path)).states) == services | {"kafka"}
 
 
 def test_status_folds_the_brokers_into_one_kafka_entry() -> None:
