@@ -62,7 +62,8 @@ class KafkaCluster:
 
         Raises:
             KafkaLocalError: as :meth:`LocalKafka.start`; a node that exits during start-up is named with the
-                end of its log, and the nodes this call launched are stopped again.
+                end of its log; on any failure every node of the cluster is stopped again (a cluster short of a
+                node is no start).
         """
         if len(self.nodes) == 1:
             return self.nodes[0].start(timeout_s=timeout_s)
