@@ -108,6 +108,11 @@ def _cmd_status(settings: Settings, args: argparse.Namespace) -> int:
             exit_text = "-" if last is None else (f"{last.get('signal') or last.get('code')} at {last.get('at')}")
             _out(f"{name:10s} {state:8s} pid={s.get('pid')}  up since {s.get('up_since') or '-'}  "
                  f"restarts={s.get('restarts', 0)}  last exit={exit_text}  log={s.get('log')}")
+            for b in s.get("brokers", []) if len(s.get("brokers", [])) > 1 else []:  # a cluster: each broker
+                b_state = "healthy" if b.get("healthy") else (b.get("state") or "stopped")
+                active = "  (active controller)" if b.get("node_id") == s.get("controller") else ""
+                _out(f"  {b['name']:8s} {b_state:8s} pid={b.get('pid')}  {b.get('bootstrap')}  "
+                     f"restarts={b.get('restarts', 0)}{active}  log={b.get('log')}")
         _out_jobs((status["worker"].get("stats") or {}).get("diagnosis"))
     healthy = status["supervisor"]["running"] and all(status[n].get("healthy")
                                                       for n in ("kafka", "worker", "sink", "query-service"))
@@ -405,6 +410,8 @@ def _parser() -> argparse.ArgumentParser:
     s = sub.add_parser("up", help="start Kafka, the stream worker and the sink in the background, under a "
                        "supervisor that restarts any of them that exits")
     s.add_argument("--json", action="store_true")
+    s.add_argument("--brokers", type=int, default=None,
+                   help="Kafka brokers: 1 (default) or a KRaft cluster of N on loopback (env ARGUS_BROKERS)")
     s.set_defaults(fn=_cmd_up)
     s = sub.add_parser("down", help="stop the local stack")
     s.add_argument("--keep-kafka", action="store_true", help="leave the Kafka broker running")
@@ -551,7 +558,8 @@ def _needs_kafka(args: argparse.Namespace) -> bool:
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        settings = Settings.load(log_level=args.log_level)
+        # up --brokers N: explicit > ARGUS_BROKERS > 1 (the bootstrap servers and replication follow).
+        settings = Settings.load(log_level=args.log_level, brokers=getattr(args, "brokers", None))
     except ArgusError as exc:
         sys.stderr.write(f"argus: configuration error: {exc}\n")
         return Exit.USAGE

@@ -1,11 +1,12 @@
-"""The local broker: a project-managed, single-node Apache Kafka (KRaft) without Docker.
+"""The local broker: a project-managed Apache Kafka (KRaft) node without Docker, the single broker of ``argus up``
+or one node of the local cluster (:mod:`argus.kafka_cluster`, ``brokers`` > 1).
 
-The jars come from Maven Central through the ``kafka/pom.xml`` shipped in this package and are cached
-under ``Settings.kafka_cache/<version>/libs``. The broker's state lives under ``Settings.home/"kafka"``:
+The jars come from Maven Central (:mod:`argus.kafka_jars`, re-exported here). The single broker's state lives
+under ``Settings.home/"kafka"`` (a cluster node's under ``Settings.home/"kafka"/"cluster<N>"/"node<id>"``):
 ``data/`` (log dirs, formatted once with a stable cluster id kept in ``cluster.id``), ``server.properties``,
 ``log4j2.properties``, ``kafka.pid``, ``logs/server.log`` (broker log) and ``kafka.out`` (JVM console).
-The broker listens on the host and port of the first ``Settings.bootstrap_servers`` entry; its KRaft
-controller listens on the next port.
+The single broker listens on the host and port of the first ``Settings.bootstrap_servers`` entry, node ``i`` of
+a cluster on the ``i``-th; each node's KRaft controller listens on the next port.
 
 Security follows the ``kafka_*`` settings the clients use (:mod:`argus.core.kafka_security`): ``PLAINTEXT``, or
 ``SASL_PLAINTEXT`` with the configured mechanism and user. For SCRAM the user's credential is written into
@@ -14,7 +15,8 @@ arguments in a 0600 Java argument file so that no command line shows them); ``sc
 user (a hash of the salted password, never the password), so a storage formatted for another user or
 password is refused with what to do. For PLAIN the user is declared in the listener's JAAS entry. The
 controller listener then takes SASL/PLAIN with a random per-launch secret, so no listener is left open.
-``server.properties`` holds the credentials and is written 0600. TLS listeners are not offered locally.
+``server.properties`` holds the credentials and is written 0600. TLS listeners are not offered locally, and a
+local cluster serves PLAINTEXT only.
 """
 
 from __future__ import annotations
@@ -34,85 +36,24 @@ import socket
 import subprocess
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from argus.core.errors import KafkaLocalError
 from argus.core.kafka_security import AuthWatch, client_config
 from argus.core.settings import Settings
+from argus.kafka_jars import fetch_jars, pom_path, tail_text
 
-__all__ = ["LocalKafka", "fetch_jars", "pid_alive", "pom_path"]
+__all__ = ["BrokerNode", "LocalKafka", "broker_nodes", "fetch_jars", "is_kafka_process", "pid_alive", "pom_path"]
 
 logger = logging.getLogger(__name__)
 
-_COMPLETE_MARKER = ".complete"
-_TAIL_CHARS = 4000
 #: SCRAM user names the local broker takes: they go unquoted into ``--add-scram`` and JAAS option names.
 _LOCAL_USER = re.compile(r"^[A-Za-z0-9._@-]{1,128}$")
 _SCRAM_ITERATIONS = 8192
 _SCRAM_HASH = {"SCRAM-SHA-256": "sha256", "SCRAM-SHA-512": "sha512"}
-
-
-def pom_path() -> Path:
-    """The pom that lists the broker's jars (shipped inside the package)."""
-    return Path(__file__).parent / "kafka" / "pom.xml"
-
-
-def _tail(text: str, limit: int = _TAIL_CHARS) -> str:
-    text = text.strip()
-    return text if len(text) <= limit else "..." + text[-limit:]
-
-
-def fetch_jars(settings: Settings, progress: Callable[[str], None] | None = None) -> Path:
-    """Download Apache Kafka ``settings.kafka_version`` and its runtime dependencies with Maven.
-
-    Idempotent: a completed download (marker file present) is reused. Concurrent callers are
-    serialised with a lock file. Returns the ``libs`` directory holding the jars.
-
-    Raises:
-        KafkaLocalError: ``mvn`` is missing or failed (the message carries the tail of its output).
-    """
-    version_dir = (settings.kafka_cache / settings.kafka_version).resolve()
-    libs = version_dir / "libs"
-    marker = version_dir / _COMPLETE_MARKER
-    if marker.exists() and any(libs.glob("kafka_*.jar")):
-        return libs
-    mvn = shutil.which("mvn")
-    if mvn is None:
-        raise KafkaLocalError("Maven (mvn) is not on PATH; it is needed to fetch the Kafka jars")
-    version_dir.mkdir(parents=True, exist_ok=True)
-    with open(version_dir / ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if marker.exists() and any(libs.glob("kafka_*.jar")):  # another process finished meanwhile
-            return libs
-        staging = version_dir / f"libs.partial-{os.getpid()}"
-        shutil.rmtree(staging, ignore_errors=True)
-        cmd = [
-            mvn, "-q", "-B", "-f", str(pom_path()), f"-Dkafka.version={settings.kafka_version}",
-            "dependency:copy-dependencies", "-DincludeScope=runtime", f"-DoutputDirectory={staging}",
-        ]
-        msg = f"fetching Apache Kafka {settings.kafka_version} jars from Maven Central into {libs}"
-        logger.info(msg)
-        if progress is not None:
-            progress(msg)
-        started = time.monotonic()
-        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-        if proc.returncode != 0 or not any(staging.glob("kafka_*.jar")):
-            shutil.rmtree(staging, ignore_errors=True)
-            raise KafkaLocalError(
-                f"mvn failed (exit {proc.returncode}) fetching Kafka {settings.kafka_version}:\n"
-                + _tail(proc.stderr + "\n" + proc.stdout)
-            )
-        shutil.rmtree(libs, ignore_errors=True)
-        staging.rename(libs)
-        count = sum(1 for _ in libs.glob("*.jar"))
-        marker.write_text(f"{settings.kafka_version} {count} jars\n")
-        msg = f"fetched {count} jars in {time.monotonic() - started:.1f}s"
-        logger.info(msg)
-        if progress is not None:
-            progress(msg)
-    return libs
 
 
 def _jaas_quote(value: str) -> str:
@@ -157,6 +98,39 @@ def _random_cluster_id() -> str:
             return cid
 
 
+@dataclass(frozen=True)
+class BrokerNode:
+    """One combined broker+controller node of the local Kafka: its KRaft ``node.id`` (from 1), the loopback
+    host, its client port and its controller port."""
+
+    node_id: int
+    host: str
+    port: int
+    controller_port: int
+
+    @property
+    def bootstrap(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
+def broker_nodes(settings: Settings) -> tuple[BrokerNode, ...]:
+    """The local Kafka's nodes: node ``i`` on the ``i``-th ``bootstrap_servers`` entry, its controller on the next
+    port; ``settings.brokers`` of them (one: the first entry, whatever else is listed).
+
+    Raises:
+        KafkaLocalError: two nodes would share a port (entries must be 2 ports apart at least).
+    """
+    nodes = []
+    for i, entry in enumerate(settings.bootstrap_servers.split(",")[:settings.brokers], 1):
+        host, _, port = entry.strip().rpartition(":")
+        nodes.append(BrokerNode(i, host.strip("[]") or "127.0.0.1", int(port), int(port) + 1))
+    ports = [(n.host, p) for n in nodes for p in (n.port, n.controller_port)]
+    if len(set(ports)) != len(ports):
+        raise KafkaLocalError(f"the local brokers' ports overlap in {settings.bootstrap_servers!r}: each broker "
+                              "takes its port and the next (its controller), so entries must be 2 apart")
+    return tuple(nodes)
+
+
 def pid_alive(pid: int) -> bool:
     """True while process ``pid`` runs (an exited child of ours is reaped, a zombie counts as gone)."""
     try:  # reap it if it is our own exited child, so it does not linger as a zombie
@@ -177,7 +151,9 @@ def pid_alive(pid: int) -> bool:
         return True
 
 
-def _is_kafka_process(pid: int) -> bool:
+def is_kafka_process(pid: int) -> bool:
+    """Whether ``pid`` runs a Kafka broker (``kafka.Kafka`` on its ``/proc`` command line; without ``/proc`` the
+    pid file is trusted), so a reused pid is never taken for a broker."""
     try:
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
@@ -186,20 +162,33 @@ def _is_kafka_process(pid: int) -> bool:
 
 
 class LocalKafka:
-    """A single combined broker+controller Kafka node managed by argus."""
+    """One combined broker+controller Kafka node managed by argus: the single local broker, or one node of the
+    local cluster (:class:`argus.kafka_cluster.KafkaCluster`) when ``voters`` holds several.
 
-    def __init__(self, settings: Settings) -> None:
+    Args:
+        settings: home, ports (``bootstrap_servers``), security, replication.
+        node: which node (default: the first of :func:`broker_nodes`).
+        voters: the KRaft quorum, every node of the cluster (default: :func:`broker_nodes`). A node of a
+            cluster keeps its state in ``<home>/kafka/cluster<N>/node<id>``, the cluster id shared in
+            ``<home>/kafka/cluster<N>/cluster.id``; the single broker in ``<home>/kafka``.
+    """
+
+    def __init__(self, settings: Settings, node: BrokerNode | None = None,
+                 voters: Sequence[BrokerNode] | None = None) -> None:
         self.settings = settings
-        first = settings.bootstrap_servers.split(",")[0].strip()
-        host, _, port = first.rpartition(":")
-        self.host = host.strip("[]") or "127.0.0.1"
-        self.port = int(port)
-        self.controller_port = self.port + 1
-        self.dir = (settings.home / "kafka").resolve()
+        self.voters = tuple(voters) if voters is not None else broker_nodes(settings)
+        self.node = node or self.voters[0]
+        self.host, self.port, self.controller_port = self.node.host, self.node.port, self.node.controller_port
+        root = (settings.home / "kafka").resolve()
+        if self.clustered:
+            root = root / f"cluster{len(self.voters)}"
+            self.dir = root / f"node{self.node.node_id}"
+        else:
+            self.dir = root
         self.data_dir = self.dir / "data"
         self.properties_path = self.dir / "server.properties"
         self.log4j_path = self.dir / "log4j2.properties"
-        self.cluster_id_path = self.dir / "cluster.id"
+        self.cluster_id_path = root / "cluster.id"
         self.pid_path = self.dir / "kafka.pid"
         self.console_path = self.dir / "kafka.out"
         self.log_path = self.dir / "logs" / "server.log"
@@ -211,6 +200,16 @@ class LocalKafka:
     def bootstrap(self) -> str:
         return f"{self.host}:{self.port}"
 
+    @property
+    def clustered(self) -> bool:
+        """Whether this node is one of a cluster of several."""
+        return len(self.voters) > 1
+
+    @property
+    def name(self) -> str:
+        """The node's name in the supervisor's state and ``argus status``: ``kafka``, or ``kafka-<id>``."""
+        return f"kafka-{self.node.node_id}" if self.clustered else "kafka"
+
     # -- state ------------------------------------------------------------------------------------
     def pid(self) -> int | None:
         """The pid of the broker this home started, if it is still running."""
@@ -218,7 +217,7 @@ class LocalKafka:
             pid = int(self.pid_path.read_text().strip())
         except (OSError, ValueError):
             return None
-        return pid if self._alive(pid) and _is_kafka_process(pid) else None
+        return pid if self._alive(pid) and is_kafka_process(pid) else None
 
     def _alive(self, pid: int) -> bool:
         if self._proc is not None and self._proc.pid == pid:
@@ -257,16 +256,19 @@ class LocalKafka:
             admin.poll(0)  # serves the error callbacks: was it the credentials?
             logger.debug("metadata probe failed: %s", exc)
             return False
-        return bool(md.brokers) and md.controller_id >= 0
+        # A node of a cluster is healthy once it is registered and unfenced (its metadata lists itself).
+        return bool(md.brokers) and md.controller_id >= 0 and (not self.clustered
+                                                                or self.node.node_id in md.brokers)
 
-    def _probe_topic(self, timeout_s: float = 10.0) -> bool:
+    def _probe_topic(self, timeout_s: float = 10.0, replication: int = 1) -> bool:
         """Create and delete a throw-away topic: proves the controller accepts metadata changes."""
         from confluent_kafka.admin import NewTopic
 
         admin = self._admin()
         name = f"_argus_probe_{uuid.uuid4().hex[:12]}"
         try:
-            admin.create_topics([NewTopic(name, 1, 1)], operation_timeout=timeout_s)[name].result(timeout_s)
+            admin.create_topics([NewTopic(name, 1, replication)],
+                                operation_timeout=timeout_s)[name].result(timeout_s)
             admin.delete_topics([name], operation_timeout=timeout_s)[name].result(timeout_s)
         except Exception as exc:
             logger.debug("probe topic failed: %s", exc)
@@ -278,6 +280,7 @@ class LocalKafka:
         whoever started it), ``bootstrap``, ``log`` (broker log) and ``home``."""
         pid = self.pid()
         return {
+            "node_id": self.node.node_id,
             "running": pid is not None,
             "pid": pid,
             "healthy": self.is_healthy(),
@@ -299,6 +302,10 @@ class LocalKafka:
                                   "bootstrap_servers at a TLS-enabled cluster instead")
         if protocol == "PLAINTEXT":
             return False
+        if self.clustered:
+            # Each node's controller listener takes a secret of its own launch: nodes could not reach each other.
+            raise KafkaLocalError("the local cluster (brokers > 1) serves PLAINTEXT only; SASL is offered by the "
+                                  "single local broker (brokers = 1)")
         if not _LOCAL_USER.match(self.settings.kafka_sasl_username):
             raise KafkaLocalError("the local broker takes SASL user names of letters, digits and ._@- only, "
                                   f"got {self.settings.kafka_sasl_username!r}")
@@ -369,21 +376,27 @@ class LocalKafka:
     def _write_configs(self) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        # A cluster replicates as the settings say (internal topics too); the single broker has one copy.
+        rf, isr = ((self.settings.replication_factor, self.settings.min_insync_replicas) if self.clustered
+                   else (1, 1))
         props = {
             "process.roles": "broker,controller",
-            "node.id": "1",
-            "controller.quorum.voters": f"1@{self.host}:{self.controller_port}",
+            "node.id": str(self.node.node_id),
+            "controller.quorum.voters": ",".join(f"{v.node_id}@{v.host}:{v.controller_port}" for v in self.voters),
             **self._security_props(),
             "controller.listener.names": "CONTROLLER",
             "log.dirs": str(self.data_dir),
             "num.partitions": str(self.settings.partitions),
-            "default.replication.factor": "1",
-            "min.insync.replicas": "1",
-            "offsets.topic.replication.factor": "1",
-            "transaction.state.log.replication.factor": "1",
-            "transaction.state.log.min.isr": "1",
-            "share.coordinator.state.topic.replication.factor": "1",
-            "share.coordinator.state.topic.min.isr": "1",
+            "default.replication.factor": str(rf),
+            "min.insync.replicas": str(isr),
+            "offsets.topic.replication.factor": str(rf),
+            "transaction.state.log.replication.factor": str(rf),
+            "transaction.state.log.min.isr": str(isr),
+            "share.coordinator.state.topic.replication.factor": str(rf),
+            "share.coordinator.state.topic.min.isr": str(isr),
+            # A follower that stopped fetching leaves the ISR after this (a killed one sooner: fenced when its
+            # broker session expires), so acks=all writes wait for it at most this long.
+            "replica.lag.time.max.ms": "10000",
             "group.initial.rebalance.delay.ms": "0",
             # After a kill -9 the new incarnation waits for the old registration to expire: keep it short.
             "broker.session.timeout.ms": "4000",
@@ -463,7 +476,7 @@ class LocalKafka:
             argfile.unlink(missing_ok=True)
         if proc.returncode != 0:
             raise KafkaLocalError(f"kafka-storage format failed (exit {proc.returncode}):\n"
-                                  + _tail(proc.stdout + "\n" + proc.stderr))
+                                  + tail_text(proc.stdout + "\n" + proc.stderr))
         if marker is not None:
             _write_private(self.dir / "scram.json", json.dumps(marker) + "\n")
 
@@ -473,7 +486,7 @@ class LocalKafka:
         with contextlib.suppress(OSError):
             console = self.console_path.read_text(errors="replace")
             if console.strip():
-                parts.append(f"--- {self.console_path} ---\n" + _tail(console, 1500))
+                parts.append(f"--- {self.console_path} ---\n" + tail_text(console, 1500))
         with contextlib.suppress(OSError):
             with open(self.log_path, errors="replace") as fh:
                 fh.seek(self._log_offset if self._log_offset <= self.log_path.stat().st_size else 0)
@@ -484,7 +497,7 @@ class LocalKafka:
             ]
             if errors:
                 parts.append("--- errors ---\n" + "\n".join(errors[-3:]))
-            parts.append(f"--- {self.log_path} ---\n" + _tail("\n".join(lines), 1500))
+            parts.append(f"--- {self.log_path} ---\n" + tail_text("\n".join(lines), 1500))
         return "\n".join(parts)
 
     def _launch(self) -> int:

@@ -35,7 +35,7 @@ from typing import Any
 from confluent_kafka import Consumer, KafkaException, Producer, TopicPartition
 
 from argus.core.errors import ArgusError
-from argus.core.kafka_security import client_config
+from argus.core.kafka_security import client_config, producer_config
 from argus.core.settings import Settings
 from argus.progress import Advance
 from argus.schemas.records import JobLifecycle, LifecycleEvent
@@ -140,9 +140,9 @@ def copy_job_records(source: Settings, target: Settings, job_id: str, from_ms: i
     consumer = Consumer(client_config(source.kafka, {"group.id": f"{source.app_id}-replay-reader",
                                                "enable.auto.commit": False, "auto.offset.reset": "earliest",
                                                "fetch.max.bytes": 64 << 20}))
-    producer = Producer(client_config(target.kafka, {"partitioner": PARTITIONER, "linger.ms": 20,
-                                               "compression.type": target.compression,
-                                               "message.max.bytes": 16 << 20, "enable.idempotence": True}))
+    producer = Producer(producer_config(target.kafka, {"partitioner": PARTITIONER, "linger.ms": 20,
+                                                 "compression.type": target.compression,
+                                                 "message.max.bytes": 16 << 20}))
     failed: list[str] = []
 
     def delivered(err: Any, _msg: Any) -> None:

@@ -1,13 +1,14 @@
 """The local stack behind ``argus up``: Apache Kafka, the Faust worker and the ClickHouse sink, supervised.
 
-``up`` starts the broker in the foreground (the first run fetches its jars and formats its storage, with
-progress), creates the topics, then starts the stack's supervisor (:mod:`argus.supervisor`): a background
-process, in a session of its own, that runs the worker, the sink and the query service as its children and
-restarts any of them, and the broker, when they exit. ``up`` is idempotent (a running supervisor and healthy
-services are reused; there is never a second supervisor per home) and waits until everything is healthy. ``down`` stops
-the supervisor, which stops the sink and then the worker, then the broker. Logs and pid files are under
-``<home>/run``; the sink owns the embedded chDB directory, and the query service answers SQL for other
-processes over ClickHouse's HTTP interface (see :mod:`argus.sinks.query_service`).
+``up`` starts the broker (or the ``brokers`` nodes of a local cluster, :mod:`argus.kafka_cluster`) in the
+foreground (the first run fetches its jars and formats its storage, with progress), creates the topics, then
+starts the stack's supervisor (:mod:`argus.supervisor`): a background process, in a session of its own, that
+runs the worker, the sink and the query service as its children and restarts any of them, and each broker, when
+they exit. ``up`` is idempotent (a running supervisor and healthy services are reused; there is never a second
+supervisor per home) and waits until everything is healthy. ``down`` stops the supervisor, which stops the sink
+and then the worker, then the brokers. Logs and pid files are under ``<home>/run``; the sink owns the embedded
+chDB directory, and the query service answers SQL for other processes over ClickHouse's HTTP interface (see
+:mod:`argus.sinks.query_service`).
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ from typing import Any
 
 from argus.core.errors import ArgusError
 from argus.core.settings import Settings
-from argus.local_kafka import LocalKafka, pid_alive
+from argus.kafka_cluster import KafkaCluster, stop_local_brokers
+from argus.local_kafka import pid_alive
 from argus.sinks.query_server import endpoint_healthy
 from argus.supervisor import (
     SUPERVISOR_MODULE,
@@ -57,7 +59,7 @@ class Stack:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.run_dir = (settings.home / "run").resolve()
-        self.kafka = LocalKafka(settings)
+        self.kafka = KafkaCluster(settings)
 
     def up(self, progress: Callable[[str], None] | None = None, timeout_s: float = 120.0) -> dict[str, Any]:
         """Start whatever is not running and wait until all of it is healthy.
@@ -71,10 +73,15 @@ class Stack:
         # Two `argus up` at once must not both find no supervisor and both start one.
         with open(self.run_dir / "up.lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
-            say("kafka: starting (first run downloads Apache Kafka from Maven Central)")
+            nodes = len(self.kafka.nodes)
+            say(f"kafka: starting {'a cluster of ' + str(nodes) + ' brokers' if nodes > 1 else 'one broker'} "
+                "(first run downloads Apache Kafka from Maven Central)")
             self.kafka.start(timeout_s=timeout_s)
+            self._record_kafka()
             created = ensure_topics(self.settings)
-            say(f"kafka: healthy on {self.settings.bootstrap_servers}; topics created: {len(created)}")
+            say(f"kafka: healthy on {self.settings.bootstrap_servers}; topics created: {len(created)} "
+                f"(replication factor {self.settings.replication_factor}, "
+                f"min.insync.replicas {self.settings.min_insync_replicas})")
             running = supervisor_pid(self.run_dir)
             spawned = running is None
             if running is None:
@@ -124,7 +131,35 @@ class Stack:
                 terminate(pid, timeout_s=30)
             self.pid_path(service).unlink(missing_ok=True)
         if not keep_kafka:
-            self.kafka.stop()
+            self.running_kafka().stop()
+            stop_local_brokers(self.settings.home)  # a broker of another count started from this home too
+            self.kafka_record.unlink(missing_ok=True)
+
+    @property
+    def kafka_record(self) -> Path:
+        """What ``up`` started (brokers, bootstrap servers), for ``status`` and ``down`` run with other settings."""
+        return self.run_dir / "kafka.json"
+
+    def _record_kafka(self) -> None:
+        s = self.settings
+        doc = {"brokers": s.brokers, "bootstrap_servers": s.bootstrap_servers,
+               "replication_factor": s.replication_factor}
+        tmp = self.kafka_record.with_suffix(".tmp")
+        tmp.write_text(json.dumps(doc) + "\n")
+        os.replace(tmp, self.kafka_record)
+
+    def running_kafka(self) -> KafkaCluster:
+        """The local Kafka ``up`` last started from this home (as recorded), else the one of the settings: after
+        ``argus up --brokers 3``, a plain ``argus status`` shows the three brokers."""
+        try:
+            doc = json.loads(self.kafka_record.read_text())
+            if doc["brokers"] == self.settings.brokers:
+                return self.kafka
+            return KafkaCluster(self.settings.replace(brokers=int(doc["brokers"]),
+                                                      bootstrap_servers=str(doc["bootstrap_servers"]),
+                                                      replication_factor=int(doc["replication_factor"])))
+        except (OSError, ValueError, KeyError, TypeError, ArgusError):
+            return self.kafka
 
     def _stop_supervisor(self) -> None:
         pid = supervisor_pid(self.run_dir)
@@ -168,33 +203,28 @@ class Stack:
         sup = supervisor_pid(self.run_dir)
         state = read_state(self.run_dir) if sup is not None else None
         since = state.get("since") if state else None
+        kafka = self.running_kafka()
         out: dict[str, Any] = {
             "supervisor": {"running": sup is not None, "pid": sup, "up_since": _iso(since),
                            "uptime_s": _uptime(since), "log": str(self.supervisor_log)},
-            "kafka": self.kafka.status(),
+            "kafka": kafka.status(),
         }
         # Ports are shared by every home on the host: what answers on one is this stack's only when this home
         # started it (its pid file), or, for a broker, when this home's supervisor adopted it as external.
-        kafka = out["kafka"]
-        adopted = ((state or {}).get("services", {}).get("kafka") or {}).get("state") == "external"
-        kafka["foreign"] = bool(kafka["pid"] is None and kafka["healthy"] and not adopted)
-        kafka["healthy"] = bool(kafka["healthy"] and not kafka["foreign"])
+        services = (state or {}).get("services", {})
         for service in Service:
             pid = service_pid(self.run_dir, service)
             answers = self.healthy(service)
             out[service.value] = {"running": pid is not None, "pid": pid, "healthy": pid is not None and answers,
                                   "foreign": pid is None and answers, "log": str(self.log_path(service))}
-        for name in ("kafka", *(s.value for s in Service)):
-            s = (state or {}).get("services", {}).get(name)
-            if s is None:
-                out[name].update(supervised=False, state=None, restarts=0, last_exit=None, up_since=None,
-                                 uptime_s=None)
-                continue
-            last = s.get("last_exit")
-            out[name].update(supervised=bool(s.get("supervised")), state=s.get("state"),
-                             restarts=int(s.get("restarts", 0)), up_since=_iso(s.get("up_since")),
-                             uptime_s=_uptime(s.get("up_since")),
-                             last_exit=None if last is None else {**last, "at": _iso(last.get("at"))})
+            out[service.value].update(_supervised_view(services.get(service.value)))
+        brokers = out["kafka"]["brokers"]
+        for node, broker in zip(kafka.nodes, brokers, strict=True):
+            broker.update(name=node.name, **_supervised_view(services.get(node.name)))
+            adopted = broker["state"] == "external"
+            broker["foreign"] = bool(broker["pid"] is None and broker["healthy"] and not adopted)
+            broker["healthy"] = bool(broker["healthy"] and not broker["foreign"])
+        out["kafka"].update(_brokers_view(brokers))
         out["sink"]["stats"] = endpoint_healthy(self.settings) if out["sink"]["running"] else None
         out["worker"]["stats"] = self.worker_stats() if out["worker"]["running"] else None
         qs = Service.QUERY_SERVICE.value
@@ -225,6 +255,33 @@ class Stack:
 
     def pid_path(self, service: Service) -> Path:
         return self.run_dir / f"{service.value}.pid"
+
+
+def _supervised_view(s: Any) -> dict[str, Any]:
+    """A process's entry of the supervisor's state as ``status`` shows it."""
+    if not isinstance(s, dict):
+        return {"supervised": False, "state": None, "restarts": 0, "last_exit": None, "up_since": None,
+                "uptime_s": None}
+    last = s.get("last_exit")
+    return {"supervised": bool(s.get("supervised")), "state": s.get("state"), "restarts": int(s.get("restarts", 0)),
+            "up_since": _iso(s.get("up_since")), "uptime_s": _uptime(s.get("up_since")),
+            "last_exit": None if last is None else {**last, "at": _iso(last.get("at"))}}
+
+
+def _brokers_view(brokers: list[dict[str, Any]]) -> dict[str, Any]:
+    """The brokers as one process: supervised and healthy if all are, foreign if one is (another home's broker
+    answers on its port), the first state other than running, restarts added up, the latest exit, the earliest
+    start."""
+    states = [b["state"] for b in brokers]
+    exits = [b["last_exit"] for b in brokers if b["last_exit"] is not None]
+    starts = [b for b in brokers if b["up_since"] is not None]
+    first = min(starts, key=lambda b: b["up_since"]) if starts else None
+    return {"supervised": all(b["supervised"] for b in brokers),
+            "healthy": all(b["healthy"] for b in brokers), "foreign": any(b["foreign"] for b in brokers),
+            "state": next((st for st in states if st != "running"), states[0]),
+            "restarts": sum(b["restarts"] for b in brokers),
+            "last_exit": max(exits, key=lambda e: str(e.get("at"))) if exits else None,
+            "up_since": first["up_since"] if first else None, "uptime_s": first["uptime_s"] if first else None}
 
 
 def _iso(ts: Any) -> str | None:

@@ -1,13 +1,14 @@
 """The supervisor of the local stack: one background process per ``ARGUS_HOME`` that keeps the stream worker,
-the ClickHouse sink and the local Kafka broker running.
+the ClickHouse sink and the local Kafka broker (or each node of the local cluster) running.
 
 ``argus up`` starts the broker, then this process (``python -m argus.supervisor``, a session of its own, log
 ``<home>/run/supervisor.log``). It runs the worker, the sink and the query service as its children and restarts
 whichever exits, for whatever reason (a crash, ``kill -9``, the OOM killer), after a backoff that doubles with
 each crash in a row (``ARGUS_SUPERVISOR_BACKOFF_S`` up to ``ARGUS_SUPERVISOR_BACKOFF_MAX_S``). The broker this
-home started is watched through its pid file and relaunched the same way; a broker that someone else runs on
-the port is left alone. What it did is in ``<home>/run/supervisor.json`` (per process: pid, state, restarts,
-last exit, up since), which ``argus status`` shows. A worker or sink that runs but stops answering its health check
+home started (each node of a cluster, ``ARGUS_BROKERS`` > 1, on its own: ``kafka-1`` .. ``kafka-N``) is watched
+through its pid file and relaunched the same way; a broker that someone else runs on the port is left alone.
+What it did is in ``<home>/run/supervisor.json`` (per process: pid, state, restarts, last exit, up since),
+which ``argus status`` shows. A worker or sink that runs but stops answering its health check
 (``/health``) for ``ARGUS_SUPERVISOR_HANG_S`` (after it answered once) is hung: it is killed and restarted like
 a crashed one (counted in ``hang_kills``).
 
@@ -39,6 +40,7 @@ from typing import Any
 
 from argus.core.errors import ArgusError
 from argus.core.settings import Settings
+from argus.kafka_cluster import KafkaCluster
 from argus.local_kafka import LocalKafka, pid_alive
 
 __all__ = [
@@ -180,10 +182,11 @@ class Supervisor:
         self._healthy_at: dict[Service, float | None] = {}
         self._probed_at: dict[Service, float] = {}
         self.run_dir = (settings.home / "run").resolve()
-        self.kafka = LocalKafka(settings)
+        self.kafka = KafkaCluster(settings)
         self.procs: dict[Service, subprocess.Popen[bytes]] = {}
         self.states: dict[str, ServiceState] = {s.value: ServiceState() for s in Service}
-        self.states["kafka"] = ServiceState()
+        for node in self.kafka.nodes:  # "kafka", or "kafka-1" .. "kafka-N" for the nodes of a cluster
+            self.states[node.name] = ServiceState()
         self.since = time.time()
         self._stopping = False
 
@@ -227,13 +230,14 @@ class Supervisor:
                 terminate(pid, _STOP_TIMEOUT_S)
 
     def _adopt_kafka(self) -> None:
-        state = self.states["kafka"]
-        pid = self.kafka.pid()
-        if pid is None and self.kafka.is_healthy():
-            # Someone else's broker answers on the port: not ours to restart.
-            state.supervised, state.state = False, "external"
-        elif pid is not None:
-            state.pid, state.state, state.up_since = pid, "running", process_start(pid) or time.time()
+        for node in self.kafka.nodes:
+            state = self.states[node.name]
+            pid = node.pid()
+            if pid is None and node.is_healthy():
+                # Someone else's broker answers on the port: not ours to restart.
+                state.supervised, state.state = False, "external"
+            elif pid is not None:
+                state.pid, state.state, state.up_since = pid, "running", process_start(pid) or time.time()
         self._write_state()
 
     # -- one round -----------------------------------------------------------------------------------
@@ -290,35 +294,42 @@ class Supervisor:
         proc.kill()
 
     def _tick_kafka(self) -> bool:
-        state = self.states["kafka"]
+        changed = False
+        for node in self.kafka.nodes:
+            changed |= self._tick_broker(node)
+        return changed
+
+    def _tick_broker(self, node: LocalKafka) -> bool:
+        """One broker (the single one or a node of the cluster), kept running as a worker or sink is."""
+        state = self.states[node.name]
         if not state.supervised:
             return False
         if state.pid is not None:
-            if self.kafka.pid() == state.pid:
+            if node.pid() == state.pid:
                 return False
-            self._exited("kafka", self._kafka_exit_code(state.pid))
+            self._exited(node.name, self._kafka_exit_code(node, state.pid))
             return True
         if state.next_start is not None and time.time() < state.next_start:
             return False
         try:
-            pid = self.kafka.launch()
+            pid = node.launch()
         except ArgusError as exc:
-            log.error("kafka: launch failed: %s", exc)
-            self._exited("kafka", None)
+            log.error("%s: launch failed: %s", node.name, exc)
+            self._exited(node.name, None)
             return True
-        self._started("kafka", pid)
+        self._started(node.name, pid)
         return True
 
-    def _kafka_exit_code(self, pid: int, wait_s: float = 5.0) -> int | None:
+    def _kafka_exit_code(self, node: LocalKafka, pid: int, wait_s: float = 5.0) -> int | None:
         """The exit status of the broker ``pid`` if it was our child (``None`` if not, or not known in time).
 
         A process that is being killed stops looking like a broker (its ``/proc`` command line empties) before
         it can be reaped, so wait for it to finish exiting rather than record an unknown status."""
         deadline = time.monotonic() + wait_s
-        code = self.kafka.exit_code()
+        code = node.exit_code()
         while code is None and time.monotonic() < deadline and _exists(pid):
             time.sleep(0.05)
-            code = self.kafka.exit_code()
+            code = node.exit_code()
         return code
 
     def _started(self, name: str, pid: int) -> None:

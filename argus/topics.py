@@ -18,7 +18,8 @@ logical topic      key                             record                  why t
 =================  ==============================  ======================  ===============================
 
 Full names carry :attr:`Settings.topic_prefix` (default ``argus.``). Every topic is created up front with
-the same partition count (Faust's changelogs require it) and :attr:`Settings.retention_ms`.
+the same partition count (Faust's changelogs require it), :attr:`Settings.retention_ms`,
+:attr:`Settings.replication_factor` replicas and ``min.insync.replicas`` = :attr:`Settings.min_insync_replicas`.
 
 Every argus producer partitions keys as Kafka's Java client does (murmur2, :func:`key_partition`): the rank
 side's confluent-kafka producers (``partitioner=murmur2_random``) and the workers' Faust (aiokafka) producers
@@ -185,7 +186,8 @@ def ensure_topics(settings: Settings, timeout_s: float = 30.0) -> list[str]:
     except KafkaException as exc:
         admin.poll(0)  # serves the error callbacks: was it the credentials?
         raise ArgusError(watch.explain() or f"cannot list topics on {settings.bootstrap_servers}: {exc}") from exc
-    config = {"retention.ms": str(settings.retention_ms)}
+    # acks=all writes (every argus producer's) succeed while this many replicas are in sync (RF 3: 2).
+    config = {"retention.ms": str(settings.retention_ms), "min.insync.replicas": str(settings.min_insync_replicas)}
     wanted = [
         NewTopic(t.full(settings), num_partitions=settings.partitions,
                  replication_factor=settings.replication_factor,
@@ -196,7 +198,8 @@ def ensure_topics(settings: Settings, timeout_s: float = 30.0) -> list[str]:
     # Faust's leader-election topic: created here because the worker does not declare topics itself.
     leader = f"{settings.app_id}-__assignor-__leader"
     if leader not in existing:
-        wanted.append(NewTopic(leader, num_partitions=1, replication_factor=settings.replication_factor))
+        wanted.append(NewTopic(leader, num_partitions=1, replication_factor=settings.replication_factor,
+                               config={"min.insync.replicas": str(settings.min_insync_replicas)}))
     created: list[str] = []
     if not wanted:
         return created
@@ -204,7 +207,8 @@ def ensure_topics(settings: Settings, timeout_s: float = 30.0) -> list[str]:
         try:
             fut.result()
             created.append(name)
-            log.info("created topic %s (%d partitions)", name, settings.partitions)
+            log.info("created topic %s (%d partitions, %d replicas)", name, settings.partitions,
+                     settings.replication_factor)
         except KafkaException as exc:
             if exc.args and getattr(exc.args[0], "code", lambda: None)() == 36:  # TOPIC_ALREADY_EXISTS
                 continue

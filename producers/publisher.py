@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from confluent_kafka import KafkaError, KafkaException, Message, Producer
 
 from argus.core.errors import ProducerError
-from argus.core.kafka_security import client_config
+from argus.core.kafka_security import producer_config
 from argus.core.settings import Settings
 from argus.topics import PARTITIONER, Topic
 
@@ -71,22 +71,20 @@ class Publisher:
     Args:
         settings: bootstrap servers, topic prefix, queue bound and compression come from here.
         extra_config: librdkafka settings that override the defaults (not the security ones, which come
-            from the ``kafka_*`` settings).
+            from the ``kafka_*`` settings, nor ``acks=all`` and idempotence).
         sender: start the background sender thread (disable only in tests of the queue itself).
         lossless: when the queue is full, ``publish`` waits for room instead of dropping. For offline
             sources (the simulator, trace imports, replays) only; a training process keeps the default.
 
     Raises:
         ProducerError: the Kafka producer could not be created (bad configuration).
-        ConfigError: ``extra_config`` sets a security option.
+        ConfigError: ``extra_config`` sets a security option or weakens ``acks``/idempotence.
     """
 
     def __init__(self, settings: Settings, extra_config: dict[str, Any] | None = None,
                  sender: bool = True, lossless: bool = False) -> None:
         self._settings = settings
         config: dict[str, Any] = {
-            "enable.idempotence": True,
-            "acks": "all",
             "compression.type": settings.compression,
             "linger.ms": 20,
             "batch.size": 1_000_000,
@@ -98,8 +96,9 @@ class Publisher:
         }
         config.update(extra_config or {})
         try:
-            # Brokers, TLS and SASL from the kafka_* settings, as every argus client (argus.core.kafka_security).
-            self._producer = Producer(client_config(settings.kafka, config))
+            # Brokers, TLS and SASL from the kafka_* settings, acks=all and idempotence, as every argus producer
+            # (argus.core.kafka_security).
+            self._producer = Producer(producer_config(settings.kafka, config))
         except KafkaException as exc:
             raise ProducerError(f"cannot create Kafka producer: {exc}") from exc
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=settings.publisher_queue_max)

@@ -23,7 +23,7 @@ from typing import Any
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
 
 from argus.core.errors import ArgusError, SchemaError, SinkError
-from argus.core.kafka_security import client_config
+from argus.core.kafka_security import client_config, producer_config
 from argus.core.settings import Settings
 from argus.metrics import Histogram
 from argus.schemas.records import DeadLetter
@@ -121,8 +121,8 @@ class SinkWriter:
         try:
             self._consumer = Consumer(client_config(settings.kafka, consumer_config))
             # A dead letter wraps a message of up to a fetch's size, so it needs more than the 1 MB default.
-            self._dlq = Producer(client_config(settings.kafka, {
-                "enable.idempotence": True, "compression.type": settings.compression, "linger.ms": 5,
+            self._dlq = Producer(producer_config(settings.kafka, {
+                "compression.type": settings.compression, "linger.ms": 5,
                 "message.max.bytes": DEAD_LETTER_MAX_BYTES, "partitioner": PARTITIONER}))
         except KafkaException as exc:
             raise SinkError(f"cannot create Kafka clients: {exc}") from exc

@@ -23,15 +23,16 @@ import dataclasses
 import functools
 import logging
 import time
-from collections.abc import AsyncIterable
+from collections.abc import AsyncIterable, Mapping
 from typing import Any
 
 import faust
 from aiokafka.partitioner import DefaultPartitioner, murmur2
+from faust.transport.drivers import aiokafka as faust_aiokafka
 from faust.types import EventT
 
 from argus.core.errors import SchemaError, failure_reason
-from argus.core.kafka_security import faust_credentials
+from argus.core.kafka_security import aiokafka_durable_config, faust_credentials
 from argus.core.settings import Settings
 from argus.metrics import CONTENT_TYPE, exposition
 from argus.schemas.records import JobLifecycle, KernelBatch, KernelSummary
@@ -64,6 +65,21 @@ class KeyHashPartitioner:
         return all_partitions[(self._hash(key) & 0x7FFFFFFF) % len(all_partitions)]
 
 
+class DurableProducer(faust_aiokafka.Producer):
+    """Faust's aiokafka producer with ``acks=all`` and idempotence (:data:`argus.core.kafka_security.DURABLE_PRODUCER`),
+    as every argus producer. Faust turns idempotence on only inside its transactions (``_settings_extra``),
+    and its ``producer_*`` settings have no idempotence, so this producer adds it to every producer it makes."""
+
+    def _settings_extra(self) -> Mapping[str, Any]:
+        return {**super()._settings_extra(), **aiokafka_durable_config()}
+
+
+class DurableTransport(faust_aiokafka.Transport):
+    """Faust's aiokafka transport making :class:`DurableProducer` producers."""
+
+    Producer = DurableProducer
+
+
 def create_app(settings: Settings) -> faust.App:
     """A Faust app wired to ``settings``: the kernel topic in, summaries and dead letters out."""
     brokers = ";".join(f"kafka://{b}" for b in settings.bootstrap_servers.split(","))
@@ -93,6 +109,9 @@ def create_app(settings: Settings) -> faust.App:
         consumer_auto_offset_reset="earliest",
         # Held (un-acked) messages are re-delivered after a restart: shutdown must not wait for them.
         stream_wait_empty=False,
+        producer_acks=-1,  # all (and idempotence: the DurableTransport below)
+        # Faust's own topics (none with the memory store; its leader topic is made by ensure_topics) as argus's.
+        topic_replication_factor=settings.replication_factor,
         producer_compression_type=None if settings.compression == "none" else settings.compression,
         producer_max_request_size=8_000_000,
         # Summaries come in bursts (every window of a rank closes at once): a few ms of linger sends a burst
@@ -105,6 +124,8 @@ def create_app(settings: Settings) -> faust.App:
         # kernel batches (tens of KB each) fill ~100 MB, which the allocator then keeps (the soak's RSS step).
         stream_buffer_maxsize=256,
     )
+    # Set before anything reads app.transport (app.topic does): every producer Faust makes is durable.
+    app.transport = DurableTransport(app.conf.broker_consumer, app)
     kernels = app.topic(Topic.KERNELS.full(settings), key_type=bytes, value_type=bytes)
     lifecycle = app.topic(Topic.LIFECYCLE.full(settings), key_type=bytes, value_type=bytes)
     summaries = app.topic(Topic.SUMMARIES.full(settings), key_type=bytes, value_type=bytes)

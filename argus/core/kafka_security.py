@@ -17,13 +17,21 @@ from __future__ import annotations
 
 import ssl
 from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any
 
 from argus.core.errors import ConfigError
 from argus.core.kafka_logs import librdkafka_logger
 from argus.core.settings import KafkaSettings
 
-__all__ = ["AuthWatch", "client_config", "faust_credentials", "ssl_context"]
+__all__ = ["DURABLE_PRODUCER", "AuthWatch", "aiokafka_durable_config", "client_config", "faust_credentials",
+           "producer_config", "ssl_context"]
+
+#: What every argus producer sets so that, on a replicated cluster, nothing acknowledged is lost and nothing
+#: retried is doubled (librdkafka names): ``acks=all`` (a write counts once every in-sync replica has it, and
+#: topics keep ``min.insync.replicas`` of them, see :attr:`Settings.min_insync_replicas`) and idempotence (the
+#: broker drops a retried batch it already wrote, in order, across leader fail-over).
+DURABLE_PRODUCER: Mapping[str, Any] = MappingProxyType({"acks": "all", "enable.idempotence": True})
 
 
 def client_config(kafka: KafkaSettings, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
@@ -54,6 +62,25 @@ def client_config(kafka: KafkaSettings, extra: Mapping[str, Any] | None = None) 
             raise ConfigError(f"Kafka option {key!r} comes from the kafka_* settings, not from a client")
     conf.update(extra or {})
     return conf
+
+
+def producer_config(kafka: KafkaSettings, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The configuration of an argus confluent-kafka producer: :func:`client_config` with ``extra`` (the
+    producer's own sizes, linger, partitioner) and :data:`DURABLE_PRODUCER`.
+
+    Raises:
+        ConfigError: ``extra`` sets a security option, or weakens ``acks``/``enable.idempotence``.
+    """
+    for key, value in (extra or {}).items():
+        if key in DURABLE_PRODUCER and value != DURABLE_PRODUCER[key]:
+            raise ConfigError(f"Kafka producer option {key}={value!r}: argus producers run with "
+                              f"{key}={DURABLE_PRODUCER[key]!r} (nothing lost, nothing doubled)")
+    return client_config(kafka, {**(extra or {}), **DURABLE_PRODUCER})
+
+
+def aiokafka_durable_config() -> dict[str, Any]:
+    """:data:`DURABLE_PRODUCER` in aiokafka's ``AIOKafkaProducer`` keyword names (``enable_idempotence``)."""
+    return {key.replace(".", "_"): value for key, value in DURABLE_PRODUCER.items()}
 
 
 class AuthWatch:

@@ -17,11 +17,13 @@ from typing import Any, Generic, TypeVar
 
 from argus.core.errors import ConfigError
 
-__all__ = ["ENV_PREFIX", "ClickHouseSettings", "DetectorSettings", "KafkaSettings", "Secret", "Settings",
-           "WorkerSettings", "check_identifier"]
+__all__ = ["ENV_PREFIX", "MAX_LOCAL_BROKERS", "ClickHouseSettings", "DetectorSettings", "KafkaSettings", "Secret",
+           "Settings", "WorkerSettings", "check_identifier"]
 
 ENV_PREFIX = "ARGUS_"
 _P = TypeVar("_P")
+#: Most brokers ``argus up`` runs on loopback (``brokers``): each is a JVM of a 512 MB heap.
+MAX_LOCAL_BROKERS = 9
 #: Longest event-time window (1 day): window ends must stay far inside int64 (see ``argus.schemas.records``).
 _MAX_WINDOW_NS = 86_400_000_000_000
 _KAFKA_PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
@@ -160,8 +162,14 @@ class Settings:
     topic_prefix: str = "argus."
     #: Partitions of each topic created by ``argus topics``/``argus up``.
     partitions: int = 8
-    #: Replication factor of created topics (1 for the local single-node broker).
+    #: Replication factor of created topics (1 for the local single-node broker; with ``brokers`` > 1 and not
+    #: set, it follows: min(3, brokers)). Topics get ``min.insync.replicas`` = :attr:`min_insync_replicas`.
     replication_factor: int = 1
+    #: Brokers of the local Kafka that ``argus up`` runs (``ARGUS_BROKERS``, ``argus up --brokers N``; 1..9,
+    #: default 1). Above 1, a KRaft cluster on loopback, one combined broker+controller node per broker:
+    #: ``bootstrap_servers`` lists them all (one entry ``host:P`` given expands to ``P, P+2, ...``; each
+    #: node's controller listens on its port + 1).
+    brokers: int = 1
     #: Retention of raw topics, long enough to replay a job for a postmortem (default 7 days).
     retention_ms: int = 7 * 24 * 3600 * 1000
     #: Directory for local state: chDB data, the local Kafka's data, pid and log files.
@@ -333,6 +341,7 @@ class Settings:
                     values[name] = Secret(Path(env[key + "_FILE"]).read_text().strip())
                 except OSError as exc:
                     raise ConfigError(f"cannot read {key}_FILE: {exc}") from exc
+        _follow_brokers(values)
         settings = cls(**values)
         settings.validate()
         return settings
@@ -394,6 +403,7 @@ class Settings:
                                   "the embedded chDB has no clusters")
         if not self.bootstrap_servers or any(":" not in s for s in self.bootstrap_servers.split(",")):
             raise ConfigError(f"bootstrap_servers must be host:port[,host:port]: {self.bootstrap_servers!r}")
+        self._validate_brokers()
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
             raise ConfigError(f"log_level must be DEBUG, INFO, WARNING or ERROR: {self.log_level!r}")
         if self.session_timeout_s <= 0:
@@ -404,6 +414,25 @@ class Settings:
         if not 0 < self.supervisor_backoff_s <= self.supervisor_backoff_max_s:
             raise ConfigError(f"supervisor_backoff_s must be > 0 and <= supervisor_backoff_max_s, got "
                               f"{self.supervisor_backoff_s!r} and {self.supervisor_backoff_max_s!r}")
+
+    def _validate_brokers(self) -> None:
+        if not 1 <= self.brokers <= MAX_LOCAL_BROKERS:
+            raise ConfigError(f"brokers must be in 1..{MAX_LOCAL_BROKERS}, got {self.brokers!r}")
+        if self.brokers == 1:
+            return
+        listed = len(self.bootstrap_servers.split(","))
+        if listed != self.brokers:
+            raise ConfigError(f"bootstrap_servers must list the {self.brokers} local brokers (or one host:port, "
+                              f"expanded to ports P, P+2, ...), got {listed}: {self.bootstrap_servers!r}")
+        if self.replication_factor > self.brokers:
+            raise ConfigError(f"replication_factor {self.replication_factor} exceeds the {self.brokers} brokers")
+
+    @property
+    def min_insync_replicas(self) -> int:
+        """``min.insync.replicas`` of argus's topics: replication factor - 1 from 3 replicas up (RF 3: 2, so
+        one broker may fail with ``acks=all`` producers going on and nothing acknowledged on a single copy);
+        1 below (RF 2 with 2 would stop every producer when one broker fails)."""
+        return self.replication_factor - 1 if self.replication_factor >= 3 else 1
 
     def _validate_kafka_security(self) -> None:
         protocol = self.kafka_security_protocol
@@ -513,6 +542,19 @@ def _write_secret(path: Path, secret: Secret) -> Path:
     except OSError as exc:
         raise ConfigError(f"cannot write the credential file {path}: {exc}") from exc
     return path.resolve()
+
+
+def _follow_brokers(values: dict[str, Any]) -> None:
+    """With ``brokers`` > 1 (from an argument or the environment): one ``bootstrap_servers`` entry ``host:P``
+    becomes the cluster's ``host:P,host:P+2,...`` and an unset ``replication_factor`` becomes min(3, brokers)."""
+    brokers = values.get("brokers", Settings.brokers)
+    if not isinstance(brokers, int) or not 1 < brokers <= MAX_LOCAL_BROKERS:
+        return  # 1, or out of range (validate() says so)
+    servers = str(values.get("bootstrap_servers", Settings.bootstrap_servers)).strip()
+    host, _, port = servers.rpartition(":")
+    if "," not in servers and port.isdigit() and int(port) + 2 * brokers <= 65536:
+        values["bootstrap_servers"] = ",".join(f"{host}:{int(port) + 2 * i}" for i in range(brokers))
+    values.setdefault("replication_factor", min(3, brokers))
 
 
 def _type_name(typ: Any) -> str:

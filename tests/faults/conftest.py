@@ -212,6 +212,35 @@ def wait_complete(stack: FaultStack, job: str, expect: dict[str, Any] | None = N
     return diagnosed, facts
 
 
+#: Checked facts: equal to the clean run's, and the duplicates that survive FINAL (must be 0).
+EQUAL_FACTS = ("steps", "phases", "kernel_events", "windows", "dead_letters", "dead_letter_events", "finding_ids")
+DUPLICATE_FACTS = ("step_duplicates", "phase_duplicates", "finding_duplicates")
+
+
+def compare_runs(stack: FaultStack, run: JobRun, clean: JobRun, expect: dict[str, Any], what: str,
+                 extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Wait for ``run`` to be diagnosed, then assert it stored exactly what the clean run stored: every check
+    is reported (a JSON line on stdout and in the message), then all must hold."""
+    diagnosed, facts = wait_complete(stack, run.job, expect)
+    mismatched_windows, events_off = window_mismatches(stack, run.job, clean.job)
+    report: dict[str, Any] = {"test": what, "job": run.job, "clean_job": clean.job, **(extra or {}),
+                              "diagnosed": diagnosed, "windows_differing": mismatched_windows,
+                              "window_events_off": events_off}
+    for key in (*EQUAL_FACTS, *DUPLICATE_FACTS, "steps_raw", "summary_rows", "findings"):
+        if key != "finding_ids":
+            report[key] = [expect[key], facts[key]]  # [clean, this run]
+    report["findings_only_clean"] = sorted(set(expect["findings_brief"]) - set(facts["findings_brief"]))
+    report["findings_only_here"] = sorted(set(facts["findings_brief"]) - set(expect["findings_brief"]))
+    print(json.dumps(report))
+    failed = [k for k in EQUAL_FACTS if facts[k] != expect[k]] + [k for k in DUPLICATE_FACTS if facts[k] != 0]
+    if mismatched_windows:
+        failed.append("per-window kernel events")
+    if not diagnosed:
+        failed.append("diagnosed (the findings --wait condition)")
+    assert not failed, f"{what}: {', '.join(failed)} differ from the clean run:\n{json.dumps(report, indent=1)}"
+    return facts
+
+
 @pytest.fixture(scope="session")
 def fault_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FaultStack]:
     stack = FaultStack(tmp_path_factory.mktemp("faults") / "home")

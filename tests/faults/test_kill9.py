@@ -22,45 +22,17 @@ import pytest
 
 from tests.faults.conftest import (
     DP,
+    DUPLICATE_FACTS,
     PP,
     STEPS,
     TP,
     FaultStack,
     JobRun,
+    compare_runs,
     publish_job,
-    wait_complete,
-    window_mismatches,
 )
 
 pytestmark = [pytest.mark.faults, pytest.mark.timeout(1200)]
-
-#: Checked facts: equal to the clean run's, and the duplicates that survive FINAL (must be 0).
-_EQUAL = ("steps", "phases", "kernel_events", "windows", "dead_letters", "dead_letter_events", "finding_ids")
-_DUPLICATES = ("step_duplicates", "phase_duplicates", "finding_duplicates")
-
-
-def _compare(stack: FaultStack, run: JobRun, clean: JobRun, expect: dict[str, Any], what: str,
-             extra: dict[str, Any] | None = None) -> None:
-    """Wait for ``run`` to be diagnosed, then assert it stored exactly what the clean run stored: every check
-    is reported (a JSON line on stdout and in the message), then all must hold."""
-    diagnosed, facts = wait_complete(stack, run.job, expect)
-    mismatched_windows, events_off = window_mismatches(stack, run.job, clean.job)
-    report: dict[str, Any] = {"test": what, "job": run.job, "clean_job": clean.job, **(extra or {}),
-                              "diagnosed": diagnosed, "windows_differing": mismatched_windows,
-                              "window_events_off": events_off}
-    for key in (*_EQUAL, *_DUPLICATES, "steps_raw", "summary_rows", "findings"):
-        if key != "finding_ids":
-            report[key] = [expect[key], facts[key]]  # [clean, this run]
-    report["findings_only_clean"] = sorted(set(expect["findings_brief"]) - set(facts["findings_brief"]))
-    report["findings_only_here"] = sorted(set(facts["findings_brief"]) - set(expect["findings_brief"]))
-    print(json.dumps(report))
-    failed = [k for k in _EQUAL if facts[k] != expect[k]] + [k for k in _DUPLICATES if facts[k] != 0]
-    if mismatched_windows:
-        failed.append("per-window kernel events")
-    if not diagnosed:
-        failed.append("diagnosed (the findings --wait condition)")
-    assert not failed, f"{what}: {', '.join(failed)} differ from the clean run:\n{json.dumps(report, indent=1)}"
-
 
 def test_clean_run_is_complete_and_exact(clean_run: tuple[JobRun, dict[str, Any]]) -> None:
     run, facts = clean_run
@@ -70,7 +42,7 @@ def test_clean_run_is_complete_and_exact(clean_run: tuple[JobRun, dict[str, Any]
     assert facts["kernel_events"] == run.kernel_events
     assert facts["phases"] > 0 and facts["windows"] > 0
     assert facts["dead_letters"] == 0
-    assert all(facts[k] == 0 for k in _DUPLICATES), facts
+    assert all(facts[k] == 0 for k in DUPLICATE_FACTS), facts
     assert facts["findings"] > 0, "case1 (a compute straggler) must be found"
 
 
@@ -79,7 +51,7 @@ def test_second_clean_run_is_identical(fault_stack: FaultStack, clean_run: tuple
     is the fault's, not the diagnosis' own nondeterminism."""
     clean, expect = clean_run
     run = publish_job(fault_stack, f"again-{uuid.uuid4().hex[:6]}")
-    _compare(fault_stack, run, clean, expect, "clean-again")
+    compare_runs(fault_stack, run, clean, expect, "clean-again")
 
 
 @pytest.mark.parametrize("victim", ["worker", "sink", "kafka"])
@@ -122,6 +94,6 @@ def test_kill9_while_publishing_and_while_processing(victim: str, fault_stack: F
     assert after["last_exit"] is not None and after["last_exit"]["signal"] == "SIGKILL", after
     # The second kill hit a job still being processed (not every detector part had diagnosed it).
     assert diagnosed_parts == [0], diagnosed_parts
-    _compare(stack, run, clean, expect, f"kill9-{victim}",
+    compare_runs(stack, run, clean, expect, f"kill9-{victim}",
              {"publish_s": round(published_s, 1), "first_outage_s": round(outage[0], 1),
               "restarts": [before["restarts"], after["restarts"]], "last_exit": after["last_exit"]})
