@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from argus.core.errors import SinkError
 from argus.core.settings import Settings
 from argus.demo import build_spec
 from argus.detectors.findings import finding_id
@@ -57,8 +58,17 @@ class FaultStack(PrivateStack):
         doc: dict[str, Any] = json.loads(res.stdout)
         return doc
 
-    def sql(self, query: str) -> list[tuple[Any, ...]]:
-        return [tuple(r) for r in run_query(self.settings, query).rows]
+    def sql(self, query: str, wait_s: float = 120.0) -> list[tuple[Any, ...]]:
+        """Rows of ``query``; while the sink is down (killed, not back yet) the query service cannot reach the
+        store it owns, so the query is tried again until the sink is back."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                return [tuple(r) for r in run_query(self.settings, query).rows]
+            except SinkError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
 
     def pid(self, name: str) -> int | None:
         """The running pid of ``worker``, ``sink`` or ``kafka`` (this home's broker)."""
