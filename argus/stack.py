@@ -32,7 +32,7 @@ from argus.core.errors import ArgusError
 from argus.core.settings import Settings
 from argus.kafka_cluster import KafkaCluster, stop_local_brokers
 from argus.local_kafka import pid_alive
-from argus.sinks.query_server import endpoint_healthy
+from argus.sinks.query_server import endpoint_healthy, rotate_token
 from argus.supervisor import (
     SUPERVISOR_MODULE,
     Service,
@@ -85,6 +85,7 @@ class Stack:
             running = supervisor_pid(self.run_dir)
             spawned = running is None
             if running is None:
+                rotate_token(self.settings)  # a new run, a new token: its services make it as they start
                 pid = self._spawn_supervisor()
                 say(f"supervisor: started (pid {pid}); it restarts the worker, the sink and kafka if they exit")
             else:

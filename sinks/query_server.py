@@ -81,6 +81,7 @@ __all__ = [
     "ensure_token",
     "post_query",
     "read_token",
+    "rotate_token",
     "run_query",
     "service_credentials",
     "token_path",
@@ -126,6 +127,19 @@ _SETTING_VALUE = re.compile(r"[A-Za-z0-9_.]+")
 def token_path(settings: Settings) -> Path:
     """The query endpoint's token file, ``<home>/query.token``."""
     return settings.home.resolve() / _TOKEN_FILE
+
+
+def rotate_token(settings: Settings) -> None:
+    """Drop the home's token, so the next :func:`ensure_token` (the starting sink or query service) makes a new
+    one: a stack started afresh does not take the token of an earlier run, which may have leaked since.
+
+    Raises:
+        SinkError: the token file exists and cannot be removed.
+    """
+    try:
+        token_path(settings).unlink(missing_ok=True)
+    except OSError as exc:
+        raise SinkError(f"cannot replace the query token {token_path(settings)}: {exc}") from exc
 
 
 def ensure_token(settings: Settings) -> str:

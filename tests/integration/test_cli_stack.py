@@ -39,8 +39,7 @@ def test_up_sql_status_down(settings: Settings, tmp_path: Path) -> None:
         doc = json.loads(status.stdout)
         assert doc["sink"]["healthy"] and doc["worker"]["healthy"] and doc["kafka"]["healthy"]
         # The sink owns the chDB directory; `argus sql` goes through its endpoint.
-        res = argus(env, "sql", f"SELECT name FROM system.tables WHERE database = '{settings.clickhouse_database}' "
-                                "ORDER BY name", "--json")
+        res = argus(env, "sql", f"SHOW TABLES FROM {settings.clickhouse_database}", "--json")
         assert res.returncode == 0, res.stderr
         names = [r["name"] for r in json.loads(res.stdout)]
         assert {"steps", "phases", "kernel_summaries", "findings", "dead_letters"} <= set(names)
@@ -125,11 +124,15 @@ def test_supervisor_restarts_killed_services_and_down_leaves_no_orphans(settings
         assert text.returncode == 0 and "restarts=1" in text.stdout and "SIGKILL" in text.stdout
 
         # kill -9 of the supervisor: its children stop with it (the kernel's SIGTERM), `up` brings all back.
+        token = (home / "query.token").read_text()
         os.kill(doc["supervisor"]["pid"], signal.SIGKILL)
         _wait("children gone with their supervisor", lambda: not _processes_of(home), timeout_s=120)
         again = argus(env, "up")
         assert again.returncode == 0, again.stderr
         assert "supervisor: started" in again.stderr
+        # A stack started afresh takes a new token (the earlier run's may have leaked), and it works.
+        assert (home / "query.token").read_text() != token
+        assert argus(env, "sql", "SELECT 1").returncode == 0
     finally:
         down = argus(env, "down", "--keep-kafka")
     assert down.returncode == 0, down.stderr
