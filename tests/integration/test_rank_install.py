@@ -114,3 +114,40 @@ def test_job_traced_from_the_clean_install_is_diagnosed(rank_venv: RankVenv, set
         == [WORLD * STEPS]
     findings = fetch_findings(settings, JOB, query=sink.store.query)
     assert isinstance(findings, list)
+
+
+_ON_NUMPY_1 = """
+import sys
+import numpy
+from argus.core.settings import Settings
+from argus.producers.publisher import Publisher
+from argus.producers.seed_cases import paper_case
+from argus.producers.faults import Fault
+from argus.producers.simulator import JobSimulator
+assert numpy.__version__.startswith("1.26"), numpy.__version__
+spec = paper_case(Fault.COMPUTE_STRAGGLER, job_id=sys.argv[1], steps=4)
+with Publisher(Settings.load(), lossless=True) as pub:
+    n = sum(pub.publish(r.topic, r.key, r.record) for r in JobSimulator(spec, batch_events=512).records())
+    stats = pub.close()
+assert stats.delivered == stats.accepted == n and not stats.failed and not stats.encode_errors, stats
+print(n)
+"""
+
+
+def test_the_rank_side_runs_on_numpy_1_26(rank_venv: RankVenv, settings: Settings, tmp_path: Path) -> None:
+    """Training images still ship numpy 1.26: the base distribution accepts it (numpy>=1.26) and the rank side
+    encodes and publishes every record kind of a simulated job with it (the server side needs numpy 2)."""
+    venv = tmp_path / "np1"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    python = venv / "bin" / "python"
+    pins = tmp_path / "constraints.txt"
+    pins.write_text("".join(line + "\n" for line in CONSTRAINTS.read_text().splitlines()
+                            if not line.lower().startswith("numpy==")))
+    install = subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "-c", str(pins),
+                              str(rank_venv.wheel), "numpy==1.26.4"], capture_output=True, text=True, timeout=600,
+                             env=clean_env())
+    assert install.returncode == 0, install.stderr[-3000:]
+    env = {**clean_env(), **settings.to_env()}
+    proc = subprocess.run([str(python), "-c", _ON_NUMPY_1, "numpy-1"], capture_output=True, text=True, env=env,
+                          cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0 and int(proc.stdout) > 50, proc.stderr[-3000:]  # every record of 8 ranks x 4 steps
