@@ -407,10 +407,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", default=None, choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                    type=str.upper, help="log level of this command (env ARGUS_LOG_LEVEL for services)")
     sub = p.add_subparsers(dest="command", required=True)
-    s = sub.add_parser("up", help="start Kafka, the stream worker and the sink in the background, under a "
-                       "supervisor that restarts any of them that exits")
+    s = sub.add_parser("up", help="start Kafka, the stream worker, the sink and the query service in the "
+                       "background, under a supervisor that restarts any of them that exits")
     s.add_argument("--json", action="store_true")
-    s.add_argument("--brokers", type=int, default=None,
+    s.add_argument("--brokers", type=_bounded_int(1, 1 << 16), default=None,
                    help="Kafka brokers: 1 (default) or a KRaft cluster of N on loopback (env ARGUS_BROKERS)")
     s.set_defaults(fn=_cmd_up)
     s = sub.add_parser("down", help="stop the local stack")
