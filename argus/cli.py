@@ -95,7 +95,7 @@ def _cmd_status(settings: Settings, args: argparse.Namespace) -> int:
         _out(json.dumps(status, indent=2))
     else:
         sup = status["supervisor"]
-        _out(f"{'supervisor':10s} {'running' if sup['running'] else 'stopped':8s} pid={sup['pid']}  "
+        _out(f"{'supervisor':13s} {'running' if sup['running'] else 'stopped':8s} pid={sup['pid']}  "
              f"up since {sup['up_since'] or '-'}  log={sup['log']}")
         for name in ("kafka", "worker", "sink", "query-service"):
             s = status[name]
@@ -106,7 +106,7 @@ def _cmd_status(settings: Settings, args: argparse.Namespace) -> int:
                 state += f" ({s['state']})"  # e.g. backoff: the supervisor restarts it shortly
             last = s.get("last_exit")
             exit_text = "-" if last is None else (f"{last.get('signal') or last.get('code')} at {last.get('at')}")
-            _out(f"{name:10s} {state:8s} pid={s.get('pid')}  up since {s.get('up_since') or '-'}  "
+            _out(f"{name:13s} {state:8s} pid={s.get('pid')}  up since {s.get('up_since') or '-'}  "
                  f"restarts={s.get('restarts', 0)}  last exit={exit_text}  log={s.get('log')}")
             for b in s.get("brokers", []) if len(s.get("brokers", [])) > 1 else []:  # a cluster: each broker
                 b_state = "healthy" if b.get("healthy") else (b.get("state") or "stopped")
@@ -124,7 +124,7 @@ def _out_jobs(diagnosis: dict[str, Any] | None, limit: int = 20) -> None:
     if not diagnosis:
         return
     jobs = diagnosis.get("jobs") or []
-    _out(f"jobs       open={diagnosis.get('open_jobs', 0)}  held messages={diagnosis.get('held_messages', 0)}  "
+    _out(f"jobs          open={diagnosis.get('open_jobs', 0)}  held messages={diagnosis.get('held_messages', 0)}  "
          f"abandoned={diagnosis.get('jobs_abandoned', 0)}  diagnosed={diagnosis.get('jobs_diagnosed', 0)}")
     if jobs:
         rows = [(j["job"], j["state"], f"{j['age_s']:.0f}", f"{j['idle_s']:.0f}", j["last_step"], j["held_messages"])

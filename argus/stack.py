@@ -87,7 +87,8 @@ class Stack:
             if running is None:
                 rotate_token(self.settings)  # a new run, a new token: its services make it as they start
                 pid = self._spawn_supervisor()
-                say(f"supervisor: started (pid {pid}); it restarts the worker, the sink and kafka if they exit")
+                say(f"supervisor: started (pid {pid}); it restarts the worker, the sink, the query service and "
+                    "kafka if they exit")
             else:
                 pid = running
                 say(f"supervisor: already running (pid {pid})")
