@@ -45,6 +45,8 @@ def test_up_sql_status_down(settings: Settings, tmp_path: Path) -> None:
         assert {"steps", "phases", "kernel_summaries", "findings", "dead_letters"} <= set(names)
         bad = argus(env, "sql", "SELECT * FROM no_such_table")
         assert bad.returncode == 1 and "no_such_table" in bad.stderr.lower()
+        unknown = argus(env, "findings", "--job", "no-such-job")  # asked through the query service
+        assert unknown.returncode == 5 and "no job 'no-such-job'" in unknown.stderr, unknown.stderr
     finally:
         down = argus(env, "down", "--keep-kafka")
     assert down.returncode == 0, down.stderr
