@@ -150,6 +150,24 @@ def _cmd_topics(settings: Settings, args: argparse.Namespace) -> int:
 
     created = ensure_topics(settings)
     _out(f"created {len(created)} topic(s): {', '.join(created) or '-'}")
+    return _cmd_acls(settings, args) if args.acls else 0
+
+
+def _cmd_acls(settings: Settings, args: argparse.Namespace) -> int:
+    from argus.kafka_acls import apply_acls, describe_acls
+
+    if getattr(args, "describe", False):
+        acls = describe_acls(settings)
+        for acl in acls:
+            _out(str(acl))
+        if not acls:  # what the broker answers a user without DESCRIBE on the cluster, too
+            _err("argus: the broker shows no ALLOW bindings (to a user that may not describe ACLs it shows none)")
+        return 0
+    created, extra = apply_acls(settings, prune=getattr(args, "prune", False))
+    _out(f"created {len(created)} ACL binding(s)" + "".join(f"\n  + {a}" for a in created))
+    if extra:
+        verb = "removed" if getattr(args, "prune", False) else "kept (not in argus's table; --prune removes them)"
+        _out(f"{len(extra)} other ALLOW binding(s) of argus's users {verb}" + "".join(f"\n  - {a}" for a in extra))
     return 0
 
 
@@ -412,6 +430,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true")
     s.add_argument("--brokers", type=_bounded_int(1, 1 << 16), default=None,
                    help="Kafka brokers: 1 (default) or a KRaft cluster of N on loopback (env ARGUS_BROKERS)")
+    s.add_argument("--secure", action="store_true", default=None,
+                   help="SASL/SCRAM users per role (passwords in <home>/secrets/) and Kafka ACLs on the (single) "
+                        "broker; each service runs as its role's user (env ARGUS_KAFKA_SECURE=1)")
     s.set_defaults(fn=_cmd_up)
     s = sub.add_parser("down", help="stop the local stack")
     s.add_argument("--keep-kafka", action="store_true", help="leave the Kafka broker running")
@@ -427,7 +448,14 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true", help="print a JSON array of row objects")
     s.set_defaults(fn=_cmd_sql)
     s = sub.add_parser("topics", help="create the argus topics (idempotent)")
+    s.add_argument("--acls", action="store_true", help="then apply argus's ACLs, as `argus acls` does")
     s.set_defaults(fn=_cmd_topics)
+    s = sub.add_parser("acls", help="grant argus's Kafka users (rank, worker, sink, reader) what each may read and "
+                       "write, and nothing else (idempotent; needs a super user on a broker with an authorizer)")
+    s.add_argument("--describe", action="store_true", help="only print the ALLOW bindings the broker holds")
+    s.add_argument("--prune", action="store_true",
+                   help="also remove ALLOW bindings of those users that the table does not have")
+    s.set_defaults(fn=_cmd_acls)
     s = sub.add_parser("worker", help="run the Faust stream worker in the foreground")
     s.set_defaults(fn=_cmd_worker)
     s = sub.add_parser("sink", help="run the ClickHouse sink (and its SQL endpoint) in the foreground")
@@ -543,23 +571,40 @@ def _private_home(home: Path) -> None:
 
 
 #: Commands of the base install (the rank side): everything else needs the ``server`` extra.
-_RANK_SIDE_COMMANDS = frozenset({"stacks", "topics"})
+_RANK_SIDE_COMMANDS = frozenset({"stacks", "topics", "acls"})
 
 
 def _needs_kafka(args: argparse.Namespace) -> bool:
     """Whether the command talks to the brokers (checked first, so an unreachable one is one clear error)."""
-    if args.command in ("topics", "simulate", "replay", "import-kineto", "stacks"):
+    if args.command in ("topics", "acls", "simulate", "replay", "import-kineto", "stacks"):
         return True
     if args.command == "findings":
         return bool(args.follow)
     return args.command == "export-trace" and not args.summaries_only
 
 
+#: The Kafka user each command takes against a secure home (``ARGUS_KAFKA_SECURE=1`` without credentials of its
+#: own): the least its work needs. ``up``, ``status`` and ``down`` manage the stack as its admin themselves.
+_COMMAND_ROLE = {"topics": "admin", "acls": "admin", "replay": "admin", "export-trace": "admin",
+                 "simulate": "rank", "import-kineto": "rank", "stacks": "rank", "findings": "reader",
+                 "worker": "worker", "sink": "sink"}
+
+
+def _as_role(settings: Settings, command: str) -> Settings:
+    """``settings`` as the user of ``command``'s role on a secure home (unchanged elsewhere)."""
+    from argus.kafka_users import Role, role_settings
+
+    role = _COMMAND_ROLE.get(command)
+    return settings if role is None else role_settings(settings, Role(role))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         # up --brokers N: explicit > ARGUS_BROKERS > 1 (the bootstrap servers and replication follow).
-        settings = Settings.load(log_level=args.log_level, brokers=getattr(args, "brokers", None))
+        settings = Settings.load(log_level=args.log_level, brokers=getattr(args, "brokers", None),
+                                 kafka_secure=getattr(args, "secure", None))
+        settings = _as_role(settings, args.command)
     except ArgusError as exc:
         sys.stderr.write(f"argus: configuration error: {exc}\n")
         return Exit.USAGE
