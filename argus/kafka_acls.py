@@ -11,8 +11,8 @@ role         writes (WRITE, with DESCRIBE)                                 reads
 ``rank``     kernels, steps, phases, topology, lifecycle (START/END),      findings (``argus stacks``), groups
              heartbeats, stacks                                            ``<app_id>-stacks-*``
 ``worker``   summaries, findings, findings.json, lifecycle (DIAGNOSED/     kernels, steps, phases, topology,
-             ABANDONED), deadletter, context, its own ``<app_id>-*``       lifecycle, heartbeats, summaries,
-             topics                                                        context, ``<app_id>-*`` topics;
+             ABANDONED), deadletter, context, kernels (a job's end         lifecycle, heartbeats, summaries,
+             marker in each partition), its own ``<app_id>-*`` topics      context, ``<app_id>-*`` topics;
                                                                            groups ``<app_id>``,
                                                                            ``<app_id>-scan``,
                                                                            ``<app_id>-context-*``
@@ -97,7 +97,8 @@ _INPUTS = (Topic.KERNELS, Topic.STEPS, Topic.PHASES, Topic.TOPOLOGY, Topic.LIFEC
 #: The argus topics each role writes (WRITE and DESCRIBE on each).
 WRITES: Mapping[Role, frozenset[Topic]] = {
     Role.RANK: frozenset({*_INPUTS, Topic.STACKS}),
-    Role.WORKER: frozenset({Topic.SUMMARIES, Topic.FINDINGS, Topic.FINDINGS_JSON, Topic.LIFECYCLE,
+    # kernels: the job-end marker appended to every kernel partition when a job ends or is abandoned.
+    Role.WORKER: frozenset({Topic.KERNELS, Topic.SUMMARIES, Topic.FINDINGS, Topic.FINDINGS_JSON, Topic.LIFECYCLE,
                             Topic.DEAD_LETTER, Topic.CONTEXT}),
     Role.SINK: frozenset({Topic.DEAD_LETTER}),
     Role.READER: frozenset(),

@@ -147,7 +147,7 @@ def role_env(settings: Settings, role: Role) -> dict[str, str]:
 
 def upsert_users(admin: Settings, home: Settings, roles: Iterable[Role], timeout_s: float = 30.0) -> list[str]:
     """Create each role's SCRAM user on the broker of ``admin`` (the admin's settings) with its password from
-    ``home``'s files, or set that password again (idempotent); the user names.
+    ``home``'s files, or set that password again (idempotent); the user names, in the order of ``roles``.
 
     Raises:
         ArgusError: the broker refused (e.g. ``admin`` is not a super user) or did not answer.
@@ -164,12 +164,10 @@ def upsert_users(admin: Settings, home: Settings, roles: Iterable[Role], timeout
     info = ScramCredentialInfo(ScramMechanism.SCRAM_SHA_512, _SCRAM_ITERATIONS)
     upserts: list[Any] = [UserScramCredentialUpsertion(r.value, info, _password(home, r).reveal().encode())
                           for r in roles]
-    names = []
     for user, fut in client.alter_user_scram_credentials(upserts, request_timeout=timeout_s).items():
         try:
             fut.result()
         except KafkaException as exc:
             raise ArgusError(f"Kafka on {admin.bootstrap_servers} refused to set the SCRAM user {user}: "
                              f"{exc.args[0].str() if exc.args else exc}") from exc
-        names.append(user)
-    return names
+    return [u.user for u in upserts]

@@ -20,7 +20,8 @@ from argus.topics import Topic
 
 #: Who writes each topic, stated apart from the table (README's "Data flow" and each producer's code).
 EXPECTED_WRITERS = {
-    Topic.KERNELS: {"rank"}, Topic.STEPS: {"rank"}, Topic.PHASES: {"rank"}, Topic.TOPOLOGY: {"rank"},
+    Topic.KERNELS: {"rank", "worker"},  # the worker: a job's end marker in every kernel partition
+    Topic.STEPS: {"rank"}, Topic.PHASES: {"rank"}, Topic.TOPOLOGY: {"rank"},
     Topic.HEARTBEATS: {"rank"}, Topic.STACKS: {"rank"},
     Topic.LIFECYCLE: {"rank", "worker"},  # START/END from the tracer; DIAGNOSED/ABANDONED from the worker
     Topic.SUMMARIES: {"worker"}, Topic.FINDINGS: {"worker"}, Topic.FINDINGS_JSON: {"worker"},
