@@ -22,6 +22,7 @@ from argus.core.errors import ArgusError
 from argus.core.extras import Extra, missing_extra, require_extra
 from argus.core.kafka_logs import LIBRDKAFKA_LOGGER, KafkaUnreachableError, require_kafka
 from argus.core.settings import Settings
+from argus.kafka_users import Role, role_settings
 
 __all__ = ["Exit", "main"]
 
@@ -585,17 +586,19 @@ def _needs_kafka(args: argparse.Namespace) -> bool:
 
 #: The Kafka user each command takes against a secure home (``ARGUS_KAFKA_SECURE=1`` without credentials of its
 #: own): the least its work needs. ``up``, ``status`` and ``down`` manage the stack as its admin themselves.
-_COMMAND_ROLE = {"topics": "admin", "acls": "admin", "replay": "admin", "export-trace": "admin",
-                 "simulate": "rank", "import-kineto": "rank", "stacks": "rank", "findings": "reader",
-                 "worker": "worker", "sink": "sink"}
+_COMMAND_ROLE = {"topics": Role.ADMIN, "acls": Role.ADMIN, "replay": Role.ADMIN, "export-trace": Role.ADMIN,
+                 "simulate": Role.RANK, "import-kineto": Role.RANK, "stacks": Role.RANK, "findings": Role.READER,
+                 "worker": Role.WORKER, "sink": Role.SINK}
 
 
 def _as_role(settings: Settings, command: str) -> Settings:
-    """``settings`` as the user of ``command``'s role on a secure home (unchanged elsewhere)."""
-    from argus.kafka_users import Role, role_settings
+    """``settings`` as the user of ``command``'s role on a secure home (unchanged elsewhere).
 
+    Raises:
+        ConfigError: the home has no password for that role (no ``argus up --secure`` yet).
+    """
     role = _COMMAND_ROLE.get(command)
-    return settings if role is None else role_settings(settings, Role(role))
+    return settings if role is None else role_settings(settings, role)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
