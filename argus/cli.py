@@ -164,7 +164,8 @@ def _cmd_acls(settings: Settings, args: argparse.Namespace) -> int:
         if not acls:  # what the broker answers a user without DESCRIBE on the cluster, too
             _err("argus: the broker shows no ALLOW bindings (to a user that may not describe ACLs it shows none)")
         return 0
-    created, extra = apply_acls(settings, prune=getattr(args, "prune", False))
+    users = dict(getattr(args, "user", None) or [])
+    created, extra = apply_acls(settings, users=users, prune=getattr(args, "prune", False))
     _out(f"created {len(created)} ACL binding(s)" + "".join(f"\n  + {a}" for a in created))
     if extra:
         verb = "removed" if getattr(args, "prune", False) else "kept (not in argus's table; --prune removes them)"
@@ -390,6 +391,15 @@ def _bounded_int(least: int, most: int = 1 << 31) -> Callable[[str], int]:
     return parse
 
 
+def _role_user(text: str) -> tuple[Role, str]:
+    """An argparse type: ``ROLE=NAME``, a role of :class:`Role` but the admin and a non-empty user name."""
+    role, sep, name = text.partition("=")
+    roles = [r.value for r in Role if r is not Role.ADMIN]
+    if not sep or role not in roles or not name.strip() or any(c in name for c in " \t\r\n"):
+        raise argparse.ArgumentTypeError(f"expected ROLE=NAME with ROLE one of {', '.join(roles)}, got {text!r}")
+    return Role(role), name
+
+
 def _seconds(text: str) -> float:
     """An argparse type: a finite number of seconds >= 0."""
     try:
@@ -456,6 +466,8 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--describe", action="store_true", help="only print the ALLOW bindings the broker holds")
     s.add_argument("--prune", action="store_true",
                    help="also remove ALLOW bindings of those users that the table does not have")
+    s.add_argument("--user", type=_role_user, action="append", metavar="ROLE=NAME",
+                   help="the Kafka user of a role (rank, worker, sink, reader) when it is not named as the role")
     s.set_defaults(fn=_cmd_acls)
     s = sub.add_parser("worker", help="run the Faust stream worker in the foreground")
     s.set_defaults(fn=_cmd_worker)

@@ -219,6 +219,13 @@ def test_only_the_admin_manages_acls(secure: Settings, kafka: str, tmp_path: Pat
                            text=True, timeout=120, check=False)
     assert shown.returncode == 0, shown.stderr
     assert {str(a) for a in acl_table(secure)} <= set(shown.stdout.splitlines())
+    # A role whose user has another name: its bindings for that user (the others' exist already).
+    alice = subprocess.run([sys.executable, "-m", "argus.cli", "acls", "--user", "reader=alice"], env=env,
+                           capture_output=True, text=True, timeout=120, check=False)
+    assert alice.returncode == 0, alice.stderr
+    readers = [a for a in acl_table(secure) if a.principal == "reader"]
+    assert alice.stdout.startswith(f"created {len(readers)} ACL binding(s)"), alice.stdout
+    assert f"+ User:alice READ topic {Topic.FINDINGS.full(secure)}\n" in alice.stdout
     # A rank's credentials given explicitly win over the home's admin: refused, one line, exit 1.
     as_rank = {**env, **role_env(secure, Role.RANK)}
     refused = subprocess.run([sys.executable, "-m", "argus.cli", "acls"], env=as_rank, capture_output=True,
