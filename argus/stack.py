@@ -80,6 +80,7 @@ class Stack:
             nodes = len(self.kafka.nodes)
             say(f"kafka: starting {'a cluster of ' + str(nodes) + ' brokers' if nodes > 1 else 'one broker'} "
                 "(first run downloads Apache Kafka from Maven Central)")
+            self._check_same_security()
             if self.settings.kafka_secure:
                 self._check_secure()
                 ensure_passwords(self.settings)
@@ -109,6 +110,18 @@ class Stack:
                     self._stop_supervisor()
                 raise
         return self.status()
+
+    def _check_same_security(self) -> None:
+        """A broker of this home that runs secure (or plain) is not reused by an ``up`` of the other kind: its
+        clients could not talk to it, and ``up`` would wait for a health check that never passes."""
+        running = self.running_kafka()
+        if running is self.kafka or not any(n.pid() is not None for n in running.nodes):
+            return
+        was, now = running.settings.kafka_secure, self.settings.kafka_secure
+        if was != now:
+            how = "argus up --secure" if was else "argus up (without --secure and ARGUS_KAFKA_SECURE)"
+            raise ArgusError(f"this home's Kafka runs {'with' if was else 'without'} --secure: use {how}, or stop it "
+                             "first (argus down)")
 
     def _check_secure(self) -> None:
         """``--secure`` makes its own users: credentials given in the settings would be ignored, so refuse them."""

@@ -267,6 +267,10 @@ def test_argus_up_secure(tmp_path: Path) -> None:
             assert child["ARGUS_KAFKA_SASL_USERNAME"] == user, service
             assert child["ARGUS_KAFKA_SASL_PASSWORD_FILE"] == str(password_path(settings, Role(user)))
             assert "ARGUS_KAFKA_SASL_PASSWORD" not in child
+        # A plain `argus up` does not take the secure broker for its own.
+        plain_up = subprocess.run([sys.executable, "-m", "argus.cli", "up"], env=env, capture_output=True,
+                                  text=True, timeout=120, check=False)
+        assert plain_up.returncode == 1 and "runs with --secure: use argus up --secure" in plain_up.stderr
         sim = argus("simulate", "--job", "secure-job", "--dp", "8", "--tp", "1", "--pp", "1", "--steps", "20",
                     "--fault", "case1")
         assert sim.returncode == 0, sim.stderr
