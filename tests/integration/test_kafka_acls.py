@@ -7,6 +7,8 @@ One broker of its own on free ports, in its own home, set up as ``argus up --sec
 (``TOPIC_AUTHORIZATION_FAILED`` as the delivery error) exactly where the table gives it no WRITE; a reader is
 refused reading an input topic and reads the findings; the real worker process and the sink, each with its own
 user, diagnose a simulated job end to end, whose findings the reader then follows; only the admin manages ACLs.
+Last, ``argus up --secure`` as a user runs it, on a home and broker of its own: each service as its role's user,
+a job simulated as the rank and diagnosed.
 """
 
 from __future__ import annotations
