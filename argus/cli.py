@@ -22,6 +22,7 @@ from argus.core.errors import ArgusError
 from argus.core.extras import Extra, missing_extra, require_extra
 from argus.core.kafka_logs import LIBRDKAFKA_LOGGER, KafkaUnreachableError, require_kafka
 from argus.core.settings import Settings
+from argus.kafka_users import Role, role_settings
 
 __all__ = ["Exit", "main"]
 
@@ -150,6 +151,25 @@ def _cmd_topics(settings: Settings, args: argparse.Namespace) -> int:
 
     created = ensure_topics(settings)
     _out(f"created {len(created)} topic(s): {', '.join(created) or '-'}")
+    return _cmd_acls(settings, args) if args.acls else 0
+
+
+def _cmd_acls(settings: Settings, args: argparse.Namespace) -> int:
+    from argus.kafka_acls import apply_acls, describe_acls
+
+    if getattr(args, "describe", False):
+        acls = describe_acls(settings)
+        for acl in acls:
+            _out(str(acl))
+        if not acls:  # what the broker answers a user without DESCRIBE on the cluster, too
+            _err("argus: the broker shows no ALLOW bindings (to a user that may not describe ACLs it shows none)")
+        return 0
+    users = dict(getattr(args, "user", None) or [])
+    created, extra = apply_acls(settings, users=users, prune=getattr(args, "prune", False))
+    _out(f"created {len(created)} ACL binding(s)" + "".join(f"\n  + {a}" for a in created))
+    if extra:
+        verb = "removed" if getattr(args, "prune", False) else "kept (not in argus's table; --prune removes them)"
+        _out(f"{len(extra)} other ALLOW binding(s) of argus's users {verb}" + "".join(f"\n  - {a}" for a in extra))
     return 0
 
 
@@ -371,6 +391,15 @@ def _bounded_int(least: int, most: int = 1 << 31) -> Callable[[str], int]:
     return parse
 
 
+def _role_user(text: str) -> tuple[Role, str]:
+    """An argparse type: ``ROLE=NAME``, a role of :class:`Role` but the admin and a non-empty user name."""
+    role, sep, name = text.partition("=")
+    roles = [r.value for r in Role if r is not Role.ADMIN]
+    if not sep or role not in roles or not name.strip() or any(c in name for c in " \t\r\n"):
+        raise argparse.ArgumentTypeError(f"expected ROLE=NAME with ROLE one of {', '.join(roles)}, got {text!r}")
+    return Role(role), name
+
+
 def _seconds(text: str) -> float:
     """An argparse type: a finite number of seconds >= 0."""
     try:
@@ -412,6 +441,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true")
     s.add_argument("--brokers", type=_bounded_int(1, 1 << 16), default=None,
                    help="Kafka brokers: 1 (default) or a KRaft cluster of N on loopback (env ARGUS_BROKERS)")
+    s.add_argument("--secure", action="store_true", default=None,
+                   help="SASL/SCRAM users per role (passwords in <home>/secrets/) and Kafka ACLs on the (single) "
+                        "broker; each service runs as its role's user (env ARGUS_KAFKA_SECURE=1)")
     s.set_defaults(fn=_cmd_up)
     s = sub.add_parser("down", help="stop the local stack")
     s.add_argument("--keep-kafka", action="store_true", help="leave the Kafka broker running")
@@ -427,7 +459,16 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true", help="print a JSON array of row objects")
     s.set_defaults(fn=_cmd_sql)
     s = sub.add_parser("topics", help="create the argus topics (idempotent)")
+    s.add_argument("--acls", action="store_true", help="then apply argus's ACLs, as `argus acls` does")
     s.set_defaults(fn=_cmd_topics)
+    s = sub.add_parser("acls", help="grant argus's Kafka users (rank, worker, sink, reader) what each may read and "
+                       "write, and nothing else (idempotent; needs a super user on a broker with an authorizer)")
+    s.add_argument("--describe", action="store_true", help="only print the ALLOW bindings the broker holds")
+    s.add_argument("--prune", action="store_true",
+                   help="also remove ALLOW bindings of those users that the table does not have")
+    s.add_argument("--user", type=_role_user, action="append", metavar="ROLE=NAME",
+                   help="the Kafka user of a role (rank, worker, sink, reader) when it is not named as the role")
+    s.set_defaults(fn=_cmd_acls)
     s = sub.add_parser("worker", help="run the Faust stream worker in the foreground")
     s.set_defaults(fn=_cmd_worker)
     s = sub.add_parser("sink", help="run the ClickHouse sink (and its SQL endpoint) in the foreground")
@@ -543,23 +584,42 @@ def _private_home(home: Path) -> None:
 
 
 #: Commands of the base install (the rank side): everything else needs the ``server`` extra.
-_RANK_SIDE_COMMANDS = frozenset({"stacks", "topics"})
+_RANK_SIDE_COMMANDS = frozenset({"stacks", "topics", "acls"})
 
 
 def _needs_kafka(args: argparse.Namespace) -> bool:
     """Whether the command talks to the brokers (checked first, so an unreachable one is one clear error)."""
-    if args.command in ("topics", "simulate", "replay", "import-kineto", "stacks"):
+    if args.command in ("topics", "acls", "simulate", "replay", "import-kineto", "stacks"):
         return True
     if args.command == "findings":
         return bool(args.follow)
     return args.command == "export-trace" and not args.summaries_only
 
 
+#: The Kafka user each command takes against a secure home (``ARGUS_KAFKA_SECURE=1`` without credentials of its
+#: own): the least its work needs. ``up``, ``status`` and ``down`` manage the stack as its admin themselves.
+_COMMAND_ROLE = {"topics": Role.ADMIN, "acls": Role.ADMIN, "replay": Role.ADMIN, "export-trace": Role.ADMIN,
+                 "simulate": Role.RANK, "import-kineto": Role.RANK, "stacks": Role.RANK, "findings": Role.READER,
+                 "worker": Role.WORKER, "sink": Role.SINK}
+
+
+def _as_role(settings: Settings, command: str) -> Settings:
+    """``settings`` as the user of ``command``'s role on a secure home (unchanged elsewhere).
+
+    Raises:
+        ConfigError: the home has no password for that role (no ``argus up --secure`` yet).
+    """
+    role = _COMMAND_ROLE.get(command)
+    return settings if role is None else role_settings(settings, role)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         # up --brokers N: explicit > ARGUS_BROKERS > 1 (the bootstrap servers and replication follow).
-        settings = Settings.load(log_level=args.log_level, brokers=getattr(args, "brokers", None))
+        settings = Settings.load(log_level=args.log_level, brokers=getattr(args, "brokers", None),
+                                 kafka_secure=getattr(args, "secure", None))
+        settings = _as_role(settings, args.command)
     except ArgusError as exc:
         sys.stderr.write(f"argus: configuration error: {exc}\n")
         return Exit.USAGE

@@ -17,6 +17,12 @@ password is refused with what to do. For PLAIN the user is declared in the liste
 controller listener then takes SASL/PLAIN with a random per-launch secret, so no listener is left open.
 ``server.properties`` holds the credentials and is written 0600. TLS listeners are not offered locally, and a
 local cluster serves PLAINTEXT only.
+
+With ``kafka_secure`` (``argus up --secure``) the single broker is its home's admin (:mod:`argus.kafka_users`):
+SASL/SCRAM-SHA-512 as user ``admin``, password from ``<home>/secrets/``, whatever the ``kafka_sasl_*`` settings
+say, and runs the KRaft ``StandardAuthorizer`` with ``allow.everyone.if.no.acl.found=false`` and the admin and
+the controller listener's user as super users: every other user may do what the ACLs of
+:mod:`argus.kafka_acls` allow, nothing else.
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ from argus.core.errors import KafkaLocalError
 from argus.core.kafka_security import AuthWatch, client_config
 from argus.core.settings import Settings
 from argus.kafka_jars import fetch_jars, pom_path, tail_text
+from argus.kafka_users import Role, admin_settings
 
 __all__ = ["BrokerNode", "LocalKafka", "broker_nodes", "fetch_jars", "is_kafka_process", "pid_alive", "pom_path"]
 
@@ -175,7 +182,8 @@ class LocalKafka:
 
     def __init__(self, settings: Settings, node: BrokerNode | None = None,
                  voters: Sequence[BrokerNode] | None = None) -> None:
-        self.settings = settings
+        # A secure broker (kafka_secure) is its home's admin: formatted with its SCRAM user, probed as it.
+        self.settings = admin_settings(settings) if settings.kafka_secure else settings
         self.voters = tuple(voters) if voters is not None else broker_nodes(settings)
         self.node = node or self.voters[0]
         self.host, self.port, self.controller_port = self.node.host, self.node.port, self.node.controller_port
@@ -335,7 +343,8 @@ class LocalKafka:
         secret = secrets.token_urlsafe(24)
         controller_jaas = ("org.apache.kafka.common.security.plain.PlainLoginModule required "
                            f'username="controller" password="{secret}" user_controller="{secret}";')
-        return {"listeners": f"SASL_PLAINTEXT://{client},{controller}",
+        return {**self._authorizer_props(),
+                "listeners": f"SASL_PLAINTEXT://{client},{controller}",
                 "advertised.listeners": f"SASL_PLAINTEXT://{client}",
                 "inter.broker.listener.name": "SASL_PLAINTEXT",
                 "listener.security.protocol.map": "CONTROLLER:SASL_PLAINTEXT,SASL_PLAINTEXT:SASL_PLAINTEXT",
@@ -345,6 +354,15 @@ class LocalKafka:
                 "sasl.mechanism.controller.protocol": "PLAIN",
                 "listener.name.controller.sasl.enabled.mechanisms": "PLAIN",
                 "listener.name.controller.plain.sasl.jaas.config": controller_jaas}
+
+    def _authorizer_props(self) -> dict[str, str]:
+        """With ``kafka_secure``: the KRaft authorizer, denying whatever no ACL allows (:mod:`argus.kafka_acls`);
+        the admin (the broker's own principal) and the controller listener's user are super users."""
+        if not self.settings.kafka_secure:
+            return {}
+        return {"authorizer.class.name": "org.apache.kafka.metadata.authorizer.StandardAuthorizer",
+                "super.users": f"User:{Role.ADMIN.value};User:controller",
+                "allow.everyone.if.no.acl.found": "false"}
 
     def _scram_marker(self, salt: bytes, salted: bytes) -> dict[str, Any]:
         return {"mechanism": self.settings.kafka_sasl_mechanism, "user": self.settings.kafka_sasl_username,

@@ -5,10 +5,12 @@ foreground (the first run fetches its jars and formats its storage, with progres
 starts the stack's supervisor (:mod:`argus.supervisor`): a background process, in a session of its own, that
 runs the worker, the sink and the query service as its children and restarts any of them, and each broker, when
 they exit. ``up`` is idempotent (a running supervisor and healthy services are reused; there is never a second
-supervisor per home) and waits until everything is healthy. ``down`` stops the supervisor, which stops the sink
-and then the worker, then the brokers. Logs and pid files are under ``<home>/run``; the sink owns the embedded
-chDB directory, and the query service answers SQL for other processes over ClickHouse's HTTP interface (see
-:mod:`argus.sinks.query_service`).
+supervisor per home) and waits until everything is healthy. With ``kafka_secure`` (``argus up --secure``) the
+broker takes SASL/SCRAM users per role and ACLs (:mod:`argus.kafka_users`, :mod:`argus.kafka_acls`): ``up``
+creates the users and applies the ACLs as the admin, and the supervisor starts each service as its role's user.
+``down`` stops the supervisor, which stops the sink and then the worker, then the brokers. Logs and pid files
+are under ``<home>/run``; the sink owns the embedded chDB directory, and the query service answers SQL for other
+processes over ClickHouse's HTTP interface (see :mod:`argus.sinks.query_service`).
 """
 
 from __future__ import annotations
@@ -30,7 +32,9 @@ from typing import Any
 
 from argus.core.errors import ArgusError
 from argus.core.settings import Settings
+from argus.kafka_acls import secure_local_kafka
 from argus.kafka_cluster import KafkaCluster, stop_local_brokers
+from argus.kafka_users import ensure_passwords, secrets_dir
 from argus.local_kafka import pid_alive
 from argus.sinks.query_server import endpoint_healthy, rotate_token
 from argus.supervisor import (
@@ -76,12 +80,19 @@ class Stack:
             nodes = len(self.kafka.nodes)
             say(f"kafka: starting {'a cluster of ' + str(nodes) + ' brokers' if nodes > 1 else 'one broker'} "
                 "(first run downloads Apache Kafka from Maven Central)")
+            self._check_same_security()
+            if self.settings.kafka_secure:
+                self._check_secure()
+                ensure_passwords(self.settings)
             self.kafka.start(timeout_s=timeout_s)
             self._record_kafka()
-            created = ensure_topics(self.settings)
+            admin = self.kafka.nodes[0].settings  # the settings' own credentials, or the secure home's admin
+            created = ensure_topics(admin)
             say(f"kafka: healthy on {self.settings.bootstrap_servers}; topics created: {len(created)} "
                 f"(replication factor {self.settings.replication_factor}, "
                 f"min.insync.replicas {self.settings.min_insync_replicas})")
+            if self.settings.kafka_secure:
+                say(self._secure_kafka(admin))
             running = supervisor_pid(self.run_dir)
             spawned = running is None
             if running is None:
@@ -99,6 +110,31 @@ class Stack:
                     self._stop_supervisor()
                 raise
         return self.status()
+
+    def _check_same_security(self) -> None:
+        """A broker of this home that runs secure (or plain) is not reused by an ``up`` of the other kind: its
+        clients could not talk to it, and ``up`` would wait for a health check that never passes."""
+        running = self.running_kafka()
+        if running is self.kafka or not any(n.pid() is not None for n in running.nodes):
+            return
+        was, now = running.settings.kafka_secure, self.settings.kafka_secure
+        if was != now:
+            how = "argus up --secure" if was else "argus up (without --secure and ARGUS_KAFKA_SECURE)"
+            raise ArgusError(f"this home's Kafka runs {'with' if was else 'without'} --secure: use {how}, or stop it "
+                             "first (argus down)")
+
+    def _check_secure(self) -> None:
+        """``--secure`` makes its own users: credentials given in the settings would be ignored, so refuse them."""
+        if self.settings.kafka_security_protocol != "PLAINTEXT":
+            raise ArgusError("argus up --secure (ARGUS_KAFKA_SECURE=1) runs the local broker with its own users "
+                             f"(passwords in {secrets_dir(self.settings)}); unset ARGUS_KAFKA_SECURITY_PROTOCOL and "
+                             "the ARGUS_KAFKA_SASL_* settings")
+
+    def _secure_kafka(self, admin: Settings) -> str:
+        """Give every role its SCRAM user (the password of its file) and make the broker's ACLs the table's."""
+        users, created, extra = secure_local_kafka(admin, self.settings)
+        return (f"kafka: SASL/SCRAM users {', '.join(users)} (passwords in {secrets_dir(self.settings)}); ACL "
+                f"bindings created: {len(created)}, removed: {len(extra)}")
 
     def _wait_healthy(self, sup_pid: int, say: Callable[[str], None], timeout_s: float) -> None:
         for service in Service:
@@ -145,7 +181,7 @@ class Stack:
     def _record_kafka(self) -> None:
         s = self.settings
         doc = {"brokers": s.brokers, "bootstrap_servers": s.bootstrap_servers,
-               "replication_factor": s.replication_factor}
+               "replication_factor": s.replication_factor, "secure": s.kafka_secure}
         tmp = self.kafka_record.with_suffix(".tmp")
         tmp.write_text(json.dumps(doc) + "\n")
         os.replace(tmp, self.kafka_record)
@@ -155,11 +191,13 @@ class Stack:
         ``argus up --brokers 3``, a plain ``argus status`` shows the three brokers."""
         try:
             doc = json.loads(self.kafka_record.read_text())
-            if doc["brokers"] == self.settings.brokers:
+            secure = bool(doc.get("secure", False))
+            if doc["brokers"] == self.settings.brokers and secure == self.settings.kafka_secure:
                 return self.kafka
             return KafkaCluster(self.settings.replace(brokers=int(doc["brokers"]),
                                                       bootstrap_servers=str(doc["bootstrap_servers"]),
-                                                      replication_factor=int(doc["replication_factor"])))
+                                                      replication_factor=int(doc["replication_factor"]),
+                                                      kafka_secure=secure))
         except (OSError, ValueError, KeyError, TypeError, ArgusError):
             return self.kafka
 

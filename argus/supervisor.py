@@ -7,7 +7,9 @@ whichever exits, for whatever reason (a crash, ``kill -9``, the OOM killer), aft
 each crash in a row (``ARGUS_SUPERVISOR_BACKOFF_S`` up to ``ARGUS_SUPERVISOR_BACKOFF_MAX_S``). The broker this
 home started (each node of a cluster, ``ARGUS_BROKERS`` > 1, on its own: ``kafka-1`` .. ``kafka-N``) is watched
 through its pid file and relaunched the same way; a broker that someone else runs on the port is left alone.
-What it did is in ``<home>/run/supervisor.json`` (per process: pid, state, restarts, last exit, up since),
+On a secure stack (``ARGUS_KAFKA_SECURE=1``) each service runs as its
+role's Kafka user (:data:`ROLE_OF`, :func:`argus.kafka_users.role_env`). What it did is in
+``<home>/run/supervisor.json`` (per process: pid, state, restarts, last exit, up since),
 which ``argus status`` shows. A worker or sink that runs but stops answering its health check
 (``/health``) for ``ARGUS_SUPERVISOR_HANG_S`` (after it answered once) is hung: it is killed and restarted like
 a crashed one (counted in ``hang_kills``).
@@ -41,9 +43,11 @@ from typing import Any
 from argus.core.errors import ArgusError
 from argus.core.settings import Settings
 from argus.kafka_cluster import KafkaCluster
+from argus.kafka_users import Role, role_env
 from argus.local_kafka import LocalKafka, pid_alive
 
 __all__ = [
+    "ROLE_OF",
     "STATE_FILE",
     "SUPERVISOR_MODULE",
     "Service",
@@ -88,6 +92,11 @@ class Service(enum.Enum):
     SINK = "sink"
     #: Serves SQL (ClickHouse's HTTP interface) apart from the sink, so no query slows ingestion.
     QUERY_SERVICE = "query-service"
+
+
+#: The Kafka user each service runs as on a secure stack (``argus up --secure``); the query service touches no
+#: topic and gets the reader's, the least there is.
+ROLE_OF = {Service.WORKER: Role.WORKER, Service.SINK: Role.SINK, Service.QUERY_SERVICE: Role.READER}
 
 
 @dataclass
@@ -352,8 +361,13 @@ class Supervisor:
         state.next_start = time.time() + state.backoff_s
         log.warning("%s: exited (%s); restarting in %.1f s", name, state.last_exit, state.backoff_s)
 
+    def child_env(self, service: Service) -> dict[str, str]:
+        """The environment of ``service``: the settings (credentials as files), and on a secure stack its role's
+        Kafka user and password file (:data:`ROLE_OF`)."""
+        return {**self.settings.child_env(), **role_env(self.settings, ROLE_OF[service])}
+
     def _spawn(self, service: Service) -> subprocess.Popen[bytes]:
-        env = self.settings.child_env()
+        env = self.child_env(service)
         with open(self.run_dir / f"{service.value}.log", "ab") as logf:
             cmd = [sys.executable, "-m", SUPERVISOR_MODULE, "--child", service.value, "--parent", str(os.getpid())]
             proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT, env=env,

@@ -194,6 +194,11 @@ class Settings:
     kafka_ssl_cert_file: str = ""
     #: PEM private key of ``kafka_ssl_cert_file`` (unencrypted; keep it 0600).
     kafka_ssl_key_file: str = ""
+    #: ``argus up --secure``: the local broker takes SASL/SCRAM (``SASL_PLAINTEXT``) with one user per role
+    #: (admin, rank, worker, sink, reader; passwords generated into ``<home>/secrets/``) and Kafka ACLs (see
+    #: ``argus.kafka_acls``); each process of the stack runs as its role's user, and commands run against this
+    #: home take the user their work needs. Needs one broker (``brokers`` = 1). Default off.
+    kafka_secure: bool = False
     #: ClickHouse DSN: ``chdb://<dir>`` (embedded; empty dir = ``<home>/chdb``) or ``http(s)://host:port``.
     clickhouse_dsn: str = "chdb://"
     #: ClickHouse database holding argus tables.
@@ -424,6 +429,9 @@ class Settings:
         if listed != self.brokers:
             raise ConfigError(f"bootstrap_servers must list the {self.brokers} local brokers (or one host:port, "
                               f"expanded to ports P, P+2, ...), got {listed}: {self.bootstrap_servers!r}")
+        if self.kafka_secure:
+            raise ConfigError(f"kafka_secure (argus up --secure) needs one broker, got brokers={self.brokers}: the "
+                              "local cluster serves PLAINTEXT only (its nodes' controller listeners take no SASL)")
         if self.replication_factor > self.brokers:
             raise ConfigError(f"replication_factor {self.replication_factor} exceeds the {self.brokers} brokers")
 

@@ -14,7 +14,10 @@ each piece runs as a local process:
   listeners are SASL_SSL); the host ``kafka`` and the all-interfaces bind become 127.0.0.1;
   ``ARGUS_KAFKA_EXTERNAL_HOST`` is ``localhost``, so a rank reaches the external listener by a DNS name of
   the certificate; ``log.dirs`` is a temporary directory. Everything else (TLS, SASL/PLAIN, the
-  FileConfigProvider references, the PEM key store) is the file's.
+  FileConfigProvider references, the PEM key store, the authorizer and its super users) is the file's.
+* **ACLs.** The ``topics`` service (``argus topics --acls``, as user admin) grants each user its bindings; the
+  worker, the sink and the cli then run as their own users (worker, sink, reader), and a rank is refused
+  producing to the findings and summaries topics.
 * **argus services.** ``ARGUS_BOOTSTRAP_SERVERS=kafka:9092`` becomes the INTERNAL port;
   ``ARGUS_CLICKHOUSE_DSN=http://clickhouse:8123`` becomes an embedded chDB (no ClickHouse server here; the
   sink owns it and serves its SQL, so every service shares one ``ARGUS_HOME`` for the sink's query token);
@@ -53,6 +56,7 @@ from argus.core.settings import Settings
 from argus.local_kafka import fetch_jars
 from argus.producers.publisher import Publisher
 from argus.producers.simulator import JobSimulator, JobSpec
+from argus.topics import Topic
 from load_tests.detection_eval import free_port
 from tests.compose_config import ROOT, compose, interpolate, kafka_properties, secret_files
 from tests.dashboards import exported_names, metric_names
@@ -256,6 +260,21 @@ def _rank_settings(stack: ComposeStack, password: str | None = None) -> Settings
         "ARGUS_HOME": str(stack.tmp / "rank-home")})
 
 
+def _rank_produce(stack: ComposeStack, topic: Topic) -> str | None:
+    """One message to ``topic`` as user rank through the external listener: its delivery error's name, or None."""
+    from confluent_kafka import Producer
+
+    from argus.core.kafka_security import producer_config
+
+    settings = _rank_settings(stack)
+    errors: list[str | None] = []
+    producer = Producer(producer_config(settings.kafka, {"message.timeout.ms": 20000}))
+    producer.produce(topic.full(settings), b"forged", b"job",
+                     on_delivery=lambda err, _msg: errors.append(None if err is None else err.name()))
+    assert producer.flush(40) == 0
+    return errors[0]
+
+
 def test_kafka_listeners_take_sasl_ssl_only(stack: ComposeStack) -> None:
     from confluent_kafka.admin import AdminClient
 
@@ -277,8 +296,14 @@ def test_kafka_listeners_take_sasl_ssl_only(stack: ComposeStack) -> None:
 
 
 def test_every_argus_command_runs_with_its_compose_environment(stack: ComposeStack) -> None:
-    topics = stack.run("topics")
+    from argus.kafka_acls import acl_table
+
+    topics = stack.run("topics")  # topics, then the ACLs, as the admin
     assert topics.returncode == 0, topics.stderr[-3000:]
+    table = acl_table(Settings.load(env={}))
+    assert f"created {len(table)} ACL binding(s)" in topics.stdout, topics.stdout
+    again = stack.run("topics")  # idempotent, as a restarted one-shot runs it
+    assert again.returncode == 0 and "created 0 ACL binding(s)" in again.stdout, again.stdout + again.stderr
 
     worker, sink = stack.start("worker"), stack.start("sink")
     stack.healthy("worker", worker)
@@ -291,6 +316,9 @@ def test_every_argus_command_runs_with_its_compose_environment(stack: ComposeSta
         for rec in records:
             assert pub.publish(rec.topic, rec.key, rec.record)
         assert pub.flush(60) == 0
+    # ... and the rank may write the inputs only: a forged finding is refused by the broker.
+    assert _rank_produce(stack, Topic.FINDINGS) == "TOPIC_AUTHORIZATION_FAILED"
+    assert _rank_produce(stack, Topic.SUMMARIES) == "TOPIC_AUTHORIZATION_FAILED"
 
     # The cli service: its own command, then a query as `docker compose run --rm cli sql ... --json` runs it.
     deadline, rows = time.monotonic() + 180, 0

@@ -201,13 +201,26 @@ def test_kafka_listeners_are_sasl_ssl() -> None:
     for key in ("ssl.key.password", "listener.name.internal.plain.sasl.jaas.config",
                 "listener.name.external.plain.sasl.jaas.config"):
         assert re.fullmatch(r"\$\{file:/run/secrets/kafka_broker_config:\w+\}", props[key]), (key, props[key])
-    # The argus services connect the same way, with their own user.
-    env = _compose()["x-argus-env"]
-    assert env["ARGUS_BOOTSTRAP_SERVERS"] == "kafka:9092"
-    assert (env["ARGUS_KAFKA_SECURITY_PROTOCOL"], env["ARGUS_KAFKA_SASL_MECHANISM"]) == ("SASL_SSL", "PLAIN")
-    assert env["ARGUS_KAFKA_SASL_PASSWORD_FILE"].startswith("/run/secrets/")
-    assert env["ARGUS_KAFKA_SSL_CA_FILE"].startswith("/run/secrets/")
-    assert "ARGUS_KAFKA_SASL_PASSWORD" not in env
+    # ACLs: nothing is allowed that no binding grants; the admin and the loopback controller's ANONYMOUS are
+    # the super users.
+    assert props["authorizer.class.name"] == "org.apache.kafka.metadata.authorizer.StandardAuthorizer"
+    assert props["allow.everyone.if.no.acl.found"] == "false"
+    assert props["super.users"] == "User:admin;User:ANONYMOUS"
+    # The argus services connect the same way, each with a user of its own and its own password file.
+    users = {"topics": "admin", "worker": "worker", "sink": "sink", "query": "reader", "cli": "reader"}
+    for name, user in users.items():
+        svc = _compose()["services"][name]
+        env = svc["environment"]
+        assert env["ARGUS_BOOTSTRAP_SERVERS"] == "kafka:9092"
+        assert (env["ARGUS_KAFKA_SECURITY_PROTOCOL"], env["ARGUS_KAFKA_SASL_MECHANISM"]) == ("SASL_SSL", "PLAIN")
+        assert env["ARGUS_KAFKA_SASL_USERNAME"] == user, name
+        assert env["ARGUS_KAFKA_SASL_PASSWORD_FILE"] == f"/run/secrets/kafka_{user}_password", name
+        assert env["ARGUS_KAFKA_SSL_CA_FILE"].startswith("/run/secrets/")
+        assert "ARGUS_KAFKA_SASL_PASSWORD" not in env
+        # A service mounts its own Kafka password only.
+        assert [x for x in svc["secrets"] if x.startswith("kafka_") and x.endswith("_password")] == [
+            f"kafka_{user}_password"], name
+    assert _compose()["services"]["topics"]["command"] == ["topics", "--acls"]
 
 
 def test_one_variable_names_the_external_listener() -> None:
@@ -228,7 +241,8 @@ def test_secrets_come_from_files_generated_outside_git() -> None:
     doc = _compose()
     files = secret_files(doc)
     assert all(f.startswith("./deploy/secrets/") for f in files.values()), files
-    ignored = subprocess.run(["git", "check-ignore", "-q", "deploy/secrets/kafka_password"], cwd=ROOT, check=False)
+    ignored = subprocess.run(["git", "check-ignore", "-q", "deploy/secrets/kafka_rank_password"], cwd=ROOT,
+                             check=False)
     assert ignored.returncode == 0, "deploy/secrets/ must be listed in .gitignore"
     # Every /run/secrets/<name> a service reads is a secret it lists, defined at the top level.
     for name, svc in doc["services"].items():
@@ -260,10 +274,14 @@ def test_make_secrets_writes_every_compose_secret(tmp_path: Path) -> None:
     assert names <= {p.name for p in out.iterdir()}
     assert stat.S_IMODE(out.stat().st_mode) == 0o700
     assert stat.S_IMODE((out / "kafka_ca_key").stat().st_mode) == 0o600  # mounted nowhere
-    passwords = [(out / n).read_text().strip() for n in ("kafka_password", "kafka_rank_password",
+    kafka_users = ("admin", "worker", "sink", "reader", "rank")
+    passwords = [(out / n).read_text().strip() for n in (*(f"kafka_{u}_password" for u in kafka_users),
                                                          "clickhouse_password", "query_password",
                                                          "grafana_admin_password")]
     assert len(set(passwords)) == len(passwords) and all(re.fullmatch(r"[0-9a-f]{48}", p) for p in passwords)
+    # The broker's PLAIN users are exactly those, each with the password of its file.
+    jaas = next(line for line in (out / "kafka_broker_config").read_text().splitlines() if line.startswith("jaas="))
+    assert dict(re.findall(r'user_(\w+)="([0-9a-f]+)"', jaas)) == dict(zip(kafka_users, passwords, strict=False))
     text = subprocess.run(["openssl", "x509", "-noout", "-ext", "subjectAltName", "-in", str(out / "kafka_keystore")],
                           capture_output=True, text=True, check=True).stdout
     assert {"DNS:kafka", "DNS:localhost", "DNS:ranks.example.org"} <= set(re.findall(r"DNS:[\w.-]+", text))
