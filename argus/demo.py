@@ -10,6 +10,7 @@ from typing import Any
 
 from argus.core.errors import ArgusError
 from argus.core.settings import Settings
+from argus.kafka_users import Role, role_settings
 from argus.producers.faults import Fault, FaultSpec
 from argus.producers.publisher import Publisher
 from argus.producers.seed_cases import SEED_CASES, seed_case
@@ -81,7 +82,8 @@ def _publish(settings: Settings, spec: JobSpec, progress: Progress,
         elif done % 10 == 0 or done == total:
             progress(f"simulated step {done}/{total}")
 
-    with Publisher(settings, lossless=True) as pub:
+    # On a secure home (argus up --secure) the job is published as the ranks' user, as a real job would be.
+    with Publisher(role_settings(settings, Role.RANK), lossless=True) as pub:
         # A hang's heartbeats go out at the pace of their event time, as a live job's would.
         live = (spec.fault is not None and spec.fault.liveness) or spec.pause_ns > 0
         stats = sim.run(pub, progress=stepped, realtime_heartbeats=live)
