@@ -244,5 +244,8 @@ def test_up_brokers_option_over_the_environment(monkeypatch: pytest.MonkeyPatch,
     assert main(["up"]) == 0
     assert [(s.brokers, s.replication_factor, len(s.bootstrap_servers.split(","))) for s in seen] == [
         (3, 3, 3), (2, 2, 2)]
-    assert main(["up", "--brokers", "0"]) == 2
+    with pytest.raises(SystemExit) as exc:  # not a count at all: argparse's usage error
+        main(["up", "--brokers", "0"])
+    assert exc.value.code == 2 and "must be in 1..65536, got 0" in capsys.readouterr().err
+    assert main(["up", "--brokers", "12"]) == 2  # more than a local cluster runs: the settings' check
     assert "brokers must be in 1..9" in capsys.readouterr().err
