@@ -15,6 +15,7 @@ import pytest
 
 from argus.cli import Exit, _needs_kafka, _parser, main
 from argus.core.kafka_logs import RepeatFilter
+from argus.core.settings import Settings
 from argus.core.settings_doc import field_docs, settings_markdown
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -140,3 +141,19 @@ def test_the_embedded_store_and_home_are_private(tmp_path: Path) -> None:
     opened = [f"{p.relative_to(tmp_path)} {oct(p.stat().st_mode & 0o777)}" for p in paths
               if not p.is_symlink() and p.stat().st_mode & 0o077]
     assert opened == []
+
+
+def test_the_demo_quotes_the_job_id_in_its_sql(monkeypatch: pytest.MonkeyPatch) -> None:
+    """argus/demo.py built its SQL with the job id unquoted: a quote in the id changed the statement."""
+    import argus.demo
+    from argus.sinks.clickhouse import QueryResult
+
+    seen: list[str] = []
+
+    def query(settings: object, sql: str) -> QueryResult:
+        seen.append(sql)
+        return QueryResult(("a", "b", "c", "d"), [(1, 0, 1, 1)])
+
+    monkeypatch.setattr(argus.demo, "run_query", query)
+    argus.demo.wait_processed(Settings.load(env={}), "x' OR '1'='1", 1, 1, timeout_s=5)
+    assert seen and "'x\\' OR \\'1\\'=\\'1'" in seen[0] and "= 'x' OR" not in seen[0], seen[0]
