@@ -25,9 +25,10 @@ Collective kernels (name containing a ``collective_markers`` entry, by default `
 and ``ncclDevKernel_*``) are compared across the job and read with the topology, because a collective
 ends together for all members of its group and so includes waiting for the last to arrive:
 
-* every member of a group long (none 2x shorter): the group's link is degraded,
-  :attr:`FindingKind.LINK_DEGRADED` with ``ranks`` = the group; evidence ``w1_inter_over_intra_ratio`` (W1
-  between the group's and the healthy ranks' median CDFs over the mean W1 of ranks to their side's);
+* a group whose fastest member (its transfer) is slow against the other groups of its kind: the group's
+  link is degraded, :attr:`FindingKind.LINK_DEGRADED` with ``ranks`` = the group (the link rule,
+  :func:`~argus.detectors.links.detect_links`, with its :class:`~argus.detectors.links.LinkParams` in
+  ``L3Params.links`` and its evidence a :class:`~argus.detectors.links.LinkEvidence`);
 * a member whose typical call (the median call, at its cluster's median) is 2x shorter than the median of
   its group peers' arrived late: its peers' long collectives are
   explained, never flagged; ``short_ratio`` (5x) shorter names it (:attr:`FindingKind.COMPUTE_STRAGGLER_BY_
@@ -65,6 +66,7 @@ import numpy.typing as npt
 from argus.core.errors import DetectorError
 from argus.core.kinds import FindingKind
 from argus.detectors.cdf_grid import median_sample, sample_reference, score_against
+from argus.detectors.collective_groups import collective_groups, collective_kinds, is_p2p
 from argus.detectors.kernel_modes import ReferenceModes, reference_modes
 from argus.detectors.kernel_rows import SummaryColumns, lower_part_floors, merge_rows, one_key, row_floors, window_end
 from argus.detectors.l2_groups import loo_median
@@ -74,7 +76,6 @@ from argus.detectors.link_stats import late_candidates as _late_candidates
 from argus.detectors.links import (
     CORROBORATES_ONLY,
     PIPELINE_SIDE,
-    Group,
     GroupKind,
     LinkParams,
     PseudoGroup,
@@ -88,8 +89,6 @@ __all__ = ["CORROBORATES_ONLY", "PIPELINE_SIDE", "L3Params", "L3Result", "RankSc
 
 F64 = npt.NDArray[np.float64]
 I64 = npt.NDArray[np.int64]
-#: The kinds a collective is read in: reductions in DP and TP groups, send/receive in EP and PP groups.
-_GROUP_KINDS = (ParallelGroup.DP, ParallelGroup.TP, ParallelGroup.EP, ParallelGroup.PP)
 #: The u grid (share of a rank's calls) on which quantile functions are compared for an unseparated mode.
 _SCAN_STEP = 0.05
 _SCAN_U = np.arange(0.1, 0.9 + 1e-9, _SCAN_STEP)
@@ -294,8 +293,8 @@ def detect_l3(summaries: Sequence[KernelSummary], topology: JobTopology | None =
     # the topology has): read in every grouping, a handful of calls per member is too little to tell waiting
     # from a slow group.
     named = group_kind is not None and group_kind is not ParallelGroup.NONE
-    one_grouping = named or (collective and topology is not None and not _is_p2p(first.kernel)
-                             and _collective_kinds(topology) == 1)
+    one_grouping = named or (collective and topology is not None and not is_p2p(first.kernel)
+                             and collective_kinds(topology) == 1)
     cols = SummaryColumns(summaries)  # each column read once, for every check below
     ranks, batch, total = merge_rows(cols, p.collective_min_events if collective and one_grouping
                                      else p.min_events)
@@ -481,79 +480,6 @@ def cluster_median_quantile(batch: MixtureBatch, q: float) -> F64:
     return out
 
 
-def _is_p2p(kernel: str) -> bool:
-    """Point-to-point kernels (NCCL's ``SendRecv``, ``Send``, ``Recv``): pipeline transfers, or an all-to-all
-    (NCCL runs it as grouped send/receive)."""
-    low = kernel.lower()
-    return "send" in low or "recv" in low
-
-
-def _groups(topology: JobTopology | None, ranks: I64, p2p: bool,
-            only: ParallelGroup | None = None) -> list[Group]:
-    """(kind, index, rows) of every group whose members are all present (2+), largest first; the job without
-    topology.
-
-    Point-to-point kernels run in pipeline groups, as adjacent-stage pairs (a send/receive joins two stages),
-    and in expert groups (all-to-all); collectives in DP, TP and EP groups."""
-    if topology is None:
-        return [(PseudoGroup.JOB, 0, np.arange(ranks.size))]
-    at = rank_positions(topology, ranks)
-    # NCCL runs an all-to-all as grouped sends and receives, so expert groups show in point-to-point kernels
-    # only; the reductions and gathers run in data- and tensor-parallel groups.
-    if only is not None and only is not ParallelGroup.NONE:
-        kinds: tuple[ParallelGroup, ...] = (only,)
-    elif p2p and _one_side(topology, at):
-        kinds = (_GROUP_KINDS[3],)
-    else:
-        kinds = (_GROUP_KINDS[3], _GROUP_KINDS[2]) if p2p else _GROUP_KINDS[:2]
-    out: list[Group] = []
-    for kind in kinds:
-        column = topology.array(kind.column)
-        full = dict(zip(*np.unique(column, return_counts=True), strict=True))
-        uniq, inv, counts = np.unique(column[at], return_inverse=True, return_counts=True)
-        members = np.split(np.argsort(inv, kind="stable"), np.cumsum(counts)[:-1])
-        # Only groups with every member present: in a window cut between the members' arrivals, a group
-        # missing its late member would look uniformly slow (a false link) or name a waiting member late.
-        whole = [(int(g), rows) for g, rows in zip(uniq.tolist(), members, strict=True)
-                 if rows.size >= 2 and rows.size == full[g]]
-        if kind is ParallelGroup.PP:
-            stage = topology.array("pp_stage")[at]
-            for g, rows in whole:
-                chain = rows[np.argsort(stage[rows], kind="stable")]
-                out += [(kind, g * 65536 + i, chain[i:i + 2]) for i in range(chain.size - 1)]
-            if p2p and not whole:
-                out += _pipeline_sides(column[at], stage)
-        else:
-            out += [(kind, g, rows) for g, rows in whole]
-    out.sort(key=lambda t: -t[2].size)
-    return out
-
-
-def _collective_kinds(topology: JobTopology) -> int:
-    """How many of the kinds a collective (no send/receive) runs in -- DP and TP -- have groups of 2 or more
-    ranks in ``topology``: with one, a collective's grouping is not a guess among several."""
-    return sum(int(np.unique(topology.array(kind.column), return_counts=True)[1].max(initial=0) >= 2)
-               for kind in _GROUP_KINDS[:2])
-
-
-def _one_side(topology: JobTopology, at: I64) -> bool:
-    """Whether point-to-point calls on the ranks at positions ``at`` of ``topology`` are pipeline transfers
-    seen one side per stream: they run on some pipeline stages but not all (the sends to the next stage
-    skip the last, the receives from the previous one skip the first). An all-to-all runs in every stage
-    with expert layers, so such a stream is no expert group's: read as one, the stage that waits longest
-    for its neighbour (the first, in a pipeline's warm-up) would look like a slow expert group."""
-    stages = topology.array("pp_stage")
-    return bool(np.unique(stages).size > np.unique(stages[at]).size)
-
-
-def _pipeline_sides(pp_group: I64, stage: I64) -> list[Group]:
-    """Each rank on its own, as one side of its pipeline transfers: a stream that carries one side only (the
-    sends to the next stage and the receives from it are on one communicator's stream, the other stage's
-    on another) has no whole pair. Index: ``pp_group * 65536 + stage``."""
-    return [(PseudoGroup.PP_SIDE, int(pp_group[i]) * 65536 + int(stage[i]), np.array([i], dtype=np.int64))
-            for i in range(pp_group.size)]
-
-
 def _collective(cols: SummaryColumns, ranks: I64, batch: MixtureBatch, total: F64,
                 topology: JobTopology | None, p: L3Params, base: dict[str, Any],
                 group_kind: ParallelGroup | None = None) -> list[L3Result]:
@@ -563,9 +489,9 @@ def _collective(cols: SummaryColumns, ranks: I64, batch: MixtureBatch, total: F6
     # A late arrival is judged by each member's typical call (the median call, at its cluster's median): a
     # waiting member's calls spread over several modes, the most populous of which may be its few fast ones.
     p50 = cluster_median_quantile(batch, 0.5)
-    p2p = _is_p2p(s.kernel) or group_kind is ParallelGroup.PP
-    groups = _groups(topology, ranks, p2p, group_kind)
-    every_group = groups if group_kind is None else _groups(topology, ranks, p2p)
+    p2p = is_p2p(s.kernel) or group_kind is ParallelGroup.PP
+    groups = collective_groups(topology, ranks, p2p, group_kind)
+    every_group = groups if group_kind is None else collective_groups(topology, ranks, p2p)
     explained = np.zeros(ranks.size, dtype=bool)
     results: list[L3Result] = []
     if topology is not None:

@@ -8,9 +8,11 @@ that untouched -- waiting is never a link -- while a degraded link slows it on e
 carry a :class:`LinkEvidence` each, the thresholds are :class:`LinkParams`.
 
 One collective of a grouping guessed from durations can mislead (ranks of one position waiting in a
-collective of another kind look like a slow group of their own), so :class:`LinkLedger` holds a job's link
-findings back until a group's evidence holds in two collectives, in a named group, or strongly; a pipeline
-link seen one side per stream (:attr:`PseudoGroup.PP_SIDE`) is named once both of its sides are slow.
+collective of another kind look like a slow group of their own), so the job's
+:class:`~argus.detectors.link_ledger.LinkLedger` holds link findings back until a group's evidence holds in
+two collectives, in a named group, or strongly; a pipeline link seen one side per stream
+(:attr:`PseudoGroup.PP_SIDE`) is named once both of its sides are slow. Group statistics the rule reads are
+:mod:`argus.detectors.link_stats`.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ class PseudoGroup(enum.Enum):
     (:class:`~argus.schemas.records.ParallelGroup`); values as written in a finding's evidence."""
 
     #: One rank's side of its pipeline transfers (a stream that carries one side only): evidence to pair with
-    #: the adjacent stage's side (see :class:`LinkLedger`), not a finding on its own.
+    #: the adjacent stage's side (see :class:`~argus.detectors.link_ledger.LinkLedger`), not a finding on its own.
     PP_SIDE = "PP_SIDE"
     #: Every rank of a job without topology.
     JOB = "JOB"
@@ -78,7 +80,8 @@ def group_kind(value: str) -> GroupKind:
 
 @dataclass(frozen=True)
 class LinkParams:
-    """Thresholds of the link rule (:func:`detect_links`) and of :class:`LinkLedger` (defaults in brackets).
+    """Thresholds of the link rule (:func:`detect_links`) and of the job's
+    :class:`~argus.detectors.link_ledger.LinkLedger` (defaults in brackets).
 
     Ratios are of transfer times (a group's fastest member's, read at a mode's middle or low in it) over the
     healthy groups' (the faster half of the groups compared); ``z`` values are robust z-scores of log times.
@@ -196,7 +199,7 @@ class LinkEvidence:
 
 
 def corroborates_only(finding: Finding) -> bool:
-    """Whether ``finding`` is evidence for :class:`LinkLedger` only, never to be published."""
+    """Whether ``finding`` is evidence for the job's link ledger only, never to be published."""
     return CORROBORATES_ONLY in finding.evidence_json and bool(finding.evidence.get(CORROBORATES_ONLY))
 
 
