@@ -103,8 +103,8 @@ class LinkLedger:
                 continue
             self._named.add(ranks)
             top = max((x for x in (f, g) if not corroborates_only(x)), key=lambda x: x.impact_ns)
-            out.append(_pipeline_pair(top, pipe, ranks, {str(x.ranks[0]): x.evidence.get("transfer_ratio")
-                                                         for x in (f, g)}))
+            ratios = {str(x.ranks[0]): LinkEvidence.from_dict(x.evidence).transfer_ratio for x in (f, g)}
+            out.append(_pipeline_pair(top, pipe, ranks, ratios))
         return out
 
     def _strong(self, ev: LinkEvidence) -> bool:
@@ -124,7 +124,7 @@ class LinkLedger:
 
 
 def _pipeline_pair(top: Finding, pipe: int, ranks: tuple[int, ...],
-                   side_ratios: dict[str, float | None]) -> Finding:
+                   side_ratios: dict[str, float]) -> Finding:
     """The finding of pipeline ``pipe``'s link between the ranks of two sides, from ``top`` (the side with the
     larger impact): its evidence a whole PP group's, with each side's transfer ratio."""
     ev = top.evidence

@@ -158,7 +158,7 @@ class LinkEvidence:
     collective: bool = True
     pp_group: int | None = None
     pp_stage: int | None = None
-    side_transfer_ratio: dict[str, float | None] | None = None
+    side_transfer_ratio: dict[str, float] | None = None
     corroborates_only: bool = False
 
     def as_dict(self) -> dict[str, Any]:
@@ -287,8 +287,7 @@ def detect_links(ranks: I64, batch: MixtureBatch, sc: RankScores, groups: list[G
     of_kind, slow_stages = _tally(judged)
     out: list[DegradedLink] = []
     for role in judged:
-        n = role.lg.shape[0]
-        if 2 * int(role.hit.any(axis=1).sum()) > n:
+        if 2 * int(role.hit.any(axis=1).sum()) > role.lg.shape[0]:
             continue  # most groups slow: the whole job's network or load, not one group's link
         if role.few and len(slow_stages.get(role.kind, ())) > 1:
             # Two or three groups of a stage have no spread to judge by, only each other, and a guessed grouping
@@ -299,27 +298,45 @@ def detect_links(ranks: I64, batch: MixtureBatch, sc: RankScores, groups: list[G
             # partners, seen as DP pairs), or members whose turns at arriving last vary (each member's calls
             # then hold waiting at its median): not a link.
             continue
-        for i in np.flatnonzero(role.hit.any(axis=1)).tolist():
-            g, rows = role.same[i]
-            if explained[rows].all():
-                continue
-            j = int(np.argmax(np.where(role.hit[i], role.lr[i], -np.inf)))
-            extra = max(float(np.sum(np.where(role.hit[i], (np.exp(role.lg[i]) - np.exp(role.ref)) * modes.width
-                                              * inputs.calls, 0.0))), float(role.floor_extra[i]))
-            ratio = float(np.exp(role.lr[i, j]))
-            explained[rows] |= not role.weak[i]
-            side = role.kind is PseudoGroup.PP_SIDE
-            evidence = LinkEvidence(
-                group=f"{role.kind.value}{g}", group_kind=role.kind, group_index=g, whole_group=not side,
-                transfer_ratio=ratio, group_min_ns=float(np.exp(role.lg[i, j])),
-                low_transfer_ratio=float(np.exp(role.lr_low[i, j])), healthy_min_ns=float(np.exp(role.ref[j])),
-                mode_share_of_calls=float(modes.width[j]), groups_compared=n, kind_groups=of_kind[role.kind][0],
-                kind_slow_groups=of_kind[role.kind][1], kind_comparisons=of_kind[role.kind][2],
-                w1_inter_over_intra_ratio=inter_intra(batch, sc, rows, np.flatnonzero(~explained)),
-                window_end_ns=window_end_ns, n_ranks=int(ranks.size), group_known=group_known,
-                pp_group=g // 65536 if side else None, pp_stage=g % 65536 if side else None,
-                corroborates_only=bool(role.weak[i]))
-            out.append(DegradedLink(tuple(sorted(int(r) for r in ranks[rows])), evidence, extra))
+        base = dataclasses.replace(_EVIDENCE_BASE, window_end_ns=window_end_ns, n_ranks=int(ranks.size),
+                                   group_known=group_known, kind_groups=of_kind[role.kind][0],
+                                   kind_slow_groups=of_kind[role.kind][1], kind_comparisons=of_kind[role.kind][2])
+        out += _role_links(role, ranks, batch, sc, modes.width, inputs.calls, explained, base)
+    return out
+
+
+#: The fields :func:`_role_links` fills in for each group (placeholders here).
+_EVIDENCE_BASE = LinkEvidence(
+    group="", group_kind=ParallelGroup.NONE, group_index=0, whole_group=True, transfer_ratio=0.0, group_min_ns=0.0,
+    low_transfer_ratio=0.0, healthy_min_ns=0.0, mode_share_of_calls=0.0, groups_compared=0, kind_groups=0,
+    kind_slow_groups=0, kind_comparisons=0, w1_inter_over_intra_ratio=None, window_end_ns=0, n_ranks=0,
+    group_known=False)
+
+
+def _role_links(role: _Role, ranks: I64, batch: MixtureBatch, sc: RankScores, widths: F64, calls: float,
+                explained: Bools, base: LinkEvidence) -> list[DegradedLink]:
+    """The slow groups of one role not already explained (``explained`` updated in place), each read at its
+    slowest hit mode (``widths``: each mode's share of the calls); ``base``: the evidence they share."""
+    out = []
+    side = role.kind is PseudoGroup.PP_SIDE
+    for i in np.flatnonzero(role.hit.any(axis=1)).tolist():
+        g, rows = role.same[i]
+        if explained[rows].all():
+            continue
+        j = int(np.argmax(np.where(role.hit[i], role.lr[i], -np.inf)))
+        extra = max(float(np.sum(np.where(role.hit[i], (np.exp(role.lg[i]) - np.exp(role.ref)) * widths * calls,
+                                          0.0))), float(role.floor_extra[i]))
+        ratio = float(np.exp(role.lr[i, j]))
+        explained[rows] |= not role.weak[i]
+        evidence = dataclasses.replace(
+            base, group=f"{role.kind.value}{g}", group_kind=role.kind, group_index=g, whole_group=not side,
+            transfer_ratio=ratio, group_min_ns=float(np.exp(role.lg[i, j])),
+            low_transfer_ratio=float(np.exp(role.lr_low[i, j])), healthy_min_ns=float(np.exp(role.ref[j])),
+            mode_share_of_calls=float(widths[j]), groups_compared=role.lg.shape[0],
+            w1_inter_over_intra_ratio=inter_intra(batch, sc, rows, np.flatnonzero(~explained)),
+            pp_group=g // 65536 if side else None, pp_stage=g % 65536 if side else None,
+            corroborates_only=bool(role.weak[i]))
+        out.append(DegradedLink(tuple(sorted(int(r) for r in ranks[rows])), evidence, extra))
     return out
 
 
