@@ -4,8 +4,9 @@ A collective ends together on every member of its group, so L3 reads a collectiv
 group (:func:`~argus.detectors.l3_kernels.detect_l3`, the link rule :mod:`argus.detectors.links`): the
 reductions and gathers in data- and tensor-parallel groups, send/receive kernels in pipeline pairs (adjacent
 stages) and expert groups (NCCL runs an all-to-all as grouped sends and receives), and a stream that skips a
-pipeline stage rank by rank as one side of its pipeline transfers (:attr:`~argus.detectors.links.PseudoGroup.
-PP_SIDE`). A pipeline pair's or side's index is ``pp_group * 65536 + stage``.
+pipeline stage rank by rank, each rank one side of its pipeline transfers
+(:attr:`~argus.detectors.links.PseudoGroup.PP_SIDE`). A pipeline pair's or side's index is
+``pp_group * 65536 + stage``.
 """
 
 from __future__ import annotations
