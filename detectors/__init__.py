@@ -46,6 +46,8 @@ from argus.detectors.l3_ranks import (
     detect_stage_excess,
     kernel_family,
 )
+from argus.detectors.link_ledger import LinkLedger
+from argus.detectors.links import LinkEvidence, LinkParams, PseudoGroup, detect_links
 from argus.detectors.mixture import (
     Mixture,
     MixtureBatch,
@@ -73,9 +75,13 @@ __all__ = [
     "L2Result",
     "L3Params",
     "L3Result",
+    "LinkEvidence",
+    "LinkLedger",
+    "LinkParams",
     "Mixture",
     "MixtureBatch",
     "PhaseTable",
+    "PseudoGroup",
     "RankExcessParams",
     "RankLiveness",
     "RankScores",
@@ -90,6 +96,7 @@ __all__ = [
     "detect_l1",
     "detect_l2",
     "detect_l3",
+    "detect_links",
     "detect_rank_excess",
     "detect_stage_excess",
     "finding_id",

@@ -25,9 +25,10 @@ Collective kernels (name containing a ``collective_markers`` entry, by default `
 and ``ncclDevKernel_*``) are compared across the job and read with the topology, because a collective
 ends together for all members of its group and so includes waiting for the last to arrive:
 
-* every member of a group long (none 2x shorter): the group's link is degraded,
-  :attr:`FindingKind.LINK_DEGRADED` with ``ranks`` = the group; evidence ``w1_inter_over_intra_ratio`` (W1
-  between the group's and the healthy ranks' median CDFs over the mean W1 of ranks to their side's);
+* a group whose fastest member (its transfer) is slow against the other groups of its kind: the group's
+  link is degraded, :attr:`FindingKind.LINK_DEGRADED` with ``ranks`` = the group (the link rule,
+  :func:`~argus.detectors.links.detect_links`, with its :class:`~argus.detectors.links.LinkParams` in
+  ``L3Params.links`` and its evidence a :class:`~argus.detectors.links.LinkEvidence`);
 * a member whose typical call (the median call, at its cluster's median) is 2x shorter than the median of
   its group peers' arrived late: its peers' long collectives are
   explained, never flagged; ``short_ratio`` (5x) shorter names it (:attr:`FindingKind.COMPUTE_STRAGGLER_BY_
@@ -64,19 +65,23 @@ import numpy.typing as npt
 
 from argus.core.errors import DetectorError
 from argus.core.kinds import FindingKind
-from argus.detectors.cdf_grid import median_sample, pointwise_median, sample_reference, score_against
+from argus.detectors.cdf_grid import median_sample, sample_reference, score_against
+from argus.detectors.collective_groups import collective_groups, collective_kinds, is_p2p
 from argus.detectors.kernel_modes import ReferenceModes, reference_modes
 from argus.detectors.kernel_rows import SummaryColumns, lower_part_floors, merge_rows, one_key, row_floors, window_end
-from argus.detectors.l2_groups import loo_median, loo_median_rows
+from argus.detectors.l2_groups import loo_median
 from argus.detectors.l2_phases import rank_positions
-from argus.detectors.mixture import (
-    MixtureBatch,
-    geometric_grid,
-    log_normal_components,
-    mixture_cdf,
-    trapezoid_weights,
+from argus.detectors.link_stats import MAD_SCALE, faster_half
+from argus.detectors.link_stats import late_candidates as _late_candidates
+from argus.detectors.links import (
+    CORROBORATES_ONLY,
+    PIPELINE_SIDE,
+    GroupKind,
+    LinkParams,
+    PseudoGroup,
+    detect_links,
 )
-from argus.detectors.victims import LATE_ARRIVAL_RATIO
+from argus.detectors.mixture import MixtureBatch, geometric_grid, log_normal_components, trapezoid_weights
 from argus.schemas.records import JobTopology, KernelSummary, Level, ParallelGroup
 
 __all__ = ["CORROBORATES_ONLY", "PIPELINE_SIDE", "L3Params", "L3Result", "RankScores", "Scope",
@@ -84,17 +89,6 @@ __all__ = ["CORROBORATES_ONLY", "PIPELINE_SIDE", "L3Params", "L3Result", "RankSc
 
 F64 = npt.NDArray[np.float64]
 I64 = npt.NDArray[np.int64]
-#: Smallest W1 (as a fraction of the reference mean) the inter/intra ratio divides by.
-_W1_RESOLUTION = 1e-4
-_GROUP_KINDS = tuple((g.value, g.column)
-                     for g in (ParallelGroup.DP, ParallelGroup.TP, ParallelGroup.EP, ParallelGroup.PP))
-_MAD_SCALE = 1.4826
-#: ``group_kind`` of a link result that is one rank's side of its pipeline transfers (see :func:`_pipeline_sides`):
-#: evidence to pair with the adjacent stage's side, not a finding on its own.
-PIPELINE_SIDE = "PP_SIDE"
-#: Evidence key of a link result that only corroborates another (a result under the impact threshold, or a
-#: pipeline side slow by a weaker test than a finding needs): evidence for the job's link ledger, never published.
-CORROBORATES_ONLY = "corroborates_only"
 #: The u grid (share of a rank's calls) on which quantile functions are compared for an unseparated mode.
 _SCAN_STEP = 0.05
 _SCAN_U = np.arange(0.1, 0.9 + 1e-9, _SCAN_STEP)
@@ -102,19 +96,12 @@ _SCAN_U = np.arange(0.1, 0.9 + 1e-9, _SCAN_STEP)
 _TAIL_CALLS = 100
 #: Two or three ranks have no spread to judge by: a mode must be this much slower than the others'.
 _SMALL_SET_RATIO = 1.3
-#: The same for links among two or three groups: a group of two or three ranks that all arrive early (all
-#: wait) is slow by their spread of arrival, commonly x1.5 or more.
-_SMALL_LINK_RATIO = 2.0
 #: Fewest ranks of a comparison set with a spread to judge by (robust z over the set).
 _SPREAD_SET = 4
 #: Ranks whose calls of a kernel differ from the set's median by more than this share are not judged by mode.
 _SAME_CALLS = 0.02
 #: How far up each mode of a collective its members' fast calls are read (their transfers, with less waiting).
 _LOW_PART = 0.25
-#: Floor of the spread of groups' log transfer times in the link test (5 %).
-_LINK_MAD_FLOOR = 0.05
-#: A pipeline side is a link only when its fastest calls are this much slower than its stage peers' too.
-_SIDE_FLOOR_RATIO = 1.2
 
 
 class Scope(enum.Enum):
@@ -143,10 +130,7 @@ class L3Params:
     ``collective_markers``: lower-case substrings marking a collective kernel [("nccl",)].
     ``mode_ratio``: a compute kernel's mode on a rank over the reference's that flags the rank, when it is
     also ``mode_z`` robust z-scores (log scale, MAD floored at ``mode_mad_floor``) above the other ranks
-    [1.15, 5.0, 0.02]. ``link_ratio``: a group's fastest member's collective time (its pure transfer: the last
-    arrival does not wait) over that of the other groups of its kind that flags a degraded link, when also
-    ``link_z`` robust z-scores above them (groups of one kind and pipeline stage: 4 or more) [1.3, 4.0];
-    up to ``link_max_ratio``: beyond it the fastest members wait (in a collective of another kind) [20.0].
+    [1.15, 5.0, 0.02]. ``links``: the thresholds of degraded links (:class:`~argus.detectors.links.LinkParams`).
 
     Raises :class:`DetectorError` for out-of-range values.
     """
@@ -167,16 +151,14 @@ class L3Params:
     mode_ratio: float = 1.15
     mode_z: float = 5.0
     mode_mad_floor: float = 0.02
-    link_ratio: float = 1.3
-    link_z: float = 4.0
-    link_max_ratio: float = 20.0
+    links: LinkParams = field(default_factory=LinkParams)
 
     def __post_init__(self) -> None:
         for name in ("iqr_k", "min_score", "collective_min_score"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0.0):
                 raise DetectorError(f"{name} must be finite and >= 0, got {value}")
-        for name in ("p50_ratio", "collective_p50_ratio", "short_ratio", "mode_ratio", "link_ratio", "link_max_ratio"):
+        for name in ("p50_ratio", "collective_p50_ratio", "short_ratio", "mode_ratio"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 1.0):
                 raise DetectorError(f"{name} must be finite and > 1, got {value}")
@@ -184,8 +166,8 @@ class L3Params:
             raise DetectorError("need min_events >= 1, min_ranks >= 2 and grid_points >= 16")
         if not (math.isfinite(self.mode_log_gap) and self.mode_log_gap > 0.0) or not self.collective_markers:
             raise DetectorError("mode_log_gap must be finite and > 0, collective_markers non-empty")
-        if not (self.mode_z >= 0.0 and self.link_z >= 0.0 and 0.0 < self.mode_mad_floor < 1.0):
-            raise DetectorError("mode_z and link_z must be >= 0, mode_mad_floor in (0, 1)")
+        if not (self.mode_z >= 0.0 and 0.0 < self.mode_mad_floor < 1.0):
+            raise DetectorError("mode_z must be >= 0, mode_mad_floor in (0, 1)")
 
 
 @dataclass(frozen=True)
@@ -311,8 +293,8 @@ def detect_l3(summaries: Sequence[KernelSummary], topology: JobTopology | None =
     # the topology has): read in every grouping, a handful of calls per member is too little to tell waiting
     # from a slow group.
     named = group_kind is not None and group_kind is not ParallelGroup.NONE
-    one_grouping = named or (collective and topology is not None and not _is_p2p(first.kernel)
-                             and _collective_kinds(topology) == 1)
+    one_grouping = named or (collective and topology is not None and not is_p2p(first.kernel)
+                             and collective_kinds(topology) == 1)
     cols = SummaryColumns(summaries)  # each column read once, for every check below
     ranks, batch, total = merge_rows(cols, p.collective_min_events if collective and one_grouping
                                      else p.min_events)
@@ -338,7 +320,7 @@ def _slow_ranks(sc: RankScores, min_score: float, gate: float, p: L3Params) -> t
     if n >= 4:
         q1, q3 = np.percentile(sc.score, [25.0, 75.0])
         slow |= (sc.score > q3 + p.iqr_k * (q3 - q1)) & (sc.score >= min_score) & (sc.shift_ns > 0.0)
-    healthy = float(_faster_half(sc.primary_p50_ns[:, None])[0])
+    healthy = float(faster_half(sc.primary_p50_ns[:, None])[0])
     p50_ratio = sc.primary_p50_ns / healthy
     slow |= p50_ratio >= gate
     return slow, p50_ratio, healthy
@@ -380,7 +362,7 @@ def _mode_outliers(sc: RankScores, p: L3Params, trusted: npt.NDArray[np.bool_], 
     if n >= 4:
         centre = np.median(logq, axis=0)
         lr = logq - centre
-        mad = _MAD_SCALE * np.median(np.abs(lr), axis=0)
+        mad = MAD_SCALE * np.median(np.abs(lr), axis=0)
         hit = (lr >= math.log(p.mode_ratio)) & (lr >= p.mode_z * np.maximum(mad, p.mode_mad_floor))
         hit &= ~(log_floor[:, :lr.shape[1]] <= centre)
     else:  # two or three ranks: against the others' median, and a wider gate
@@ -397,7 +379,7 @@ def _mode_outliers(sc: RankScores, p: L3Params, trusted: npt.NDArray[np.bool_], 
         lq = np.log(scan_q)
         middle = np.median(lq, axis=0)
         lq -= middle
-        floor = np.maximum(_MAD_SCALE * np.median(np.abs(lq), axis=0), p.mode_mad_floor)
+        floor = np.maximum(MAD_SCALE * np.median(np.abs(lq), axis=0), p.mode_mad_floor)
         level = ((lq >= math.log(p.mode_ratio)) & (lq >= p.mode_z * floor) & trusted
                  & ~(log_floor[:, logq.shape[1]:] <= middle))
         run = level[:, 1:] & level[:, :-1]
@@ -498,322 +480,6 @@ def cluster_median_quantile(batch: MixtureBatch, q: float) -> F64:
     return out
 
 
-def _is_p2p(kernel: str) -> bool:
-    """Point-to-point kernels (NCCL's ``SendRecv``, ``Send``, ``Recv``): pipeline transfers, or an all-to-all
-    (NCCL runs it as grouped send/receive)."""
-    low = kernel.lower()
-    return "send" in low or "recv" in low
-
-
-def _groups(topology: JobTopology | None, ranks: I64, p2p: bool,
-            only: ParallelGroup | None = None) -> list[tuple[str, int, I64]]:
-    """(kind, index, rows) of every group whose members are all present (2+), largest first; the job without
-    topology.
-
-    Point-to-point kernels run in pipeline groups, as adjacent-stage pairs (a send/receive joins two stages),
-    and in expert groups (all-to-all); collectives in DP, TP and EP groups."""
-    if topology is None:
-        return [("JOB", 0, np.arange(ranks.size))]
-    at = rank_positions(topology, ranks)
-    # NCCL runs an all-to-all as grouped sends and receives, so expert groups show in point-to-point kernels
-    # only; the reductions and gathers run in data- and tensor-parallel groups.
-    if only is not None and only is not ParallelGroup.NONE:
-        kinds = tuple(k for k in _GROUP_KINDS if k[0] == only.value)
-    elif p2p and _one_side(topology, at):
-        kinds = (_GROUP_KINDS[3],)
-    else:
-        kinds = (_GROUP_KINDS[3], _GROUP_KINDS[2]) if p2p else _GROUP_KINDS[:2]
-    out = []
-    for kind, col in kinds:
-        column = topology.array(col)
-        full = dict(zip(*np.unique(column, return_counts=True), strict=True))
-        uniq, inv, counts = np.unique(column[at], return_inverse=True, return_counts=True)
-        members = np.split(np.argsort(inv, kind="stable"), np.cumsum(counts)[:-1])
-        # Only groups with every member present: in a window cut between the members' arrivals, a group
-        # missing its late member would look uniformly slow (a false link) or name a waiting member late.
-        whole = [(int(g), rows) for g, rows in zip(uniq.tolist(), members, strict=True)
-                 if rows.size >= 2 and rows.size == full[g]]
-        if kind == "PP":
-            stage = topology.array("pp_stage")[at]
-            for g, rows in whole:
-                chain = rows[np.argsort(stage[rows], kind="stable")]
-                out += [(kind, g * 65536 + i, chain[i:i + 2]) for i in range(chain.size - 1)]
-            if p2p and not whole:
-                out += _pipeline_sides(column[at], stage)
-        else:
-            out += [(kind, g, rows) for g, rows in whole]
-    out.sort(key=lambda t: -t[2].size)
-    return out
-
-
-def _collective_kinds(topology: JobTopology) -> int:
-    """How many of the kinds a collective (no send/receive) runs in -- DP and TP -- have groups of 2 or more
-    ranks in ``topology``: with one, a collective's grouping is not a guess among several."""
-    return sum(int(np.unique(topology.array(col), return_counts=True)[1].max(initial=0) >= 2)
-               for _, col in _GROUP_KINDS[:2])
-
-
-def _one_side(topology: JobTopology, at: I64) -> bool:
-    """Whether point-to-point calls on the ranks at positions ``at`` of ``topology`` are pipeline transfers
-    seen one side per stream: they run on some pipeline stages but not all (the sends to the next stage
-    skip the last, the receives from the previous one skip the first). An all-to-all runs in every stage
-    with expert layers, so such a stream is no expert group's: read as one, the stage that waits longest
-    for its neighbour (the first, in a pipeline's warm-up) would look like a slow expert group."""
-    stages = topology.array("pp_stage")
-    return bool(np.unique(stages).size > np.unique(stages[at]).size)
-
-
-def _floor_log_ratios(floors: F64) -> F64 | None:
-    """Per group, ``ln`` of its floor (its members' fastest calls, ns; NaN where unknown) over the faster half
-    of the known ones (NaN where unknown); ``None`` when fewer than two are known (nothing to compare)."""
-    with np.errstate(invalid="ignore", divide="ignore"):
-        fl = np.log(floors)
-    known = np.isfinite(fl)
-    if known.sum() < 2:
-        return None
-    out: F64 = np.where(known, fl - _faster_half(fl[known][:, None])[0], np.nan)
-    return out
-
-
-def _raised_floors(floors: F64) -> npt.NDArray[np.bool_] | None:
-    """Which of ``floors`` (see :func:`_floor_log_ratios`) are at least ``_SIDE_FLOOR_RATIO`` over the faster
-    half of the known ones (an unknown one never is); ``None`` when fewer than two are known."""
-    lr = _floor_log_ratios(floors)
-    if lr is None:
-        return None
-    with np.errstate(invalid="ignore"):
-        out: npt.NDArray[np.bool_] = lr >= math.log(_SIDE_FLOOR_RATIO)
-    return out
-
-
-def _with_late_arrival(kind: str, same: list[tuple[int, I64]], typical: F64) -> npt.NDArray[np.bool_]:
-    """Per group of ``same`` (index, rows), whether a member is a late arrival by :func:`_late_candidates`
-    (``typical``: each row's typical call, ns); a pipeline side (one rank) never has one."""
-    late = np.zeros(len(same), dtype=bool)
-    if kind == PIPELINE_SIDE:
-        return late
-    at = {g: i for i, (g, _) in enumerate(same)}
-    for size in {rows.size for _, rows in same}:
-        for c in _late_candidates([(kind, g, rows) for g, rows in same if rows.size == size], typical):
-            late[at[c[2]]] = True
-    return late
-
-
-def _floor_outliers(floors: F64, p: L3Params, calls: float) -> tuple[npt.NDArray[np.bool_], F64, F64]:
-    """Of pipeline sides (``floors``: each one's fastest calls, ns; NaN where unknown), which are slow by their
-    floors alone: ``link_ratio`` over the faster half of the known ones and ``link_z`` robust z-scores above
-    them (floored at ``_LINK_MAD_FLOOR``), up to ``link_max_ratio``; with each one's log ratio and its excess
-    over ``calls`` calls (ns, every call's transfer that much slower; 0 where not slow)."""
-    lr = _floor_log_ratios(floors)
-    known = np.isfinite(lr) if lr is not None else np.zeros(floors.size, dtype=bool)
-    if lr is None or known.sum() < _SPREAD_SET:
-        return np.zeros(floors.size, dtype=bool), np.zeros(floors.size), np.zeros(floors.size)
-    lr = np.where(known, lr, -np.inf)
-    mad = _MAD_SCALE * float(np.median(np.abs(lr[known] - np.median(lr[known]))))
-    slow = (lr >= math.log(p.link_ratio)) & (lr >= p.link_z * max(mad, _LINK_MAD_FLOOR)) & (
-        lr <= math.log(p.link_max_ratio))
-    extra = np.where(slow, floors * -np.expm1(-lr) * calls, 0.0)  # floor minus the reference floor, per call
-    return slow, np.where(known, lr, 0.0), extra
-
-
-def _pipeline_sides(pp_group: I64, stage: I64) -> list[tuple[str, int, I64]]:
-    """Each rank on its own, as one side of its pipeline transfers: a stream that carries one side only (the
-    sends to the next stage and the receives from it are on one communicator's stream, the other stage's
-    on another) has no whole pair. Index: ``pp_group * 65536 + stage``."""
-    return [(PIPELINE_SIDE, int(pp_group[i]) * 65536 + int(stage[i]), np.array([i], dtype=np.int64))
-            for i in range(pp_group.size)]
-
-
-def _links(s: KernelSummary, ranks: I64, batch: MixtureBatch, sc: RankScores, groups: list[tuple[str, int, I64]],
-           stage: I64, p: L3Params, base: dict[str, Any], explained: npt.NDArray[np.bool_],
-           floors: Callable[[bool], F64], typical: F64) -> list[L3Result]:
-    """Degraded links: groups whose *fastest* member is slow in some mode of the kernel, against the fastest
-    members of the other groups of their kind (``typical``: each row's typical call, ns, which tells the groups
-    with a late arrival).
-
-    A collective ends together on every member, so each member's time is its waiting for the last to arrive
-    plus the transfer; the last arrival does not wait, so a group's fastest member shows its transfer time.
-    A late peer (a straggler, or ranks held up elsewhere) leaves that untouched -- waiting is never a link --
-    while a degraded link slows it on every member. Larger groups first; a group of already explained
-    ranks is skipped (the smaller groups inside a degraded one).
-
-    A pipeline side (one rank's transfers with its neighbour stage, :data:`PIPELINE_SIDE`) has no last
-    arrival of its own. Each of its calls ends together with the neighbour's, so where this rank posted last
-    its time is the pure transfer: waiting (a bubble, or held up by a slow stage anywhere in the pipeline,
-    in either direction) lengthens the other calls only, while a degraded link slows every call. A side is
-    therefore slow only if its fastest calls (``floors(False)``, :func:`~argus.detectors.kernel_rows.row_floors`:
-    its calls are mostly waiting, so their low quantile is too) are slower than its stage peers' too; a pair's
-    fast calls are read at their low quantile (``floors(True)``), so a slowdown from an onset inside the
-    window shows.
-    """
-    modes = reference_modes(sc.reference, sc.grid)
-    # At the modes' middles, and low in each mode (see _collective_levels): a member's calls hold its waiting
-    # wherever another posted last, most of them in a larger group; its fast calls are nearer its transfer.
-    q, q_low = np.split(sc.quantiles_ns, 2, axis=1)
-    calls = float(np.median(batch.counts.sum(axis=1)))
-    out: list[L3Result] = []
-    # Groups are compared with groups of the same kind *and role*: the same pipeline stage (the first and
-    # last stages hold the embedding and the output layer, so their DP collectives move other sizes), for a
-    # pipeline pair the same pair of stages; across stages only where each stage has one group of the kind.
-    roles: dict[tuple[str, int], list[tuple[int, I64]]] = {}
-    for kind, g, rows in groups:
-        roles.setdefault((kind, int(stage[rows].min())), []).append((g, rows))
-    for kind in {k for k, _ in roles}:  # one group per stage: the stages' groups are all there is to compare
-        if all(len(v) < 2 for (k, _), v in roles.items() if k == kind):
-            pooled = [grp for (k, _), v in roles.items() if k == kind for grp in v]
-            for key in [key for key in roles if key[0] == kind]:
-                del roles[key]
-            roles[(kind, -1)] = pooled
-    judged: list[tuple[str, int, list[tuple[int, I64]], F64, F64, F64, F64, npt.NDArray[np.bool_],
-                       npt.NDArray[np.bool_], bool, F64, npt.NDArray[np.bool_]]] = []
-    for (kind, role_stage), same in roles.items():
-        if len(same) < 2:
-            continue  # one group spans the comparison: nothing to compare its transfer with
-        # A group with a late arrival is no reference: its fastest member (the late one) never waits, while
-        # another group's fastest member waits in the calls where a peer posted last.
-        # Without two such groups nothing is named, but the slow groups still count as the kind's (below).
-        late = _with_late_arrival(kind, same, typical)
-        no_reference = late.any() and int((~late).sum()) < 2
-        ref_rows = ~late if not no_reference else np.ones(late.size, dtype=bool)
-        lg = np.log(_group_minima(q, [rows for _, rows in same]))
-        n = lg.shape[0]
-        ref = _faster_half(lg[ref_rows])
-        lr = lg - ref
-        low = np.log(_group_minima(q_low, [rows for _, rows in same]))
-        lr_low = low - _faster_half(low[ref_rows])
-        # Two or three groups of one stage (reductions, gathers, all-to-alls), with no spread to judge by, or
-        # any number in a grouping guessed from durations: see the several-stages rule below.
-        few = role_stage >= 0 and kind in ("DP", "TP", "EP") and (n < 4 or not base.get("group_known"))
-        if n >= 4:
-            mad = _MAD_SCALE * np.median(np.abs(lg - np.median(lg, axis=0)), axis=0)
-            hit = (lr >= math.log(p.link_ratio)) & (lr >= p.link_z * np.maximum(mad, _LINK_MAD_FLOOR))
-        elif kind in ("DP", "TP") and role_stage >= 0 and min(rows.size for _, rows in same) >= _SPREAD_SET:
-            # Reductions of groups of 4+ members each, in one stage (stages move other sizes): a reduction ends
-            # together on every member, so each group's fastest member is its last arrival, a pure transfer
-            # however its members arrived, and two or three groups compare like many. (An all-to-all is sends
-            # and receives: a member's part ends on its own.) Where the trace did not name the group, the
-            # grouping is one guess of several, which LinkLedger has confirmed by a second collective; where
-            # one of the groups has a late arrival (no reference, above), such a guess must be x2 slower.
-            plain = base.get("group_known") or not late.any()
-            hit = lr >= math.log(p.link_ratio if plain else max(p.link_ratio, _SMALL_LINK_RATIO))
-        else:
-            if kind != PIPELINE_SIDE:
-                # Read low in the mode too (a side's fast calls are its floors' to judge): a group slow in every
-                # call is slower there than at the middle, where the other groups' calls hold waiting.
-                lr = np.maximum(lr, lr_low)
-            hit = lr >= math.log(max(p.link_ratio, _SMALL_LINK_RATIO))
-            if kind != PIPELINE_SIDE and role_stage >= 0 and all(rows.size == 2 for _, rows in same):
-                # Two or three pairs of one stage (which move the same sizes) have no spread of transfers to
-                # judge by. Waiting lengthens some calls of a pair and leaves each member's fast calls (where
-                # it arrived last: about half of them, unless its peer is a straggler) as fast as the other
-                # pairs', while a degraded link slows every call: a pair whose members' fast calls are both
-                # slower too is slow at the plain link ratio. (A member of a larger group arrives last in
-                # too few calls for its fast ones to be transfers alone.) Read at their low quantile inside
-                # their cluster: a slowdown from an onset inside the window leaves the old shortest call.
-                raised = _raised_floors(np.array([floors(True)[rows].min() for _, rows in same]))
-                if raised is not None:
-                    hit |= (lr >= math.log(p.link_ratio)) & raised[:, None]
-        floor_extra = np.zeros(n)
-        if kind == PIPELINE_SIDE:  # a side is one rank
-            side_floors = floors(False)[[rows[0] for _, rows in same]]
-        if kind == PIPELINE_SIDE and n >= 4:
-            # A side's fastest calls are its pure transfers, which waiting leaves alone, while its typical ones
-            # hold waiting (a bubble, a slow stage): where its stage peers' typical calls wait much, a side
-            # slower in every transfer stands out in its fastest calls only, so those alone can name it.
-            by_floor, floor_lr, floor_extra = _floor_outliers(side_floors, p, calls)
-            lr = np.where(by_floor[:, None], np.maximum(lr, floor_lr[:, None]), lr)
-            hit |= by_floor[:, None]
-        slow = hit.any(axis=1)  # slow at any ratio, waiting included
-        if no_reference:
-            hit[:] = False
-        # Beyond a plausible slowdown of a transfer it is waiting: a group made only of ranks that wait in a
-        # collective of another kind (all of one TP index, waiting for the others) looks "slow" by far more.
-        hit &= lr <= math.log(p.link_max_ratio)
-        weak = np.zeros(n, dtype=bool)
-        if kind == PIPELINE_SIDE:
-            raised = _raised_floors(side_floors)
-            if raised is not None:  # a side without a floor (NaN) is no link
-                hit &= raised[:, None]
-            # The slowest side of the stage at the modes' middles, short of the z-score, and slower in its
-            # fast calls read inside their cluster (a slowdown from an onset inside the window shares a cluster
-            # with the old fast calls): no link on its own, but corroboration of its neighbour's side, which
-            # a degraded link slows too.
-            within = _raised_floors(floors(True)[[rows[0] for _, rows in same]])
-            if within is not None and n >= _SPREAD_SET and not hit.any():
-                top = np.where(lr <= math.log(p.link_max_ratio), lr, -np.inf).max(axis=1)
-                weak = within & (top >= math.log(p.link_ratio)) & (top == top.max())
-        judged.append((kind, role_stage, same, lg, ref, lr, lr_low, hit | weak[:, None], slow, few, floor_extra, weak))
-    # Of every group of a kind in the job, how many were compared and how many are slow: one slow group
-    # among many even ones (each stage's groups compared among themselves) is one group's link, where waiting
-    # in a collective of another kind would slow the same position in every stage's groups.
-    of_kind: dict[str, list[int]] = {}
-    slow_stages: dict[str, set[int]] = {}
-    for kind, role_stage, same, *_, slow, _few, _extra, _weak in judged:
-        tally = of_kind.setdefault(kind, [0, 0, 0])
-        tally[0] += len(same)
-        tally[1] += int(slow.sum())
-        tally[2] += 1
-        if slow.any():
-            slow_stages.setdefault(kind, set()).add(role_stage)
-    for kind, _stage, same, lg, ref, lr, lr_low, hit, _slow, few, floor_extra, weak in judged:
-        n = lg.shape[0]
-        if 2 * int(hit.any(axis=1).sum()) > n:
-            continue  # most groups slow: the whole job's network or load, not one group's link
-        if few and len(slow_stages.get(kind, ())) > 1:
-            # Two or three groups of a stage have no spread to judge by, only each other, and a guessed grouping
-            # may be the wrong one: a slow one is one group's link only where the other stages' groups of its
-            # kind are even. Slow groups in several
-            # stages (at any ratio) are the ranks of one position waiting in a collective of another kind
-            # (the data-parallel replicas that wait for the one a straggler or a stall holds up, seen as
-            # their TP groups; the TP members that wait for their partners, seen as DP pairs), or members
-            # whose turns at arriving last vary (each member's calls then hold waiting at its median): not a
-            # link.
-            continue
-        for i in np.flatnonzero(hit.any(axis=1)).tolist():
-            g, rows = same[i]
-            if explained[rows].all():
-                continue
-            j = int(np.argmax(np.where(hit[i], lr[i], -np.inf)))
-            extra = max(float(np.sum(np.where(hit[i], (np.exp(lg[i]) - np.exp(ref)) * modes.width * calls, 0.0))),
-                        float(floor_extra[i]))
-            ratio = float(np.exp(lr[i, j]))
-            explained[rows] |= not weak[i]
-            side = {"pp_group": g // 65536, "pp_stage": g % 65536} if kind == PIPELINE_SIDE else {}
-            if weak[i]:
-                side[CORROBORATES_ONLY] = True
-            named = tuple(sorted(int(r) for r in ranks[rows]))
-            out.append(L3Result(FindingKind.LINK_DEGRADED, named, s.kernel, s.stream, ratio, {
-                **base, **side, "group": f"{kind}{g}", "group_kind": kind, "group_index": g,
-                "whole_group": kind != PIPELINE_SIDE,
-                "transfer_ratio": ratio, "p50_ratio": ratio, "group_min_ns": float(np.exp(lg[i, j])),
-                "low_transfer_ratio": float(np.exp(lr_low[i, j])),
-                "healthy_min_ns": float(np.exp(ref[j])),
-                "mode_share_of_calls": float(modes.width[j]), "groups_compared": n,
-                "kind_groups": of_kind[kind][0], "kind_slow_groups": of_kind[kind][1],
-                "kind_comparisons": of_kind[kind][2],
-                "w1_inter_over_intra_ratio": _inter_intra(batch, sc, rows, np.flatnonzero(~explained)),
-            }, excess_ns=extra))
-    return out
-
-
-def _group_minima(q: F64, members: list[I64]) -> F64:
-    """Per group (its rows of ``q``), the column-wise minimum: a ``groups x columns`` array. Groups of one
-    size are read at once."""
-    out = np.empty((len(members), q.shape[1]))
-    by_size: dict[int, list[int]] = {}
-    for i, rows in enumerate(members):
-        by_size.setdefault(rows.size, []).append(i)
-    for at in by_size.values():
-        out[at] = q[np.stack([members[i] for i in at])].min(axis=1)
-    return out
-
-
-def _faster_half(lg: F64) -> F64:
-    """Per column, the median of the faster half of the rows (groups): the healthy groups' level."""
-    out: F64 = np.median(np.sort(lg, axis=0)[: (lg.shape[0] + 1) // 2], axis=0)
-    return out
-
-
 def _collective(cols: SummaryColumns, ranks: I64, batch: MixtureBatch, total: F64,
                 topology: JobTopology | None, p: L3Params, base: dict[str, Any],
                 group_kind: ParallelGroup | None = None) -> list[L3Result]:
@@ -823,18 +489,21 @@ def _collective(cols: SummaryColumns, ranks: I64, batch: MixtureBatch, total: F6
     # A late arrival is judged by each member's typical call (the median call, at its cluster's median): a
     # waiting member's calls spread over several modes, the most populous of which may be its few fast ones.
     p50 = cluster_median_quantile(batch, 0.5)
-    p2p = _is_p2p(s.kernel) or group_kind is ParallelGroup.PP
-    groups = _groups(topology, ranks, p2p, group_kind)
-    every_group = groups if group_kind is None else _groups(topology, ranks, p2p)
+    p2p = is_p2p(s.kernel) or group_kind is ParallelGroup.PP
+    groups = collective_groups(topology, ranks, p2p, group_kind)
+    every_group = groups if group_kind is None else collective_groups(topology, ranks, p2p)
     explained = np.zeros(ranks.size, dtype=bool)
     results: list[L3Result] = []
     if topology is not None:
         stage_of = dict(zip(topology.rank, topology.pp_stage, strict=True))
         stage = np.array([stage_of[r] for r in ranks.tolist()], dtype=np.int64)
         floors = functools.cache(lambda within: row_floors(cols, ranks, within=within))
-        results = _links(s, ranks, batch, sc, groups, stage, p, base, explained, floors, p50)
-    late: list[tuple[float, str, int, int, I64, float]] = []
-    whole = [grp for grp in groups if grp[0] != PIPELINE_SIDE]  # a rank alone has no peers to be late for
+        results = [L3Result(FindingKind.LINK_DEGRADED, link.ranks, s.kernel, s.stream, link.evidence.transfer_ratio,
+                            link.evidence.as_dict(), excess_ns=link.excess_ns)
+                   for link in detect_links(ranks, batch, sc, groups, stage, p50, floors, explained,
+                                            base["window_end_ns"], bool(base["group_known"]), p.links)]
+    late: list[tuple[float, GroupKind, int, int, I64, float]] = []
+    whole = [grp for grp in groups if grp[0] is not PseudoGroup.PP_SIDE]  # a rank alone has no peers to be late for
     for size in sorted({rows.size for _, _, rows in whole}, reverse=True):  # larger groups explain first
         same = [grp for grp in whole if grp[2].size == size]
         for ratio, kind, g, row, rows, peers_p50 in _late_candidates(same, p50):
@@ -855,7 +524,8 @@ def _collective(cols: SummaryColumns, ranks: I64, batch: MixtureBatch, total: F6
         others = rows[rows != row]
         results.append(L3Result(FindingKind.LATE_ARRIVAL, (int(ranks[row]),), s.kernel, s.stream,
                                 ratio, {
-            **base, "group": f"{kind}{g}", "group_kind": kind, "group_index": g, "collective_short": True,
+            **base, "group": f"{kind.value}{g}", "group_kind": kind.value, "group_index": g,
+            "collective_short": True,
             "peers_over_rank_p50_ratio": ratio, "rank_p50_ns": float(p50[row]), "peers_p50_ns": peers_p50,
             "waiting_peers": [int(r) for r in ranks[others]],
         }, excess_ns=float((peers_p50 - p50[row]) * calls[row])))
@@ -872,38 +542,3 @@ def _collective(cols: SummaryColumns, ranks: I64, batch: MixtureBatch, total: F6
             "rank_p50_ratio": {str(int(ranks[i])): float(p50_ratio[i]) for i in rest.tolist()},
         }, excess_ns=float(np.max(total[rest]) - np.median(total))))
     return results
-
-
-def _late_candidates(groups: list[tuple[str, int, I64]], p50: F64) -> list[tuple[float, str, int, int, I64, float]]:
-    """(ratio, kind, index, row, rows, peers' p50) of members 2x shorter than their group peers (late
-    arrivals), strongest first; a group with over a quarter of short members has none (only the last
-    arrival of a call is short). ``groups``: all of one size (judged at once, as a groups x members array)."""
-    if not groups:
-        return []
-    members = np.stack([rows for _, _, rows in groups])
-    v = p50[members]
-    size = members.shape[1]
-    calm = np.sum(LATE_ARRIVAL_RATIO * v <= np.median(v, axis=1, keepdims=True), axis=1) <= max(1, size // 4)
-    peers = loo_median_rows(v)
-    ratio = peers / v
-    out = [(float(ratio[i, j]), groups[i][0], groups[i][1], int(members[i, j]), groups[i][2], float(peers[i, j]))
-           for i, j in zip(*np.nonzero(calm[:, None] & (ratio >= LATE_ARRIVAL_RATIO)), strict=True)]
-    out.sort(key=lambda c: (-c[0], c[3]))
-    return out
-
-
-def _inter_intra(batch: MixtureBatch, sc: RankScores, group: I64, normal: I64) -> float | None:
-    """W1 between the group's and the normal ranks' median CDFs over the mean W1 of ranks to their side's
-    (each side's CDFs evaluated again on ``sc.grid``; of more than :data:`~argus.detectors.cdf_grid.
-    MEDIAN_SAMPLE` normal ranks, a fixed sample's)."""
-    if normal.size == 0:
-        return None
-    sides = []
-    for rows in (group, normal[median_sample(normal.size)]):
-        cdf = mixture_cdf(batch.counts[rows], batch.p50_ns[rows], batch.p99_ns[rows], sc.grid)
-        sides.append((cdf, pointwise_median(cdf)))
-    (cdf_g, med_g), (cdf_n, med_n) = sides
-    inter = float(np.abs(med_g - med_n) @ sc.weights)
-    intra = float(np.concatenate([np.abs(cdf_g - med_g) @ sc.weights, np.abs(cdf_n - med_n) @ sc.weights]).mean())
-    # Identical ranks on each side give intra = 0; the floor is the grid's resolution of a W1 score.
-    return inter / max(intra, _W1_RESOLUTION * sc.reference_mean_ns)

@@ -35,15 +35,16 @@ import numpy as np
 
 from argus.core.kinds import FindingKind
 from argus.core.settings import Settings
-from argus.detectors.findings import DetectorResult, finding_id, to_finding
+from argus.detectors.findings import DetectorResult, to_finding
 from argus.detectors.impact import StepClock, impact_of, worth_raising
 from argus.detectors.kernel_excess import detect_kernel_excess
 from argus.detectors.l1_iteration import IterationSeries, L1Params, L1Result, detect_l1
 from argus.detectors.l2_history import PhaseHistory
 from argus.detectors.l2_phases import L2Params, L2Result
-from argus.detectors.l3_kernels import CORROBORATES_ONLY, PIPELINE_SIDE, L3Params, L3Result, detect_l3
+from argus.detectors.l3_kernels import L3Params, L3Result, detect_l3
 from argus.detectors.l3_ranks import KernelTotals, RankExcessParams, detect_rank_excess, detect_stage_excess
-from argus.detectors.victims import straggler_ranks
+from argus.detectors.link_ledger import LinkLedger
+from argus.detectors.links import CORROBORATES_ONLY, corroborates_only
 from argus.schemas.records import Finding, JobLifecycle, JobTopology, KernelSummary, ParallelGroup, PhaseBatch, Step
 
 __all__ = ["CORROBORATES_ONLY", "DiagnosisParams", "JobDiagnosis", "JudgedWindow", "KernelDiagnosis", "LinkLedger",
@@ -129,11 +130,6 @@ def judge(job_id: str, results: list[DetectorResult], time_ns: int, world_size: 
             weak = dataclasses.replace(res, evidence=res.evidence | {CORROBORATES_ONLY: True})
             out.append(to_finding(job_id, weak, time_ns, impact))
     return out
-
-
-def corroborates_only(finding: Finding) -> bool:
-    """Whether ``finding`` is evidence for :class:`LinkLedger` only, never to be published."""
-    return CORROBORATES_ONLY in finding.evidence_json and bool(finding.evidence.get(CORROBORATES_ONLY))
 
 
 def _most_gpu_ns(steps: Iterable[Step]) -> float:
@@ -433,116 +429,6 @@ class KernelDiagnosis:
                     self._emitted.add(finding.finding_id)
                     new.append(finding)
         return new
-
-
-#: Slow groups of one kind in one collective that are not one group's link (see LinkLedger._strong).
-_SEVERAL_SLOW = 3
-
-
-class LinkLedger:
-    """Job-level check of degraded-link findings: a group's link is named once its evidence holds in two
-    collectives ((kernel, stream) pairs: a degraded link slows every collective its group runs), in one whose
-    group is known (the trace named the process group of the stream: ``group_known``), or in one with strong
-    evidence (transfer ``strong_ratio``x slower than ``strong_groups`` or more groups of its kind, or the only
-    slow one of ``strong_groups`` or more in three or more stages, each compared with its stage's; never
-    where three or more groups of the kind are slow in that collective).
-
-    One collective of a group inferred from durations alone can mislead: the ranks of one position in their
-    groups (all of one TP index) can wait in a collective of another kind for the others and look like a slow
-    group of their own kind. A pipeline
-    link seen one side per stream (:data:`~argus.detectors.l3_kernels.PIPELINE_SIDE`) is named once both of its
-    ranks' sides are slow, and only while no straggler is known in the job.
-    """
-
-    def __init__(self, strong_ratio: float = 2.5, strong_groups: int = 4) -> None:
-        self.strong_ratio, self.strong_groups = strong_ratio, strong_groups
-        self._seen: dict[tuple[int, ...], dict[tuple[str, int], Finding]] = {}
-        self._named: set[tuple[int, ...]] = set()
-        self._raised: set[tuple[tuple[int, ...], str, int]] = set()  # (group, kernel, stream) published
-        self._sides: dict[int, dict[int, Finding]] = {}  # pipeline -> stage -> that stage's side
-        self._stragglers: set[int] = set()  # ranks named slow by their own work, from the findings seen
-
-    def filter(self, findings: list[Finding]) -> list[Finding]:
-        """``findings`` with link findings held back until their group is corroborated (then each of its
-        collectives once) and corroboration-only findings (:func:`corroborates_only`) removed."""
-        out = []
-        self._stragglers |= straggler_ranks(findings)
-        for f in findings:
-            if f.kind is not FindingKind.LINK_DEGRADED:
-                out.append(f)
-                continue
-            if f.evidence.get("group_kind") == PIPELINE_SIDE:
-                out += self._pair(f)
-                continue
-            group = tuple(f.ranks)
-            seen = self._seen.setdefault(group, {})
-            key = (f.kernel or "", f.stream or 0)
-            if key not in seen or corroborates_only(seen[key]):
-                seen[key] = f
-            raisable = [g for g in seen.values() if not corroborates_only(g)]
-            if group not in self._named and not (
-                    len(seen) >= 2 or any(self._strong(g) or g.evidence.get("group_known") for g in raisable)):
-                continue
-            self._named.add(group)
-            # Each corroborated collective of the group once: which of them a worker judges first depends on
-            # timing and on the worker that holds it, so naming only the first would not be one answer.
-            for g in raisable:
-                done = (group, g.kernel or "", g.stream or 0)
-                if done not in self._raised:
-                    self._raised.add(done)
-                    out.append(g)
-        return out
-
-    def _pair(self, f: Finding) -> list[Finding]:
-        """A pipeline link from its two sides: one rank's transfers slow against its stage's peers on one
-        stream, and its neighbour's in the same pipeline on theirs. A rank waiting for a slow peer shows one
-        side only (the slow peer itself posts last and never waits), so one side is never named."""
-        ev = f.evidence
-        if self._stragglers:
-            # Waiting spreads from a straggler through every blocking group: up its pipeline, and through its
-            # stage's data-parallel peers into theirs; sides alone cannot tell a link from it.
-            return []
-        pipe, stage = int(ev["pp_group"]), int(ev["pp_stage"])
-        sides = self._sides.setdefault(pipe, {})
-        if stage not in sides or corroborates_only(sides[stage]):
-            sides[stage] = f
-        out = []
-        for other in (stage - 1, stage + 1):
-            g = sides.get(other)
-            if g is None or (corroborates_only(f) and corroborates_only(g)):
-                continue
-            ranks = tuple(sorted({*f.ranks, *g.ranks}))
-            if ranks in self._named:
-                continue
-            self._named.add(ranks)
-            top = max((x for x in (f, g) if not corroborates_only(x)), key=lambda x: x.impact_ns)
-            evidence = top.evidence | {"group_kind": "PP", "whole_group": True, "group": f"PP{pipe}",
-                                       "side_transfer_ratio": {str(x.ranks[0]): x.evidence.get("transfer_ratio")
-                                                               for x in (f, g)}}
-            evidence.pop("pp_stage", None)
-            out.append(dataclasses.replace(
-                top, ranks=ranks, evidence_json=json.dumps(evidence, sort_keys=True, allow_nan=False,
-                                                          separators=(",", ":")),
-                finding_id=finding_id(top.job_id, top.level.value, top.kind.value, ranks, top.phase, top.kernel,
-                                      top.stream, top.steps)))
-        return out
-
-    def _strong(self, f: Finding) -> bool:
-        ev = f.evidence
-        slow = int(ev.get("kind_slow_groups", 0))
-        # Compared with its own stage's groups only, a group is still one among ``kind_groups`` of its kind:
-        # the only slow one of ``strong_groups`` or more, in three or more stages (comparisons) each even but
-        # its own, is as strong as one slow against as many.
-        many = int(ev.get("groups_compared", 0)) >= self.strong_groups or (
-            slow == 1 and int(ev.get("kind_groups", 0)) >= self.strong_groups
-            and int(ev.get("kind_comparisons", 0)) >= 3)
-        # Several groups of the guessed kind slow in one collective are what ranks of one position waiting in a
-        # collective of another kind look like (a DP reduce-scatter's members waiting for a straggler, seen as
-        # TP pairs), not one link: one collective of them is no strong evidence.
-        # The ratio read low in the mode too: the healthy groups' typical calls hold waiting that their fast
-        # ones (nearer the transfer) do not, so a group slow in every call is often more slower there.
-        ratio = max(float(ev.get("transfer_ratio", 0.0)), float(ev.get("low_transfer_ratio", 0.0)))
-        return ratio >= self.strong_ratio and many and slow < _SEVERAL_SLOW
 
 
 class RankDiagnosis:

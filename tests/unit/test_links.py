@@ -1,0 +1,148 @@
+"""The link rule's parameters and evidence (argus.detectors.links) and the job's link ledger with them
+(argus.detectors.link_ledger)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from typing import Any
+
+import pytest
+
+from argus.core.errors import DetectorError
+from argus.core.kinds import FindingKind
+from argus.detectors import L3Params, detect_l3
+from argus.detectors.findings import to_finding
+from argus.detectors.impact import Impact
+from argus.detectors.l3_kernels import L3Result
+from argus.detectors.link_ledger import LinkLedger
+from argus.detectors.links import (
+    CORROBORATES_ONLY,
+    PIPELINE_SIDE,
+    LinkEvidence,
+    LinkParams,
+    PseudoGroup,
+    group_kind,
+)
+from argus.producers.topology import build_topology
+from argus.schemas.records import Finding, ParallelGroup
+from tests.unit.test_l3 import AR, _ranks, _summary
+
+#: The keys of a link result's evidence as the rule wrote them before LinkEvidence (a whole group's).
+GROUP_KEYS = {"window_end_ns", "n_ranks", "collective", "group_known", "group", "group_kind", "group_index",
+              "whole_group", "transfer_ratio", "p50_ratio", "group_min_ns", "low_transfer_ratio", "healthy_min_ns",
+              "mode_share_of_calls", "groups_compared", "kind_groups", "kind_slow_groups", "kind_comparisons",
+              "w1_inter_over_intra_ratio"}
+SENDRECV = "ncclDevKernel_SendRecv"
+
+
+def test_link_params_defaults_are_the_rules_thresholds() -> None:
+    p = LinkParams()
+    assert (p.ratio, p.z, p.max_ratio, p.small_ratio, p.mad_floor, p.side_floor_ratio) == (1.3, 4.0, 20.0, 2.0,
+                                                                                          0.05, 1.2)
+    assert (p.spread_set, p.strong_ratio, p.strong_groups, p.several_slow) == (4, 2.5, 4, 3)
+    assert L3Params().links == p
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        p.ratio = 2.0  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("bad", [
+    {"ratio": 1.0}, {"ratio": math.nan}, {"max_ratio": math.inf}, {"small_ratio": 0.5}, {"side_floor_ratio": 1.0},
+    {"strong_ratio": -2.0}, {"z": -1.0}, {"z": math.nan}, {"mad_floor": 0.0}, {"mad_floor": 1.0},
+    {"ratio": 3.0, "max_ratio": 2.0}, {"spread_set": 1}, {"strong_groups": 0}, {"several_slow": 1},
+])
+def test_link_params_reject_out_of_range_values(bad: dict[str, Any]) -> None:
+    with pytest.raises(DetectorError):
+        LinkParams(**bad)
+
+
+def test_link_params_reach_the_rule_through_l3_params() -> None:
+    topo = build_topology("j", dp=4, tp=2)
+    slow = [_summary(_ranks(8, {r: 10.0 for r in (1, 3, 5, 7)}), kernel=AR, stream=13)]
+    assert [r.ranks for r in detect_l3(slow, topo)] == [(1, 3, 5, 7)]
+    # x10 beyond a max_ratio of 5 is waiting, not a link.
+    assert detect_l3(slow, topo, L3Params(links=LinkParams(max_ratio=5.0))) == []
+
+
+def test_group_kinds_read_back_from_evidence() -> None:
+    assert group_kind("PP") is ParallelGroup.PP and group_kind("TP") is ParallelGroup.TP
+    assert group_kind(PIPELINE_SIDE) is PseudoGroup.PP_SIDE and group_kind("JOB") is PseudoGroup.JOB
+    with pytest.raises(DetectorError, match="unknown group kind"):
+        group_kind("PP_PAIR")
+
+
+def _link_result() -> L3Result:
+    topo = build_topology("j", dp=4, tp=2)
+    [res] = detect_l3([_summary(_ranks(8, {r: 10.0 for r in (1, 3, 5, 7)}), kernel=AR, stream=13)], topo)
+    assert res.kind is FindingKind.LINK_DEGRADED
+    return res
+
+
+def test_link_evidence_is_the_dictionary_the_rule_wrote_before() -> None:
+    ev = _link_result().evidence
+    assert set(ev) == GROUP_KEYS
+    assert ev["group"] == "DP1" and ev["group_kind"] == "DP" and isinstance(ev["group_kind"], str)
+    assert ev["p50_ratio"] == ev["transfer_ratio"] and ev["whole_group"] is True and ev["collective"] is True
+    back = LinkEvidence.from_dict(ev)
+    assert back.group_kind is ParallelGroup.DP and back.as_dict() == ev
+
+
+def test_link_evidence_round_trips_through_a_finding() -> None:
+    res = _link_result()
+    f = to_finding("j", res, 10, Impact(2e6, 5, 4e6, 2e7))
+    # The finding's evidence: the link's keys as written, with the impact's.
+    assert set(f.evidence) == GROUP_KEYS | {"delay_ms_per_step", "impact_steps"}
+    link = {k: v for k, v in f.evidence.items() if k in GROUP_KEYS}
+    assert LinkEvidence.from_dict(f.evidence).as_dict() == link
+    assert json.dumps(LinkEvidence.from_dict(f.evidence).as_dict(), sort_keys=True) == json.dumps(link, sort_keys=True)
+
+
+def test_a_pipeline_sides_evidence_round_trips_with_its_stage_and_corroboration() -> None:
+    # The real run's stage-0 sides of tests/unit/test_l3.py: rank 3's side only corroborates.
+    topo = build_topology("j", dp=4, tp=2, pp=2)
+    rows = [(0, [(42, 320.8e3, 338.7e3), (21, 732.5e3, 862.5e3), (21, 10.51e6, 10.94e6)]),
+            (1, [(42, 317.5e3, 335.9e3), (21, 747.1e3, 883.0e3), (21, 10.53e6, 10.97e6)]),
+            (2, [(42, 324.1e3, 408.9e3), (21, 1148.6e3, 1346.1e3), (21, 11.11e6, 11.67e6)]),
+            (3, [(63, 670.1e3, 1656.9e3), (21, 11.12e6, 11.65e6)]),
+            (4, [(63, 547.8e3, 1048.0e3), (21, 10.83e6, 11.20e6)]),
+            (5, [(63, 543.7e3, 1033.7e3), (21, 10.85e6, 11.21e6)]),
+            (6, [(63, 483.9e3, 998.7e3), (21, 10.71e6, 11.17e6)]),
+            (7, [(63, 419.4e3, 997.3e3), (21, 10.73e6, 11.18e6)])]
+    [res] = detect_l3([_summary(rows, kernel=SENDRECV)], topo)
+    ev = res.evidence
+    assert set(ev) == GROUP_KEYS | {"pp_group", "pp_stage", CORROBORATES_ONLY}
+    assert ev["group_kind"] == PIPELINE_SIDE and ev["whole_group"] is False and ev[CORROBORATES_ONLY] is True
+    back = LinkEvidence.from_dict(ev)
+    assert back.group_kind is PseudoGroup.PP_SIDE and back.corroborates_only and back.pp_stage == 0
+    assert back.as_dict() == ev
+    assert CORROBORATES_ONLY not in dataclasses.replace(back, corroborates_only=False).as_dict()
+
+
+def _side_finding(rank: int, stage: int, ratio: float, impact: float) -> Finding:
+    ev = LinkEvidence(group=f"PP_SIDE{3 * 65536 + stage}", group_kind=PseudoGroup.PP_SIDE,
+                      group_index=3 * 65536 + stage, whole_group=False, transfer_ratio=ratio, group_min_ns=2e5 * ratio,
+                      low_transfer_ratio=ratio, healthy_min_ns=2e5, mode_share_of_calls=1.0, groups_compared=4,
+                      kind_groups=8, kind_slow_groups=1, kind_comparisons=2, w1_inter_over_intra_ratio=None,
+                      window_end_ns=99, n_ranks=4, group_known=False, pp_group=3, pp_stage=stage)
+    res = L3Result(FindingKind.LINK_DEGRADED, (rank,), SENDRECV, 40 + stage, ratio, ev.as_dict(), excess_ns=impact)
+    return to_finding("j", res, 10, Impact(impact, 5, impact, impact * 5))
+
+
+def test_a_pipeline_pairs_evidence_is_its_larger_sides_as_a_whole_pp_group() -> None:
+    ledger = LinkLedger()
+    assert ledger.filter([_side_finding(1, 0, 1.8, 1e6)]) == []
+    [pair] = ledger.filter([_side_finding(5, 1, 2.2, 3e6)])
+    side = _side_finding(5, 1, 2.2, 3e6).evidence
+    want = {k: v for k, v in side.items() if k != "pp_stage"} | {
+        "group_kind": "PP", "whole_group": True, "group": "PP3", "side_transfer_ratio": {"5": 2.2, "1": 1.8}}
+    assert pair.ranks == (1, 5) and pair.evidence == want
+    assert LinkEvidence.from_dict(pair.evidence).group_kind is ParallelGroup.PP
+
+
+def test_the_ledger_reads_its_strong_evidence_gates_from_link_params() -> None:
+    f = to_finding("j", dataclasses.replace(_link_result(), evidence=_link_result().evidence | {
+        "transfer_ratio": 3.0, "low_transfer_ratio": 2.0, "groups_compared": 4, "kind_slow_groups": 1}), 10)
+    assert len(LinkLedger().filter([f])) == 1  # x3 against 4 groups: strong at the default x2.5
+    assert LinkLedger(LinkParams(strong_ratio=3.5)).filter([f]) == []
+    assert LinkLedger(LinkParams(strong_groups=5)).filter([f]) == []
