@@ -49,6 +49,7 @@ from typing import Any
 
 from argus.core.errors import KafkaLocalError
 from argus.core.kafka_security import AuthWatch, client_config
+from argus.core.private_files import write_private
 from argus.core.settings import Settings
 from argus.kafka_jars import fetch_jars, pom_path, tail_text
 from argus.kafka_users import Role, admin_settings
@@ -87,14 +88,6 @@ def _properties_escape(value: str) -> str:
 def _argfile_quote(arg: str) -> str:
     """``arg`` quoted for a Java launcher argument file (``java @file``)."""
     return '"' + arg.replace("\\", "\\\\").replace('"', '\\"') + '"'
-
-
-def _write_private(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` readable by its owner only (credentials), whatever the umask."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    os.fchmod(fd, 0o600)  # an existing file keeps its mode through O_CREAT
-    with os.fdopen(fd, "w") as fh:
-        fh.write(text)
 
 
 def _random_cluster_id() -> str:
@@ -426,7 +419,7 @@ class LocalKafka:
         }
         text = "# Written by argus.local_kafka on every start; edits are overwritten.\n"
         # 0600: with SASL it holds the user's password.
-        _write_private(self.properties_path,
+        write_private(self.properties_path,
                        text + "".join(f"{k}={_properties_escape(v)}\n" for k, v in props.items()))
         self.log4j_path.write_text(
             "status = warn\n"
@@ -485,7 +478,7 @@ class LocalKafka:
         cmd = self._java(libs, "kafka.tools.StorageTool", *args)
         # The arguments go through a 0600 argument file: a command line is readable by every local user.
         argfile = self.dir / "format.args"
-        _write_private(argfile, "\n".join(_argfile_quote(a) for a in cmd[1:]) + "\n")
+        write_private(argfile, "\n".join(_argfile_quote(a) for a in cmd[1:]) + "\n")
         logger.info("formatting KRaft storage in %s (cluster id %s%s)", self.data_dir, cluster_id,
                     f", SCRAM user {self.settings.kafka_sasl_username}" if scram else "")
         try:
@@ -496,7 +489,7 @@ class LocalKafka:
             raise KafkaLocalError(f"kafka-storage format failed (exit {proc.returncode}):\n"
                                   + tail_text(proc.stdout + "\n" + proc.stderr))
         if marker is not None:
-            _write_private(self.dir / "scram.json", json.dumps(marker) + "\n")
+            write_private(self.dir / "scram.json", json.dumps(marker) + "\n")
 
     def _console_tail(self) -> str:
         """The JVM console, the broker's ERROR lines of this launch and the end of its log."""

@@ -14,6 +14,8 @@ import json
 import os
 from pathlib import Path
 
+from argus.core.private_files import write_private
+
 __all__ = ["announce", "listens", "verified_port", "withdraw"]
 
 _PROC_NET = (Path("/proc/net/tcp"), Path("/proc/net/tcp6"))
@@ -29,9 +31,7 @@ def announce(home: Path, name: str, port: int) -> Path:
     path = _path(home, name)
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as fh:
-        json.dump({"pid": os.getpid(), "port": int(port)}, fh)
+    write_private(tmp, json.dumps({"pid": os.getpid(), "port": int(port)}))
     tmp.replace(path)
     return path
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Generic, TypeVar
 
 from argus.core.errors import ConfigError
+from argus.core.private_files import write_private
 
 __all__ = ["ENV_PREFIX", "MAX_LOCAL_BROKERS", "ClickHouseSettings", "DetectorSettings", "KafkaSettings", "Secret",
            "Settings", "WorkerSettings", "check_identifier"]
@@ -541,11 +542,9 @@ def _write_secret(path: Path, secret: Secret) -> Path:
     try:
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         path.parent.chmod(0o700)
-        data = secret.reveal().encode()
-        if not (path.is_file() and path.read_bytes() == data):
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "wb") as fh:
-                fh.write(data)
+        text = secret.reveal()
+        if not (path.is_file() and path.read_text() == text):
+            write_private(path, text)
         path.chmod(0o600)
     except OSError as exc:
         raise ConfigError(f"cannot write the credential file {path}: {exc}") from exc

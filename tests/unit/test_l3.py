@@ -284,19 +284,24 @@ def test_a_group_with_a_late_arrival_is_no_reference_for_the_others_links() -> N
     assert _found(res) == [(FindingKind.LINK_DEGRADED, tuple(range(8)))]
 
 
+#: A real run's send/receive clusters (count, p50, p99 ns) per rank of stage 0 (DP 4 x TP 2 x PP 2): rank 3's
+#: transfers x2 from the fourth of 21 steps on. A tuple: each test takes a list of its own to change.
+REAL_STAGE0_SIDES = ((0, [(42, 320.8e3, 338.7e3), (21, 732.5e3, 862.5e3), (21, 10.51e6, 10.94e6)]),
+                     (1, [(42, 317.5e3, 335.9e3), (21, 747.1e3, 883.0e3), (21, 10.53e6, 10.97e6)]),
+                     (2, [(42, 324.1e3, 408.9e3), (21, 1148.6e3, 1346.1e3), (21, 11.11e6, 11.67e6)]),
+                     (3, [(63, 670.1e3, 1656.9e3), (21, 11.12e6, 11.65e6)]),
+                     (4, [(63, 547.8e3, 1048.0e3), (21, 10.83e6, 11.20e6)]),
+                     (5, [(63, 543.7e3, 1033.7e3), (21, 10.85e6, 11.21e6)]),
+                     (6, [(63, 483.9e3, 998.7e3), (21, 10.71e6, 11.17e6)]),
+                     (7, [(63, 419.4e3, 997.3e3), (21, 10.73e6, 11.18e6)]))
+
+
 def test_the_slowest_side_of_a_stage_short_of_the_z_score_only_corroborates() -> None:
     # A real run's stage-0 sides (DP 4 x TP 2 x PP 2): rank 3's transfers x2 from the fourth of 21 steps on
     # share a cluster with its earlier fast calls; its stage peers' calls vary too much for a z-score. The
     # slowest side, slower in its fast calls too, corroborates its neighbour's side but is never a finding.
     topo = build_topology("j", dp=4, tp=2, pp=2)
-    rows = [(0, [(42, 320.8e3, 338.7e3), (21, 732.5e3, 862.5e3), (21, 10.51e6, 10.94e6)]),
-            (1, [(42, 317.5e3, 335.9e3), (21, 747.1e3, 883.0e3), (21, 10.53e6, 10.97e6)]),
-            (2, [(42, 324.1e3, 408.9e3), (21, 1148.6e3, 1346.1e3), (21, 11.11e6, 11.67e6)]),
-            (3, [(63, 670.1e3, 1656.9e3), (21, 11.12e6, 11.65e6)]),
-            (4, [(63, 547.8e3, 1048.0e3), (21, 10.83e6, 11.20e6)]),
-            (5, [(63, 543.7e3, 1033.7e3), (21, 10.85e6, 11.21e6)]),
-            (6, [(63, 483.9e3, 998.7e3), (21, 10.71e6, 11.17e6)]),
-            (7, [(63, 419.4e3, 997.3e3), (21, 10.73e6, 11.18e6)])]
+    rows = list(REAL_STAGE0_SIDES)
     res = detect_l3([_summary(rows, kernel="ncclDevKernel_SendRecv")], topo)
     assert _found(res) == [(FindingKind.LINK_DEGRADED, (3,))]
     assert res[0].evidence["group_kind"] == PIPELINE_SIDE and res[0].evidence[CORROBORATES_ONLY] is True

@@ -27,7 +27,7 @@ from argus.detectors.links import (
 )
 from argus.producers.topology import build_topology
 from argus.schemas.records import Finding, ParallelGroup
-from tests.unit.test_l3 import AR, _ranks, _summary
+from tests.unit.test_l3 import AR, REAL_STAGE0_SIDES, _ranks, _summary
 
 #: The keys of a link result's evidence as the rule wrote them before LinkEvidence (a whole group's).
 GROUP_KEYS = {"window_end_ns", "n_ranks", "collective", "group_known", "group", "group_kind", "group_index",
@@ -101,14 +101,7 @@ def test_link_evidence_round_trips_through_a_finding() -> None:
 def test_a_pipeline_sides_evidence_round_trips_with_its_stage_and_corroboration() -> None:
     # The real run's stage-0 sides of tests/unit/test_l3.py: rank 3's side only corroborates.
     topo = build_topology("j", dp=4, tp=2, pp=2)
-    rows = [(0, [(42, 320.8e3, 338.7e3), (21, 732.5e3, 862.5e3), (21, 10.51e6, 10.94e6)]),
-            (1, [(42, 317.5e3, 335.9e3), (21, 747.1e3, 883.0e3), (21, 10.53e6, 10.97e6)]),
-            (2, [(42, 324.1e3, 408.9e3), (21, 1148.6e3, 1346.1e3), (21, 11.11e6, 11.67e6)]),
-            (3, [(63, 670.1e3, 1656.9e3), (21, 11.12e6, 11.65e6)]),
-            (4, [(63, 547.8e3, 1048.0e3), (21, 10.83e6, 11.20e6)]),
-            (5, [(63, 543.7e3, 1033.7e3), (21, 10.85e6, 11.21e6)]),
-            (6, [(63, 483.9e3, 998.7e3), (21, 10.71e6, 11.17e6)]),
-            (7, [(63, 419.4e3, 997.3e3), (21, 10.73e6, 11.18e6)])]
+    rows = list(REAL_STAGE0_SIDES)
     [res] = detect_l3([_summary(rows, kernel=SENDRECV)], topo)
     ev = res.evidence
     assert set(ev) == GROUP_KEYS | {"pp_group", "pp_stage", CORROBORATES_ONLY}
