@@ -36,6 +36,7 @@ __all__ = [
     "Level",
     "LifecycleEvent",
     "ParallelGroup",
+    "PauseReason",
     "PhaseBatch",
     "PhaseKind",
     "Record",
@@ -121,6 +122,18 @@ class ParallelGroup(enum.Enum):
     def column(self) -> str:
         """The :class:`JobTopology` column of this kind's group ids (``dp_group``, ...); '' for NONE."""
         return "" if self is ParallelGroup.NONE else f"{self.value.lower()}_group"
+
+
+class PauseReason(enum.Enum):
+    """Why a rank's kernel records are paused (its steps and phases go on): a window without its kernels is
+    missing data, never a fault."""
+
+    #: ``argus control pause-kernels`` (e.g. to let nsys take CUPTI).
+    CONTROL = "CONTROL"
+    #: ``argus control sample-ranks N`` left this rank out.
+    SAMPLING = "SAMPLING"
+    #: A profiler in the process (torch.profiler) holds CUPTI, or held it when argus started.
+    PROFILER = "PROFILER"
 
 
 class LifecycleEvent(enum.Enum):
@@ -658,7 +671,7 @@ class JobLifecycle(Record):
 
 @dataclass(frozen=True)
 class Heartbeat(Record):
-    """Liveness of one rank: what it is doing now; see ``schemas/heartbeat.v1.avsc``.
+    """Liveness of one rank: what it is doing now; see ``schemas/heartbeat.v2.avsc`` (v1 still read).
 
     Published by the rank-side tracer every ``Settings.heartbeat_interval_s`` seconds and on phase entry.
 
@@ -669,6 +682,9 @@ class Heartbeat(Record):
         collective: kind of the collective in flight (None if none), in ``group`` (NONE if none) number
             ``group_index`` (-1 if unknown); ``seq`` its sequence number among this rank's collectives of that
             group (-1 if none); ``in_flight_since_ns`` when it was issued (ns since the epoch, -1 if none).
+        kernels_paused: the rank's kernel records are paused now, for ``pause_reasons``; ``kernel_pauses``
+            counts the pauses so far. ``control_ack``: id of the last control command applied ('' if none),
+            ``control_error`` why it was refused ('' when applied).
     """
 
     SCHEMA: ClassVar[str] = "heartbeat"
@@ -684,10 +700,16 @@ class Heartbeat(Record):
     group_index: int = -1
     seq: int = -1
     in_flight_since_ns: int = -1
+    kernels_paused: bool = False
+    pause_reasons: tuple[PauseReason, ...] = ()
+    control_ack: str = ""
+    control_error: str = ""
+    kernel_pauses: int = 0
 
     @classmethod
     def _enum_fields(cls) -> dict[str, type[enum.Enum]]:
-        return {"phase_kind": PhaseKind, "collective": PhaseKind, "group": ParallelGroup}
+        return {"phase_kind": PhaseKind, "collective": PhaseKind, "group": ParallelGroup,
+                "pause_reasons": PauseReason}
 
     @property
     def in_flight(self) -> bool:
@@ -707,6 +729,10 @@ class Heartbeat(Record):
             _times(what, "in_flight_since_ns", self.in_flight_since_ns)
         if self.collective is not None and not self.collective.is_collective:
             raise SchemaError(f"{what}: collective {self.collective.value} is not a collective kind")
+        _bounded(what, "kernel_pauses", self.kernel_pauses, 0, _INT64[1])
+        if self.kernels_paused != bool(self.pause_reasons):
+            raise SchemaError(f"{what}: kernels_paused={self.kernels_paused} with pause reasons "
+                              f"{[r.value for r in self.pause_reasons]}")
 
 
 #: Longest ``Finding.evidence_json`` accepted, characters (a detector's evidence is a few hundred).
