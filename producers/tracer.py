@@ -59,6 +59,7 @@ from argus.producers.control import ControlThread, RankControl
 from argus.producers.cuda_timing import EventPool, PhaseRec, StepRec, StepResolver, epoch_ns
 from argus.producers.cupti_kernels import CuptiKernels, CuptiState, CuptiStatus, StepMarks
 from argus.producers.heartbeat import HeartbeatThread, LiveState
+from argus.producers.profiler_guard import ProfilerGuard
 from argus.producers.rank_registry import RankRegistry
 from argus.producers.tracer_auto import AutoMixin
 from argus.producers.tracer_collectives import CollectiveMixin
@@ -111,6 +112,8 @@ class TracerStats:
     kernel_pauses: int = 0
     control_applied: int = 0
     control_refused: int = 0
+    #: torch.profiler sessions of this process that argus stepped aside for.
+    profiler_sessions: int = 0
 
 
 class _PhaseScope:
@@ -234,6 +237,8 @@ class Tracer(CollectiveMixin, HookMixin, AutoMixin, DDPMixin, PatchMixin):
         self._ack = ("", "")  # the last control command applied, and why it was refused ('' if applied)
         self._control = RankControl(rank, world_size, self)
         self._control_thread: ControlThread | None = None
+        self._guard = ProfilerGuard(lambda: self.pause_kernels(PauseReason.PROFILER),
+                                    lambda: self.resume_kernels(PauseReason.PROFILER))
         self._heartbeat = heartbeat
         self._beat: HeartbeatThread | None = None
         self._step_mode = "auto"  # iteration boundaries of the hooks: see argus.producers.tracer_auto
@@ -286,7 +291,12 @@ class Tracer(CollectiveMixin, HookMixin, AutoMixin, DDPMixin, PatchMixin):
             except Exception as exc:
                 self._error("rank registry", exc)
         if self._kernels is not None:
-            self._kernels.start()
+            state = self._kernels.start().state
+            if state in (CuptiState.RUNNING, CuptiState.PAUSED):  # a profiler in the process: step aside for it
+                try:
+                    self._guard.install()
+                except Exception as exc:
+                    self._error("profiler guard", exc)
         if self._heartbeat:
             try:
                 self._beat = HeartbeatThread(self.job_id, self.rank, self._live, self._publisher,
@@ -347,6 +357,7 @@ class Tracer(CollectiveMixin, HookMixin, AutoMixin, DDPMixin, PatchMixin):
             return self.stats()
         self._closed = True
         self.unpatch_collectives()
+        self._guard.uninstall()
         if self._control_thread is not None:
             self._control_thread.stop()
         if self._beat is not None:  # first: a closing rank is not a live one
@@ -423,7 +434,8 @@ class Tracer(CollectiveMixin, HookMixin, AutoMixin, DDPMixin, PatchMixin):
             cuda=self._cuda, heartbeats_published=self._beat.published if self._beat else 0,
             heartbeats_dropped=self._beat.dropped if self._beat else 0,
             kernel_pauses=self._kernels.pauses if self._kernels else 0,
-            control_applied=self._control.applied, control_refused=self._control.refused)
+            control_applied=self._control.applied, control_refused=self._control.refused,
+            profiler_sessions=self._guard.sessions)
 
     @property
     def cupti_status(self) -> CuptiStatus:

@@ -158,7 +158,8 @@ def test_pause_releases_cupti_and_resume_takes_it_back(monkeypatch: pytest.Monke
     assert fake.enabled == [] and k.status.reason == "paused: PROFILER"
     fake.completed, fake.enabled = None, []  # a profiler registered its own callbacks meanwhile
     k.resume(PauseReason.PROFILER)
-    assert k.status.state is CuptiState.RUNNING and fake.completed is not None and KIND_CONCURRENT_KERNEL in fake.enabled
+    assert k.status.state is CuptiState.RUNNING and fake.completed is not None
+    assert KIND_CONCURRENT_KERNEL in fake.enabled
     fake.completed([kernel("after", time.time_ns(), 5)])
     k.stop()
     names = [b.names[i] for b in pub.batches() for i in b.name_idx.tolist()]
