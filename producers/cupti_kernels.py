@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import dataclasses
 import enum
 import logging
 import os
@@ -526,11 +527,7 @@ class CuptiKernels:
             return ActivityColumns.empty()
         if end_of_stream:
             if batches:
-                last = batches[-1]
-                batches[-1] = KernelBatch(job_id=last.job_id, rank=last.rank, seq=last.seq, names=last.names,
-                                          name_idx=last.name_idx, stream=last.stream, start_ns=last.start_ns,
-                                          duration_ns=last.duration_ns, step=last.step, host=last.host,
-                                          dropped=last.dropped, end_of_stream=True)
+                batches[-1] = dataclasses.replace(batches[-1], end_of_stream=True)
             else:
                 batches = [KernelBatch.empty(self.job_id, self.rank, self._seq, end_of_stream=True, host=self.host)]
         for b in batches:

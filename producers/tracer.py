@@ -64,6 +64,7 @@ from argus.producers.rank_registry import RankRegistry
 from argus.producers.tracer_auto import AutoMixin
 from argus.producers.tracer_collectives import CollectiveMixin
 from argus.producers.tracer_ddp import DDPMixin
+from argus.producers.tracer_graphs import GraphMixin
 from argus.producers.tracer_hooks import HookMixin
 from argus.producers.tracer_patch import PatchMixin
 from argus.schemas.records import JobLifecycle, JobTopology, LifecycleEvent, ParallelGroup, PauseReason, PhaseKind
@@ -114,6 +115,8 @@ class TracerStats:
     control_refused: int = 0
     #: torch.profiler sessions of this process that argus stepped aside for.
     profiler_sessions: int = 0
+    #: Phases opened while a CUDA graph was being captured (left out: the GPU runs nothing then).
+    phases_captured: int = 0
 
 
 class _PhaseScope:
@@ -147,7 +150,7 @@ class _StepScope:
         self._tracer._end_step()
 
 
-class Tracer(CollectiveMixin, HookMixin, AutoMixin, DDPMixin, PatchMixin):
+class Tracer(CollectiveMixin, HookMixin, AutoMixin, DDPMixin, PatchMixin, GraphMixin):
     """Always-on tracing of one rank of a training job (see the module docstring for an example).
 
     Args:
@@ -237,6 +240,9 @@ class Tracer(CollectiveMixin, HookMixin, AutoMixin, DDPMixin, PatchMixin):
         self._ack = ("", "")  # the last control command applied, and why it was refused ('' if applied)
         self._control = RankControl(rank, world_size, self)
         self._control_thread: ControlThread | None = None
+        self._graph_ids: dict[int, int] = {}  # id(torch.cuda.CUDAGraph) -> its number in phase names
+        self._graph_patch: tuple[Any, Any, Any] | None = None
+        self._captured = 0
         self._guard = ProfilerGuard(lambda: self.pause_kernels(PauseReason.PROFILER),
                                     lambda: self.resume_kernels(PauseReason.PROFILER))
         self._heartbeat = heartbeat
@@ -297,6 +303,11 @@ class Tracer(CollectiveMixin, HookMixin, AutoMixin, DDPMixin, PatchMixin):
                     self._guard.install()
                 except Exception as exc:
                     self._error("profiler guard", exc)
+        if self._cuda:
+            try:
+                self.time_graph_replays()
+            except Exception as exc:
+                self._error("graph replays", exc)
         if self._heartbeat:
             try:
                 self._beat = HeartbeatThread(self.job_id, self.rank, self._live, self._publisher,
@@ -357,6 +368,7 @@ class Tracer(CollectiveMixin, HookMixin, AutoMixin, DDPMixin, PatchMixin):
             return self.stats()
         self._closed = True
         self.unpatch_collectives()
+        self.untime_graph_replays()
         self._guard.uninstall()
         if self._control_thread is not None:
             self._control_thread.stop()
@@ -435,7 +447,7 @@ class Tracer(CollectiveMixin, HookMixin, AutoMixin, DDPMixin, PatchMixin):
             heartbeats_dropped=self._beat.dropped if self._beat else 0,
             kernel_pauses=self._kernels.pauses if self._kernels else 0,
             control_applied=self._control.applied, control_refused=self._control.refused,
-            profiler_sessions=self._guard.sessions)
+            profiler_sessions=self._guard.sessions, phases_captured=self._captured)
 
     @property
     def cupti_status(self) -> CuptiStatus:
@@ -509,7 +521,7 @@ class Tracer(CollectiveMixin, HookMixin, AutoMixin, DDPMixin, PatchMixin):
                 self._end_step()
             self._next_step = n + 1
             ev = None
-            if self._pool is not None:
+            if self._pool is not None and not self._capturing():
                 ev = self._pool.get()
                 if ev is not None:
                     ev.record()
@@ -528,7 +540,7 @@ class Tracer(CollectiveMixin, HookMixin, AutoMixin, DDPMixin, PatchMixin):
             return
         try:
             if rec.ev0 is not None and self._pool is not None:
-                ev = self._pool.get()
+                ev = self._pool.get() if not self._capturing() else None  # a capture: host time only
                 if ev is not None:
                     ev.record()
                     rec.ev1 = ev
@@ -544,6 +556,9 @@ class Tracer(CollectiveMixin, HookMixin, AutoMixin, DDPMixin, PatchMixin):
             self._outside += 1
             return None
         try:
+            if self._capturing():  # the GPU runs nothing now, and a timing event would break the capture
+                self._captured += 1
+                return None
             if len(cur.phases) >= self._max_phases:
                 cur.dropped_phases += 1
                 return None
@@ -568,7 +583,9 @@ class Tracer(CollectiveMixin, HookMixin, AutoMixin, DDPMixin, PatchMixin):
     def _close(self, rec: PhaseRec) -> None:
         try:
             self._live.exit(rec)
-            if rec.ev0 is not None and self._pool is not None:
+            if rec.ev0 is not None and self._pool is not None and self._capturing():
+                rec.on = None  # a capture began inside the phase: no event now (the phase is dropped, counted)
+            elif rec.ev0 is not None and self._pool is not None:
                 s, rec.on = rec.on, None
                 ev = self._pool.get()
                 if ev is not None:
@@ -589,6 +606,9 @@ class Tracer(CollectiveMixin, HookMixin, AutoMixin, DDPMixin, PatchMixin):
         return sid
 
     # -- helpers ---------------------------------------------------------------------------------------------
+
+    def _torch(self) -> Any:
+        return torch
 
     def _error(self, where: str, exc: BaseException) -> None:
         self._errors += 1
