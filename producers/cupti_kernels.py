@@ -78,7 +78,7 @@ class CuptiState(enum.Enum):
     PAUSED = "PAUSED"  #: CUPTI released for a while (a profiler, argus control, sampling): see pause()
     STOPPED = "STOPPED"  #: stopped cleanly after running
     DISABLED = "DISABLED"  #: this process is not selected (rank list, compile worker, launcher, env)
-    UNAVAILABLE = "UNAVAILABLE"  #: no cupti-python, CUDA driver or GPU, or CUPTI is held by another tool
+    UNAVAILABLE = "UNAVAILABLE"  #: no cupti-python, CUDA driver or GPU (CUPTI held by another tool: PAUSED)
     FAILED = "FAILED"  #: started, then an unexpected CUPTI error
 
 
@@ -111,7 +111,6 @@ class CuptiStats:
 def _held_by_another_tool(exc: BaseException) -> bool:
     """Whether CUPTI refused because another tool (a profiler, nsys) holds it, not for want of a driver or GPU."""
     return "MULTIPLE_SUBSCRIBERS" in f"{exc!r} {exc}".upper()
-
 
 
 def _load_cupti() -> tuple[Any | None, str]:
@@ -294,12 +293,9 @@ class CuptiKernels:
             if reason in self._reasons:
                 return
             self._reasons.add(reason)
-            if len(self._reasons) > 1 or self._status.state in (CuptiState.STOPPED, CuptiState.DISABLED,
-                                                                  CuptiState.UNAVAILABLE, CuptiState.FAILED):
-                if self._status.state is CuptiState.PAUSED:
-                    self._status = self._paused_status()
-                return
-            if self._status.state is CuptiState.RUNNING:
+            if self._status.state is CuptiState.PAUSED:  # paused already: one more reason
+                self._status = self._paused_status()
+            elif self._status.state is CuptiState.RUNNING:
                 self._release()
                 self._status = self._paused_status()
                 self.pauses += 1
