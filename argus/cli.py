@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from argus.core.errors import ArgusError
+from argus.core.errors import ArgusError, SchemaError
 from argus.core.extras import Extra, missing_extra, require_extra
 from argus.core.kafka_logs import LIBRDKAFKA_LOGGER, KafkaUnreachableError, require_kafka
 from argus.core.settings import Settings
@@ -279,6 +279,16 @@ def _cmd_findings(settings: Settings, args: argparse.Namespace) -> int:
         _out(f"no findings for job {args.job}")
     else:
         _out(_table(_FINDING_COLUMNS, _finding_rows(findings)))
+    if not args.json:
+        from argus.sinks.kernel_pauses import format_pauses, kernel_pauses
+
+        try:
+            spans = kernel_pauses(settings, args.job)
+        except ArgusError as exc:  # a store its sink has not migrated yet (no pause columns): findings still shown
+            _err(f"argus: kernel pauses not shown: {exc}")
+            spans = []
+        for line in format_pauses(spans):
+            _out(line)
     return Exit.OK if complete else Exit.INCOMPLETE
 
 
@@ -374,6 +384,51 @@ def _cmd_stacks(settings: Settings, args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: stop.set())
     StackCollector(settings).run(stop)
     return 0
+
+
+def _cmd_control(settings: Settings, args: argparse.Namespace) -> int:
+    from argus.rank_control import make_command, send_command
+    from argus.schemas.control import ControlAction
+
+    action = ControlAction(args.action.upper().replace("-", "_"))
+    try:
+        cmd = make_command(args.job, action, ranks=args.ranks or (), count=getattr(args, "count", 0),
+                           setting=getattr(args, "setting", ""))
+    except SchemaError as exc:
+        sys.stderr.write(f"argus: {exc}\n")
+        return Exit.USAGE
+    partition = send_command(settings, cmd)
+    ranks = ",".join(map(str, cmd.ranks)) or "all"
+    _out(f"control {cmd.command_id}: {action.value} to job {cmd.job_id}, ranks {ranks} (partition {partition}); "
+         "each rank acknowledges it in its heartbeats (control_ack)")
+    return 0
+
+
+def _runtime_setting(text: str) -> str:
+    """An argparse type: ``KEY=VALUE`` of a runtime setting (:data:`argus.schemas.control.RUNTIME_SETTINGS`)."""
+    from argus.schemas.control import runtime_value
+
+    key, sep, value = text.partition("=")
+    try:
+        if not sep:
+            raise SchemaError(f"expected KEY=VALUE, got {text!r}")
+        runtime_value(key, value)
+    except SchemaError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def _rank_list(text: str) -> tuple[int, ...]:
+    """An argparse type: ranks as ``0,3,8-11``."""
+    from argus.producers.cupti_parse import parse_rank_list
+
+    try:
+        ranks = parse_rank_list(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if ranks is None:
+        return ()
+    return tuple(sorted(ranks))
 
 
 def _bounded_int(least: int, most: int = 1 << 31) -> Callable[[str], int]:
@@ -523,6 +578,21 @@ def _parser() -> argparse.ArgumentParser:
                         "findings and the END's record counts stored (exit 4 on timeout)")
     s.add_argument("--json", action="store_true", help="print a JSON array of findings")
     s.set_defaults(fn=_cmd_findings)
+    s = sub.add_parser("control", help="pause, resume or re-tune the ranks of a running job without a restart "
+                                       "(acknowledged in each rank's heartbeats)")
+    s.add_argument("--job", required=True, type=_job_id)
+    s.add_argument("--ranks", type=_rank_list, default=None, metavar="LIST",
+                   help="the ranks it applies to, e.g. 0,3,8-11 (default: every rank)")
+    cs = s.add_subparsers(dest="action", required=True)
+    cs.add_parser("pause-kernels", help="stop kernel records (CUPTI released, e.g. for nsys); steps and phases "
+                                        "go on, and the gap is missing data, never a fault")
+    cs.add_parser("resume-kernels", help="start kernel records again")
+    c = cs.add_parser("sample-ranks", help="trace kernels on N ranks spread over the job (0: every rank)")
+    c.add_argument("count", type=_bounded_int(0))
+    c = cs.add_parser("set", help="change a runtime setting: heartbeat_interval_s, kernel_batch_events, "
+                                  "kernel_max_latency_s")
+    c.add_argument("setting", metavar="KEY=VALUE", type=_runtime_setting)
+    s.set_defaults(fn=_cmd_control)
     s = sub.add_parser("import-kineto", help="publish torch.profiler/Kineto traces (one file per rank) as a job")
     s.add_argument("directory", type=Path)
     s.add_argument("--job", required=True, type=_job_id)
@@ -584,12 +654,12 @@ def _private_home(home: Path) -> None:
 
 
 #: Commands of the base install (the rank side): everything else needs the ``server`` extra.
-_RANK_SIDE_COMMANDS = frozenset({"stacks", "topics", "acls"})
+_RANK_SIDE_COMMANDS = frozenset({"stacks", "topics", "acls", "control"})
 
 
 def _needs_kafka(args: argparse.Namespace) -> bool:
     """Whether the command talks to the brokers (checked first, so an unreachable one is one clear error)."""
-    if args.command in ("topics", "acls", "simulate", "replay", "import-kineto", "stacks"):
+    if args.command in ("topics", "acls", "simulate", "replay", "import-kineto", "stacks", "control"):
         return True
     if args.command == "findings":
         return bool(args.follow)
@@ -598,8 +668,9 @@ def _needs_kafka(args: argparse.Namespace) -> bool:
 
 #: The Kafka user each command takes against a secure home (``ARGUS_KAFKA_SECURE=1`` without credentials of its
 #: own): the least its work needs. ``up``, ``status`` and ``down`` manage the stack as its admin themselves.
-_COMMAND_ROLE = {"topics": Role.ADMIN, "acls": Role.ADMIN, "replay": Role.ADMIN, "export-trace": Role.ADMIN,
-                 "simulate": Role.RANK, "import-kineto": Role.RANK, "stacks": Role.RANK, "findings": Role.READER,
+_COMMAND_ROLE = {"topics": Role.ADMIN, "acls": Role.ADMIN, "control": Role.ADMIN, "replay": Role.ADMIN,
+                 "export-trace": Role.ADMIN, "simulate": Role.RANK, "import-kineto": Role.RANK, "stacks": Role.RANK,
+                 "findings": Role.READER,
                  "worker": Role.WORKER, "sink": Role.SINK}
 
 

@@ -8,8 +8,10 @@ a principal may do only what an ALLOW binding grants, and a super user (``super.
 ===========  ============================================================  ==================================
 role         writes (WRITE, with DESCRIBE)                                 reads (READ, with DESCRIBE)
 ===========  ============================================================  ==================================
-``rank``     kernels, steps, phases, topology, lifecycle (START/END),      findings (``argus stacks``), groups
-             heartbeats, stacks                                            ``<app_id>-stacks-*``
+``rank``     kernels, steps, phases, topology, lifecycle (START/END),      findings (``argus stacks``), control
+             heartbeats, stacks                                            (``argus control``'s commands, read
+                                                                           by assignment: no group), groups
+                                                                           ``<app_id>-stacks-*``
 ``worker``   summaries, findings, findings.json, lifecycle (DIAGNOSED/     kernels, steps, phases, topology,
              ABANDONED), deadletter, context, kernels (a job's end         lifecycle, heartbeats, summaries,
              marker in each partition), its own ``<app_id>-*`` topics      context, ``<app_id>-*`` topics;
@@ -28,7 +30,8 @@ role         writes (WRITE, with DESCRIBE)                                 reads
 Topic names carry ``topic_prefix`` (LITERAL bindings on the full names); the worker's own topics (Faust's
 leader topic ``<app_id>-__assignor-__leader``, changelogs) and the consumer groups marked ``*`` are PREFIXED
 bindings. Nobody but the admin (a super user) may create, delete or alter topics, or read and write other
-topics. An idempotent producer needs no ``IdempotentWrite`` on the cluster: since Kafka 3.0 (KIP-679) WRITE on a
+topics. The control topic is written by the admin only (``argus control``). An idempotent producer needs no
+``IdempotentWrite`` on the cluster: since Kafka 3.0 (KIP-679) WRITE on a
 topic lets it obtain a producer id, which ``tests/integration/test_kafka_acls.py`` shows for the rank's
 publisher.
 """
@@ -105,7 +108,8 @@ WRITES: Mapping[Role, frozenset[Topic]] = {
 }
 #: The argus topics each role reads (READ and DESCRIBE on each).
 READS: Mapping[Role, frozenset[Topic]] = {
-    Role.RANK: frozenset({Topic.FINDINGS}),  # argus stacks: which ranks a finding names
+    # findings: argus stacks (which ranks a finding names); control: argus control's commands to running ranks.
+    Role.RANK: frozenset({Topic.FINDINGS, Topic.CONTROL}),
     Role.WORKER: frozenset({*_INPUTS, Topic.SUMMARIES, Topic.CONTEXT}),
     # The topics the sink stores (argus.sinks.tables.TABLE_OF_TOPIC; a unit test keeps them equal).
     Role.SINK: frozenset({Topic.STEPS, Topic.PHASES, Topic.SUMMARIES, Topic.TOPOLOGY, Topic.LIFECYCLE,
@@ -118,7 +122,9 @@ def group_grants(settings: Settings) -> dict[Role, tuple[tuple[str, Pattern], ..
     """The consumer groups each role may use (READ), as (name, pattern)."""
     app = settings.app_id
     return {
-        Role.RANK: ((f"{app}-stacks-", Pattern.PREFIXED),),  # argus stacks: <app_id>-stacks-<host>
+        # argus stacks: <app_id>-stacks-<host>; the control thread: <app_id>-control-<job>-<rank> (assigned, never
+        # joined: librdkafka needs a group id, and the broker checks READ on it when asked for offsets).
+        Role.RANK: ((f"{app}-stacks-", Pattern.PREFIXED), (f"{app}-control-", Pattern.PREFIXED)),
         Role.WORKER: ((app, Pattern.LITERAL), (f"{app}-scan", Pattern.LITERAL),
                       (f"{app}-context-", Pattern.PREFIXED)),
         Role.SINK: ((settings.sink_group, Pattern.LITERAL),),

@@ -15,6 +15,7 @@ logical topic      key                             record                  why t
 ``heartbeats``     ``<job>``                       Heartbeat               all ranks of a job meet (hangs)
 ``deadletter``     the rejected message's key      DeadLetter              nothing is lost silently
 ``context``        ``<job>/<part>``                JobContext              compacted; every worker reads it all
+``control``        ``<job>/<slot>/<ranks>``        ControlCommand          compacted; partition of ``<job>``
 =================  ==============================  ======================  ===============================
 
 Full names carry :attr:`Settings.topic_prefix` (default ``argus.``). Every topic is created up front with
@@ -39,6 +40,7 @@ from confluent_kafka.admin import AdminClient, NewTopic
 from argus.core.errors import ArgusError
 from argus.core.kafka_security import AuthWatch, client_config
 from argus.core.settings import Settings
+from argus.schemas.control import ControlCommand
 from argus.schemas.job_context import JobContext
 from argus.schemas.records import (
     CpuStack,
@@ -54,8 +56,8 @@ from argus.schemas.records import (
     Step,
 )
 
-__all__ = ["PARTITIONER", "RECORD_OF", "PublisherLike", "Topic", "ensure_topics", "job_key", "kernel_key",
-           "key_partition", "publish_in_order", "rank_key"]
+__all__ = ["PARTITIONER", "RECORD_OF", "PublisherLike", "Topic", "control_partition", "ensure_topics", "job_key",
+           "kernel_key", "key_partition", "publish_in_order", "rank_key"]
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +77,9 @@ class Topic(enum.Enum):
     STACKS = "stacks"
     HEARTBEATS = "heartbeats"
     CONTEXT = "context"
+    #: Commands to running ranks (``argus control``): compacted, every record of a job in the partition of
+    #: ``job_key(job)`` (see :func:`control_partition`), which the job's ranks read from its start.
+    CONTROL = "control"
 
     def full(self, settings: Settings) -> str:
         """The topic's name on the broker."""
@@ -93,6 +98,7 @@ RECORD_OF: dict[Topic, type[Record]] = {
     Topic.STACKS: CpuStack,
     Topic.HEARTBEATS: Heartbeat,
     Topic.CONTEXT: JobContext,
+    Topic.CONTROL: ControlCommand,
 }
 
 
@@ -171,7 +177,13 @@ def key_partition(key: bytes, partitions: int) -> int:
 
 
 #: Topics that keep the newest record per key (the job context is read in full by every worker at start).
-_COMPACTED = frozenset({Topic.TOPOLOGY, Topic.CONTEXT})
+_COMPACTED = frozenset({Topic.TOPOLOGY, Topic.CONTEXT, Topic.CONTROL})
+
+
+def control_partition(job_id: str, partitions: int) -> int:
+    """The partition of the control topic that holds every command to ``job_id``'s ranks (the one its
+    ``job_key`` hashes to, whatever the command's own key)."""
+    return key_partition(job_key(job_id), partitions)
 
 
 def ensure_topics(settings: Settings, timeout_s: float = 30.0) -> list[str]:

@@ -275,3 +275,7 @@ class PhaseOpener:
     def _error(self, where: str, exc: BaseException) -> None:
         raise NotImplementedError
 
+    def _capturing(self) -> bool:
+        """The current CUDA stream is capturing a graph (see :mod:`argus.producers.tracer_graphs`)."""
+        raise NotImplementedError
+

@@ -40,13 +40,14 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import dataclasses
 import enum
 import logging
 import os
 import socket
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,7 +62,7 @@ from argus.producers.cupti_parse import (
     cupti_enabled_for,
     extract_columns,
 )
-from argus.schemas.records import KernelBatch
+from argus.schemas.records import KernelBatch, PauseReason
 from argus.topics import PublisherLike, Topic, rank_key
 
 __all__ = ["CuptiKernels", "CuptiState", "CuptiStats", "CuptiStatus", "StepMarks"]
@@ -74,9 +75,10 @@ class CuptiState(enum.Enum):
 
     IDLE = "IDLE"  #: not started yet
     RUNNING = "RUNNING"  #: activities enabled, batches flowing
+    PAUSED = "PAUSED"  #: CUPTI released for a while (a profiler, argus control, sampling): see pause()
     STOPPED = "STOPPED"  #: stopped cleanly after running
     DISABLED = "DISABLED"  #: this process is not selected (rank list, compile worker, launcher, env)
-    UNAVAILABLE = "UNAVAILABLE"  #: no cupti-python, CUDA driver or GPU, or CUPTI is held by another tool
+    UNAVAILABLE = "UNAVAILABLE"  #: no cupti-python, CUDA driver or GPU (CUPTI held by another tool: PAUSED)
     FAILED = "FAILED"  #: started, then an unexpected CUPTI error
 
 
@@ -106,6 +108,11 @@ class CuptiStats:
 # -- the CUPTI session -----------------------------------------------------------------------------------
 
 
+def _held_by_another_tool(exc: BaseException) -> bool:
+    """Whether CUPTI refused because another tool (a profiler, nsys) holds it, not for want of a driver or GPU."""
+    return "MULTIPLE_SUBSCRIBERS" in f"{exc!r} {exc}".upper()
+
+
 def _load_cupti() -> tuple[Any | None, str]:
     try:
         from cupti import cupti
@@ -131,7 +138,15 @@ class CuptiKernels:
         kinds: activity kinds to enable (``cupti.ActivityKind`` values); default kernels, memcpy, memset.
         env: environment for :func:`cupti_enabled_for` (default ``os.environ``).
 
-    Not thread-safe for control: call :meth:`start` and :meth:`stop` from one thread.
+    Call :meth:`start` and :meth:`stop` from one thread; :meth:`pause` and :meth:`resume` may come from any
+    thread (the control thread, a profiler's start on the training thread) and are serialized.
+
+    Pausing releases CUPTI: a final flush of this process's buffers, then the activities disabled, so that a
+    profiler (torch.profiler's Kineto, nsys) can register its own buffers; resuming registers argus's buffer
+    callbacks again, enables the activities and measures the clock offset anew. Kernel records stop and start;
+    steps and phases never do. When CUPTI refuses argus at :meth:`start` because another tool holds it
+    (``MULTIPLE_SUBSCRIBERS``), argus pauses for :attr:`PauseReason.PROFILER` and tries again every
+    ``retry_s`` seconds instead of giving up for the job.
     """
 
     def __init__(self, job_id: str, rank: int, world_size: int, publisher: PublisherLike,
@@ -140,7 +155,8 @@ class CuptiKernels:
                  flush_period_ms: int = 500, device_buffer_bytes: int = 2 << 20,
                  device_buffers_preallocated: int = 4, device_buffer_pool_limit: int = 8,
                  kinds: Sequence[int] = (KIND_CONCURRENT_KERNEL, KIND_MEMCPY, KIND_MEMSET),
-                 env: Mapping[str, str] | None = None) -> None:
+                 env: Mapping[str, str] | None = None, retry_s: float = 30.0,
+                 on_change: Callable[[], None] | None = None) -> None:
         self.job_id, self.rank, self.world_size = job_id, rank, world_size
         self.host = host if host is not None else socket.gethostname()
         self._publisher = publisher
@@ -172,6 +188,13 @@ class CuptiKernels:
         self._final_published = False
         self._stream_ids: dict[int, int] = {}
         self._pid = os.getpid()
+        # pause/resume: why kernel records are paused now, how often they were, and the retry of a held CUPTI.
+        self._ctl = threading.RLock()
+        self._reasons: set[PauseReason] = set()
+        self._held_elsewhere = False
+        self.pauses = 0
+        self._retry_s = retry_s
+        self._on_change = on_change
 
     # -- control -----------------------------------------------------------------------------------------
 
@@ -205,33 +228,146 @@ class CuptiKernels:
             return self._status
         self._cupti = cupti
         try:
-            self._configure_device_buffers(cupti)
-            cupti.activity_register_callbacks(self._buffer_requested, self._buffer_completed)
-            for kind in self._kinds:
-                cupti.activity_enable(kind)
-                self._enabled.append(kind)
-            self._clock_offset_ns = self._measure_clock_offset(cupti)
-            if self._flush_period_ms > 0:
-                cupti.activity_flush_period(self._flush_period_ms)
+            self._acquire(cupti)
         except Exception as exc:  # cupti.cuptiError / NotSupportedError: no driver, no GPU, or CUPTI in use
             self._disable_quietly()
-            self._status = CuptiStatus(CuptiState.UNAVAILABLE, f"CUPTI activity API refused: {exc}"
-                                       f" ({type(exc).__name__})")
-            log.warning("rank %d: CUPTI kernel tracing unavailable: %s", self.rank, self._status.reason)
-            return self._status
+            if not _held_by_another_tool(exc):
+                self._status = CuptiStatus(CuptiState.UNAVAILABLE, f"CUPTI activity API refused: {exc}"
+                                           f" ({type(exc).__name__})")
+                log.warning("rank %d: CUPTI kernel tracing unavailable: %s", self.rank, self._status.reason)
+                return self._status
+            log.warning("rank %d: CUPTI is held by another tool (%s): kernel records paused, retrying every "
+                        "%.0f s", self.rank, exc, self._retry_s)
+            self._held_elsewhere = True
         self._thread = threading.Thread(target=self._run, name=f"argus-cupti-parser-{self.rank}", daemon=True)
         self._thread.start()
-        self._status = CuptiStatus(CuptiState.RUNNING)
-        log.info("rank %d: CUPTI kernel tracing running (kinds %s)", self.rank, self._enabled)
+        with self._ctl:
+            self._status = CuptiStatus(CuptiState.RUNNING)
+            if self._held_elsewhere:
+                self._reasons.add(PauseReason.PROFILER)
+                self._status = self._paused_status()
+                self.pauses += 1
+                threading.Thread(target=self._retry, name=f"argus-cupti-retry-{self.rank}", daemon=True).start()
+            elif self._reasons:  # paused (argus control) before it started
+                self._release()
+                self._status = self._paused_status()
+        if self._status.state is CuptiState.RUNNING:
+            log.info("rank %d: CUPTI kernel tracing running (kinds %s)", self.rank, self._enabled)
+        self._changed()
         return self._status
+
+    def _acquire(self, cupti: Any) -> None:
+        """Take CUPTI: buffers, callbacks, activities, clock offset, periodic flush (raises what CUPTI raises)."""
+        self._configure_device_buffers(cupti)
+        cupti.activity_register_callbacks(self._buffer_requested, self._buffer_completed)
+        for kind in self._kinds:
+            cupti.activity_enable(kind)
+            self._enabled.append(kind)
+        self._clock_offset_ns = self._measure_clock_offset(cupti)
+        if self._flush_period_ms > 0:
+            cupti.activity_flush_period(self._flush_period_ms)
+
+    def _release(self) -> None:
+        """Give CUPTI up: this process's records flushed to the parser first, then the activities disabled."""
+        if self._cupti is None:
+            return
+        try:
+            self._cupti.activity_flush_all(1)
+        except Exception as exc:
+            log.warning("rank %d: CUPTI flush before a pause failed: %s", self.rank, exc)
+        self._disable_quietly()
+
+    def _paused_status(self) -> CuptiStatus:
+        return CuptiStatus(CuptiState.PAUSED, "paused: " + ",".join(sorted(r.value for r in self._reasons)))
+
+    @property
+    def pause_reasons(self) -> tuple[PauseReason, ...]:
+        """Why kernel records are paused now (empty while they flow), in the enum's order."""
+        reasons = self._reasons
+        return tuple(r for r in PauseReason if r in reasons)
+
+    def pause(self, reason: PauseReason) -> None:
+        """Pause kernel records for ``reason`` (more reasons may hold at once; the first releases CUPTI). Never
+        raises; a reason already held changes nothing."""
+        with self._ctl:
+            if reason in self._reasons:
+                return
+            self._reasons.add(reason)
+            if self._status.state is CuptiState.PAUSED:  # paused already: one more reason
+                self._status = self._paused_status()
+            elif self._status.state is CuptiState.RUNNING:
+                self._release()
+                self._status = self._paused_status()
+                self.pauses += 1
+                log.info("rank %d: kernel records paused (%s); steps and phases go on", self.rank, reason.value)
+        self._changed()
+
+    def resume(self, reason: PauseReason) -> None:
+        """Drop ``reason``; when none is left, take CUPTI again (a refusal keeps the rank paused for PROFILER and
+        retries). Never raises."""
+        with self._ctl:
+            if reason not in self._reasons:
+                return
+            self._reasons.discard(reason)
+            if self._status.state is not CuptiState.PAUSED:
+                return
+            if self._reasons:
+                self._status = self._paused_status()
+            else:
+                self._take_back()
+        self._changed()
+
+    def _take_back(self) -> None:
+        """With ``_ctl`` held and no reason left: acquire CUPTI, or pause for PROFILER and retry later."""
+        assert self._cupti is not None
+        try:
+            self._acquire(self._cupti)
+        except Exception as exc:
+            self._disable_quietly()
+            self._reasons.add(PauseReason.PROFILER)
+            self._status = self._paused_status()
+            if not self._held_elsewhere:
+                self._held_elsewhere = True
+                log.warning("rank %d: CUPTI refused argus on resume (%s): retrying every %.0f s", self.rank, exc,
+                            self._retry_s)
+                threading.Thread(target=self._retry, name=f"argus-cupti-retry-{self.rank}", daemon=True).start()
+            return
+        self._held_elsewhere = False
+        self._status = CuptiStatus(CuptiState.RUNNING)
+        log.info("rank %d: kernel records resumed", self.rank)
+
+    def _retry(self) -> None:
+        """While another tool holds CUPTI: try again every ``retry_s`` until it is free or argus stops."""
+        while not self._stop.wait(self._retry_s):
+            with self._ctl:
+                if not self._held_elsewhere or self._status.state is not CuptiState.PAUSED:
+                    return
+                if self._reasons - {PauseReason.PROFILER}:
+                    continue  # paused for another reason as well: the resume of that one tries
+                self._reasons.discard(PauseReason.PROFILER)
+                self._take_back()
+                if self._held_elsewhere:
+                    continue
+            self._changed()
+            return
+
+    def _changed(self) -> None:
+        if self._on_change is not None:
+            try:
+                self._on_change()
+            except Exception as exc:  # the heartbeat's bookkeeping must not break tracing
+                log.debug("CUPTI on_change failed: %s", exc)
 
     def stop(self, timeout_s: float = 10.0) -> CuptiStatus:
         """Flush CUPTI, disable the activities, drain the parser and publish the final ``end_of_stream`` batch
         (an empty one when nothing was traced). Idempotent; never raises."""
         if self._status.state is CuptiState.STOPPED:
             return self._status
-        running = self._status.state is CuptiState.RUNNING
-        if running and self._cupti is not None:
+        with self._ctl:
+            running = self._status.state in (CuptiState.RUNNING, CuptiState.PAUSED)
+            enabled = self._status.state is CuptiState.RUNNING
+            self._status = CuptiStatus(CuptiState.STOPPED, "stopping") if running else self._status
+        if enabled and self._cupti is not None:
             try:
                 self._cupti.activity_flush_all(1)
             except Exception as exc:
@@ -247,6 +383,14 @@ class CuptiKernels:
         if running:
             self._status = CuptiStatus(CuptiState.STOPPED, "stopped")
         return self._status
+
+    def tune(self, *, batch_events: int | None = None, max_latency_s: float | None = None) -> None:
+        """Change the batching of later batches at run time (``argus control set``): events per batch, and the
+        longest a partial batch waits (seconds)."""
+        if batch_events is not None:
+            self._batch_events = batch_events
+        if max_latency_s is not None:
+            self._max_latency_s = max_latency_s
 
     def stats(self) -> CuptiStats:
         with self._lock:
@@ -379,11 +523,7 @@ class CuptiKernels:
             return ActivityColumns.empty()
         if end_of_stream:
             if batches:
-                last = batches[-1]
-                batches[-1] = KernelBatch(job_id=last.job_id, rank=last.rank, seq=last.seq, names=last.names,
-                                          name_idx=last.name_idx, stream=last.stream, start_ns=last.start_ns,
-                                          duration_ns=last.duration_ns, step=last.step, host=last.host,
-                                          dropped=last.dropped, end_of_stream=True)
+                batches[-1] = dataclasses.replace(batches[-1], end_of_stream=True)
             else:
                 batches = [KernelBatch.empty(self.job_id, self.rank, self._seq, end_of_stream=True, host=self.host)]
         for b in batches:

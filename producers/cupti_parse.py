@@ -196,13 +196,24 @@ class NameTable:
 
 @dataclass(frozen=True)
 class ActivityColumns:
-    """Kernel/copy/set events as columns; ``name_id`` indexes a :class:`NameTable`."""
+    """Kernel/copy/set events as columns; ``name_id`` indexes a :class:`NameTable`. ``graph_id`` and
+    ``graph_node_id``: the CUDA graph (CUPTI ``graphId``, 0 when launched on its own) and node (``graphNodeId``
+    as its int64 bit pattern) of each event."""
 
     name_id: npt.NDArray[np.uint32]
     stream: npt.NDArray[np.uint32]
     start_ns: npt.NDArray[np.int64]
     duration_ns: npt.NDArray[np.int64]
     skipped: int = 0
+    graph_id: npt.NDArray[np.uint32] | None = None
+    graph_node_id: npt.NDArray[np.int64] | None = None
+
+    def __post_init__(self) -> None:
+        n = len(self)
+        if self.graph_id is None:
+            object.__setattr__(self, "graph_id", np.zeros(n, np.uint32))
+        if self.graph_node_id is None:
+            object.__setattr__(self, "graph_node_id", np.zeros(n, np.int64))
 
     def __len__(self) -> int:
         return int(self.name_id.shape[0])
@@ -217,28 +228,53 @@ class ActivityColumns:
             return cls.empty()
         if len(parts) == 1:
             return parts[0]
-        cat = [np.concatenate([getattr(p, f) for p in parts]) for f in ("name_id", "stream", "start_ns", "duration_ns")]
-        return cls(cat[0], cat[1], cat[2], cat[3], skipped=sum(p.skipped for p in parts))
+        cat = [np.concatenate([getattr(p, f) for p in parts]) for f in _FIELDS]
+        return cls(cat[0], cat[1], cat[2], cat[3], sum(p.skipped for p in parts), cat[4], cat[5])
 
     def slice(self, lo: int, hi: int | None = None) -> ActivityColumns:
-        return ActivityColumns(self.name_id[lo:hi], self.stream[lo:hi], self.start_ns[lo:hi],
-                               self.duration_ns[lo:hi])
+        c = [getattr(self, f)[lo:hi] for f in _FIELDS]
+        return ActivityColumns(c[0], c[1], c[2], c[3], 0, c[4], c[5])
+
+    def take(self, order: npt.NDArray[np.intp]) -> ActivityColumns:
+        """The events in ``order`` (indices)."""
+        c = [getattr(self, f)[order] for f in _FIELDS]
+        return ActivityColumns(c[0], c[1], c[2], c[3], self.skipped, c[4], c[5])
 
 
+_FIELDS = ("name_id", "stream", "start_ns", "duration_ns", "graph_id", "graph_node_id")
 _KIND = operator.attrgetter("kind")
 _START = operator.attrgetter("start")
 _END = operator.attrgetter("end")
 _STREAM = operator.attrgetter("stream_id")
 _NAME = operator.attrgetter("name")
 _COPY_KIND = operator.attrgetter("copy_kind")
+_GRAPH = operator.attrgetter("graph_id")
+_GRAPH_NODE = operator.attrgetter("graph_node_id")
+
+
+def _graph_columns(recs: list[Any], kernels: npt.NDArray[np.intp], pick: list[Any], n: int
+                   ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+    """Per record, the graph id and graph node id of the kernels among them (0 elsewhere, and everywhere for
+    records without those fields: CUPTI before graph support, or a collector that leaves them out)."""
+    gid, node = np.zeros(n, np.int64), np.zeros(n, np.int64)
+    if not kernels.shape[0]:
+        return gid, node
+    try:
+        gid[kernels] = np.fromiter(map(_GRAPH, pick), dtype=np.int64, count=len(pick))
+        node[kernels] = np.fromiter(map(_GRAPH_NODE, pick), dtype=np.uint64, count=len(pick)).view(np.int64)
+    except AttributeError:  # some records without the fields: they were not graph-launched
+        gid[kernels] = [getattr(r, "graph_id", 0) or 0 for r in pick]
+        node[kernels] = np.array([getattr(r, "graph_node_id", 0) or 0 for r in pick], np.uint64).view(np.int64)
+    return gid, node
 
 
 def extract_columns(records: Iterable[Any], names: NameTable, clock_offset_ns: int = 0) -> ActivityColumns:
     """Columns of the kernel, memcpy and memset records among ``records`` (others are skipped and counted).
 
     A record needs ``kind`` (a ``cupti.ActivityKind`` value), ``start``/``end`` (CUPTI ns), ``stream_id``, and
-    ``name`` (kernels) or ``copy_kind`` (memcpy). Records with a zero start or an end before the start are
-    skipped. ``clock_offset_ns`` maps CUPTI time to epoch ns.
+    ``name`` (kernels) or ``copy_kind`` (memcpy); kernels may carry ``graph_id``/``graph_node_id`` (a kernel
+    replayed by a CUDA graph: there is no per-kernel launch, and CUPTI names its graph and node instead). Records
+    with a zero start or an end before the start are skipped. ``clock_offset_ns`` maps CUPTI time to epoch ns.
 
     Fields are read column by column with C-level iteration (``map`` + ``attrgetter`` into ``np.fromiter``);
     a buffer with a malformed record falls back to a record-by-record loop that skips (and counts) it.
@@ -254,9 +290,10 @@ def extract_columns(records: Iterable[Any], names: NameTable, clock_offset_ns: i
         return _extract_slowly(recs, names, clock_offset_ns)
     ids = np.full(n, -1, dtype=np.int64)
     kernels = np.flatnonzero((kind == KIND_CONCURRENT_KERNEL) | (kind == KIND_KERNEL))
+    pick = [recs[i] for i in kernels.tolist()] if kernels.shape[0] < n else recs
     try:
+        gid, node = _graph_columns(recs, kernels, pick, n)
         if kernels.shape[0]:
-            pick = [recs[i] for i in kernels.tolist()] if kernels.shape[0] < n else recs
             raw = list(map(_NAME, pick))
             known: list[int | None] = list(map(names.raw_ids.get, raw))
             if None in known:
@@ -268,14 +305,14 @@ def extract_columns(records: Iterable[Any], names: NameTable, clock_offset_ns: i
         sets = np.flatnonzero(kind == KIND_MEMSET)
         if sets.shape[0]:
             ids[sets] = names.id_of("memset")
-    except (AttributeError, TypeError, ValueError):
+    except (AttributeError, TypeError, ValueError, OverflowError):
         return _extract_slowly(recs, names, clock_offset_ns)
-    keep = (ids >= 0) & (start != 0) & (end >= start)
+    keep = (ids >= 0) & (start != 0) & (end >= start) & (gid >= 0) & (gid < 2**32)
     skipped = n - int(np.count_nonzero(keep))
     if skipped:
-        ids, stream, start, end = ids[keep], stream[keep], start[keep], end[keep]
+        ids, stream, start, end, gid, node = ids[keep], stream[keep], start[keep], end[keep], gid[keep], node[keep]
     return ActivityColumns(ids.astype(np.uint32), stream.astype(np.uint32), start + clock_offset_ns, end - start,
-                           skipped)
+                           skipped, gid.astype(np.uint32), node)
 
 
 def _extract_slowly(records: list[Any], names: NameTable, clock_offset_ns: int) -> ActivityColumns:
@@ -283,6 +320,8 @@ def _extract_slowly(records: list[Any], names: NameTable, clock_offset_ns: int) 
     streams: list[int] = []
     starts: list[int] = []
     ends: list[int] = []
+    graphs: list[int] = []
+    nodes: list[int] = []
     skipped = 0
     id_of = names.id_of
     for r in records:
@@ -298,19 +337,25 @@ def _extract_slowly(records: list[Any], names: NameTable, clock_offset_ns: int) 
                 skipped += 1
                 continue
             start, end, stream = int(r.start), int(r.end), int(r.stream_id)
-            if not start or end < start or not 0 <= stream < 1 << 32:
+            graph = int(getattr(r, "graph_id", 0) or 0) if kind in _KERNEL_KINDS else 0
+            node = int(getattr(r, "graph_node_id", 0) or 0) if graph else 0
+            if not start or end < start or not 0 <= stream < 1 << 32 or not 0 <= graph < 1 << 32 \
+                    or not 0 <= node < 1 << 64:
                 skipped += 1
                 continue
             ids.append(idx)
             streams.append(stream)
             starts.append(start)
             ends.append(end)
+            graphs.append(graph)
+            nodes.append(node - (1 << 64) if node >= 1 << 63 else node)
         except (AttributeError, TypeError, ValueError, OverflowError):
             skipped += 1
     start_arr = np.array(starts, dtype=np.int64)
     dur = np.array(ends, dtype=np.int64) - start_arr
     return ActivityColumns(np.array(ids, dtype=np.uint32), np.array(streams, dtype=np.uint32),
-                           start_arr + clock_offset_ns, dur, skipped)
+                           start_arr + clock_offset_ns, dur, skipped, np.array(graphs, dtype=np.uint32),
+                           np.array(nodes, dtype=np.int64))
 
 
 def columns_to_batches(cols: ActivityColumns, names: NameTable, *, job_id: str, rank: int, host: str = "",
@@ -327,9 +372,10 @@ def columns_to_batches(cols: ActivityColumns, names: NameTable, *, job_id: str, 
     if batch_events < 1:
         raise ValueError(f"batch_events must be >= 1, got {batch_events}")
     n = len(cols)
-    order = np.argsort(cols.start_ns, kind="stable")
-    name_id, stream = cols.name_id[order], cols.stream[order]
-    start, dur = cols.start_ns[order], cols.duration_ns[order]
+    cols = cols.take(np.argsort(cols.start_ns, kind="stable"))
+    name_id, stream, start, dur = cols.name_id, cols.stream, cols.start_ns, cols.duration_ns
+    gid, node = cols.graph_id, cols.graph_node_id
+    assert gid is not None and node is not None
     full = n if final else n - n % batch_events
     steps = _assign_steps(start[:full], marks if marks is not None else (np.empty(0, np.int64),
                                                                          np.empty(0, np.int32)))
@@ -338,12 +384,14 @@ def columns_to_batches(cols: ActivityColumns, names: NameTable, *, job_id: str, 
     for i, lo in enumerate(range(0, full, batch_events)):
         hi = min(lo + batch_events, full)
         used, local = np.unique(name_id[lo:hi], return_inverse=True)
+        graphs = bool(gid[lo:hi].any())  # the graph columns only where a kernel of the batch was graph-launched
         batches.append(KernelBatch(
             job_id=job_id, rank=rank, seq=first_seq + i, names=tuple(table[used].tolist()),
             name_idx=local.astype(np.uint32), stream=stream[lo:hi], start_ns=start[lo:hi],
-            duration_ns=dur[lo:hi], step=steps[lo:hi], host=host, dropped=dropped if i == 0 else 0))
-    rest = ActivityColumns(name_id[full:], stream[full:], start[full:], dur[full:])
-    return batches, rest
+            duration_ns=dur[lo:hi], step=steps[lo:hi], host=host, dropped=dropped if i == 0 else 0,
+            graph_id=gid[lo:hi] if graphs else np.empty(0, np.uint32),
+            graph_node_id=node[lo:hi] if graphs else np.empty(0, np.int64)))
+    return batches, cols.slice(full)
 
 
 def build_kernel_batches(records: Iterable[Any], *, job_id: str, rank: int, host: str = "", first_seq: int = 0,

@@ -24,7 +24,7 @@ import time
 from typing import Any
 
 from argus.producers.cuda_timing import PhaseRec, epoch_ns
-from argus.schemas.records import Heartbeat, ParallelGroup, PhaseKind
+from argus.schemas.records import Heartbeat, ParallelGroup, PauseReason, PhaseKind
 from argus.topics import PublisherLike, Topic, job_key
 
 __all__ = ["MAX_DEPTH", "HeartbeatThread", "LiveState"]
@@ -58,10 +58,12 @@ class LiveState:
             (``perf_counter_ns``); ``coll_work`` its async work when the host did not wait for it (the
             collective is in flight until that work completes).
         seqs: next collective sequence number per :class:`ParallelGroup` (by its position in the enum).
+        control: ``(pause reasons, last control command id, its refusal, pauses so far)`` of kernel records,
+            replaced whole by the control and CUPTI threads (:meth:`set_control`), never by training.
     """
 
-    __slots__ = ("coll_group", "coll_kind", "coll_seq", "coll_t0", "coll_work", "depth", "seqs", "stack", "step",
-                 "version")
+    __slots__ = ("coll_group", "coll_kind", "coll_seq", "coll_t0", "coll_work", "control", "depth", "seqs", "stack",
+                 "step", "version")
 
     def __init__(self) -> None:
         self.version = 0
@@ -74,6 +76,12 @@ class LiveState:
         self.coll_t0 = 0
         self.coll_work: Any = None
         self.seqs = [0] * len(_GROUPS)
+        self.control: tuple[tuple[PauseReason, ...], str, str, int] = ((), "", "", 0)
+
+    def set_control(self, reasons: tuple[PauseReason, ...], ack: str, error: str, pauses: int) -> None:
+        """Kernel pause reasons and the last control command (control/CUPTI threads); the next heartbeat says so."""
+        self.control = (reasons, ack, error, pauses)
+        self.version += 1  # a racing increment may be lost: the periodic heartbeat still carries the change
 
     # -- training thread ----------------------------------------------------------------------------------
 
@@ -129,13 +137,16 @@ class LiveState:
         d = min(self.depth, MAX_DEPTH)
         rec = self.stack[d - 1] if d > 0 else None
         kind, work = self.coll_kind, self.coll_work
+        reasons, ack, error, pauses = self.control
         if kind is not None and work is not None and _completed(work):
             kind = None
+        name, pkind = (rec.name, rec.kind) if rec else ("", None)
         if kind is None:
-            return Heartbeat(job_id, rank, time_ns, self.step, rec.name if rec else "", rec.kind if rec else None)
+            return Heartbeat(job_id, rank, time_ns, self.step, name, pkind, kernels_paused=bool(reasons),
+                             pause_reasons=reasons, control_ack=ack, control_error=error, kernel_pauses=pauses)
         group = self.coll_group
-        return Heartbeat(job_id, rank, time_ns, self.step, rec.name if rec else "", rec.kind if rec else None,
-                         kind, group, group_index.get(group, -1), self.coll_seq, epoch_ns(self.coll_t0))
+        return Heartbeat(job_id, rank, time_ns, self.step, name, pkind, kind, group, group_index.get(group, -1),
+                         self.coll_seq, epoch_ns(self.coll_t0), bool(reasons), reasons, ack, error, pauses)
 
 
 class HeartbeatThread:
@@ -150,13 +161,17 @@ class HeartbeatThread:
                  group_index: dict[ParallelGroup, int] | None = None) -> None:
         self.job_id, self.rank, self.state = job_id, rank, state
         self._publisher = publisher
-        self.interval_s = interval_s
-        self.tick_s = min(0.25, interval_s / 4)
+        self.set_interval(interval_s)
         self.group_index = dict(group_index or {})
         self.published = self.dropped = self.errors = 0
         self._stop = threading.Event()
         self._key = job_key(job_id)
         self._thread: threading.Thread | None = None
+
+    def set_interval(self, interval_s: float) -> None:
+        """Seconds between periodic heartbeats (``argus control set heartbeat_interval_s=...``); from the next."""
+        self.interval_s = interval_s
+        self.tick_s = min(0.25, interval_s / 4)
 
     def start(self) -> None:
         if self._thread is None:

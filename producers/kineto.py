@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from argus.core.errors import ConfigError, ProducerError
 from argus.core.settings import Settings
@@ -191,9 +192,23 @@ def rank_records(trace: RankTrace, job_id: str, batch_events: int = 4096, shift_
 def _kernel_batch(job_id: str, trace: RankTrace, seq: int, rows: Any, iv: Any, shift_ns: int, host: str,
                   eos: bool) -> KernelBatch:
     uniq, inv = np.unique(rows["name"], return_inverse=True)
+    graph, node = graph_columns(rows, trace.graph_launches)
     return KernelBatch(job_id=job_id, rank=trace.rank, seq=seq, names=tuple(trace.names[i] for i in uniq.tolist()),
                        name_idx=inv.astype(np.uint32), stream=rows["stream"], start_ns=rows["start"] + shift_ns,
-                       duration_ns=rows["dur"], step=assign_steps(iv, rows["start"]), host=host, end_of_stream=eos)
+                       duration_ns=rows["dur"], step=assign_steps(iv, rows["start"]), host=host, end_of_stream=eos,
+                       graph_id=graph, graph_node_id=node)
+
+
+def graph_columns(rows: Any, launches: frozenset[int]) -> tuple[npt.NDArray[np.uint32], npt.NDArray[np.int64]]:
+    """Per kernel row, its CUDA graph and node: the trace's ``graph id`` where it names one, else
+    :attr:`KernelBatch.UNKNOWN_GRAPH` for a kernel of a ``cudaGraphLaunch`` (its correlation id is one of
+    ``launches``: HTA's graph-launched kernels, missing from launch-based analyses), else 0."""
+    graph = rows["graph"].astype(np.uint32)
+    if launches:
+        corr = rows["corr"]
+        launched = np.isin(corr, np.fromiter(launches, np.int64, len(launches))) & (corr >= 0) & (graph == 0)
+        graph[launched] = KernelBatch.UNKNOWN_GRAPH
+    return graph, rows["node"]
 
 
 def read_trace(path: Path, job_id: str = "kineto", batch_events: int = 4096, *,

@@ -66,7 +66,15 @@ _ANNOTATIONS = {"user_annotation": False, "gpu_user_annotation": True}  # catego
 _STEP_RE = re.compile(r"ProfilerStep#(\d+)")
 _MAX_STEP_DIGITS = 10  # steps are int32; int() of a longer run is wasted work (or a ValueError)
 _RANK_RE = re.compile(r"(?:rank|worker)[-_]?(\d+)", re.IGNORECASE)
-_SPILL = np.dtype([("name", "<u4"), ("stream", "<u4"), ("start", "<i8"), ("dur", "<i8")])
+#: A kernel row: name id, stream, start, duration; its CUDA graph and node (Kineto's ``graph id`` / ``graph node
+#: id`` args, 0 when absent) and its launch's correlation id (-1 when absent), for kernels of a cudaGraphLaunch.
+_SPILL = np.dtype([("name", "<u4"), ("stream", "<u4"), ("start", "<i8"), ("dur", "<i8"), ("graph", "<i8"),
+                   ("node", "<i8"), ("corr", "<i8")])
+#: Runtime/driver calls that replay a CUDA graph: the kernels they launch share their correlation id.
+_GRAPH_LAUNCHES = ("cudaGraphLaunch", "cuGraphLaunch")
+_RUNTIME_CATEGORIES = frozenset({"cuda_runtime", "cuda_driver", "runtime"})
+#: Most cudaGraphLaunch correlation ids kept per file (a launch per captured step: far more than any trace holds).
+_MAX_GRAPH_LAUNCHES = 1 << 20
 _SPILL_ROWS = 16_384
 #: Streams per file whose process group is kept, and the longest ``Process Group Ranks`` text read.
 _MAX_PG_STREAMS = 1024
@@ -284,11 +292,14 @@ class RankTrace:
     #: Per CUDA stream: the process group its first NCCL kernel named in its args (PyTorch 2.3+ traces:
     #: ``Process Group Name``, ``Process Group Description``, ``Process Group Ranks``), if any.
     stream_pgs: dict[int, StreamPG] = field(default_factory=dict)
+    #: Correlation ids of the file's ``cudaGraphLaunch`` calls: the kernels with one of them were graph-launched.
+    graph_launches: frozenset[int] = frozenset()
     spill: Path | None = field(default=None, repr=False)
     owned_dir: Path | None = field(default=None, repr=False)
 
     def rows(self, n: int) -> Iterator[npt.NDArray[Any]]:
-        """The kernels in file order, ``n`` per array (fields name, stream, start, dur; absolute ns)."""
+        """The kernels in file order, ``n`` per array (fields name, stream, start, dur, absolute ns; graph, node,
+        corr: see ``_SPILL``)."""
         if self.spill is None or not self.kernel_events:
             return
         with self.spill.open("rb") as fh:
@@ -607,7 +618,8 @@ class _Collector:
         self.gpu_steps: dict[int, tuple[int, int]] = {}
         self.phases: list[Phase] = []
         self.phase_names: dict[str, tuple[str, PhaseKind]] = {}
-        self.buf: list[tuple[int, int, int, int]] = []
+        self.buf: list[tuple[int, int, int, int, int, int, int]] = []
+        self.graph_launches: set[int] = set()
         self.n = self.max_lag = 0
         self.seen = 0  # items of traceEvents so far
         self.first: int | None = None
@@ -631,7 +643,11 @@ class _Collector:
             if len(self.cats) < 1024:
                 self.cats[cat] = hit
         kind, on_gpu = hit
-        if not kind or e.get("ph", "X") != "X":
+        if not kind:
+            if cat.lower() in _RUNTIME_CATEGORIES:
+                self._runtime(e)
+            return
+        if e.get("ph", "X") != "X":
             return
         name = e.get("name")
         name = name.strip() if isinstance(name, str) else ""
@@ -646,7 +662,7 @@ class _Collector:
         if reason:
             self.skipped[reason] += 1
         elif kind == "gpu":
-            self._kernel(name, stream or 0, start, dur)
+            self._kernel(name, stream or 0, start, dur, args if type(args) is dict else None)
             if stream is not None and stream not in self.stream_pgs and len(self.stream_pgs) < _MAX_PG_STREAMS \
                     and type(args) is dict and "Process Group Name" in args:
                 pg = stream_pg(args)
@@ -670,13 +686,30 @@ class _Collector:
             return "invalid_dur", 0, 0
         return ("negative_dur" if d < 0 else ""), t, d
 
-    def _kernel(self, name: str, stream: int, start: int, dur: int) -> None:
+    def _runtime(self, e: dict[str, Any]) -> None:
+        """A runtime call: the correlation id of a CUDA graph launch is kept (see ``graph_launches``)."""
+        name, args = e.get("name"), e.get("args")
+        if not (isinstance(name, str) and name.startswith(_GRAPH_LAUNCHES) and type(args) is dict):
+            return
+        corr = args.get("correlation")
+        if type(corr) is int and 0 <= corr < 2**63 and len(self.graph_launches) < _MAX_GRAPH_LAUNCHES:
+            self.budget.charge(MemoryBudget.MEMBER_BYTES)
+            self.graph_launches.add(corr)
+
+    def _kernel(self, name: str, stream: int, start: int, dur: int, args: dict[str, Any] | None = None) -> None:
         idx = self.name_ids.get(name)
         if idx is None:
             self.budget.charge(2 * len(name) + 100)  # kept twice (list and dict) with the dict's entry
             idx = self.name_ids[name] = len(self.names)
             self.names.append(name)
-        self.buf.append((idx, stream, start, dur))
+        graph, node, corr = 0, 0, -1
+        if args is not None:
+            g, n, c = args.get("graph id"), args.get("graph node id"), args.get("correlation")
+            graph = g if type(g) is int and 0 < g < 2**32 - 1 else 0
+            node = n if type(n) is int and graph and 0 <= n < 2**64 else 0
+            node = node - 2**64 if node >= 2**63 else node  # a 64-bit id as its int64 bit pattern
+            corr = c if type(c) is int and 0 <= c < 2**63 else -1
+        self.buf.append((idx, stream, start, dur, graph, node, corr))
         if len(self.buf) >= _SPILL_ROWS:
             self.flush()
 
@@ -843,7 +876,7 @@ def _build(path: Path, meta: dict[str, Any], col: _Collector, spill: Path, owned
         kernel_events=col.n, names=col.names, streams=dict(col.streams), skipped=col.skipped,
         first_kernel_ns=None if col.first is None else col.first + base,
         last_kernel_end_ns=None if col.last_end is None else col.last_end + base, max_lag_ns=col.max_lag,
-        stream_pgs=col.stream_pgs,
+        stream_pgs=col.stream_pgs, graph_launches=frozenset(col.graph_launches),
         spill=spill, owned_dir=owned)
 
 

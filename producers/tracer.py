@@ -55,16 +55,19 @@ from dataclasses import dataclass
 from typing import Any
 
 from argus.core.settings import Settings
+from argus.producers.control import ControlThread, RankControl
 from argus.producers.cuda_timing import EventPool, PhaseRec, StepRec, StepResolver, epoch_ns
 from argus.producers.cupti_kernels import CuptiKernels, CuptiState, CuptiStatus, StepMarks
 from argus.producers.heartbeat import HeartbeatThread, LiveState
+from argus.producers.profiler_guard import ProfilerGuard
 from argus.producers.rank_registry import RankRegistry
 from argus.producers.tracer_auto import AutoMixin
 from argus.producers.tracer_collectives import CollectiveMixin
 from argus.producers.tracer_ddp import DDPMixin
+from argus.producers.tracer_graphs import GraphMixin
 from argus.producers.tracer_hooks import HookMixin
 from argus.producers.tracer_patch import PatchMixin
-from argus.schemas.records import JobLifecycle, JobTopology, LifecycleEvent, ParallelGroup, PhaseKind
+from argus.schemas.records import JobLifecycle, JobTopology, LifecycleEvent, ParallelGroup, PauseReason, PhaseKind
 from argus.topics import PublisherLike, Topic, job_key, publish_in_order
 
 try:  # torch is optional: without it the tracer still times steps and phases with the host clock
@@ -106,6 +109,14 @@ class TracerStats:
     #: Heartbeats handed to the publisher / refused by its full queue.
     heartbeats_published: int = 0
     heartbeats_dropped: int = 0
+    #: Times kernel records were paused (argus control, sampling, a profiler); control commands applied/refused.
+    kernel_pauses: int = 0
+    control_applied: int = 0
+    control_refused: int = 0
+    #: torch.profiler sessions of this process that argus stepped aside for.
+    profiler_sessions: int = 0
+    #: Phases opened while a CUDA graph was being captured (left out: the GPU runs nothing then).
+    phases_captured: int = 0
 
 
 class _PhaseScope:
@@ -139,7 +150,7 @@ class _StepScope:
         self._tracer._end_step()
 
 
-class Tracer(CollectiveMixin, HookMixin, AutoMixin, DDPMixin, PatchMixin):
+class Tracer(CollectiveMixin, HookMixin, AutoMixin, DDPMixin, PatchMixin, GraphMixin):
     """Always-on tracing of one rank of a training job (see the module docstring for an example).
 
     Args:
@@ -161,6 +172,9 @@ class Tracer(CollectiveMixin, HookMixin, AutoMixin, DDPMixin, PatchMixin):
             carries the job's totals; otherwise a multi-rank END carries no counts.
         heartbeat: publish :class:`~argus.schemas.records.Heartbeat` s from :meth:`start` to :meth:`close`, every
             ``settings.heartbeat_interval_s`` seconds and on phase entry (see :mod:`argus.producers.heartbeat`).
+        control: read ``argus control``'s commands to this job on a background thread
+            (:mod:`argus.producers.control`); default ``settings.control`` when the tracer creates its own
+            publisher (a publisher passed in is a test's or a tool's, not a live job's).
 
     :meth:`from_env` builds one from the launcher's environment, and ``argus.attach`` (:mod:`argus.producers.attach`)
     also starts it and instruments a model and optimizer. Raises ValueError for an empty ``job_id`` or a rank
@@ -172,7 +186,8 @@ class Tracer(CollectiveMixin, HookMixin, AutoMixin, DDPMixin, PatchMixin):
                  ep: int = 1, topology: JobTopology | None = None, cuda: bool | None = None, kernels: bool = True,
                  lifecycle: bool | None = None, registry: RankRegistry | bool | None = None,
                  max_pending_steps: int = 256, max_phases_per_step: int = 4096, max_events: int = 65_536,
-                 reduce_counts: bool = True, host: str | None = None, heartbeat: bool = True) -> None:
+                 reduce_counts: bool = True, host: str | None = None, heartbeat: bool = True,
+                 control: bool | None = None) -> None:
         if not job_id or rank < 0 or world_size < 1 or rank >= world_size:
             raise ValueError(f"invalid job_id {job_id!r}, rank {rank} or world_size {world_size}")
         self.job_id, self.rank, self.world_size = job_id, rank, world_size
@@ -185,6 +200,7 @@ class Tracer(CollectiveMixin, HookMixin, AutoMixin, DDPMixin, PatchMixin):
             self._error("settings", exc)
             self.settings = Settings()
         self._owns_publisher = publisher is None
+        self._control_on = self.settings.control and publisher is None if control is None else control
         if publisher is None:
             try:
                 from argus.producers.publisher import Publisher
@@ -209,7 +225,8 @@ class Tracer(CollectiveMixin, HookMixin, AutoMixin, DDPMixin, PatchMixin):
         self._kernels: CuptiKernels | None = None
         if kernels:
             self._kernels = CuptiKernels(job_id, rank, world_size, self._publisher, self._marks,
-                                         batch_events=self.settings.publisher_batch_events, host=self.host)
+                                         batch_events=self.settings.publisher_batch_events, host=self.host,
+                                         retry_s=self.settings.cupti_retry_s, on_change=self._kernels_changed)
         self._cur: StepRec | None = None
         self._next_step = 0
         self._steps = 0
@@ -220,6 +237,14 @@ class Tracer(CollectiveMixin, HookMixin, AutoMixin, DDPMixin, PatchMixin):
         self._started = self._closed = False
         # Written by the training thread (a few attribute stores per phase), read by the heartbeat thread.
         self._live = LiveState()
+        self._ack = ("", "")  # the last control command applied, and why it was refused ('' if applied)
+        self._control = RankControl(rank, world_size, self)
+        self._control_thread: ControlThread | None = None
+        self._graph_ids: dict[int, int] = {}  # id(torch.cuda.CUDAGraph) -> its number in phase names
+        self._graph_patch: tuple[Any, Any, Any] | None = None
+        self._captured = 0
+        self._guard = ProfilerGuard(lambda: self.pause_kernels(PauseReason.PROFILER),
+                                    lambda: self.resume_kernels(PauseReason.PROFILER))
         self._heartbeat = heartbeat
         self._beat: HeartbeatThread | None = None
         self._step_mode = "auto"  # iteration boundaries of the hooks: see argus.producers.tracer_auto
@@ -272,7 +297,17 @@ class Tracer(CollectiveMixin, HookMixin, AutoMixin, DDPMixin, PatchMixin):
             except Exception as exc:
                 self._error("rank registry", exc)
         if self._kernels is not None:
-            self._kernels.start()
+            state = self._kernels.start().state
+            if state in (CuptiState.RUNNING, CuptiState.PAUSED):  # a profiler in the process: step aside for it
+                try:
+                    self._guard.install()
+                except Exception as exc:
+                    self._error("profiler guard", exc)
+        if self._cuda:
+            try:
+                self.time_graph_replays()
+            except Exception as exc:
+                self._error("graph replays", exc)
         if self._heartbeat:
             try:
                 self._beat = HeartbeatThread(self.job_id, self.rank, self._live, self._publisher,
@@ -280,6 +315,12 @@ class Tracer(CollectiveMixin, HookMixin, AutoMixin, DDPMixin, PatchMixin):
                 self._beat.start()
             except Exception as exc:
                 self._error("heartbeat", exc)
+        if self._control_on:
+            try:
+                self._control_thread = ControlThread(self.settings, self.job_id, self._control)
+                self._control_thread.start()
+            except Exception as exc:
+                self._error("control thread", exc)
         if self._topology_fn is not None and topology is not None:  # last: it updates the heartbeat's groups
             try:
                 self._topology_thread = threading.Thread(target=self._resolve_topology, args=(topology,),
@@ -327,6 +368,10 @@ class Tracer(CollectiveMixin, HookMixin, AutoMixin, DDPMixin, PatchMixin):
             return self.stats()
         self._closed = True
         self.unpatch_collectives()
+        self.untime_graph_replays()
+        self._guard.uninstall()
+        if self._control_thread is not None:
+            self._control_thread.stop()
         if self._beat is not None:  # first: a closing rank is not a live one
             self._beat.stop()
         if self._cur is not None:
@@ -399,11 +444,50 @@ class Tracer(CollectiveMixin, HookMixin, AutoMixin, DDPMixin, PatchMixin):
             kernel_events=self._kernels.events if self._kernels else 0,
             cupti=self._kernels.status if self._kernels else CuptiStatus(CuptiState.DISABLED, "kernels=False"),
             cuda=self._cuda, heartbeats_published=self._beat.published if self._beat else 0,
-            heartbeats_dropped=self._beat.dropped if self._beat else 0)
+            heartbeats_dropped=self._beat.dropped if self._beat else 0,
+            kernel_pauses=self._kernels.pauses if self._kernels else 0,
+            control_applied=self._control.applied, control_refused=self._control.refused,
+            profiler_sessions=self._guard.sessions, phases_captured=self._captured)
 
     @property
     def cupti_status(self) -> CuptiStatus:
         return self._kernels.status if self._kernels else CuptiStatus(CuptiState.DISABLED, "kernels=False")
+
+    # -- control (argus control, a profiler alongside; never the training thread's work) ----------------
+
+    def pause_kernels(self, reason: PauseReason) -> None:
+        """Pause kernel records for ``reason`` (steps and phases go on); see :meth:`CuptiKernels.pause`."""
+        if self._kernels is not None:
+            self._kernels.pause(reason)
+
+    def resume_kernels(self, reason: PauseReason) -> None:
+        """Drop the pause for ``reason``; kernel records resume when no reason is left."""
+        if self._kernels is not None:
+            self._kernels.resume(reason)
+
+    def set_runtime(self, key: str, value: float | int) -> None:
+        """Apply runtime setting ``key`` (one of :data:`argus.schemas.control.RUNTIME_SETTINGS`, value checked)."""
+        if key == "heartbeat_interval_s":
+            if self._beat is not None:
+                self._beat.set_interval(float(value))
+        elif key == "kernel_batch_events":
+            if self._kernels is not None:
+                self._kernels.tune(batch_events=int(value))
+        elif key == "kernel_max_latency_s":
+            if self._kernels is not None:
+                self._kernels.tune(max_latency_s=float(value))
+        else:  # RUNTIME_SETTINGS and this method disagree: a bug, said in the ack
+            raise ValueError(f"runtime setting {key!r} has no effect on this rank")
+
+    def acknowledge(self, command_id: str, error: str) -> None:
+        """The next heartbeat acknowledges control command ``command_id`` (refused for ``error`` unless empty)."""
+        self._ack = (command_id, error)
+        self._kernels_changed()
+
+    def _kernels_changed(self) -> None:
+        k = self._kernels
+        ack, error = self._ack
+        self._live.set_control(k.pause_reasons if k else (), ack, error, k.pauses if k else 0)
 
     # -- steps and phases (training thread) ----------------------------------------------------------------
 
@@ -437,7 +521,7 @@ class Tracer(CollectiveMixin, HookMixin, AutoMixin, DDPMixin, PatchMixin):
                 self._end_step()
             self._next_step = n + 1
             ev = None
-            if self._pool is not None:
+            if self._pool is not None and not self._capturing():
                 ev = self._pool.get()
                 if ev is not None:
                     ev.record()
@@ -456,7 +540,7 @@ class Tracer(CollectiveMixin, HookMixin, AutoMixin, DDPMixin, PatchMixin):
             return
         try:
             if rec.ev0 is not None and self._pool is not None:
-                ev = self._pool.get()
+                ev = self._pool.get() if not self._capturing() else None  # a capture: host time only
                 if ev is not None:
                     ev.record()
                     rec.ev1 = ev
@@ -472,6 +556,9 @@ class Tracer(CollectiveMixin, HookMixin, AutoMixin, DDPMixin, PatchMixin):
             self._outside += 1
             return None
         try:
+            if self._capturing():  # the GPU runs nothing now, and a timing event would break the capture
+                self._captured += 1
+                return None
             if len(cur.phases) >= self._max_phases:
                 cur.dropped_phases += 1
                 return None
@@ -496,7 +583,9 @@ class Tracer(CollectiveMixin, HookMixin, AutoMixin, DDPMixin, PatchMixin):
     def _close(self, rec: PhaseRec) -> None:
         try:
             self._live.exit(rec)
-            if rec.ev0 is not None and self._pool is not None:
+            if rec.ev0 is not None and self._pool is not None and self._capturing():
+                rec.on = None  # a capture began inside the phase: no event now (the phase is dropped, counted)
+            elif rec.ev0 is not None and self._pool is not None:
                 s, rec.on = rec.on, None
                 ev = self._pool.get()
                 if ev is not None:
@@ -517,6 +606,9 @@ class Tracer(CollectiveMixin, HookMixin, AutoMixin, DDPMixin, PatchMixin):
         return sid
 
     # -- helpers ---------------------------------------------------------------------------------------------
+
+    def _torch(self) -> Any:
+        return torch
 
     def _error(self, where: str, exc: BaseException) -> None:
         self._errors += 1

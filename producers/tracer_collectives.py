@@ -190,7 +190,7 @@ class CollectiveMixin(PhaseOpener):
             return guarded(raw)
 
         launch = marked
-        if self._closed:
+        if self._closed or self._capturing():  # captured into a CUDA graph: timed by its replays, not here
             return self._plain(launch, async_op)
         live = self._live
         # In flight from here until done (heartbeats): kind, group and this rank's sequence number in it.

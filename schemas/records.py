@@ -36,6 +36,7 @@ __all__ = [
     "Level",
     "LifecycleEvent",
     "ParallelGroup",
+    "PauseReason",
     "PhaseBatch",
     "PhaseKind",
     "Record",
@@ -123,6 +124,18 @@ class ParallelGroup(enum.Enum):
         return "" if self is ParallelGroup.NONE else f"{self.value.lower()}_group"
 
 
+class PauseReason(enum.Enum):
+    """Why a rank's kernel records are paused (its steps and phases go on): a window without its kernels is
+    missing data, never a fault."""
+
+    #: ``argus control pause-kernels`` (e.g. to let nsys take CUPTI).
+    CONTROL = "CONTROL"
+    #: ``argus control sample-ranks N`` left this rank out.
+    SAMPLING = "SAMPLING"
+    #: A profiler in the process (torch.profiler) holds CUPTI, or held it when argus started.
+    PROFILER = "PROFILER"
+
+
 class LifecycleEvent(enum.Enum):
     START = "START"
     END = "END"
@@ -208,12 +221,21 @@ def _narrow(values: npt.NDArray[np.int64], dtype: str, name: str) -> npt.NDArray
 
 @dataclass(frozen=True, eq=False)
 class KernelBatch(Record):
-    """A columnar batch of kernel events of one rank; see ``schemas/kernel_batch.v2.avsc`` (v1 still read)."""
+    """A columnar batch of kernel events of one rank; see ``schemas/kernel_batch.v3.avsc`` (v1, v2 still read).
+
+    ``graph_id`` / ``graph_node_id``: per event, the CUDA graph that launched the kernel and its node (0 when
+    launched on its own; :data:`UNKNOWN_GRAPH` for a graph-launched kernel of an unknown graph); both empty when
+    no event of the batch was graph-launched (:attr:`graph_launched` then is all False).
+    """
 
     SCHEMA: ClassVar[str] = "kernel_batch"
     COLUMNS: ClassVar[dict[str, str]] = {
         "name_idx": "<u4", "stream": "<u4", "start_ns": "<i8", "duration_ns": "<i8", "step": "<i4",
     }
+    #: Optional per-event columns (schema v3): empty, or one value per event.
+    GRAPH_COLUMNS: ClassVar[dict[str, str]] = {"graph_id": "<u4", "graph_node_id": "<i8"}
+    #: ``graph_id`` of a kernel known to be graph-launched (a ``cudaGraphLaunch``) whose graph is not known.
+    UNKNOWN_GRAPH: ClassVar[int] = 2**32 - 1
 
     job_id: str
     rank: int
@@ -227,13 +249,25 @@ class KernelBatch(Record):
     host: str = ""
     dropped: int = 0
     end_of_stream: bool = False
+    graph_id: npt.NDArray[np.uint32] = field(default_factory=lambda: np.empty(0, np.uint32))
+    graph_node_id: npt.NDArray[np.int64] = field(default_factory=lambda: np.empty(0, np.int64))
 
     def __post_init__(self) -> None:
-        for name, dtype in self.COLUMNS.items():
+        for name, dtype in (self.COLUMNS | self.GRAPH_COLUMNS).items():
             arr = np.ascontiguousarray(getattr(self, name), dtype=dtype)
             arr.flags.writeable = False
             object.__setattr__(self, name, arr)
         object.__setattr__(self, "names", tuple(self.names))
+        if len(self.graph_id) and not self.graph_id.any() and not self.graph_node_id.any():
+            for name, dtype in self.GRAPH_COLUMNS.items():  # no kernel graph-launched: one form, as on the wire
+                object.__setattr__(self, name, np.empty(0, dtype))
+
+    @property
+    def graph_launched(self) -> npt.NDArray[np.bool_]:
+        """Per event: launched by a CUDA graph replay."""
+        if not len(self.graph_id):
+            return np.zeros(len(self), dtype=bool)
+        return self.graph_id != 0
 
     def __len__(self) -> int:
         return int(self.name_idx.shape[0])
@@ -251,6 +285,9 @@ class KernelBatch(Record):
             out[name] = pack_column(getattr(self, name))
         # A stream's kernels run one after the other: a start is coded as the gap after its predecessor's end.
         out["start_ns"] = pack_column(self.start_ns, self.stream, self.duration_ns)
+        graphs = len(self.graph_id) and bool(self.graph_id.any())
+        for name in self.GRAPH_COLUMNS:  # a batch without graph-launched kernels pays nothing for them
+            out[name] = pack_column(getattr(self, name)) if graphs else b""
         return out
 
     @classmethod
@@ -267,6 +304,10 @@ class KernelBatch(Record):
                                       f"is {n}")
             cols["start_ns"] = unpack_column(data["start_ns"], "start_ns", cols["stream"].astype(np.int64),
                                              cols["duration_ns"])
+            for name, dtype in cls.GRAPH_COLUMNS.items():  # v3; v2 reads as b"" (no graph-launched kernel)
+                raw = data.get(name, b"")
+                if raw:
+                    cols[name] = _narrow(unpack_column(raw, name), dtype, name)
         return cls(
             job_id=data["job_id"], rank=data["rank"], seq=data["seq"], names=tuple(data["names"]),
             host=data["host"], dropped=data["dropped"], end_of_stream=data["end_of_stream"], **cols,
@@ -276,6 +317,10 @@ class KernelBatch(Record):
         what = f"kernel batch {self.job_id}/{self.rank} seq {self.seq}"
         n = len(self)
         _same_length(what, self, self.COLUMNS, n, "the length of name_idx")
+        if len(self.graph_id) or len(self.graph_node_id):
+            _same_length(what, self, self.GRAPH_COLUMNS, n, "the length of name_idx")
+            if bool(((self.graph_id == 0) & (self.graph_node_id != 0)).any()):
+                raise SchemaError(f"{what}: a graph node id on a kernel without a graph id")
         if n and int(self.name_idx.max()) >= len(self.names):
             raise SchemaError(f"{what}: name_idx {int(self.name_idx.max())} outside the {len(self.names)}-name "
                               "dictionary")
@@ -658,7 +703,7 @@ class JobLifecycle(Record):
 
 @dataclass(frozen=True)
 class Heartbeat(Record):
-    """Liveness of one rank: what it is doing now; see ``schemas/heartbeat.v1.avsc``.
+    """Liveness of one rank: what it is doing now; see ``schemas/heartbeat.v2.avsc`` (v1 still read).
 
     Published by the rank-side tracer every ``Settings.heartbeat_interval_s`` seconds and on phase entry.
 
@@ -669,6 +714,9 @@ class Heartbeat(Record):
         collective: kind of the collective in flight (None if none), in ``group`` (NONE if none) number
             ``group_index`` (-1 if unknown); ``seq`` its sequence number among this rank's collectives of that
             group (-1 if none); ``in_flight_since_ns`` when it was issued (ns since the epoch, -1 if none).
+        kernels_paused: the rank's kernel records are paused now, for ``pause_reasons``; ``kernel_pauses``
+            counts the pauses so far. ``control_ack``: id of the last control command applied ('' if none),
+            ``control_error`` why it was refused ('' when applied).
     """
 
     SCHEMA: ClassVar[str] = "heartbeat"
@@ -684,10 +732,16 @@ class Heartbeat(Record):
     group_index: int = -1
     seq: int = -1
     in_flight_since_ns: int = -1
+    kernels_paused: bool = False
+    pause_reasons: tuple[PauseReason, ...] = ()
+    control_ack: str = ""
+    control_error: str = ""
+    kernel_pauses: int = 0
 
     @classmethod
     def _enum_fields(cls) -> dict[str, type[enum.Enum]]:
-        return {"phase_kind": PhaseKind, "collective": PhaseKind, "group": ParallelGroup}
+        return {"phase_kind": PhaseKind, "collective": PhaseKind, "group": ParallelGroup,
+                "pause_reasons": PauseReason}
 
     @property
     def in_flight(self) -> bool:
@@ -707,6 +761,10 @@ class Heartbeat(Record):
             _times(what, "in_flight_since_ns", self.in_flight_since_ns)
         if self.collective is not None and not self.collective.is_collective:
             raise SchemaError(f"{what}: collective {self.collective.value} is not a collective kind")
+        _bounded(what, "kernel_pauses", self.kernel_pauses, 0, _INT64[1])
+        if self.kernels_paused != bool(self.pause_reasons):
+            raise SchemaError(f"{what}: kernels_paused={self.kernels_paused} with pause reasons "
+                              f"{[r.value for r in self.pause_reasons]}")
 
 
 #: Longest ``Finding.evidence_json`` accepted, characters (a detector's evidence is a few hundred).

@@ -188,7 +188,8 @@ def _cpu_stack_rows(r: CpuStack) -> Iterable[tuple[Any, ...]]:
 
 def _heartbeat_rows(r: Heartbeat) -> Iterable[tuple[Any, ...]]:
     yield (r.job_id, r.rank, r.time_ns, r.step, r.phase, r.phase_kind.value if r.phase_kind else "",
-           r.collective.value if r.collective else "", r.group.value, r.group_index, r.seq, r.in_flight_since_ns)
+           r.collective.value if r.collective else "", r.group.value, r.group_index, r.seq, r.in_flight_since_ns,
+           int(r.kernels_paused), ",".join(p.value for p in r.pause_reasons), r.control_ack, r.control_error)
 
 
 #: ``idx`` of the marker row of a PhaseBatch without phases (see ``_phase_rows``).
@@ -249,7 +250,10 @@ TABLES: dict[str, Table] = {t.name: t for t in (
     Table("heartbeats", (("job_id", _LC, _STR), ("rank", "Int32", _I32), ("time_ns", "Int64", _I64),
                          ("step", "Int64", _I64), ("phase", _LC, _STR), ("phase_kind", _LC, _STR),
                          ("collective", _LC, _STR), ("grp", _LC, _STR), ("group_index", "Int32", _I32),
-                         ("seq", "Int64", _I64), ("in_flight_since_ns", "Int64", _I64)),
+                         ("seq", "Int64", _I64), ("in_flight_since_ns", "Int64", _I64),
+                         # v2: kernel records paused (1) and why (comma-separated PauseReason), control acks.
+                         ("kernels_paused", "UInt8", pa.uint8()), ("pause_reasons", _LC, _STR),
+                         ("control_ack", "String", _STR), ("control_error", "String", _STR)),
           ("job_id", "rank", "time_ns"), _heartbeat_rows,
           aliases=("`time` DateTime64(9) ALIAS fromUnixTimestamp64Nano(time_ns)",)),
 )}

@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 
+from argus.schemas.control import ControlAction, ControlCommand
 from argus.schemas.job_context import JobContext
 from argus.schemas.records import (
     CpuStack,
@@ -60,6 +61,7 @@ def samples() -> dict[str, Record]:
                               '"frames": [{"name": "train_step", "filename": "train.py", "line": 12}]}]'),
         "heartbeat": Heartbeat("job-a", 5, T0, 7, "dp-allreduce", PhaseKind.ALL_REDUCE, PhaseKind.ALL_REDUCE,
                                ParallelGroup.DP, 1, 42, T0 - 1_000_000),
+        "control_command": ControlCommand("job-a", "5f0c2d9e1a7b4c30", T0, ControlAction.PAUSE_KERNELS, (1, 3)),
         "job_context": JobContext("job-a", "l3/1", T0, None, (7, 13), (ParallelGroup.NONE, ParallelGroup.DP), (5,),
                                   (T0, T0 + 150_000_000), 150_000_000.0, True, ("gemm_kernel",), (7,), (2,), (0, 1),
                                   (1.5e6, 1.6e6), (10.0, 10.0)),

@@ -294,6 +294,15 @@ class Settings:
     #: default 2 s). Also published, at most 4 per interval, when a rank stays in a newly entered phase. In
     #: (0, 3600].
     heartbeat_interval_s: float = 2.0
+    #: Rank-side tracer: read ``argus control``'s commands to this job from the control topic (a background
+    #: thread; see docs/rank-control.md).
+    control: bool = True
+    #: Rank-side tracer: longest wait of one poll of the control topic, seconds; a command reaches a running
+    #: rank within about this long. In (0, 60].
+    control_poll_s: float = 1.0
+    #: Rank-side tracer: when another tool (a profiler, nsys) holds CUPTI, seconds between two tries to take it
+    #: back; kernel records are paused meanwhile. In (0, 3600].
+    cupti_retry_s: float = 30.0
     #: Kafka compression of produced messages: ``zstd``, ``lz4`` or ``none``.
     compression: str = "zstd"
     #: Sink: most records gathered before one ClickHouse insert.
@@ -375,6 +384,10 @@ class Settings:
                 raise ConfigError(f"{name} must be a plain name (no spaces, '/', '@' or brackets), got {value!r}")
         if not 0 < self.heartbeat_interval_s <= 3600:
             raise ConfigError(f"heartbeat_interval_s must be in (0, 3600], got {self.heartbeat_interval_s!r}")
+        if not 0 < self.control_poll_s <= 60:
+            raise ConfigError(f"control_poll_s must be in (0, 60], got {self.control_poll_s!r}")
+        if not 0 < self.cupti_retry_s <= 3600:
+            raise ConfigError(f"cupti_retry_s must be in (0, 3600], got {self.cupti_retry_s!r}")
         if self.allowed_lateness_ns < 0:
             raise ConfigError("allowed_lateness_ns must be >= 0")
         if self.window_ns > _MAX_WINDOW_NS:

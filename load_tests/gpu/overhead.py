@@ -1,6 +1,9 @@
-"""GPU benchmark: step-time overhead of the argus tracer vs. no tracing vs. always-on torch.profiler.
+"""GPU benchmark: step-time overhead of the argus tracer vs. no tracing vs. always-on torch.profiler, and the CPU
+cost of one kernel record.
 
-Workload (the write-up's launch-heavy loop): 48 x (Linear(512, 512) + GELU) in BF16, batch 64, forward +
+Workloads (``--model``): ``transformer`` (default): a small BF16 transformer encoder (4 layers, width 256, 4
+heads, batch 16 x 128 tokens), forward + backward + AdamW step, the shape of a real training step; ``mlp``
+(the write-up's launch-heavy loop): 48 x (Linear(512, 512) + GELU) in BF16, batch 64, forward +
 backward + SGD step, ``--steps`` measured steps (default 200) after ``--warmup`` steps (default 20). Such a
 loop is bound by the host launching ~600 small kernels per step, the worst case for per-kernel and
 per-phase host costs. Configurations, each run ``--repeats`` times interleaved (median reported):
@@ -12,10 +15,18 @@ per-phase host costs. Configurations, each run ``--repeats`` times interleaved (
 * ``argus_phases``: as ``argus`` without CUPTI (phases and CUDA events only), reported only: with
   ``argus`` it splits the overhead between the two channels;
 * ``argus_layers``: as ``argus`` plus one FORWARD phase per layer (48 module hooks), reported only;
-* ``torch_profiler``: ``torch.profiler.profile(activities=[CPU, CUDA])`` always on, reported only.
+* ``torch_profiler``: ``torch.profiler.profile(activities=[CPU, CUDA])`` always on, reported only;
+* ``attach`` / ``attach_no_cupti``: ``argus.attach(model, optimizer)`` (the one-line adoption: iterations from
+  the optimizer, FORWARD/BACKWARD/OPTIMIZER phases from hooks) with and without CUPTI; the loop itself has no
+  argus line. Their overhead is held to the budget.
+
+CPU per kernel record (``record_cost``, no GPU needed; ``--record-cost-only`` measures only it): fake CUPTI
+kernel records (a quarter of them graph-launched) through the collector's parse, batch and Avro encode path,
+nanoseconds per record, median of 5 passes.
 
 Step time = wall time of the measured steps / steps, with one ``torch.cuda.synchronize`` before and after
-(none inside the loop). Prints one JSON line; budget: argus overhead <= 2 % (goal 0.5 %); exit 1 if missed.
+(none inside the loop). Prints one JSON line; budget: the overhead of ``argus`` and ``attach`` <= 0.5 %; exit 1
+if missed.
 Without CUDA it prints a JSON line with ``"skipped"`` and says so on stderr (exit 0).
 
 Run (needs only torch + this repo): python load_tests/gpu/overhead.py [--steps 200] [--repeats 3]
@@ -35,11 +46,42 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-BUDGET_PCT = 2.0
-GOAL_PCT = 0.5
+BUDGET_PCT = 0.5
+#: Configurations held to the budget (the others are reported only).
+JUDGED = ("argus", "attach")
 
 
-def build(torch: Any, device: str) -> tuple[Any, Any, Any]:
+def record_cost(records: int = 100_000, passes: int = 5) -> dict[str, Any]:
+    """CPU nanoseconds per kernel record through parse + batch + encode (the collector's parser thread's work)."""
+    from types import SimpleNamespace
+
+    from argus.producers.cupti_parse import KIND_CONCURRENT_KERNEL, NameTable, columns_to_batches, extract_columns
+
+    t0 = 1_700_000_000_000_000_000
+    names = [f"kernel_{i}" for i in range(200)]
+    recs = [SimpleNamespace(kind=KIND_CONCURRENT_KERNEL, name=names[i % 200], start=t0 + 1000 * i,
+                            end=t0 + 1000 * i + 600, stream_id=7 + i % 3, correlation_id=i,
+                            graph_id=3 if (i // 64) % 4 == 0 else 0, graph_node_id=i % 64) for i in range(records)]
+    times = []
+    for _ in range(passes):
+        table = NameTable()
+        start = time.perf_counter_ns()
+        cols = extract_columns(recs, table)
+        batches, _ = columns_to_batches(cols, table, job_id="cost", rank=0, batch_events=4096)
+        wire = sum(len(b.encode()) for b in batches)
+        times.append(time.perf_counter_ns() - start)
+    return {"records": records, "ns_per_record": round(statistics.median(times) / records, 1),
+            "wire_bytes_per_record": round(wire / records, 2)}
+
+
+def build(torch: Any, device: str, model: str = "mlp") -> tuple[Any, Any, Any]:
+    if model == "transformer":
+        layer = torch.nn.TransformerEncoderLayer(256, 4, 1024, batch_first=True, dropout=0.0)
+        net = torch.nn.TransformerEncoder(layer, 4, enable_nested_tensor=False).to(device=device,
+                                                                                   dtype=torch.bfloat16)
+        return net, torch.optim.AdamW(net.parameters(), lr=1e-4), torch.randn(16, 128, 256, device=device,
+                                                                               dtype=torch.bfloat16)
+
     class Layer(torch.nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -55,19 +97,23 @@ def build(torch: Any, device: str) -> tuple[Any, Any, Any]:
     return model, opt, x
 
 
-def run(torch: Any, config: str, steps: int, warmup: int, publisher: str, device: str = "cuda") -> dict[str, Any]:
+def run(torch: Any, config: str, steps: int, warmup: int, publisher: str, device: str = "cuda",
+        model_kind: str = "mlp") -> dict[str, Any]:
+    import argus
     from argus.core.settings import Settings
+    from argus.producers.attach import detach
     from argus.producers.tracer import Tracer
     from argus.schemas.records import PhaseKind
 
-    model, opt, x = build(torch, device)
+    model, opt, x = build(torch, device, model_kind)
 
     def sync() -> None:
         if device == "cuda":
             torch.cuda.synchronize()
 
     tracer = prof = owned = None
-    if config.startswith("argus"):
+    attached = None
+    if config.startswith(("argus", "attach")):
         pub: Any = None
         if publisher == "null":
             class Null:
@@ -81,9 +127,13 @@ def run(torch: Any, config: str, steps: int, warmup: int, publisher: str, device
         if pub is None:
             from argus.producers.publisher import Publisher
             pub = owned = Publisher(settings, extra_config={"message.timeout.ms": 2_000, "log_level": 0})
-        tracer = Tracer(settings, f"overhead-{config}", 0, 1, pub, kernels=config != "argus_phases",
-                        registry=False)
-        tracer.start()
+        kernels = config not in ("argus_phases", "attach_no_cupti")
+        if config.startswith("attach"):
+            attached = argus.attach(model, opt, settings=settings, publisher=pub, kernels=kernels, registry=False,
+                                    job_id=f"overhead-{config}", rank=0, world_size=1)
+        else:
+            tracer = Tracer(settings, f"overhead-{config}", 0, 1, pub, kernels=kernels, registry=False)
+            tracer.start()
         if config == "argus_layers":
             tracer.instrument(model, modules=("mlp",))
     elif config == "torch_profiler":
@@ -117,6 +167,11 @@ def run(torch: Any, config: str, steps: int, warmup: int, publisher: str, device
     sync()
     step_ms = (time.perf_counter() - t0) * 1e3 / steps
     out: dict[str, Any] = {"step_ms": step_ms}
+    if attached is not None:
+        stats = attached.stats()
+        detach(timeout_s=1.0)
+        out.update(cupti=stats.cupti.state.value, kernel_events=stats.kernel_events, errors=stats.errors,
+                   steps_published=stats.steps_published)
     if tracer is not None:
         stats = tracer.close(timeout_s=1.0)
         out.update(cupti=stats.cupti.state.value, cupti_reason=stats.cupti.reason, kernel_events=stats.kernel_events,
@@ -134,11 +189,18 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--publisher", choices=("unreachable", "null"), default="unreachable")
-    ap.add_argument("--configs", default="baseline,argus,argus_phases,argus_layers,torch_profiler")
+    ap.add_argument("--configs",
+                    default="baseline,argus,argus_phases,argus_layers,attach,attach_no_cupti,torch_profiler")
+    ap.add_argument("--model", choices=("transformer", "mlp"), default="transformer")
+    ap.add_argument("--record-cost-only", action="store_true", help="only the CPU cost per kernel record")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                     help="cpu: a dry run of the harness only (numbers mean nothing)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.ERROR)
+    cost = record_cost()
+    if args.record_cost_only:
+        print(json.dumps({"record_cost": cost}))
+        return 0
     try:
         import torch
     except ImportError:
@@ -147,35 +209,33 @@ def main() -> int:
         return 0
     if args.device == "cuda" and not torch.cuda.is_available():
         print("overhead.py: CUDA is not available on this machine; nothing measured", file=sys.stderr)
-        print(json.dumps({"skipped": "CUDA not available"}))
+        print(json.dumps({"skipped": "CUDA not available", "record_cost": cost}))
         return 0
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     if "baseline" not in configs:
         configs.insert(0, "baseline")
     results: dict[str, list[dict[str, Any]]] = {c: [] for c in configs}
     t_start = time.time()
-    run(torch, "baseline", max(20, args.warmup), 5, args.publisher, args.device)  # CUDA/cuBLAS warm-up
+    run(torch, "baseline", max(20, args.warmup), 5, args.publisher, args.device, args.model)  # CUDA/cuBLAS warm-up
     for _ in range(args.repeats):
         for c in configs:
-            results[c].append(run(torch, c, args.steps, args.warmup, args.publisher, args.device))
+            results[c].append(run(torch, c, args.steps, args.warmup, args.publisher, args.device, args.model))
     step_ms = {c: statistics.median(r["step_ms"] for r in rs) for c, rs in results.items()}
     base = step_ms["baseline"]
     overhead = {c: round((v - base) / base * 100, 2) for c, v in step_ms.items() if c != "baseline"}
     out: dict[str, Any] = {
         "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu (dry run)",
-        "torch": torch.__version__, "steps": args.steps,
+        "torch": torch.__version__, "model": args.model, "steps": args.steps,
         "warmup": args.warmup, "repeats": args.repeats, "publisher": args.publisher,
         "step_ms": {c: round(v, 4) for c, v in step_ms.items()}, "overhead_pct": overhead,
-        "budget_pct": BUDGET_PCT, "goal_pct": GOAL_PCT, "seconds": round(time.time() - t_start, 1),
+        "budget_pct": BUDGET_PCT, "record_cost": cost, "seconds": round(time.time() - t_start, 1),
     }
     if "argus" in results:
         last = results["argus"][-1]
         out.update(cupti=last.get("cupti"), cupti_reason=last.get("cupti_reason"),
                    kernel_events_per_step=round(last.get("kernel_events", 0) / max(1, args.steps + args.warmup), 1),
                    tracer_errors=last.get("errors"))
-        out["ok"] = overhead["argus"] <= BUDGET_PCT
-    else:
-        out["ok"] = True
+    out["ok"] = all(overhead[c] <= BUDGET_PCT for c in JUDGED if c in overhead)
     print(json.dumps(out))
     return 0 if out["ok"] else 1
 

@@ -34,10 +34,13 @@ from argus.core.settings import Settings
 from argus.kafka_acls import READS, WRITES, acl_table, apply_acls, describe_acls, secure_local_kafka
 from argus.kafka_users import Role, ensure_passwords, password_path, role_env, role_settings
 from argus.local_kafka import LocalKafka
+from argus.producers.control import ControlThread, RankControl
 from argus.producers.faults import Fault
 from argus.producers.publisher import Publisher
 from argus.producers.seed_cases import paper_case
 from argus.producers.simulator import JobSimulator
+from argus.rank_control import make_command, send_command
+from argus.schemas.control import ControlAction
 from argus.sinks.clickhouse import ClickHouseStore
 from argus.sinks.findings_feed import follow_findings
 from argus.topics import Topic, ensure_topics
@@ -127,6 +130,41 @@ def test_each_role_writes_exactly_its_topics(secure: Settings) -> None:
         assert pub.flush(30) == 0
         stats = pub.close()
     assert stats.failed == 0 and stats.delivered > 0
+
+
+def test_the_admin_commands_running_ranks_and_the_rank_reads_them(secure: Settings) -> None:
+    """argus control runs as the admin; a rank's control thread, as the rank user, reads its job's commands (by
+    assignment, with its own group prefix) and may not write one."""
+    cmd = make_command("acl-ctl", ControlAction.PAUSE_KERNELS, ranks=(1,))
+    send_command(role_settings(secure, Role.ADMIN), cmd)
+    with pytest.raises(ArgusError, match=r"TOPIC_AUTHORIZATION_FAILED|not written"):
+        send_command(role_settings(secure, Role.RANK), make_command("acl-ctl", ControlAction.RESUME_KERNELS),
+                     timeout_s=20)
+    acks: list[tuple[str, str]] = []
+
+    class Target:
+        def pause_kernels(self, reason: object) -> None:
+            pass
+
+        def resume_kernels(self, reason: object) -> None:
+            pass
+
+        def set_runtime(self, key: str, value: float | int) -> None:
+            pass
+
+        def acknowledge(self, command_id: str, error: str) -> None:
+            acks.append((command_id, error))
+
+    thread = ControlThread(role_settings(secure, Role.RANK).replace(control_poll_s=0.2), "acl-ctl",
+                           RankControl(1, 2, Target()))
+    thread.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not acks and time.monotonic() < deadline:
+            time.sleep(0.1)
+    finally:
+        thread.stop()
+    assert acks == [(cmd.command_id, "")] and thread.errors == 0
 
 
 def _first_error(settings: Settings, topic: Topic, timeout_s: float = 30) -> tuple[str | None, bytes | None]:

@@ -33,6 +33,12 @@ ROOT = Path(__file__).resolve().parents[2]
     ["findings", "--job", "a\nb"],
     ["export-trace", "--job", "x", "--rank", "-1", "--from-step", "0", "--to-step", "1", "--out", "t.json"],
     ["demo", "--steps", "0"],
+    ["control", "--job", "x", "set", "no_such_setting=1"],
+    ["control", "--job", "x", "set", "heartbeat_interval_s=0"],
+    ["control", "--job", "x", "set", "heartbeat_interval_s"],
+    ["control", "--job", "x", "sample-ranks", "-1"],
+    ["control", "--job", "x", "--ranks", "two", "pause-kernels"],
+    ["control", "--job", "x"],
     ["--log-level", "LOUD", "status"],
     ["no-such-command"],
 ])
@@ -67,9 +73,12 @@ def test_every_command_that_reads_kafka_checks_it_first() -> None:
         "findings": ["findings", "--job", "j"], "status": ["status"], "sql": ["sql", "SELECT 1"],
         "export-summaries": ["export-trace", "--job", "j", "--rank", "0", "--from-step", "0", "--to-step", "1",
                              "--out", "t", "--summaries-only"],
+        "control": ["control", "--job", "j", "--ranks", "0,2-3", "sample-ranks", "2"],
     }.items()}
     assert {c for c, n in needs.items() if n} == {"topics", "simulate", "replay", "import-kineto", "stacks",
-                                                  "follow", "export"}
+                                                  "follow", "export", "control"}
+    args = parser.parse_args(["control", "--job", "j", "--ranks", "0,2-3", "sample-ranks", "2"])
+    assert (args.ranks, args.action, args.count) == ((0, 2, 3), "sample-ranks", 2)
 
 
 def _closed_port() -> int:
@@ -83,7 +92,7 @@ def test_unreachable_broker_is_one_line_then_the_error(tmp_path: Path) -> None:
     by side; librdkafka's own lines, which it writes to stderr unless given a logger, would start with %)."""
     env = {**os.environ, "ARGUS_BOOTSTRAP_SERVERS": f"127.0.0.1:{_closed_port()}", "ARGUS_HOME": str(tmp_path)}
     commands = [["topics"], ["findings", "--follow"], ["simulate", "--job", "j", "--steps", "2"],
-                ["replay", "--job", "j"], ["stacks"]]
+                ["replay", "--job", "j"], ["stacks"], ["control", "--job", "j", "pause-kernels"]]
     start = time.monotonic()
     procs = [subprocess.Popen([sys.executable, "-m", "argus.cli", *argv], env=env, cwd=tmp_path, text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE) for argv in commands]

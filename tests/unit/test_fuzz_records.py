@@ -127,7 +127,8 @@ def test_one_field_of_a_valid_record_replaced_gives_a_valid_record_or_schema_err
     cls = RECORDS[name]
     good = samples()[name]
     hints = typing.get_type_hints(cls)
-    columns = {c: _column(dtype) for c, dtype in KernelBatch.COLUMNS.items()} if cls is KernelBatch else {}
+    columns = ({c: _column(dtype) for c, dtype in (KernelBatch.COLUMNS | KernelBatch.GRAPH_COLUMNS).items()}
+               if cls is KernelBatch else {})
     fields = {f.name: columns[f.name] if f.name in columns else _strategy(hints[f.name])
               for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
 

@@ -40,7 +40,8 @@ def _by_topic(settings: Settings, op: Operation) -> dict[str, set[str]]:
 def test_every_topic_has_exactly_its_writers() -> None:
     settings = Settings.load(env={}, topic_prefix="p.")
     writers = _by_topic(settings, Operation.WRITE)
-    assert set(writers) == {t.full(settings) for t in Topic}  # every topic has a writer, no other name is written
+    # Every topic has a writer, no other name is written; argus control's commands are the admin's (a super user).
+    assert set(writers) == {t.full(settings) for t in Topic if t is not Topic.CONTROL}
     for topic, who in EXPECTED_WRITERS.items():
         assert writers[topic.full(settings)] == who, topic
     assert writers["p.findings"] == writers["p.findings.json"] == {"worker"}  # no one else writes findings
@@ -68,7 +69,8 @@ def test_groups_and_prefixes() -> None:
     settings = Settings.load(env={}, app_id="app", sink_group="snk")
     table = acl_table(settings, users={Role.READER: "alice"})
     groups = {(a.principal, a.name, a.pattern) for a in table if a.resource is Resource.GROUP}
-    assert groups == {("rank", "app-stacks-", Pattern.PREFIXED), ("worker", "app", Pattern.LITERAL),
+    assert groups == {("rank", "app-stacks-", Pattern.PREFIXED), ("rank", "app-control-", Pattern.PREFIXED),
+                      ("worker", "app", Pattern.LITERAL),
                       ("worker", "app-scan", Pattern.LITERAL), ("worker", "app-context-", Pattern.PREFIXED),
                       ("sink", "snk", Pattern.LITERAL), ("alice", "app-follow-", Pattern.PREFIXED)}
     assert all(a.operation is Operation.READ for a in table if a.resource is Resource.GROUP)

@@ -12,11 +12,12 @@ from argus.core.settings import ClickHouseSettings, DetectorSettings, KafkaSetti
 PARTS = {"kafka": KafkaSettings, "clickhouse": ClickHouseSettings, "worker": WorkerSettings,
          "detector": DetectorSettings}
 #: Settings of the processes around the worker and the sink, which take the whole Settings: the rank-side
-#: publisher, the supervisor, the local broker (and its cluster size), the query endpoint, the Kineto importer,
-#: logging.
-WHOLE = {"brokers", "import_max_memory_mb", "kafka_cache", "kafka_secure", "kafka_version", "log_level",
-         "publisher_batch_events", "publisher_metrics_port", "publisher_queue_max", "sink_metrics_port",
-         "supervisor_backoff_max_s", "supervisor_backoff_s", "supervisor_hang_s"}
+#: publisher and tracer (control topic, CUPTI retries), the supervisor, the local broker (and its cluster size),
+#: the query endpoint, the Kineto importer, logging.
+WHOLE = {"brokers", "control", "control_poll_s", "cupti_retry_s", "import_max_memory_mb", "kafka_cache",
+         "kafka_secure", "kafka_version", "log_level", "publisher_batch_events", "publisher_metrics_port",
+         "publisher_queue_max", "sink_metrics_port", "supervisor_backoff_max_s", "supervisor_backoff_s",
+         "supervisor_hang_s"}
 
 
 def _source(f: dataclasses.Field) -> str:  # type: ignore[type-arg]
