@@ -81,7 +81,8 @@ class PhaseColumns:
     distinct job ids, ``job`` each row's (an index into ``jobs``); ``rank`` and ``step``; ``layouts`` the
     distinct (kinds, names, groups, streams) tuples (shared with the record-wise decode's; ``None`` for one no
     row holds), ``layout`` each row's; ``times`` one read-only int64 buffer (ns), row ``k``'s starts at
-    ``offset[k]`` followed by its durations, ``width[k]`` values each. ``rest``: the messages left to the record-wise decode."""
+    ``offset[k]`` followed by its durations, ``width[k]`` values each. ``rest``: the messages left to the
+    record-wise decode."""
 
     jobs: tuple[str, ...]
     job: I64
