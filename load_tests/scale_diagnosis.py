@@ -71,8 +71,8 @@ What is timed, per rank count:
   and PhaseBatch of the L2 steps plus one ``diagnose()``, divided by N (per-record Python bookkeeping
   included).
 
-``peak_rss_mib`` is ``ru_maxrss`` of the process (inputs included), ``peak_rss_mib_after`` the same after
-each rank count. Budgets apply at every rank count measured (they are stated for 10,240; cost grows with the
+``load_average`` is the machine's (1, 5, 15 min) at the start and the end. ``peak_rss_mib`` is ``ru_maxrss``
+of the process (inputs included), ``peak_rss_mib_after`` the same after each rank count. Budgets apply at every rank count measured (they are stated for 10,240; cost grows with the
 ranks). Prints one JSON line; exits 1 when a budget is missed (``over_budget`` lists which).
 
 Run: .venv/bin/python load_tests/scale_diagnosis.py [--ranks 1024,4096,10240] [--repeats 5] [--l2-steps 10]
@@ -87,6 +87,7 @@ import argparse
 import cProfile
 import gc
 import json
+import os
 import pstats
 import resource
 import statistics
@@ -561,6 +562,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ap.error(f"ranks must be multiples of {TP * PP} and >= {2 * TP * PP} (TP {TP} x PP {PP} x DP >= 2), "
                  "--l2-steps >= 3, --l1-steps >= 20")
 
+    load_start = [round(x, 2) for x in os.getloadavg()]
     templates, step_ns = phase_templates(SEED)
     results: dict[str, Any] = {}
     over: list[str] = []
@@ -616,6 +618,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "l2_steps": args.l2_steps, "l1_steps": args.l1_steps, "window_ns": WINDOW_NS,
         "results": results,
         "peak_rss_mib": _r(_rss_mib(), 1),
+        # Wall-clock figures grow with other work on the machine; the CPU figures much less.
+        "load_average": {"start": load_start, "end": [round(x, 2) for x in os.getloadavg()]},
         "budgets": {"l3_ms_per_kernel_window": BUDGET_L3_MS, "l2_ms_per_step": BUDGET_L2_MS,
                     "columnar_decode_cpu_ms_per_step": BUDGET_DECODE_MS,
                     "l1_ms_per_step": BUDGET_L1_MS, "stated_at_ranks": 10240},
