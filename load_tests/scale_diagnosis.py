@@ -72,8 +72,9 @@ What is timed, per rank count:
   included).
 
 ``load_average`` is the machine's (1, 5, 15 min) at the start and the end. ``peak_rss_mib`` is ``ru_maxrss``
-of the process (inputs included), ``peak_rss_mib_after`` the same after each rank count. Budgets apply at every rank count measured (they are stated for 10,240; cost grows with the
-ranks). Prints one JSON line; exits 1 when a budget is missed (``over_budget`` lists which).
+of the process (inputs included), ``peak_rss_mib_after`` the same after each rank count. Budgets apply at
+every rank count measured (they are stated for 10,240; cost grows with the ranks). Prints one JSON line; exits 1
+when a budget is missed (``over_budget`` lists which).
 
 Run: .venv/bin/python load_tests/scale_diagnosis.py [--ranks 1024,4096,10240] [--repeats 5] [--l2-steps 10]
      [--l1-steps 200] [--quick] [--profile]
