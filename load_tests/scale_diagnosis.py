@@ -50,7 +50,12 @@ What is timed, per rank count:
   (every ``detect_every``, 5, steps). Records are generated per step, untimed. The timed steps take the records as
   the worker gets them: each decoded from its own Avro bytes (``PhaseBatch.decode(b.encode())``, ``Step.decode``;
   untimed, ``decode_ms_per_step`` says what it took), so each holds tuples of its own (starts included) but for
-  what decoding shares (a layout equal to one decoded lately: see ``PhaseBatch.from_avro``). ``live_ms_per_step``:
+  what decoding shares (a layout equal to one decoded lately: see ``PhaseBatch.from_avro``); ``decode_cpu_ms_per_step``
+  the same in CPU time of this process. ``columnar_decode_ms_per_step`` / ``columnar_decode_cpu_ms_per_step``
+  (budget: ``BUDGET_DECODE_MS`` CPU ms, one core's work whatever else runs on the machine): the same messages
+  decoded by columns (:mod:`argus.schemas.record_columns`, one reused join buffer), the median over the timed
+  steps; ``columnar_same``: the first timed step's columns hold the records the record-wise decode gave.
+  ``live_ms_per_step``:
   the mean over the timed steps (the diagnoses amortized; the budget is judged on it); ``add_ms_per_step`` and
   ``diagnose_ms_per_run``: medians. ``shared_tuples``: the same figures over ``--live-steps`` further steps fed
   the generated records themselves, whose PhaseBatch records of one (TP index, stage) share their
@@ -66,9 +71,10 @@ What is timed, per rank count:
   and PhaseBatch of the L2 steps plus one ``diagnose()``, divided by N (per-record Python bookkeeping
   included).
 
-``peak_rss_mib`` is ``ru_maxrss`` of the process (inputs included), ``peak_rss_mib_after`` the same after
-each rank count. Budgets apply at every rank count measured (they are stated for 10,240; cost grows with the
-ranks). Prints one JSON line; exits 1 when a budget is missed (``over_budget`` lists which).
+``load_average`` is the machine's (1, 5, 15 min) at the start and the end. ``peak_rss_mib`` is ``ru_maxrss``
+of the process (inputs included), ``peak_rss_mib_after`` the same after each rank count. Budgets apply at
+every rank count measured (they are stated for 10,240; cost grows with the ranks). Prints one JSON line; exits 1
+when a budget is missed (``over_budget`` lists which).
 
 Run: .venv/bin/python load_tests/scale_diagnosis.py [--ranks 1024,4096,10240] [--repeats 5] [--l2-steps 10]
      [--l1-steps 200] [--quick] [--profile]
@@ -82,6 +88,7 @@ import argparse
 import cProfile
 import gc
 import json
+import os
 import pstats
 import resource
 import statistics
@@ -106,6 +113,13 @@ from argus.detectors.l3_kernels import L3Params, L3Result, detect_l3  # noqa: E4
 from argus.producers.sim_workload import K_ALL_REDUCE, K_GEMM  # noqa: E402
 from argus.producers.simulator import DEFAULT_START_NS, JobSimulator, JobSpec  # noqa: E402
 from argus.producers.topology import build_topology  # noqa: E402
+from argus.schemas.record_columns import (  # noqa: E402
+    JoinBuffer,
+    PhaseColumns,
+    StepColumns,
+    decode_phase_batches,
+    decode_steps,
+)
 from argus.schemas.records import JobTopology, KernelSummary, PhaseBatch, PhaseKind, Step  # noqa: E402
 from argus.streams.diagnosis import DiagnosisParams, JobDiagnosis, KernelDiagnosis  # noqa: E402
 
@@ -113,6 +127,8 @@ from argus.streams.diagnosis import DiagnosisParams, JobDiagnosis, KernelDiagnos
 BUDGET_L3_MS = 100.0  # per (kernel, window), compute and collective alike
 BUDGET_L2_MS = 50.0  # per step
 BUDGET_L1_MS = 1.0  # per step
+#: Columnar decoding of one step's Step and PhaseBatch messages, CPU ms of this process (one core).
+BUDGET_DECODE_MS = 60.0
 
 TP, PP = 8, 4
 SEED = 20260
@@ -395,6 +411,11 @@ def measure_l2_live(topo: JobTopology, templates: list[_Template], step_ns: int,
     rng = np.random.default_rng(seed)
     runs: dict[bool, tuple[list[float], list[float], list[float]]] = {True: ([], [], []), False: ([], [], [])}
     decode_runs: list[float] = []
+    decode_cpu: list[float] = []
+    columnar_runs: list[float] = []
+    columnar_cpu: list[float] = []
+    columnar_same = False
+    join = JoinBuffer()
     findings: list[str] = []
     held = params.history_steps
     for s in range(held + 2 * timed_steps):
@@ -408,11 +429,20 @@ def measure_l2_live(topo: JobTopology, templates: list[_Template], step_ns: int,
             # the agent's, measured with the agent: not timed here.
             step_bytes, batch_bytes = [r.encode() for r in step_recs], [b.encode() for b in batch_recs]
             del step_recs, batch_recs
-            t_dec = time.perf_counter()
+            t_dec, c_dec = time.perf_counter(), time.process_time()
             step_recs = [Step.decode(p) for p in step_bytes]
             batch_recs = [PhaseBatch.decode(p) for p in batch_bytes]
             if timed:
                 decode_runs.append((time.perf_counter() - t_dec) * 1e3)
+                decode_cpu.append((time.process_time() - c_dec) * 1e3)
+                gc.collect()
+                t_col, c_col = time.perf_counter(), time.process_time()
+                cols = decode_steps(step_bytes, join), decode_phase_batches(batch_bytes, join)
+                columnar_runs.append((time.perf_counter() - t_col) * 1e3)
+                columnar_cpu.append((time.process_time() - c_col) * 1e3)
+                if len(columnar_runs) == 1:  # the columns hold what the record-wise decode gave (untimed)
+                    columnar_same = columns_equal(cols[0], cols[1], step_recs, batch_recs)
+                del cols
             del step_bytes, batch_bytes
         if timed:
             gc.collect()
@@ -445,10 +475,22 @@ def measure_l2_live(topo: JobTopology, templates: list[_Template], step_ns: int,
         "history_steps": held, "detect_every": params.detect_every, "timed_steps": timed_steps,
         "records": "decoded", **figures(True),
         "decode_ms_per_step": _r(statistics.median(decode_runs)),
+        "decode_cpu_ms_per_step": _r(statistics.median(decode_cpu)),
+        "columnar_decode_ms_per_step": _r(statistics.median(columnar_runs)),
+        "columnar_decode_cpu_ms_per_step": _r(statistics.median(columnar_cpu)),
+        "columnar_same": columnar_same,
         "shared_tuples": figures(False),
         "state_bytes_per_rank_step": round(state / (topo.world_size * held)),
         "history_state_mib": _r(state / 2**20, 1), "findings": findings,
     }
+
+
+def columns_equal(steps: StepColumns, batches: PhaseColumns, step_recs: list[Step],
+                  batch_recs: list[PhaseBatch]) -> bool:
+    """Whether the columns hold, row by row, the records the record-wise decode gave (every message read)."""
+    return (not steps.rest and not batches.rest and [steps.record(k) for k in range(len(steps))] == step_recs
+            and all(batches.batch(k) == b and batches.batch(k).packed_times == b.packed_times
+                    for k, b in enumerate(batch_recs)))
 
 
 def measure_job_diagnosis(topo: JobTopology, steps: list[list[Step]], batches: list[list[PhaseBatch]],
@@ -521,6 +563,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ap.error(f"ranks must be multiples of {TP * PP} and >= {2 * TP * PP} (TP {TP} x PP {PP} x DP >= 2), "
                  "--l2-steps >= 3, --l1-steps >= 20")
 
+    load_start = [round(x, 2) for x in os.getloadavg()]
     templates, step_ns = phase_templates(SEED)
     results: dict[str, Any] = {}
     over: list[str] = []
@@ -561,6 +604,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         live = entry["l2"].get("live", {}).get("live_ms_per_step", entry["l2"]["live_ms_per_step_est"])
         if live > BUDGET_L2_MS:
             over.append(f"L2 live at {n} ranks: {live} ms/step > {BUDGET_L2_MS}")
+        decode_cpu = entry["l2"].get("live", {}).get("columnar_decode_cpu_ms_per_step")
+        if decode_cpu is not None and decode_cpu > BUDGET_DECODE_MS:
+            over.append(f"columnar decode at {n} ranks: {decode_cpu} CPU ms/step > {BUDGET_DECODE_MS}")
+        if entry["l2"].get("live", {}).get("columnar_same") is False:
+            over.append(f"columnar decode at {n} ranks differs from the record-wise decode")
         if entry["l1"]["ms_per_step"] > BUDGET_L1_MS:
             over.append(f"L1 at {n} ranks: {entry['l1']['ms_per_step']} ms/step > {BUDGET_L1_MS}")
         last_l3 = (l3_in, topo)
@@ -571,7 +619,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "l2_steps": args.l2_steps, "l1_steps": args.l1_steps, "window_ns": WINDOW_NS,
         "results": results,
         "peak_rss_mib": _r(_rss_mib(), 1),
+        # Wall-clock figures grow with other work on the machine; the CPU figures much less.
+        "load_average": {"start": load_start, "end": [round(x, 2) for x in os.getloadavg()]},
         "budgets": {"l3_ms_per_kernel_window": BUDGET_L3_MS, "l2_ms_per_step": BUDGET_L2_MS,
+                    "columnar_decode_cpu_ms_per_step": BUDGET_DECODE_MS,
                     "l1_ms_per_step": BUDGET_L1_MS, "stated_at_ranks": 10240},
         "over_budget": over,
         "within_budget": not over,

@@ -41,6 +41,7 @@ __all__ = [
     "PhaseKind",
     "Record",
     "Step",
+    "raw_phase_layout",
 ]
 
 #: Every event time and duration (``*_ns``) must satisfy ``|t| < TIME_LIMIT_NS`` (2^62 ns, about 146 years):
@@ -425,22 +426,27 @@ class PhaseBatch(Record):
 
             raw = read_phase_batch(payload, 2, len(_KIND_SYMBOLS), len(_GROUP_SYMBOLS))
             if raw is not None:
-                layout = _LAYOUTS.intern_raw(raw.layout, lambda: (
-                    [_KIND_SYMBOLS[i] for i in raw.kinds.tolist()],
-                    [payload[a:b].decode("utf-8") for a, b in raw.names.tolist()],
-                    [_GROUP_SYMBOLS[i] for i in raw.groups.tolist()], raw.streams.tolist()))
+                layout = raw_phase_layout(raw.layout, payload, raw.kinds, raw.names, raw.groups, raw.streams)
                 if layout is not None:
-                    rec = cls(raw.job_id, raw.rank, raw.step, *layout, tuple(raw.start_ns.tolist()),
-                              tuple(raw.duration_ns.tolist()))
-                    # Not fields (equality, repr, replace and the Avro mapping ignore them): the same values as the
-                    # tuples, read once, for whoever needs them at once (L2's fold of a step).
-                    rec.__dict__["shared_layout"] = layout
-                    if raw.times is not None:
-                        rec.__dict__["packed_times"] = raw.times
+                    rec = cls.of_layout(raw.job_id, raw.rank, raw.step, layout, tuple(raw.start_ns.tolist()),
+                                        tuple(raw.duration_ns.tolist()), raw.times)
                     rec.check()
                     return rec
         rec = cls.from_avro(avro.decode(payload))
         rec.check()
+        return rec
+
+    @classmethod
+    def of_layout(cls, job_id: str, rank: int, step: int, layout: _Layout, start_ns: tuple[int, ...],
+                  duration_ns: tuple[int, ...], packed_times: bytes | None) -> PhaseBatch:
+        """A batch the compiled readers read: its shared ``layout`` (:func:`raw_phase_layout`), its times as
+        tuples and, where read so, ``packed_times`` (see the attribute). Not checked."""
+        rec = cls(job_id, rank, step, *layout, start_ns, duration_ns)
+        # Not fields (equality, repr, replace and the Avro mapping ignore them): the same values as the tuples,
+        # read once, for whoever needs them at once (L2's fold of a step).
+        rec.__dict__["shared_layout"] = layout
+        if packed_times is not None:
+            rec.__dict__["packed_times"] = packed_times
         return rec
 
     def times(self) -> npt.NDArray[np.int64] | None:
@@ -510,7 +516,19 @@ class _LayoutCache:
 
 
 _LAYOUTS = _LayoutCache(1024)
-#: The writer version :meth:`PhaseBatch.decode` reads with the compiled reader, and its enum symbols (in order).
+
+
+def raw_phase_layout(raw: bytes, data: bytes, kinds: npt.NDArray[np.int64], names: npt.NDArray[np.int64],
+                     groups: npt.NDArray[np.int64], streams: npt.NDArray[np.int64]) -> _Layout | None:
+    """The shared (kinds, names, groups, streams) tuples of a layout the compiled readers read (those of an
+    equal layout decoded lately, see :meth:`PhaseBatch.from_avro`): ``raw`` its v1 bytes, ``kinds`` / ``groups``
+    enum indices, ``names`` byte ranges in ``data`` (``phases x 2``), ``streams``. ``None`` where a name is not
+    UTF-8 (fastavro then decodes the batch, or names the error)."""
+    return _LAYOUTS.intern_raw(raw, lambda: (
+        [_KIND_SYMBOLS[i] for i in kinds.tolist()], [data[a:b].decode("utf-8") for a, b in names.tolist()],
+        [_GROUP_SYMBOLS[i] for i in groups.tolist()], streams.tolist()))
+
+
 _PHASE_V1 = 1
 _KIND_SYMBOLS = ("FORWARD", "BACKWARD", "OPTIMIZER", "ALL_REDUCE", "REDUCE_SCATTER", "ALL_GATHER", "SEND_RECV",
                  "ALL_TO_ALL", "BROADCAST", "DATA_LOADER", "OTHER")

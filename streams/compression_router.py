@@ -30,7 +30,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
-from argus.core.errors import failure_reason
+from argus.core.errors import ConfigError, failure_reason
 from argus.core.settings import DetectorSettings, WorkerSettings
 from argus.detectors.kde_clusters import KdeParams
 from argus.schemas.records import JobLifecycle, KernelBatch, KernelSummary, LifecycleEvent
@@ -38,7 +38,7 @@ from argus.streams.compression import summarize_isolated
 from argus.streams.idle import IdleJobs, QuietClock
 from argus.streams.windows import ClosedWindow, WindowBuffer
 
-__all__ = ["CompressionRouter", "CompressionStats", "DeadLetter", "Emission", "Routed"]
+__all__ = ["CompressionRouter", "CompressionStats", "DeadLetter", "Emission", "Routed", "Staging"]
 
 log = logging.getLogger(__name__)
 H = TypeVar("H")
@@ -75,6 +75,29 @@ class CompressionStats:
         d = {k: v for k, v in self.__dict__.items() if k != "by_job"}
         d["events_per_busy_s"] = round(self.events_in / self.busy_s) if self.busy_s else None
         return d
+
+
+@dataclass(frozen=True)
+class Staging:
+    """How closed windows wait to be summarized together. Each kernel message closes the windows of its rank
+    only, and a summary is made per (job, kernel, stream) of the windows summarized at once: summarizing each
+    message's windows alone sends one summary per (message, kernel, stream), each holding one rank's row (14k
+    summaries for a 1,024-rank job of 20 steps), and the L3 agent pays its per-message cost on each.
+
+    ``windows``: summarize once this many closed windows wait (1: at once, each message's own); ``max_age_s``:
+    or once the first of them has waited this long (the worker's clock, see
+    :meth:`CompressionRouter.flush_staged`). A job-end marker summarizes every waiting window first.
+
+    Raises:
+        ConfigError: ``windows`` < 1 or ``max_age_s`` <= 0.
+    """
+
+    windows: int = 1
+    max_age_s: float = 0.25
+
+    def __post_init__(self) -> None:
+        if self.windows < 1 or not self.max_age_s > 0:
+            raise ConfigError(f"staging needs windows >= 1 and max_age_s > 0, got {self.windows}, {self.max_age_s}")
 
 
 @dataclass(frozen=True)
@@ -116,10 +139,12 @@ class CompressionRouter(Generic[H]):
 
     ``worker``: windows (``window_ns``, ``allowed_lateness_ns``, ``max_event_skew_ns``, ``max_kernel_names``)
     and ``job_idle_timeout_s`` (``settings.worker``); ``detector``: the KDE parameters (``settings.detector``).
-    ``now``: the worker's monotonic clock in seconds at creation.
+    ``now``: the worker's monotonic clock in seconds at creation. ``staging``: how closed windows wait to be
+    summarized together (default: not at all).
     """
 
-    def __init__(self, worker: WorkerSettings, detector: DetectorSettings, now: float = 0.0) -> None:
+    def __init__(self, worker: WorkerSettings, detector: DetectorSettings, now: float = 0.0,
+                 staging: Staging | None = None) -> None:
         self.worker = settings = worker
         self.stats = CompressionStats()
         self.buffer = WindowBuffer(settings.window_ns, settings.allowed_lateness_ns,
@@ -137,6 +162,12 @@ class CompressionRouter(Generic[H]):
         self._quiet = QuietClock(self.idle_tick_s, now)
         self._arrivals = IdleJobs()
         self._last_seen: dict[str, tuple[int, int]] = {}  # job -> (last step, end of its last event in ns)
+        self.staging = staging or Staging()
+        # Closed windows waiting to be summarized together, since when (worker clock), and the last message
+        # that closed one (an emission's dead letters name a message).
+        self._staged: list[ClosedWindow] = []
+        self._staged_since = 0.0
+        self._staged_handle: H | None = None
 
     @property
     def pending_messages(self) -> int:
@@ -146,6 +177,20 @@ class CompressionRouter(Generic[H]):
     @property
     def open_windows(self) -> int:
         return self.buffer.open_windows
+
+    @property
+    def staged_windows(self) -> int:
+        """Closed windows waiting to be summarized together (see :class:`Staging`)."""
+        return len(self._staged)
+
+    def flush_staged(self, now: float) -> Routed[H]:
+        """The summaries of the staged windows once the first has waited ``staging.max_age_s`` (``now``: the
+        worker's monotonic clock, s); an empty answer before. The worker asks this on a timer."""
+        if not self._staged or now - self._staged_since < self.staging.max_age_s:
+            return Routed()
+        handle = self._staged_handle
+        emission, failed = self._emit(self._unstage(), handle)  # type: ignore[arg-type]
+        return Routed(dead=self._dead(failed), emission=emission)
 
     def take(self, batch: KernelBatch, handle: H, partition: int, offset: int, now: float,
              now_ns: int) -> Routed[H]:
@@ -229,6 +274,7 @@ class CompressionRouter(Generic[H]):
         """Partitions were revoked: forget everything, ack nothing (un-acked messages are re-delivered from the
         committed offsets, and summarized again into the same pieces)."""
         self.buffer.clear()
+        self._unstage()
         self._pending.clear()
         self._partition_of.clear()
         self._arrivals.clear()
@@ -264,7 +310,7 @@ class CompressionRouter(Generic[H]):
             st.late_events += len(update.late)
             dead.append(DeadLetter(f"late: {len(update.late)} events of {where} for windows already closed",
                                    payload=update.late.encode(), job=batch.job_id, rank=batch.rank))
-        emission, failed = self._emit(update.closed, handle)
+        emission, failed = self._stage(update.closed, handle, now)
         return Routed(ack=self._acks(update.free_tokens), dead=self._dead(dead + failed), emission=emission)
 
     def _end_job(self, batch: KernelBatch, handle: H, token: int, partition: int) -> Routed[H]:
@@ -274,9 +320,26 @@ class CompressionRouter(Generic[H]):
         # A rank with windows here but no partition (its partition's marker came first, or its end batch was
         # taken as a copy) is closed too: no window may stay open, and its messages un-acked, for good.
         ranks |= {r for r in self.buffer.ranks_of(batch.job_id) if (batch.job_id, r) not in self._partition_of}
-        emission, failed = self._emit(self.buffer.flush_job(batch.job_id, ranks), handle)
+        # Every staged window goes first: the marker must follow every summary of the job.
+        emission, failed = self._emit(self._unstage() + self.buffer.flush_job(batch.job_id, ranks), handle)
         return Routed(ack=self._acks([token]), dead=self._dead(failed), emission=emission,
                       end_marker=(batch.job_id, partition))
+
+    def _stage(self, closed: list[ClosedWindow], handle: H, now: float
+               ) -> tuple[Emission[H] | None, list[DeadLetter]]:
+        """Stage ``closed``; the emission of every staged window once ``staging.windows`` wait."""
+        if closed:
+            if not self._staged:
+                self._staged_since = now
+            self._staged.extend(closed)
+            self._staged_handle = handle
+        if len(self._staged) < self.staging.windows:
+            return None, []
+        return self._emit(self._unstage(), handle)
+
+    def _unstage(self) -> list[ClosedWindow]:
+        staged, self._staged, self._staged_handle = self._staged, [], None
+        return staged
 
     def _emit(self, closed: list[ClosedWindow], handle: H) -> tuple[Emission[H] | None, list[DeadLetter]]:
         if not closed:

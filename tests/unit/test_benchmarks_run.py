@@ -19,6 +19,8 @@ def test_scale_diagnosis_runs_and_finds_its_slow_rank(capsys: pytest.CaptureFixt
     assert entry["l3"]["collective"]["found"] == [f"late_arrival:{slow}"]
     assert f"compute_straggler:{slow}" in entry["l2"]["found"]
     assert entry["l3"]["compute"]["ms_per_window"] > 0 and entry["l2"]["ms_per_step"] > 0
+    live = entry["l2"]["live"]
+    assert live["columnar_same"] is True and live["columnar_decode_cpu_ms_per_step"] > 0
 
 
 def test_fuzz_runs_every_target_and_reports_a_failure_with_its_seed(capsys: pytest.CaptureFixture[str],

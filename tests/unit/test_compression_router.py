@@ -6,12 +6,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from argus.core.errors import ConfigError
 from argus.core.settings import Settings
 from argus.schemas.records import JobLifecycle, KernelBatch, KernelSummary, LifecycleEvent
-from argus.streams.compression_router import CompressionRouter, Emission, Routed
+from argus.streams.compression_router import CompressionRouter, Emission, Routed, Staging
 
 W = 1_000_000_000  # window: 1 s
 T0 = 1_700_000_000 * 10**9
@@ -36,8 +38,8 @@ def batch(start_s: float, n: int = 8, rank: int = 0, seq: int = 0, job: str = "j
 class Agent:
     """Plays the shell: takes messages in order, 'delivers' emissions when told, records the acks."""
 
-    def __init__(self, settings: Settings = SETTINGS) -> None:
-        self.router: CompressionRouter[Msg] = CompressionRouter(settings.worker, settings.detector)
+    def __init__(self, settings: Settings = SETTINGS, staging: Staging | None = None) -> None:
+        self.router: CompressionRouter[Msg] = CompressionRouter(settings.worker, settings.detector, staging=staging)
         self.acked: list[int] = []
         self.sent: list[KernelSummary] = []
         self.in_flight: list[Emission[Msg]] = []
@@ -230,3 +232,52 @@ def test_every_event_summarized_once_and_every_message_acked_once(
         a.carry_out(a.router.take(KernelBatch.job_end_marker("j"), Msg(1000 + rank), rank, 1000 + rank, 0.0, T0))
     assert sorted(a.acked) == sorted([*range(len(batches)), 1000, 1001, 1002])
     assert events_in(a.sent) == sum(n for _, n, _ in batches) and a.router.pending_messages == 0
+
+
+def _ranks_closing_windows(a: Agent, ranks: int, now: float = 0.0) -> None:
+    """Every rank's first window, then a batch that closes it (its watermark past the end + lateness)."""
+    for r in range(ranks):
+        a.take(batch(0.0, n=20, rank=r), now=now)
+    for r in range(ranks):
+        a.take(batch(1.6, n=20, rank=r, seq=1), now=now)
+
+
+def test_staged_windows_make_one_summary_per_kernel_and_stream_with_the_same_rows() -> None:
+    at_once, staged = Agent(), Agent(staging=Staging(windows=8, max_age_s=60.0))
+    for a in (at_once, staged):
+        _ranks_closing_windows(a, 8)
+    # Each rank's message closed its own window: 8 summaries per (kernel, stream) at once, 1 staged.
+    assert len(at_once.sent) == 8 * 2 and len(staged.sent) == 2
+    rows = lambda sent: sorted((s.kernel, r, n) for s in sent for r, n in zip(s.rank, s.n_events, strict=True))  # noqa: E731
+    assert rows(staged.sent) == rows(at_once.sent)
+    # Acked alike once delivered: the first 8 messages (their windows summarized), not the open second ones.
+    assert sorted(staged.acked) == sorted(at_once.acked) == list(range(8))
+
+
+def test_staged_windows_wait_until_their_age_or_a_job_end_and_nothing_is_acked_before() -> None:
+    a = Agent(staging=Staging(windows=1000, max_age_s=0.25))
+    _ranks_closing_windows(a, 3, now=10.0)
+    assert a.sent == [] and a.acked == [] and a.router.staged_windows == 3
+    assert a.router.flush_staged(10.2).emission is None  # not old enough yet
+    a.carry_out(a.router.flush_staged(10.3))
+    assert a.router.staged_windows == 0 and {r for s in a.sent for r in s.rank} == {0, 1, 2}
+    assert sorted(a.acked) == [0, 1, 2]
+    # A job-end marker summarizes what is staged before it passes on.
+    b = Agent(staging=Staging(windows=1000, max_age_s=60.0))
+    _ranks_closing_windows(b, 2)
+    b.take(KernelBatch.job_end_marker("j"))
+    assert b.markers == [("j", 0)] and b.router.staged_windows == 0 and b.router.open_windows == 0
+    assert events_in(b.sent) == 2 * 20 * 2 and sorted(b.acked) == list(range(5))
+
+
+def test_a_rebalance_forgets_staged_windows_and_acks_nothing() -> None:
+    a = Agent(staging=Staging(windows=1000, max_age_s=60.0))
+    _ranks_closing_windows(a, 2)
+    a.router.revoked()
+    assert a.router.staged_windows == 0 and a.acked == [] and a.router.pending_messages == 0
+
+
+def test_staging_is_validated() -> None:
+    for bad in (dict(windows=0), dict(max_age_s=0.0)):
+        with pytest.raises(ConfigError):
+            Staging(**bad)  # type: ignore[arg-type]
