@@ -428,6 +428,8 @@ def _rank_list(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(str(exc)) from None
     if ranks is None:
         return ()
+    if not ranks:  # an empty tuple on the wire means every rank: "none" must not become that
+        raise argparse.ArgumentTypeError(f"{text!r} selects no rank (leave --ranks out for every rank)")
     return tuple(sorted(ranks))
 
 

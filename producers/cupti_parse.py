@@ -79,15 +79,13 @@ def parse_rank_list(spec: str) -> frozenset[int] | None:
         if not part:
             continue
         lo, sep, hi = part.partition("-")
-        if sep:
-            a, b = int(lo), int(hi)
-            if a < 0 or b < a:
-                raise ValueError(f"bad rank range {part!r}")
-            out.update(range(a, b + 1))
-        else:
-            if int(part) < 0:
-                raise ValueError(f"bad rank {part!r}")
-            out.add(int(part))
+        try:
+            a, b = (int(lo), int(hi)) if sep else (int(part), int(part))
+        except ValueError:
+            raise ValueError(f"{part!r} is neither a rank nor a range like 8-11") from None
+        if a < 0 or b < a:
+            raise ValueError(f"bad rank {'range ' if sep else ''}{part!r}")
+        out.update(range(a, b + 1))
     return frozenset(out)
 
 

@@ -38,6 +38,7 @@ ROOT = Path(__file__).resolve().parents[2]
     ["control", "--job", "x", "set", "heartbeat_interval_s"],
     ["control", "--job", "x", "sample-ranks", "-1"],
     ["control", "--job", "x", "--ranks", "two", "pause-kernels"],
+    ["control", "--job", "x", "--ranks", "none", "pause-kernels"],  # would read as every rank on the wire
     ["control", "--job", "x"],
     ["--log-level", "LOUD", "status"],
     ["no-such-command"],
