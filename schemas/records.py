@@ -719,13 +719,16 @@ def _refuse_constant(name: str) -> Any:
 
 @dataclass(frozen=True)
 class Finding(Record):
-    """A diagnosis; see ``schemas/finding.v3.avsc``.
+    """A diagnosis; see ``schemas/finding.v4.avsc``.
 
     ``impact_ns_per_step``: GPU time (ns) the whole job loses per affected step because of it (the delay it
     adds to the iteration times the ranks that wait); ``impact_ns``: that over all affected steps. Both 0
     when unknown (findings written with schema v1). ``detector_version``: the detectors that made it
     (``<package version>+<hash of their parameters and code>``, see ``argus.streams.diagnosis.detector_version``);
-    '' when unknown (schemas v1 and v2). It does not enter ``finding_id``.
+    '' when unknown (schemas v1 and v2). It does not enter ``finding_id``. ``hosts`` (v4): the hosts of its
+    ranks, sorted, each once (empty when unknown or job-wide). ``incident_id`` (v4): the ``finding_id`` of the
+    lead finding of the incident it belongs to (its own when it leads one or stands alone; '' before v4, read
+    as its own: :attr:`incident`); neither enters ``finding_id``.
     """
 
     SCHEMA: ClassVar[str] = "finding"
@@ -745,10 +748,17 @@ class Finding(Record):
     impact_ns_per_step: float = 0.0
     impact_ns: float = 0.0
     detector_version: str = ""
+    hosts: tuple[str, ...] = ()
+    incident_id: str = ""
 
     @classmethod
     def _enum_fields(cls) -> dict[str, type[enum.Enum]]:
         return {"level": Level, "kind": FindingKind}
+
+    @property
+    def incident(self) -> str:
+        """The incident it belongs to: ``incident_id``, or its own ``finding_id`` where that is '' (v1-v3)."""
+        return self.incident_id or self.finding_id
 
     def __post_init__(self) -> None:
         if not isinstance(self.kind, FindingKind):  # a kind given by its string: the member (old names too)
@@ -772,6 +782,8 @@ class Finding(Record):
             raise SchemaError(f"{what}: kind {self.kind.value} is of level {self.kind.level.value}, "
                               f"not {self.level.value}")
         _bounded(what, "ranks", self.ranks, 0, _INT32[1])
+        if list(self.hosts) != sorted(set(self.hosts)) or not all(self.hosts):
+            raise SchemaError(f"{what}: hosts must be distinct, sorted and non-empty names, got {self.hosts!r}")
         _bounded(what, "steps", self.steps, *_INT64)
         _times(what, "time_ns", self.time_ns)
         if self.stream is not None:
