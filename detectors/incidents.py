@@ -147,15 +147,14 @@ def form_incidents(findings: Iterable[Finding], topology: JobTopology | None,
         node = _node_finding(fault, members, earlier)
         nodes.append(node)
         leads.append((node, _within(node.ranks, SLOW_KINDS)))
-    for f in found:
-        if f.kind is FindingKind.PP_STAGE_SLOW:
-            leads.append((f, _within(f.ranks, SLOW_KINDS)))
-    links = [f for f in found if f.kind is FindingKind.LINK_DEGRADED]
-    for f in sorted(links, key=lambda f: (-f.impact_ns, f.finding_id)):
-        leads.append((f, lambda g, f=f: (g.kind is FindingKind.LINK_DEGRADED and g.ranks == f.ranks)
-                      or (g.kind is FindingKind.LATE_ARRIVAL and set(g.ranks) <= set(f.ranks))))
+    # Within a rule the lead of largest impact claims first (ties by id): the grouping does not depend on the
+    # order the findings came in.
+    for f in _largest_first(found, FindingKind.PP_STAGE_SLOW):
+        leads.append((f, _within(f.ranks, SLOW_KINDS)))
+    for f in _largest_first(found, FindingKind.LINK_DEGRADED):
+        leads.append((f, _same_link(f)))
     for kind in _STRAGGLER_LEADS:
-        for f in sorted((f for f in found if f.kind is kind), key=lambda f: (-f.impact_ns, f.finding_id)):
+        for f in _largest_first(found, kind):
             leads.append((f, _within(f.ranks, SLOW_KINDS)))
     incident: dict[str, str] = {}
     for lead, claims in leads:
@@ -179,9 +178,9 @@ def form_incidents(findings: Iterable[Finding], topology: JobTopology | None,
 def by_incident(items: Iterable[_T], finding_of: Callable[[_T], str], incident_of: Callable[[_T], str],
                 impact_of: Callable[[_T], float]) -> list[list[_T]]:
     """``items`` (findings, or their JSON objects) grouped by incident: each incident its lead first (the item
-    whose finding id is the incident's), then its members by impact, largest first; incidents by their largest
-    impact, largest first. An item with no incident id is its own incident; one whose lead is missing stays
-    with the other members of its incident."""
+    whose finding id is the incident's), then its members by impact, largest first (equal ones in input order);
+    incidents by their largest impact, largest first. An item with no incident id is its own incident; one whose
+    lead is missing stays with the other members of its incident."""
     groups: dict[str, list[_T]] = defaultdict(list)
     for it in items:
         groups[incident_of(it) or finding_of(it)].append(it)
@@ -191,9 +190,20 @@ def by_incident(items: Iterable[_T], finding_of: Callable[[_T], str], incident_o
 
     out = []
     for key in sorted(groups, key=order):
-        members = sorted(groups[key], key=lambda i: (finding_of(i) != key, -impact_of(i), finding_of(i)))
+        members = sorted(groups[key], key=lambda i: (finding_of(i) != key, -impact_of(i)))  # stable: ties keep order
         out.append(members)
     return out
+
+
+def _largest_first(found: Iterable[Finding], kind: FindingKind) -> list[Finding]:
+    return sorted((f for f in found if f.kind is kind), key=lambda f: (-f.impact_ns, f.finding_id))
+
+
+def _same_link(link: Finding) -> Callable[[Finding], bool]:
+    """Whether a finding is another collective of ``link``'s group, or a late arrival within the group."""
+    group = set(link.ranks)
+    return lambda f: ((f.kind is FindingKind.LINK_DEGRADED and f.ranks == link.ranks)
+                      or (f.kind is FindingKind.LATE_ARRIVAL and set(f.ranks) <= group))
 
 
 def _within(ranks: Iterable[int], kinds: frozenset[FindingKind]) -> Callable[[Finding], bool]:

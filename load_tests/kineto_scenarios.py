@@ -388,8 +388,9 @@ def _draw_topology(rng: np.random.Generator, fault: str, max_ranks: int) -> tupl
     hi = min(max_ranks, (16, 128, 512)[bucket])
     lo = min(hi, (2, 17, 129)[bucket])
     if fault == "slow_host":
-        # Four hosts at least (two would leave half the job slow: no majority to compare with), and no pipeline
-        # stage within one host (a stage that is one host is the stage's slowness as argus reads it).
+        # Every pipeline stage spans four hosts or more: argus compares a rank with its stage's other ranks, and
+        # a host that is half of its stage leaves no majority to compare with (which half is slow?), while a
+        # stage that is one host is the stage's slowness as argus reads it (docs/incidents.md).
         hi = max(hi, min(max_ranks, 128))
         lo = 4 * GPUS_PER_NODE
     for _ in range(10_000):
@@ -403,7 +404,7 @@ def _draw_topology(rng: np.random.Generator, fault: str, max_ranks: int) -> tupl
         world = dp * tp * pp
         if not lo <= world <= hi or (fault == "stage_slow" and dp * tp < 2):
             continue
-        if fault == "slow_host" and dp * tp <= GPUS_PER_NODE:
+        if fault == "slow_host" and dp * tp < 4 * GPUS_PER_NODE:
             continue
         moe = dp >= 2 and rng.random() < 0.25 and fault != "short_trace"
         ep = int(rng.choice([e for e in (2, 4, 8) if dp % e == 0 and e <= dp])) if moe else 1

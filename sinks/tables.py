@@ -168,7 +168,8 @@ def _job_rows(r: JobLifecycle) -> Iterable[tuple[Any, ...]]:
 
 def _finding_rows(r: Finding) -> Iterable[tuple[Any, ...]]:
     yield (r.job_id, r.finding_id, r.level.value, r.kind.value, list(r.ranks), r.phase, r.kernel, r.stream,
-           list(r.steps), r.score, r.evidence_json, r.time_ns, r.impact_ns_per_step, r.impact_ns, r.detector_version)
+           list(r.steps), r.score, r.evidence_json, r.time_ns, r.impact_ns_per_step, r.impact_ns, r.detector_version,
+           list(r.hosts), r.incident)
 
 
 def _dead_letter_rows(r: DeadLetter) -> Iterable[tuple[Any, ...]]:
@@ -233,7 +234,10 @@ TABLES: dict[str, Table] = {t.name: t for t in (
                        ("stream", "Nullable(Int64)", _I64), ("steps", _A64, _AL), ("score", "Float64", pa.float64()),
                        ("evidence_json", "String", _STR), ("time_ns", "Int64", _I64),
                        ("impact_ns_per_step", "Float64", pa.float64()), ("impact_ns", "Float64", pa.float64()),
-                       ("detector_version", _LC, _STR)),
+                       ("detector_version", _LC, _STR),
+                       # Schema v4: the hosts of its ranks, and its incident (the lead's finding_id; a finding
+                       # written before v4 is its own): GROUP BY arrayJoin(hosts) or incident_id.
+                       ("hosts", "Array(LowCardinality(String))", pa.list_(_STR)), ("incident_id", "String", _STR)),
           ("job_id", "finding_id"), _finding_rows),
     Table("dead_letters", (("topic", _LC, _STR), ("partition", "Int32", _I32), ("offset", "Int64", _I64),
                            ("stage", _LC, _STR), ("job_id", _LC, _STR), ("key", "Nullable(String)", pa.binary()),
