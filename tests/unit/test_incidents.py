@@ -224,3 +224,31 @@ def _topology_hosts(topo: JobTopology) -> set[str]:
 
 def test_the_test_topology_has_eight_hosts_of_eight() -> None:
     assert len(_topology_hosts(TOPO)) == 8 and Counter(TOPO.host).most_common(1)[0][1] == 8
+
+
+def test_argus_findings_shows_incidents_first_with_members_folded(monkeypatch: pytest.MonkeyPatch,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from argus import cli
+    from argus.sinks import findings_query
+    from argus.streams.offline import ordered_json
+
+    straggler = finding(FindingKind.RANK_DEGRADED, (40,), 9e9)
+    rows = ordered_json(form_incidents([*slow_host_findings(kernels=2), straggler], TOPO))
+    monkeypatch.setattr(findings_query, "fetch_findings", lambda settings, job: list(reversed(rows)))
+    for key in [k for k in __import__("os").environ if k.startswith("ARGUS_")]:
+        monkeypatch.delenv(key)
+    assert cli.main(["findings", "--job", JOB]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2 + 2  # header, rule, one row per incident
+    assert "rank_degraded" in lines[2] and "node0005" in lines[2] and lines[2].rstrip().endswith("-")
+    assert "node_degraded" in lines[3] and "node0001" in lines[3] and "16 kernel_degraded, 8 rank_degraded" in lines[3]
+    assert cli.main(["findings", "--job", JOB, "--members"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2 + 2 + 24 and all(line.startswith("+") for line in lines[4:])
+    # The JSON contract: one flat array, incidents by impact, each lead then its members.
+    assert [f["finding_id"] for f in rows[:2]] == [straggler.finding_id, rows[1]["incident_id"]]
+    assert rows[1]["kind"] == "node_degraded" and {f["incident_id"] for f in rows[1:]} == {rows[1]["finding_id"]}
+    assert cli.main(["findings", "--job", JOB, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == list(reversed(rows))  # what fetch_findings gave, as it gave it
