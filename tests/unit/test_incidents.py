@@ -252,3 +252,19 @@ def test_argus_findings_shows_incidents_first_with_members_folded(monkeypatch: p
     assert rows[1]["kind"] == "node_degraded" and {f["incident_id"] for f in rows[1:]} == {rows[1]["finding_id"]}
     assert cli.main(["findings", "--job", JOB, "--json"]) == 0
     assert json.loads(capsys.readouterr().out) == list(reversed(rows))  # what fetch_findings gave, as it gave it
+
+
+def test_a_simulated_slow_host_runs_through_the_pipeline_as_one_incident() -> None:
+    from argus.producers.faults import FaultSpec
+    from argus.producers.simulator import JobSimulator, JobSpec
+    from argus.streams.offline import diagnose_records
+
+    topo = build_topology("sh", dp=8, tp=4)  # 32 ranks, 4 hosts, one stage
+    spec = JobSpec("sh", dp=8, tp=4, steps=20, fault=FaultSpec.slow_host(topo, "node0002"))
+    [(_job, found)] = diagnose_records(r.record for r in JobSimulator(spec).records()).items()
+    (node,) = [f for f in found if f.kind is FindingKind.NODE_DEGRADED]
+    assert node.hosts == ("node0002",) and node.ranks == tuple(range(16, 24))
+    assert {f.incident for f in found} == {node.finding_id} and len(found) > 8
+    assert {r for f in found for r in f.ranks} == set(node.ranks) and node.impact_ns > 0
+    with pytest.raises(ValueError, match="no rank runs on host"):
+        FaultSpec.slow_host(topo, "elsewhere")
