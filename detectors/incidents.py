@@ -75,23 +75,29 @@ class IncidentParams:
 @dataclass(frozen=True)
 class HostFault:
     """A host whose ranks are slow together: ``ranks`` all its ranks, ``slow`` those named slow, ``peer_fraction``
-    the fraction of their stage peers on other hosts named slow too."""
+    the fraction of their stage peers on other hosts named slow too, ``gpus`` the GPU ids of ``ranks`` (empty
+    when unknown)."""
 
     host: str
     ranks: tuple[int, ...]
     slow: tuple[int, ...]
     peer_fraction: float
+    gpus: tuple[str, ...] = ()
 
 
 def with_hosts(findings: Iterable[Finding], topology: JobTopology | None) -> list[Finding]:
-    """``findings`` with ``hosts``: the sorted hosts of their ranks (as they were where unknown)."""
+    """``findings`` with ``hosts`` (the sorted hosts of their ranks) and ``gpus`` (each rank's GPU id), as they
+    were where the topology does not know them."""
     if topology is None:
         return list(findings)
     host_of = dict(zip(topology.rank, topology.host, strict=True))
+    gpu_of = dict(zip(topology.rank, topology.gpu, strict=True)) if topology.gpu else {}
     out = []
     for f in findings:
-        hosts = tuple(sorted({host_of[r] for r in f.ranks if host_of.get(r)}))
-        out.append(f if not hosts or hosts == f.hosts else dataclasses.replace(f, hosts=hosts))
+        hosts = tuple(sorted({host_of[r] for r in f.ranks if host_of.get(r)})) or f.hosts
+        gpus = tuple(gpu_of.get(r, "") for r in f.ranks)
+        gpus = gpus if any(gpus) else f.gpus
+        out.append(f if (hosts, gpus) == (f.hosts, f.gpus) else dataclasses.replace(f, hosts=hosts, gpus=gpus))
     return out
 
 
@@ -109,6 +115,7 @@ def slow_hosts(findings: Sequence[Finding], topology: JobTopology, params: Incid
     if len(ranks_of) < 2:
         return []
     stage_of = dict(zip(topology.rank, topology.pp_stage, strict=True))
+    gpu_of = dict(zip(topology.rank, topology.gpu, strict=True)) if topology.gpu else {}
     by_stage: dict[int, set[int]] = defaultdict(set)
     for r, st in stage_of.items():
         by_stage[st].add(r)
@@ -124,7 +131,9 @@ def slow_hosts(findings: Sequence[Finding], topology: JobTopology, params: Incid
             continue  # the host is its stages: nothing beside it to compare with
         frac = len(peers & slow) / len(peers)
         if frac <= p.max_peer_fraction:
-            out.append(HostFault(host, tuple(sorted(ranks)), tuple(sorted(mine)), frac))
+            ordered = tuple(sorted(ranks))
+            gpus = tuple(gpu_of.get(r, "") for r in ordered)
+            out.append(HostFault(host, ordered, tuple(sorted(mine)), frac, gpus if any(gpus) else ()))
     return out
 
 
@@ -141,7 +150,7 @@ def form_incidents(findings: Iterable[Finding], topology: JobTopology | None,
     for f in earlier.values():
         if f.hosts and f.hosts[0] not in faults:  # raised before: stays
             faults[f.hosts[0]] = HostFault(f.hosts[0], f.ranks, tuple(f.evidence.get("slow_ranks", f.ranks)),
-                                           float(f.evidence.get("peer_slow_fraction", 0.0)))
+                                           float(f.evidence.get("peer_slow_fraction", 0.0)), f.gpus)
     for fault in sorted(faults.values(), key=lambda h: h.host):
         members = [f for f in found if f.kind in SLOW_KINDS and f.ranks and set(f.ranks) <= set(fault.ranks)]
         node = _node_finding(fault, members, earlier)
@@ -234,4 +243,5 @@ def _node_finding(fault: HostFault, members: Sequence[Finding], earlier: dict[st
         time_ns=max((m.time_ns for m in members), default=0),
         impact_ns_per_step=best.impact_ns_per_step if best is not None else 0.0,
         impact_ns=best.impact_ns if best is not None else 0.0,
-        detector_version=best.detector_version if best is not None else "", hosts=(fault.host,), incident_id=fid)
+        detector_version=best.detector_version if best is not None else "", hosts=(fault.host,), incident_id=fid,
+        gpus=fault.gpus)

@@ -6,7 +6,8 @@ of int; empty for job-wide findings), ``phase``, ``kernel``, ``stream`` (or null
 findings written before schema v2), ``time_ns`` and ``detector_version`` (the detectors that made it; '' before
 schema v3), ``finding_id``, ``hosts`` (the hosts of its ranks; empty before schema v4 or where unknown) and
 ``incident_id`` (the ``finding_id`` of the lead of the incident it belongs to, see docs/incidents.md; a finding
-written before schema v4 is its own incident). Keep these keys stable: other tools parse them. Findings come by
+written before schema v4 is its own incident) and ``gpus`` (each rank's GPU id, '' unknown; empty where none is
+known). Keep these keys stable: other tools parse them. Findings come by
 incident (:func:`fold_incidents`): the incident of largest impact first, each as its lead, then its members by
 impact, largest first: what a user acts on.
 """
@@ -41,18 +42,18 @@ def fetch_findings(settings: Settings, job_id: str, query: Query | None = None) 
     db = settings.clickhouse_database
     res = _runner(settings, query)(f"""
         SELECT job_id, level, kind, ranks, phase, kernel, stream, steps, score, evidence_json, time_ns,
-               impact_ns_per_step, impact_ns, detector_version, finding_id, hosts, incident_id
+               impact_ns_per_step, impact_ns, detector_version, finding_id, hosts, incident_id, gpus
         FROM `{db}`.findings FINAL WHERE job_id = {sql_string(job_id)}
         ORDER BY impact_ns DESC, level, kind, steps, ranks, phase, kernel""")
     out = []
     for (job, level, kind, ranks, phase, kernel, stream, steps, score, evidence, time_ns, per_step, total,
-         version, fid, hosts, incident) in res.rows:
+         version, fid, hosts, incident, gpus) in res.rows:
         out.append({"job": job, "level": level, "kind": kind, "ranks": [int(r) for r in ranks],
                     "phase": phase, "kernel": kernel, "stream": None if stream is None else int(stream),
                     "steps": [int(s) for s in steps], "score": float(score), "evidence": json.loads(evidence),
                     "time_ns": int(time_ns), "impact_ns_per_step": float(per_step), "impact_ns": float(total),
                     "detector_version": version, "finding_id": fid, "hosts": [str(h) for h in hosts or ()],
-                    "incident_id": incident or fid})
+                    "incident_id": incident or fid, "gpus": [str(g) for g in gpus or ()]})
     return [f for group in fold_incidents(out) for f in group]
 
 

@@ -53,15 +53,16 @@ def test_a_findings_table_from_before_incidents_gains_the_columns_and_reads_as_o
     db = f"old_{uuid.uuid4().hex[:8]}"
     store = chdb_store.with_database(db)
     table = TABLES["findings"]
-    old = dataclasses.replace(table, columns=table.columns[:-2], rows=lambda f: [next(iter(table.rows(f)))[:-2]])
+    old = dataclasses.replace(table, columns=table.columns[:-3], rows=lambda f: [next(iter(table.rows(f)))[:-3]])
     store.command(f"CREATE DATABASE IF NOT EXISTS `{db}`")
     store.command(old.ddl(db))
     before = [finding(FindingKind.KERNEL_DEGRADED, (3,), 2e9, kernel="g", stream=7),
               finding(FindingKind.RANK_DEGRADED, (3,), 1e9)]
     store.insert(old, [row for f in before for row in old.rows(f)])
-    store.ensure_schema()  # the migration adds hosts and incident_id
-    rows = store.query(f"SELECT finding_id, hosts, incident_id FROM `{db}`.findings FINAL ORDER BY finding_id").rows
-    assert [(list(h), i) for _, h, i in rows] == [([], ""), ([], "")]
+    store.ensure_schema()  # the migration adds hosts, incident_id and gpus
+    rows = store.query(f"SELECT finding_id, hosts, incident_id, gpus FROM `{db}`.findings FINAL "
+                       "ORDER BY finding_id").rows
+    assert [(list(h), i, list(g)) for _, h, i, g in rows] == [([], "", []), ([], "", [])]
     got = fetch_findings(Settings.load(env={}, clickhouse_database=db), "j", query=store.query)
     assert [f["incident_id"] for f in got] == [f["finding_id"] for f in got]  # each its own incident
     assert [f["kind"] for f in got] == ["kernel_degraded", "rank_degraded"]

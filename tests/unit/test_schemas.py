@@ -123,13 +123,14 @@ def test_findings_of_older_schemas_decode_with_no_impact_no_detector_version_no_
 
     f = Finding(finding_id="x", job_id="j", level=Level.L3, kind="kernel_degraded", ranks=(3,), steps=(),
                 score=0.4, evidence_json="{}", time_ns=5, kernel="gemm", stream=7, impact_ns_per_step=8.0,
-                impact_ns=80.0, detector_version="0.1.0+0123456789ab", hosts=("node0000",), incident_id="lead")
+                impact_ns=80.0, detector_version="0.1.0+0123456789ab", hosts=("node0000",), incident_id="lead",
+                gpus=("GPU-1",))
     assert codec("finding").latest == 4
     assert Finding.decode(f.encode()) == f  # written with the newest (v4)
     assert f.incident == "lead"
-    v3 = {k: v for k, v in f.to_avro().items() if k not in ("hosts", "incident_id")}
+    v3 = {k: v for k, v in f.to_avro().items() if k not in ("hosts", "incident_id", "gpus")}
     old3 = Finding.decode(codec("finding").encode(v3, version=3))
-    assert (old3.hosts, old3.incident_id, old3.detector_version) == ((), "", f.detector_version)
+    assert (old3.hosts, old3.incident_id, old3.gpus, old3.detector_version) == ((), "", (), f.detector_version)
     assert old3.incident == "x"  # a finding written before incidents is its own incident
     v2 = {k: v for k, v in v3.items() if k != "detector_version"}
     old2 = Finding.decode(codec("finding").encode(v2, version=2))
