@@ -4,12 +4,12 @@ Each finding is a JSON object with at least ``job``, ``level`` ("L1" | "L2" | "L
 of int; empty for job-wide findings), ``phase``, ``kernel``, ``stream`` (or null), ``steps`` (list of int),
 ``score``, ``evidence`` (object), ``impact_ns_per_step`` and ``impact_ns`` (GPU time the job lost, ns; 0 for
 findings written before schema v2), ``time_ns`` and ``detector_version`` (the detectors that made it; '' before
-schema v3), ``finding_id``, ``hosts`` (the hosts of its ranks; empty before schema v4 or where unknown) and
+schema v3), ``finding_id``, ``hosts`` (the hosts of its ranks; empty before schema v4 or where unknown),
 ``incident_id`` (the ``finding_id`` of the lead of the incident it belongs to, see docs/incidents.md; a finding
 written before schema v4 is its own incident) and ``gpus`` (each rank's GPU id, '' unknown; empty where none is
-known). Keep these keys stable: other tools parse them. Findings come by
-incident (:func:`fold_incidents`): the incident of largest impact first, each as its lead, then its members by
-impact, largest first: what a user acts on.
+known). Keep these keys stable: other tools parse them. Findings come by incident (:func:`fold_incidents`): the
+incident of largest impact first, each as its lead, then its members by impact, largest first: what a user acts
+on.
 """
 
 from __future__ import annotations
