@@ -81,7 +81,7 @@ class _Job:
                                    clock=clock)
             self.keep(drop_victims(found, self.stragglers))
         self.keep(self.ranks.diagnose(topo, clock))
-        return form_incidents(_dedup(self.findings), topo)
+        return form_incidents(_dedup(self.findings), topo, self.params.incidents)
 
 
 def diagnose_records(records: Iterable[Record], settings: Settings | None = None,
