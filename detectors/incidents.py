@@ -204,6 +204,12 @@ def by_incident(items: Iterable[_T], finding_of: Callable[[_T], str], incident_o
     return out
 
 
+def _delay_ms(f: Finding) -> float:
+    """The delay a finding adds per step (its evidence's ``delay_ms_per_step``, ms; 0 where it has none)."""
+    value = f.evidence.get("delay_ms_per_step")
+    return float(value) if isinstance(value, (int, float)) else 0.0
+
+
 def _largest_first(found: Iterable[Finding], kind: FindingKind) -> list[Finding]:
     return sorted((f for f in found if f.kind is kind), key=lambda f: (-f.impact_ns, f.finding_id))
 
@@ -234,7 +240,7 @@ def _node_finding(fault: HostFault, members: Sequence[Finding], earlier: dict[st
                 "slow_fraction": round(len(fault.slow) / len(fault.ranks), 4),
                 "peer_slow_fraction": round(fault.peer_fraction, 4), "members": len(members),
                 "member_kinds": dict(sorted(kinds.items())),
-                "delay_ms_per_step": max((m.impact_ns_per_step for m in members), default=0.0) / 1e6}
+                "delay_ms_per_step": max((_delay_ms(m) for m in members), default=0.0)}
     best = max(members, key=lambda m: (m.impact_ns, m.score), default=None)
     return Finding(
         finding_id=fid, job_id=job, level=Level.L3, kind=FindingKind.NODE_DEGRADED, ranks=fault.ranks, steps=(),

@@ -57,6 +57,7 @@ def test_a_slow_host_is_one_incident_led_by_node_degraded_naming_the_host() -> N
     ev = node.evidence
     assert ev["host"] == "node0001" and ev["slow_ranks"] == list(HOST1) and ev["members"] == 40
     assert ev["member_kinds"] == {"kernel_degraded": 32, "rank_degraded": 8} and ev["peer_slow_fraction"] == 0.0
+    assert ev["delay_ms_per_step"] == 0.0  # none of the members says (their evidence is empty here)
     # Its impact is its largest member's (eight ranks slow together delay each step once), not their sum.
     assert node.impact_ns == max(f.impact_ns for f in found if f is not node)
     assert all(f.hosts == ("node0001",) for f in found)
@@ -266,5 +267,6 @@ def test_a_simulated_slow_host_runs_through_the_pipeline_as_one_incident() -> No
     assert node.hosts == ("node0002",) and node.ranks == tuple(range(16, 24))
     assert {f.incident for f in found} == {node.finding_id} and len(found) > 8
     assert {r for f in found for r in f.ranks} == set(node.ranks) and node.impact_ns > 0
+    assert node.evidence["delay_ms_per_step"] == max(f.evidence["delay_ms_per_step"] for f in found if f is not node)
     with pytest.raises(ValueError, match="no rank runs on host"):
         FaultSpec.slow_host(topo, "elsewhere")
