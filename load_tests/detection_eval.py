@@ -15,8 +15,9 @@ scenario's truth (:func:`kineto_scenarios.score_findings`):
 Scenario classes are drawn in equal shares (``kineto_scenarios.FAULT_CLASSES``); every scenario has its own
 seed, and ``--only-seed S --fault CLASS [--max-ranks M]`` reruns exactly that one. ``--details PATH`` writes
 one JSON line per scenario (truth, findings, score, timings, the rerun command). Progress goes to stderr; the
-result is one JSON line on stdout. Budgets: exact match >= 0.95 of scenarios and zero findings on >= 0.99 of
-healthy jobs; exit code 1 when a budget fails.
+result is one JSON line on stdout; per class it also gives the findings and the incidents (findings grouped by
+cause, ``incident_id``: docs/incidents.md) per job, e.g. how many of each a slow host yields. Budgets: exact
+match >= 0.95 of scenarios and zero findings on >= 0.99 of healthy jobs; exit code 1 when a budget fails.
 
 Run: .venv/bin/python load_tests/detection_eval.py [--scenarios 200] [--seed 0] [--max-ranks 512]
 """
