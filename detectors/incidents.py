@@ -58,8 +58,8 @@ class IncidentParams:
 
     #: Least number of a host's ranks named slow (a single slow rank is a straggler, not a host).
     min_host_ranks: int = 2
-    #: Least fraction of a host's ranks named slow.
-    min_host_fraction: float = 0.75
+    #: Least fraction of a host's ranks named slow: a majority (5 of 8, 3 of 4, 2 of 2; docs/incidents.md).
+    min_host_fraction: float = 0.6
     #: Largest fraction of their stage peers on other hosts named slow too (more: the slowness is wider).
     max_peer_fraction: float = 0.25
 

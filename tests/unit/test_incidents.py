@@ -63,9 +63,10 @@ def test_a_slow_host_is_one_incident_led_by_node_degraded_naming_the_host() -> N
     assert all(f.hosts == ("node0001",) for f in found)
 
 
-def test_six_of_eight_ranks_make_a_host_five_do_not() -> None:
-    assert [h.host for h in slow_hosts(slow_host_findings(HOST1[:6]), TOPO)] == ["node0001"]
-    assert slow_hosts(slow_host_findings(HOST1[:5]), TOPO) == []
+def test_five_of_eight_ranks_make_a_host_four_do_not() -> None:
+    assert [h.host for h in slow_hosts(slow_host_findings(HOST1[:5]), TOPO)] == ["node0001"]
+    assert slow_hosts(slow_host_findings(HOST1[:4]), TOPO) == []
+    assert slow_hosts(slow_host_findings(HOST1[:5]), TOPO, IncidentParams(min_host_fraction=0.75)) == []
 
 
 def test_a_single_slow_rank_is_a_straggler_with_its_kernels_not_a_host() -> None:
