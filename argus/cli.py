@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import sys
+from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -218,11 +219,27 @@ def _cmd_demo(settings: Settings, args: argparse.Namespace) -> int:
 
 def _finding_rows(findings: Sequence[dict[str, Any]]) -> list[tuple[Any, ...]]:
     return [(f"{f['impact_ns'] / 1e9:.3f}", f["level"], f["kind"], ",".join(map(str, f["ranks"])) or "-",
-             f["phase"] or f["kernel"] or "-", ",".join(map(str, f["steps"])) or "-", f"{f['score']:.2f}")
+             ",".join(f.get("hosts") or ()) or "-", f["phase"] or f["kernel"] or "-",
+             ",".join(map(str, f["steps"])) or "-", f"{f['score']:.2f}")
             for f in findings]
 
 
-_FINDING_COLUMNS = ("impact_gpu_s", "level", "kind", "ranks", "phase/kernel", "steps", "score")
+_FINDING_COLUMNS = ("impact_gpu_s", "level", "kind", "ranks", "hosts", "phase/kernel", "steps", "score")
+
+
+def _incident_rows(findings: list[dict[str, Any]], members: bool) -> list[tuple[Any, ...]]:
+    """One row per incident (its lead, and how many findings it folds, by kind), largest impact first; with
+    ``members``, each member's row under its lead, marked ``+``."""
+    from argus.sinks.findings_query import fold_incidents
+
+    rows = []
+    for lead, *rest in fold_incidents(findings):
+        kinds = Counter(f["kind"] for f in rest)
+        folded = ", ".join(f"{n} {k}" for k, n in sorted(kinds.items(), key=lambda kv: (-kv[1], kv[0]))) or "-"
+        rows.append((*_finding_rows([lead])[0], folded))
+        if members:
+            rows += [("+" + r[0], *r[1:], "") for r in _finding_rows(rest)]
+    return rows
 
 
 def _cmd_follow(settings: Settings, args: argparse.Namespace) -> int:
@@ -237,7 +254,9 @@ def _cmd_follow(settings: Settings, args: argparse.Namespace) -> int:
             _out(json.dumps(f))
         else:
             [row] = _finding_rows([f])
-            _out(f"{f['job']}  " + "  ".join(f"{c}={v}" for c, v in zip(_FINDING_COLUMNS, row, strict=True)))
+            lead = f.get("incident_id") in (None, "", f.get("finding_id"))
+            _out(f"{f['job']}  " + "  ".join(f"{c}={v}" for c, v in zip(_FINDING_COLUMNS, row, strict=True))
+                 + ("" if lead else f"  incident={str(f['incident_id'])[:12]}"))
     return 0
 
 
@@ -278,7 +297,7 @@ def _cmd_findings(settings: Settings, args: argparse.Namespace) -> int:
     elif not findings:
         _out(f"no findings for job {args.job}")
     else:
-        _out(_table(_FINDING_COLUMNS, _finding_rows(findings)))
+        _out(_table((*_FINDING_COLUMNS, "folded"), _incident_rows(findings, args.members)))
     if not args.json:
         from argus.sinks.kernel_pauses import format_pauses, kernel_pauses
 
@@ -579,6 +598,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="block until the job is diagnosed through to ClickHouse: every detector part done, its "
                         "findings and the END's record counts stored (exit 4 on timeout)")
     s.add_argument("--json", action="store_true", help="print a JSON array of findings")
+    s.add_argument("--members", action="store_true",
+                   help="list each incident's member findings under it (by default folded into a count)")
     s.set_defaults(fn=_cmd_findings)
     s = sub.add_parser("control", help="pause, resume or re-tune the ranks of a running job without a restart "
                                        "(acknowledged in each rank's heartbeats)")

@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -299,22 +300,31 @@ def _steps_text(steps: Sequence[int]) -> str:
 
 
 def findings_table(findings: Sequence[Mapping[str, Any]], limit: int = MAX_TABLE_ROWS) -> str:
-    """The findings (already by impact) as an HTML table, every value escaped; at most ``limit`` rows."""
+    """The findings (already by incident: each incident's lead, then its members, marked \u21b3) as an HTML
+    table, every value escaped; at most ``limit`` rows."""
     if not findings:
         return '<p class="empty">No findings: the detectors saw nothing slow in this job.</p>'
     e = html.escape
-    head = ("<tr><th>#</th><th>Level</th><th>Kind</th><th>Ranks</th><th>Phase / kernel</th><th>Steps</th>"
-            "<th>Score</th><th>GPU time lost / step</th><th>in all</th><th>Evidence</th></tr>")
+    head = ("<tr><th>#</th><th>Level</th><th>Kind</th><th>Ranks</th><th>Hosts</th><th>Phase / kernel</th>"
+            "<th>Steps</th><th>Score</th><th>GPU time lost / step</th><th>in all</th><th>Evidence</th></tr>")
     body = []
+    sizes = Counter(str(f.get("incident_id") or f.get("finding_id") or i) for i, f in enumerate(findings))
     for i, f in enumerate(findings[:limit], 1):
+        incident = str(f.get("incident_id") or f.get("finding_id") or i - 1)
+        member = bool(f.get("finding_id")) and incident != f.get("finding_id")
+        kind = ("\u21b3 " if member else "") + str(f.get("kind"))
+        if not member and sizes[incident] > 1:
+            kind += f" (+{sizes[incident] - 1} findings)"
         where = " / ".join(str(v) for v in (f.get("phase"), f.get("kernel")) if v)
         if f.get("stream") is not None:
             where += f" (stream {f['stream']})"
         ev = json.dumps(f.get("evidence") or {}, indent=1, sort_keys=True, default=str)
         ev = ev if len(ev) <= 4000 else ev[:4000] + "\n\u2026"
         body.append(
-            f'<tr class="lvl-{e(str(f.get("level")))}"><td>{i}</td><td>{e(str(f.get("level")))}</td>'
-            f"<td>{e(str(f.get('kind')))}</td><td>{e(format_ranks(f.get('ranks') or ()))}</td>"
+            f'<tr class="lvl-{e(str(f.get("level")))}{" member" if member else ""}"><td>{i}</td>'
+            f'<td>{e(str(f.get("level")))}</td>'
+            f"<td>{e(kind)}</td><td>{e(format_ranks(f.get('ranks') or ()))}</td>"
+            f"<td>{e(', '.join(f.get('hosts') or ()) or '-')}</td>"
             f'<td class="name" title="{e(where)}">{e(where)}</td><td>{e(_steps_text(f.get("steps") or ()))}</td>'
             f"<td>{float(f.get('score') or 0):.3g}</td><td>{e(format_duration(f.get('impact_ns_per_step') or 0))}</td>"
             f"<td>{e(format_duration(f.get('impact_ns') or 0))}</td>"
@@ -344,6 +354,7 @@ background:#eef0f3;padding:6px}table.findings td{border-top:1px solid #e6e8eb;pa
 td.name{max-width:380px;overflow:hidden;text-overflow:ellipsis;white-space:nowrap;font-family:ui-monospace,monospace}
 tr.lvl-L1 td:nth-child(2){color:#7d3cbf;font-weight:600}tr.lvl-L2 td:nth-child(2){color:#c0392b;font-weight:600}
 tr.lvl-L3 td:nth-child(2){color:#b9770e;font-weight:600}details pre{max-height:260px;overflow:auto;font-size:11.5px}
+tr.member td{background:#fafbfc;color:#555}tr.member td:nth-child(3){padding-left:18px}
 pre.cmd{background:#1d2330;color:#e8ecf2;padding:8px 12px;border-radius:6px;overflow-x:auto;white-space:pre-wrap;
 word-break:break-all}header code{background:#2a3242;color:#ffd9a8;padding:1px 6px}
 h3{font-size:13px;margin:12px 0 4px}code{background:#eef0f3;padding:1px 4px;border-radius:3px}
@@ -374,9 +385,15 @@ def _summary(data: ReportData) -> str:
     if data.findings:
         f = data.findings[0]
         where = ", ".join(f"{k} {v}" for k, v in (("phase", f["phase"]), ("kernel", f["kernel"])) if v)
-        out += (f'<div class="top">Top finding: {e(f["level"])} {e(f["kind"])} on ranks {e(format_ranks(f["ranks"]))}'
+        hosts = f" on host{'s' if len(f.get('hosts') or ()) > 1 else ''} {', '.join(f['hosts'])}" \
+            if f.get("hosts") else ""
+        lead = f.get("incident_id") or f.get("finding_id")
+        folded = sum(1 for g in data.findings if lead and (g.get("incident_id") or g.get("finding_id")) == lead) - 1
+        also = f" It folds {folded} more finding{'s' if folded != 1 else ''} of the same cause." if folded > 0 else ""
+        out += (f'<div class="top">Top incident: {e(f["level"])} {e(f["kind"])}{e(hosts)} on ranks '
+                f'{e(format_ranks(f["ranks"]))}'
                 f"{e(', ' + where) if where else ''}: {e(format_duration(f['impact_ns_per_step']))} of GPU time lost "
-                f"per step, {e(format_duration(f['impact_ns']))} in all.</div>")
+                f"per step, {e(format_duration(f['impact_ns']))} in all.{e(also)}</div>")
     return out
 
 
@@ -413,8 +430,11 @@ def render_page(data: ReportData) -> tuple[str, list[str]]:
     else:
         sections.append(_section("clusters", "KDE clusters of the top suspect kernel", "",
                                  '<p class="empty">No kernel summaries stored for this job.</p>'))
-    sections.append(_section("findings", f"Findings by impact ({len(data.findings)})",
-                             "Ordered by the GPU time the job lost to each (impact_ns).",
+    n_incidents = len({f.get("incident_id") or f.get("finding_id") or i for i, f in enumerate(data.findings)})
+    sections.append(_section("findings", f"Findings by incident ({n_incidents} incidents, {len(data.findings)} "
+                                         "findings)",
+                             "Incidents by the GPU time the job lost to them (impact_ns), each its lead finding "
+                             "then the findings of the same cause (\u21b3, docs/incidents.md).",
                              findings_table(data.findings)))
     cmds = drill_commands(data.job_id, data.database, data.findings, *data.step_range,
                           {s: sl for s, _, _, _, _, sl in data.steps})

@@ -92,7 +92,8 @@ def finding_json(f: Finding) -> dict[str, Any]:
             "kernel": f.kernel, "stream": f.stream, "steps": list(f.steps), "score": f.score,
             "evidence": json.loads(f.evidence_json), "time_ns": f.time_ns,
             "impact_ns_per_step": f.impact_ns_per_step, "impact_ns": f.impact_ns,
-            "detector_version": f.detector_version}
+            "detector_version": f.detector_version, "finding_id": f.finding_id, "hosts": list(f.hosts),
+            "incident_id": f.incident, "gpus": list(f.gpus)}
 
 
 def _jsonable(value: Any) -> Any:

@@ -15,8 +15,9 @@ scenario's truth (:func:`kineto_scenarios.score_findings`):
 Scenario classes are drawn in equal shares (``kineto_scenarios.FAULT_CLASSES``); every scenario has its own
 seed, and ``--only-seed S --fault CLASS [--max-ranks M]`` reruns exactly that one. ``--details PATH`` writes
 one JSON line per scenario (truth, findings, score, timings, the rerun command). Progress goes to stderr; the
-result is one JSON line on stdout. Budgets: exact match >= 0.95 of scenarios and zero findings on >= 0.99 of
-healthy jobs; exit code 1 when a budget fails.
+result is one JSON line on stdout; per class it also gives the findings and the incidents (findings grouped by
+cause, ``incident_id``: docs/incidents.md) per job, e.g. how many of each a slow host yields. Budgets: exact
+match >= 0.95 of scenarios and zero findings on >= 0.99 of healthy jobs; exit code 1 when a budget fails.
 
 Run: .venv/bin/python load_tests/detection_eval.py [--scenarios 200] [--seed 0] [--max-ranks 512]
 """
@@ -48,13 +49,21 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from load_tests.kineto_scenarios import FAULT_CLASSES, Scenario, score_findings, simulate, write_scenario  # noqa: E402
+from load_tests.kineto_scenarios import (  # noqa: E402
+    FAULT_CLASSES,
+    Scenario,
+    incident_ids,
+    score_findings,
+    simulate,
+    write_scenario,
+)
 
 #: Budgets: share of scenarios diagnosed exactly, and of healthy jobs with no finding at all.
 BUDGET_EXACT = 0.95
 BUDGET_HEALTHY_ZERO = 0.99
 FINDINGS_WAIT_S = 300
-_FINDING_KEYS = ("level", "kind", "ranks", "phase", "kernel", "stream", "steps", "score")
+_FINDING_KEYS = ("level", "kind", "ranks", "hosts", "phase", "kernel", "stream", "steps", "score", "finding_id",
+                 "incident_id")
 
 
 def _say(msg: str) -> None:
@@ -222,7 +231,8 @@ def inproc_one(seed: int, fault: str, max_ranks: int, parent: str, job: str, kee
 
 
 def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    per: dict[str, dict[str, Any]] = defaultdict(lambda: {"n": 0, "exact": 0, "tp": 0, "fp": 0, "fn": 0})
+    per: dict[str, dict[str, Any]] = defaultdict(lambda: {"n": 0, "exact": 0, "tp": 0, "fp": 0, "fn": 0,
+                                                          "findings": [], "incidents": []})
     times, healthy, healthy_zero, healthy_false = [], 0, 0, 0
     for r in rows:
         c = per[r["fault"]]
@@ -231,6 +241,9 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
         c["exact"] += int(s["exact"])
         for k in ("tp", "fp", "fn"):
             c[k] += s[k]
+        if not r.get("error"):
+            c["findings"].append(len(r.get("findings") or []))
+            c["incidents"].append(len(incident_ids(r.get("findings") or [])))
         if r.get("time_to_findings_s") is not None and not r.get("error"):
             times.append(r["time_to_findings_s"])
         if r["fault"] == "healthy":
@@ -244,7 +257,9 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
         return round(a / b, 4) if b else None
 
     per_class = {cls: {"n": c["n"], "precision": ratio(c["tp"], c["tp"] + c["fp"]),
-                       "recall": ratio(c["tp"], c["tp"] + c["fn"]), "exact_match_rate": ratio(c["exact"], c["n"])}
+                       "recall": ratio(c["tp"], c["tp"] + c["fn"]), "exact_match_rate": ratio(c["exact"], c["n"]),
+                       # Findings and incidents (findings grouped by cause, docs/incidents.md) per job.
+                       "findings_per_job": _spread(c["findings"]), "incidents_per_job": _spread(c["incidents"])}
                  for cls, c in sorted(per.items())}
     exact = ratio(tot["exact"], tot["n"]) or 0.0
     hz = ratio(healthy_zero, healthy)
@@ -287,6 +302,13 @@ def _row(i: int, seed: int, fault: str, max_ranks: int, job: str, gen: dict[str,
     }
 
 
+def _spread(xs: list[int]) -> dict[str, float] | None:
+    """Mean, median and largest of per-job counts."""
+    if not xs:
+        return None
+    return {"mean": round(float(np.mean(xs)), 2), "median": float(np.median(xs)), "max": int(max(xs))}
+
+
 def _r(x: float | None) -> float | None:
     return None if x is None else round(x, 2)
 
@@ -296,7 +318,8 @@ def _progress(row: dict[str, Any], n: int) -> None:
     what = "OK " if s["exact"] else "BAD"
     extra = ""
     if not s["exact"]:
-        missing = [(m["kinds"][0], m["ranks"][:8], m.get("named", [])[:8]) for m in s["missing"]]
+        missing = [(m["kinds"][0], m["ranks"][:8], m.get("named", [])[:8]) if "kinds" in m else m
+                   for m in s["missing"]]
         false = [(f["kind"], (f["ranks"] or [])[:8], (f["steps"] or [])[:4]) for f in s["false"][:4]]
         extra = f" missing={missing} false={false}" + (f" (+{len(s['false']) - 4})" if len(s["false"]) > 4 else "")
     timing = (f"import={row['import_s']}s findings={row['findings_s']}s" if row["import_s"] is not None

@@ -66,16 +66,17 @@ I64 = npt.NDArray[np.int64]
 B8 = npt.NDArray[np.bool_]
 
 FAULT_CLASSES = ("compute_straggler", "stage_slow", "link_degraded", "one_mode", "job_regression", "host_stall",
-                 "healthy", "short_trace")
+                 "healthy", "short_trace", "slow_host")
 #: Finding kinds that name a slow rank.
 RANK_KINDS = ("compute_straggler", "late_arrival", "kernel_degraded", "rank_degraded")
 #: Coarse class of each finding kind, for precision/recall over (kind class, rank) pairs.
 KIND_CLASS = {"compute_straggler": "rank", "late_arrival": "rank", "kernel_degraded": "rank", "rank_degraded": "rank",
-              "phase_straggler": "rank", "pp_stage_slow": "stage", "link_degraded": "link",
+              "phase_straggler": "rank", "pp_stage_slow": "stage", "link_degraded": "link", "node_degraded": "host",
               "step_regression": "regression", "iteration_spike": "spike"}
 #: Upper bound of kernel events (all ranks) per scenario; small worlds get less (:func:`kernel_budget`).
 MAX_KERNEL_EVENTS = 300_000
 GPUS_PER_NODE = 8
+_HOST_FORMATS = ("node{:04d}", "gpu-{:03d}.cluster.local", "trn-a{:03d}")
 COMPUTE_STREAM = 7
 #: Each NCCL communicator's stream, as an offset from the scenario's ``nccl_stream_base``.
 NCCL_STREAMS = {"tp": 0, "dp": 4, "ep": 8, "pp_prev": 12, "pp_next": 16, "mp": 20}
@@ -290,7 +291,7 @@ class Scenario:
     magnitude: float = 1.0
     onset: int = 0
     stall_steps: tuple[int, ...] = ()
-    #: compute_straggler: every compute kernel is slow, not only the GEMMs.
+    #: compute_straggler: every compute kernel is slow, not only the GEMMs (slow_host: always).
     all_compute: bool = False
     annotate_phases: bool = False
     phase_style: int = 0
@@ -386,6 +387,12 @@ def _draw_topology(rng: np.random.Generator, fault: str, max_ranks: int) -> tupl
     bucket = rng.choice(3, p=[0.5, 0.38, 0.12])
     hi = min(max_ranks, (16, 128, 512)[bucket])
     lo = min(hi, (2, 17, 129)[bucket])
+    if fault == "slow_host":
+        # Every pipeline stage spans four hosts or more: argus compares a rank with its stage's other ranks, and
+        # a host that is half of its stage leaves no majority to compare with (which half is slow?), while a
+        # stage that is one host is the stage's slowness as argus reads it (docs/incidents.md).
+        hi = max(hi, min(max_ranks, 128))
+        lo = 4 * GPUS_PER_NODE
     for _ in range(10_000):
         tp = int(rng.choice([1, 1, 2, 2, 4, 8]))
         pp = int(rng.choice([1, 1, 2, 2, 4, 8]))
@@ -396,6 +403,8 @@ def _draw_topology(rng: np.random.Generator, fault: str, max_ranks: int) -> tupl
             continue
         world = dp * tp * pp
         if not lo <= world <= hi or (fault == "stage_slow" and dp * tp < 2):
+            continue
+        if fault == "slow_host" and dp * tp < 4 * GPUS_PER_NODE:
             continue
         moe = dp >= 2 and rng.random() < 0.25 and fault != "short_trace"
         ep = int(rng.choice([e for e in (2, 4, 8) if dp % e == 0 and e <= dp])) if moe else 1
@@ -445,6 +454,10 @@ def _draw_fault(scn: Scenario, rng: np.random.Generator) -> Scenario:
         ranks = tuple(sorted(int(r) for r in rng.choice(w, size=k, replace=False)))
         return dataclasses.replace(scn, fault_ranks=ranks, magnitude=mag(1.2, 3.0), onset=onset(),
                                    all_compute=bool(rng.random() < 0.4))
+    if f == "slow_host":
+        host = int(rng.integers(0, w // GPUS_PER_NODE))
+        ranks = tuple(range(host * GPUS_PER_NODE, (host + 1) * GPUS_PER_NODE))
+        return dataclasses.replace(scn, fault_ranks=ranks, magnitude=mag(1.15, 1.5), onset=onset(), all_compute=True)
     if f == "stage_slow":
         stage = scn.pp - 1 if rng.random() < 0.6 else int(rng.integers(0, scn.pp))
         return dataclasses.replace(scn, fault_stage=stage, fault_ranks=tuple(_stage_ranks(scn, stage)),
@@ -970,7 +983,7 @@ class _Sim:
         if scn.fault in ("healthy", "host_stall", "link_degraded") or n < scn.onset:
             return None
         ranks = np.arange(s * self.ns, (s + 1) * self.ns)
-        if scn.fault in ("compute_straggler", "short_trace", "one_mode"):
+        if scn.fault in ("compute_straggler", "short_trace", "one_mode", "slow_host"):
             rmask = np.isin(ranks, scn.fault_ranks)
             if not rmask.any():
                 return None
@@ -1188,7 +1201,7 @@ class _Sim:
                 continue
             name, argid = meta_of[key]
             d = opt_total * fracs[key] * rank_f * self.rng.lognormal(0.0, scn.noise, w)
-            if scn.fault in ("compute_straggler",) and scn.all_compute and n >= scn.onset:
+            if scn.fault in ("compute_straggler", "slow_host") and scn.all_compute and n >= scn.onset:
                 d = np.where(np.isin(np.arange(w), scn.fault_ranks), d * scn.magnitude, d)
             meta = self._meta(np.array([name]), np.array([_CAT_KERNEL]), np.array([argid]), COMPUTE_STREAM, n,
                               chunk, _PH_OPT, -1)
@@ -1252,7 +1265,8 @@ def fault_delay_fraction(scn: Scenario, tl: Timeline | None = None) -> float | N
     per step to the group's least affected member (the transfer alone) and the growth of the median iteration
     time (a transfer hidden behind compute costs the job nothing). None for other classes."""
     link = scn.fault == "link_degraded"
-    if scn.fault not in ("compute_straggler", "one_mode", "short_trace", "link_degraded") or not scn.fault_ranks:
+    if scn.fault not in ("compute_straggler", "one_mode", "short_trace", "link_degraded", "slow_host") \
+            or not scn.fault_ranks:
         return None
     tl = tl if tl is not None else simulate(scn)
     twin = simulate(dataclasses.replace(scn, magnitude=1.0))
@@ -1281,7 +1295,9 @@ def expected_findings(scn: Scenario, iteration_us: Sequence[float] | None = None
     ``step_tolerance`` of a finding's step and no finding step may be farther from all of them.
     ``optional``: findings that may be there (not required, not false), among them a job regression whose
     iteration time grew by less than 5 %. ``tolerated``: rank-level findings of
-    these kinds naming only these ranks are not false. Anything else is a false finding. ``delay_fraction``
+    these kinds naming only these ranks are not false. Anything else is a false finding. ``max_incidents``: the
+    most incidents (findings grouped by ``incident_id``, see ``docs/incidents.md``) the findings may form (a slow
+    host: 1), None for no limit; an entry's ``hosts``: the hosts its finding must name. ``delay_fraction``
     (:func:`fault_delay_fraction`): a rank-level or link fault costing under :data:`MIN_IMPACT_FRACTION` of
     the step is below what argus raises (a finding must cost at least that), so it is tolerated, not required.
     """
@@ -1289,6 +1305,7 @@ def expected_findings(scn: Scenario, iteration_us: Sequence[float] | None = None
     exp: list[dict[str, Any]] = []
     opt: list[dict[str, Any]] = []
     tol: list[dict[str, Any]] = []
+    incidents: int | None = None
     onset_step = scn.step_number(scn.onset)
     growth = None
     if iteration_us is not None and scn.onset > 0 and len(iteration_us) > scn.onset:
@@ -1302,6 +1319,15 @@ def expected_findings(scn: Scenario, iteration_us: Sequence[float] | None = None
             tol.append({"kinds": list(RANK_KINDS), "ranks": list(scn.fault_ranks)})  # below the impact threshold
         else:
             exp.append(entry)
+    elif f == "slow_host":
+        # One incident: the host (node_degraded naming its ranks), its ranks' and kernels' findings its members.
+        if delay_fraction is not None and delay_fraction < MIN_IMPACT_FRACTION:
+            tol.append({"kinds": ["node_degraded", *RANK_KINDS, "phase_straggler"], "ranks": list(scn.fault_ranks)})
+        else:
+            exp.append({"kinds": ["node_degraded"], "ranks": list(scn.fault_ranks), "steps": None, "onset": None,
+                        "hosts": [host_name(scn, scn.fault_ranks[0])]})
+            tol.append({"kinds": [*RANK_KINDS, "phase_straggler"], "ranks": list(scn.fault_ranks)})
+            incidents = 1
     elif f == "stage_slow":
         exp.append({"kinds": ["pp_stage_slow"], "ranks": list(scn.fault_ranks), "steps": None, "onset": onset_step})
         tol.append({"kinds": [*RANK_KINDS, "phase_straggler"], "ranks": list(scn.fault_ranks)})
@@ -1319,10 +1345,22 @@ def expected_findings(scn: Scenario, iteration_us: Sequence[float] | None = None
     elif f == "host_stall":
         exp.append({"kinds": ["iteration_spike"], "ranks": [], "steps": [scn.step_number(s) for s in scn.stall_steps],
                     "onset": None})
-    if regression_ok and f in ("compute_straggler", "one_mode", "stage_slow", "link_degraded"):
+    if regression_ok and f in ("compute_straggler", "one_mode", "stage_slow", "link_degraded", "slow_host"):
         opt.append({"kinds": ["step_regression"], "ranks": [], "steps": None, "onset": onset_step})
     return {"expected": exp, "optional": opt, "tolerated": tol, "onset_tolerance": 2, "step_tolerance": 1,
-            "iteration_growth": growth, "fault_delay_fraction": delay_fraction}
+            "iteration_growth": growth, "fault_delay_fraction": delay_fraction, "max_incidents": incidents}
+
+
+def host_name(scn: Scenario, rank: int) -> str:
+    """The ``host_name`` the traces of ``rank`` carry (:data:`GPUS_PER_NODE` ranks a host)."""
+    fmt = str(np.random.default_rng([scn.seed, 7, 1]).choice(_HOST_FORMATS))
+    return fmt.format(rank // GPUS_PER_NODE)
+
+
+def incident_ids(findings: Iterable[Mapping[str, Any]]) -> set[str]:
+    """The incidents ``findings`` (``--json`` objects) form: their ``incident_id``s, a finding without one (written
+    before incidents existed) its own incident."""
+    return {str(f.get("incident_id") or f.get("finding_id") or id(f)) for f in findings}
 
 
 def _job_match(entry: Mapping[str, Any], finding: Mapping[str, Any], truth: Mapping[str, Any]) -> bool:
@@ -1341,8 +1379,10 @@ def score_findings(truth: Mapping[str, Any], findings: Iterable[Mapping[str, Any
 
     Returns ``exact`` (every expected finding there, no false finding), ``false`` (the false findings),
     ``missing`` (expected entries not satisfied), and the (kind class, rank) pairs for precision/recall:
-    ``tp``, ``fp`` and ``fn`` counts (job-level findings count as rank -1; optional/tolerated ones are neutral).
+    ``tp``, ``fp`` and ``fn`` counts (job-level findings count as rank -1; optional/tolerated ones are neutral);
+    more incidents than the truth's ``max_incidents`` is a missing entry ``{"max_incidents", "incidents"}``.
     """
+    findings = list(findings)
     expected = list(truth.get("expected", []))
     optional = list(truth.get("optional", []))
     tolerated = list(truth.get("tolerated", []))
@@ -1359,6 +1399,8 @@ def score_findings(truth: Mapping[str, Any], findings: Iterable[Mapping[str, Any
         matched = False
         for i, e in enumerate(expected):
             if kind not in e["kinds"]:
+                continue
+            if e.get("hosts") and sorted(f.get("hosts") or []) != sorted(e["hosts"]):
                 continue
             if e["ranks"] and ranks and ranks <= set(e["ranks"]):
                 named[i] |= ranks
@@ -1394,6 +1436,9 @@ def score_findings(truth: Mapping[str, Any], findings: Iterable[Mapping[str, Any
                 ok = all(any(abs(s - g) <= tol for g in got) for s in e["steps"])
         if not ok:
             missing.append({**e, "named": sorted(named[i])})
+    incidents = len(incident_ids(findings))
+    if truth.get("max_incidents") is not None and incidents > int(truth["max_incidents"]):
+        missing.append({"max_incidents": int(truth["max_incidents"]), "incidents": incidents})
     predicted -= neutral - truth_pairs
     tp = len(predicted & truth_pairs)
     return {"exact": not false and not missing, "false": false, "missing": missing, "tp": tp,
@@ -1611,7 +1656,7 @@ def write_scenario(scn: Scenario, out_dir: Path, timeline: Timeline | None = Non
     name_json = [json.dumps(n) for n in tl.names]
     arch = "sm90" if scn.name_style == "sm90" else "sm80"
     devices = [{"id": i, **_DEVICES[arch]} for i in range(GPUS_PER_NODE)]
-    host_fmt = str(rng.choice(["node{:04d}", "gpu-{:03d}.cluster.local", "trn-a{:03d}"]))
+    rng.choice(_HOST_FORMATS)  # drawn here before host_name() had its own stream: later draws stay as they were
     pids = rng.integers(1000, 4_000_000, scn.world)
     table = _pg_table(scn)
     order = np.lexsort((tl.start, tl.rank))
@@ -1621,7 +1666,7 @@ def write_scenario(scn: Scenario, out_dir: Path, timeline: Timeline | None = Non
         info = {"backend": "nccl", "rank": r, "world_size": scn.world, "pg_count": len(pgs), "pg_config": pgs,
                 "nccl_version": "2.21.5" if arch == "sm90" else "2.18.3"}
         head = {"schemaVersion": 1, "deviceProperties": devices, "distributedInfo": info,
-                "record_shapes": 0, "with_stack": 0, "host_name": host_fmt.format(r // GPUS_PER_NODE),
+                "record_shapes": 0, "with_stack": 0, "host_name": host_name(scn, r),
                 "trace_id": f"{scn.seed:08X}{r:08X}"}
         tail: dict[str, Any] = {"traceName": f"/tmp/trace/rank-{r}.pt.trace.json", "displayTimeUnit": "ms"}
         if not scn.absolute_ts:

@@ -31,6 +31,7 @@ before (no double hooks) and ignores tracer arguments (a warning says so). ``ARG
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import functools
 import logging
 import os
@@ -44,6 +45,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from argus.producers.exchange import TopologyExchange, agree, default_store
+from argus.producers.gpu_ids import gpu_id
 from argus.producers.groups import discover_groups, members
 from argus.producers.topology import build_topology, parse_topology_spec, with_hosts
 from argus.producers.tracer import Tracer, _NullPublisher
@@ -198,11 +200,13 @@ def tracer_from_env(settings: Any = None, *, env: Mapping[str, str] | None = Non
                                hosts_per_node=max(1, world))
         if world == 1:
             local = with_hosts(local, [host or tracer.host])
+            gpu = gpu_id()
+            local = dataclasses.replace(local, gpu=(gpu,)) if gpu else local
         tracer._topology = local
         if exchange and store is not None and world > 1:
             ex = TopologyExchange(store, tracer.job_id, rank, world, lifecycle=tracer._lifecycle,
                                   degrees=explicit or None, timeout_s=exchange_timeout_s)
-            ex.post(tracer.host, own)
+            ex.post(tracer.host, own, gpu_id())
             tracer._topology_fn = ex.resolve
     for kind, pg in found.items():
         tracer.set_group_kind(pg, kind)

@@ -12,6 +12,7 @@ torchrun). The job id itself can be agreed there too (:func:`agree`: the first r
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import logging
@@ -51,12 +52,20 @@ def agree(store: Any, key: str, proposal: str) -> str:
 
 def topology_from_posts(job_id: str, world_size: int, posts: list[dict[str, Any]],
                         degrees: dict[str, int] | None = None) -> JobTopology:
-    """The topology from every rank's post (``{"host": ..., "groups": {"TP": [ranks], ...}}``, by rank).
+    """The topology from every rank's post (``{"host": ..., "gpu": ..., "groups": {"TP": [ranks], ...}}``, by
+    rank; ``gpu`` may be missing).
 
     With ``degrees`` (explicit ``dp/tp/pp/ep``) the Megatron-order layout of those degrees; otherwise the
     groups the ranks reported (:func:`~argus.producers.topology.topology_from_groups`), else pure DP. The hosts
-    are the posted ones. Raises ValueError when nothing consistent can be built.
+    are the posted ones, and so are the GPU ids. Raises ValueError when nothing consistent can be built.
     """
+    topo = _from_posts(job_id, world_size, posts, degrees)
+    gpus = tuple(str(p.get("gpu") or "") for p in posts)
+    return dataclasses.replace(topo, gpu=gpus) if any(gpus) and len(gpus) == topo.world_size else topo
+
+
+def _from_posts(job_id: str, world_size: int, posts: list[dict[str, Any]],
+                degrees: dict[str, int] | None) -> JobTopology:
     hosts = [str(p.get("host", "")) or f"node{r:04d}" for r, p in enumerate(posts)]
     if degrees:
         tp, pp, ep = degrees.get("tp", 1), degrees.get("pp", 1), degrees.get("ep", 1)
@@ -96,10 +105,11 @@ class TopologyExchange:
     def _key(self, name: str) -> str:
         return self._prefix + name
 
-    def post(self, host: str, groups: dict[ParallelGroup, list[int]]) -> bool:
-        """Post this rank's host and group members (one store ``set``). Returns whether it was stored."""
+    def post(self, host: str, groups: dict[ParallelGroup, list[int]], gpu: str = "") -> bool:
+        """Post this rank's host, GPU id ('' unknown) and group members (one store ``set``). Returns whether it
+        was stored."""
         try:
-            body = {"host": host, "groups": {k.value: list(v) for k, v in groups.items()}}
+            body = {"host": host, "gpu": gpu, "groups": {k.value: list(v) for k, v in groups.items()}}
             self.store.set(self._key(f"rank/{self.rank}"), json.dumps(body))
             return True
         except Exception as exc:

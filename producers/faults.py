@@ -19,6 +19,8 @@ COLLECTIVES`` (5)              than its peers' (it arrives last, and all members
 ``SILENT_RANK``                rank R publishes nothing from step S; the others complete step S, then
                                block in step S + 1 (heartbeats for ``hang_ns``), and the job goes quiet
 ``CRASH``                      the job stops after step S - 1 (all steps by default) and never sends END
+``SLOW_HOST``                  every rank of one host (a power cap, a thermal problem): its self_attention
+                               and mlp compute kernels x1.3 from step 0 (one incident, docs/incidents.md)
 =============================  ===============================================================
 
 A link factor slows the whole collective of every group that holds a listed rank (a ring is as fast as its
@@ -50,6 +52,8 @@ class Fault(enum.Enum):
     HANG = "HANG"
     SILENT_RANK = "SILENT_RANK"
     CRASH = "CRASH"
+    #: All GPUs of one host slower alike (beyond the paper's cases).
+    SLOW_HOST = "SLOW_HOST"
 
 
 @dataclass(frozen=True)
@@ -124,6 +128,19 @@ class FaultSpec:
         """Case 1: one rank's self_attention / mlp compute x25 / x20 from step 15."""
         spec = cls(Fault.COMPUTE_STRAGGLER, (rank,), onset_step, attention_factor=attention_factor,
                    mlp_factor=mlp_factor)
+        spec.check(topology)
+        return spec
+
+    @classmethod
+    def slow_host(cls, topology: JobTopology, host: str | None = None, factor: float = 1.3,
+                  onset_step: int = 0) -> FaultSpec:
+        """Every rank of ``host`` (default: the host of the job's last rank) runs its self_attention and mlp
+        compute ``factor`` times slower from ``onset_step``. Raises ValueError for a host the job does not run on."""
+        host = host if host is not None else topology.host[-1]
+        ranks = tuple(r for r, h in zip(topology.rank, topology.host, strict=True) if h == host)
+        if not ranks:
+            raise ValueError(f"fault SLOW_HOST: no rank runs on host {host!r}")
+        spec = cls(Fault.SLOW_HOST, ranks, onset_step, attention_factor=factor, mlp_factor=factor)
         spec.check(topology)
         return spec
 

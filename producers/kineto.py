@@ -45,6 +45,7 @@ import numpy.typing as npt
 
 from argus.core.errors import ConfigError, ProducerError
 from argus.core.settings import Settings
+from argus.producers.gpu_ids import kineto_gpu
 from argus.producers.kineto_groups import MEGATRON_GROUPS, PhaseGroups
 from argus.producers.kineto_parse import MAX_FILE_BYTES, MemoryBudget, Phase, RankTrace, assign_steps, parse_rank
 from argus.producers.publisher import MAX_MESSAGE_BYTES, Publisher
@@ -407,11 +408,12 @@ def import_kineto(settings: Settings, directory: Path, job_id: str, topology: st
                                 f"event and no step was kept (skipped: {why})")
         world, traced = _check_ranks(traces, messages)
         topo, source = _resolve_topology(job_id, world, traces, topology, messages)
-        hosts = list(topo.host)
+        hosts, gpus = list(topo.host), [""] * topo.world_size
         for t in traces:
             if t.host:
                 hosts[t.rank] = t.host
-        topo = dataclasses.replace(topo, host=tuple(hosts))
+            gpus[t.rank] = kineto_gpu(t.gpu_index)
+        topo = dataclasses.replace(topo, host=tuple(hosts), gpu=tuple(gpus) if any(gpus) else ())
         topo = with_stream_groups(topo, traces, messages)
         size = len(topo.encode())
         if size > MAX_MESSAGE_BYTES:  # refused before anything of the job is published

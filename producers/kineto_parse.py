@@ -294,6 +294,8 @@ class RankTrace:
     stream_pgs: dict[int, StreamPG] = field(default_factory=dict)
     #: Correlation ids of the file's ``cudaGraphLaunch`` calls: the kernels with one of them were graph-launched.
     graph_launches: frozenset[int] = frozenset()
+    #: The CUDA device index on its host that its kernels ran on (their ``args.device``), if any says.
+    gpu_index: int | None = None
     spill: Path | None = field(default=None, repr=False)
     owned_dir: Path | None = field(default=None, repr=False)
 
@@ -626,6 +628,8 @@ class _Collector:
         self.last_end: int | None = None
         self.watermark: int | None = None
         self.stream_pgs: dict[int, StreamPG] = {}
+        #: The device index of the rank's kernels (``args.device`` of the first kernel that has one).
+        self.gpu_index: int | None = None
 
     def event(self, e: Any) -> None:
         self.seen += 1
@@ -663,6 +667,9 @@ class _Collector:
             self.skipped[reason] += 1
         elif kind == "gpu":
             self._kernel(name, stream or 0, start, dur, args if type(args) is dict else None)
+            if self.gpu_index is None and type(args) is dict:  # the rank's GPU: its first kernel's device
+                dev = args.get("device")
+                self.gpu_index = dev if type(dev) is int and 0 <= dev < 2**16 else None
             if stream is not None and stream not in self.stream_pgs and len(self.stream_pgs) < _MAX_PG_STREAMS \
                     and type(args) is dict and "Process Group Name" in args:
                 pg = stream_pg(args)
@@ -876,6 +883,7 @@ def _build(path: Path, meta: dict[str, Any], col: _Collector, spill: Path, owned
         kernel_events=col.n, names=col.names, streams=dict(col.streams), skipped=col.skipped,
         first_kernel_ns=None if col.first is None else col.first + base,
         last_kernel_end_ns=None if col.last_end is None else col.last_end + base, max_lag_ns=col.max_lag,
+        gpu_index=col.gpu_index,
         stream_pgs=col.stream_pgs, graph_launches=frozenset(col.graph_launches),
         spill=spill, owned_dir=owned)
 

@@ -29,6 +29,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from argus.producers.cuda_timing import EventPool, PhaseOpener, StepRec
+from argus.producers.gpu_ids import gpu_id
 from argus.producers.heartbeat import LiveState
 from argus.producers.topology import build_topology
 from argus.schemas.records import JobTopology, ParallelGroup, PhaseKind
@@ -262,14 +263,16 @@ class CollectiveMixin(PhaseOpener):
             return None
         return dist
 
-    def _gather_hosts(self) -> list[str] | None:
+    def _gather_hosts(self) -> list[tuple[str, str]] | None:
+        """Every rank's (host, GPU id) by rank (:func:`~argus.producers.gpu_ids.gpu_id`; '' unknown)."""
         dist = self._dist()
         if dist is None:
             return None
         try:
             out: list[Any] = [None] * self.world_size
-            dist.all_gather_object(out, self.host)
-            return [str(h) for h in out]
+            dist.all_gather_object(out, (self.host, gpu_id()))
+            return [(str(h[0]), str(h[1])) if isinstance(h, (tuple, list)) and len(h) == 2 else (str(h), "")
+                    for h in out]
         except Exception as exc:
             self._error("host gather", exc)
             return None
@@ -298,9 +301,10 @@ class CollectiveMixin(PhaseOpener):
         topo = build_topology(self.job_id, dp, tp, pp, ep, hosts_per_node=max(1, self.world_size))
         hosts = self._gather_hosts()
         if hosts is None and self.world_size == 1:
-            hosts = [self.host]
+            hosts = [(self.host, gpu_id())]
         if hosts is not None and len(hosts) == topo.world_size:
+            gpus = tuple(g for _, g in hosts)
             topo = JobTopology(topo.job_id, topo.world_size, topo.dp_size, topo.tp_size, topo.pp_size, topo.rank,
-                               tuple(hosts), topo.dp_group, topo.tp_group, topo.pp_group, topo.ep_group,
-                               topo.pp_stage, topo.ep_size)
+                               tuple(h for h, _ in hosts), topo.dp_group, topo.tp_group, topo.pp_group,
+                               topo.ep_group, topo.pp_stage, topo.ep_size, gpu=gpus if any(gpus) else ())
         return topo

@@ -603,7 +603,8 @@ class JobTopology(Record):
 
     ``group_streams`` / ``group_kinds`` (v2): CUDA streams known to carry the collectives of one
     parallel group (e.g. from the process groups a trace's NCCL kernels name), position by position; v1
-    messages decode with both empty.
+    messages decode with both empty. ``gpu`` (v3): the GPU id of each rank, position by position ('' where
+    unknown), or empty when no rank knew its GPU (and in v1/v2 messages).
     """
 
     SCHEMA: ClassVar[str] = "job_topology"
@@ -623,10 +624,15 @@ class JobTopology(Record):
     ep_size: int = 1
     group_streams: tuple[int, ...] = ()
     group_kinds: tuple[ParallelGroup, ...] = ()
+    gpu: tuple[str, ...] = ()
 
     @classmethod
     def _enum_fields(cls) -> dict[str, type[enum.Enum]]:
         return {"group_kinds": ParallelGroup}
+
+    def gpu_of(self, position: int) -> str:
+        """The GPU id of the rank at ``position`` ('' when unknown; see :attr:`gpu`)."""
+        return self.gpu[position] if self.gpu else ""
 
     def array(self, name: str) -> npt.NDArray[np.int64]:
         """The integer column ``name`` (``rank``, ``dp_group``, ``pp_stage``, ...) as a read-only int64 array,
@@ -668,6 +674,8 @@ class JobTopology(Record):
             _bounded(what, name, getattr(self, name), 1, _INT32[1])
         _same_length(what, self, ("rank", "host", "dp_group", "tp_group", "pp_group", "ep_group", "pp_stage"),
                      self.world_size, "world_size")
+        if self.gpu and len(self.gpu) != self.world_size:
+            raise SchemaError(f"{what}: gpu has {len(self.gpu)} entries for world_size {self.world_size}")
         _bounded(what, "rank", self.rank, 0, self.world_size - 1)
         if len(set(self.rank)) != len(self.rank):
             raise SchemaError(f"{what}: a rank is described twice")
@@ -795,13 +803,17 @@ def _refuse_constant(name: str) -> Any:
 
 @dataclass(frozen=True)
 class Finding(Record):
-    """A diagnosis; see ``schemas/finding.v3.avsc``.
+    """A diagnosis; see ``schemas/finding.v4.avsc``.
 
     ``impact_ns_per_step``: GPU time (ns) the whole job loses per affected step because of it (the delay it
     adds to the iteration times the ranks that wait); ``impact_ns``: that over all affected steps. Both 0
     when unknown (findings written with schema v1). ``detector_version``: the detectors that made it
     (``<package version>+<hash of their parameters and code>``, see ``argus.streams.diagnosis.detector_version``);
-    '' when unknown (schemas v1 and v2). It does not enter ``finding_id``.
+    '' when unknown (schemas v1 and v2). It does not enter ``finding_id``. ``hosts`` (v4): the hosts of its
+    ranks, sorted, each once (empty when unknown or job-wide). ``incident_id`` (v4): the ``finding_id`` of the
+    lead finding of the incident it belongs to (its own when it leads one or stands alone; '' before v4, read
+    as its own: :attr:`incident`); ``gpus`` (v4): the GPU id of each of its ranks, position by position ('' where
+    unknown), empty when none is known; none of them enters ``finding_id``.
     """
 
     SCHEMA: ClassVar[str] = "finding"
@@ -821,10 +833,18 @@ class Finding(Record):
     impact_ns_per_step: float = 0.0
     impact_ns: float = 0.0
     detector_version: str = ""
+    hosts: tuple[str, ...] = ()
+    incident_id: str = ""
+    gpus: tuple[str, ...] = ()
 
     @classmethod
     def _enum_fields(cls) -> dict[str, type[enum.Enum]]:
         return {"level": Level, "kind": FindingKind}
+
+    @property
+    def incident(self) -> str:
+        """The incident it belongs to: ``incident_id``, or its own ``finding_id`` where that is '' (v1-v3)."""
+        return self.incident_id or self.finding_id
 
     def __post_init__(self) -> None:
         if not isinstance(self.kind, FindingKind):  # a kind given by its string: the member (old names too)
@@ -848,6 +868,10 @@ class Finding(Record):
             raise SchemaError(f"{what}: kind {self.kind.value} is of level {self.kind.level.value}, "
                               f"not {self.level.value}")
         _bounded(what, "ranks", self.ranks, 0, _INT32[1])
+        if list(self.hosts) != sorted(set(self.hosts)) or not all(self.hosts):
+            raise SchemaError(f"{what}: hosts must be distinct, sorted and non-empty names, got {self.hosts!r}")
+        if self.gpus and len(self.gpus) != len(self.ranks):
+            raise SchemaError(f"{what}: gpus has {len(self.gpus)} entries for {len(self.ranks)} ranks")
         _bounded(what, "steps", self.steps, *_INT64)
         _times(what, "time_ns", self.time_ns)
         if self.stream is not None:

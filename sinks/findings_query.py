@@ -4,8 +4,12 @@ Each finding is a JSON object with at least ``job``, ``level`` ("L1" | "L2" | "L
 of int; empty for job-wide findings), ``phase``, ``kernel``, ``stream`` (or null), ``steps`` (list of int),
 ``score``, ``evidence`` (object), ``impact_ns_per_step`` and ``impact_ns`` (GPU time the job lost, ns; 0 for
 findings written before schema v2), ``time_ns`` and ``detector_version`` (the detectors that made it; '' before
-schema v3). Keep these keys stable: other tools parse them. Findings come ordered by
-``impact_ns``, largest first: what a user acts on.
+schema v3), ``finding_id``, ``hosts`` (the hosts of its ranks; empty before schema v4 or where unknown),
+``incident_id`` (the ``finding_id`` of the lead of the incident it belongs to, see docs/incidents.md; a finding
+written before schema v4 is its own incident) and ``gpus`` (each rank's GPU id, '' unknown; empty where none is
+known). Keep these keys stable: other tools parse them. Findings come by incident (:func:`fold_incidents`): the
+incident of largest impact first, each as its lead, then its members by impact, largest first: what a user acts
+on.
 """
 
 from __future__ import annotations
@@ -17,13 +21,14 @@ from typing import Any
 
 from argus.core.errors import ArgusError
 from argus.core.settings import Settings
+from argus.detectors.incidents import by_incident
 from argus.sinks.clickhouse import QueryResult, sql_string
 from argus.sinks.query_server import run_query
 
 #: Runs one SQL statement; defaults to :func:`argus.sinks.query_server.run_query` on the settings.
 Query = Callable[[str], QueryResult]
 
-__all__ = ["diagnosis_complete", "fetch_findings", "job_known", "pending_reasons", "wait_diagnosed"]
+__all__ = ["diagnosis_complete", "fetch_findings", "fold_incidents", "job_known", "pending_reasons", "wait_diagnosed"]
 
 
 
@@ -32,22 +37,32 @@ def _runner(settings: Settings, query: Query | None) -> Query:
 
 
 def fetch_findings(settings: Settings, job_id: str, query: Query | None = None) -> list[dict[str, Any]]:
-    """The job's findings, deduplicated, by impact (largest first), then level, kind, steps and ranks."""
+    """The job's findings, deduplicated, by incident (:func:`fold_incidents`, flattened); within that by impact
+    (largest first), then level, kind, steps and ranks."""
     db = settings.clickhouse_database
     res = _runner(settings, query)(f"""
         SELECT job_id, level, kind, ranks, phase, kernel, stream, steps, score, evidence_json, time_ns,
-               impact_ns_per_step, impact_ns, detector_version
+               impact_ns_per_step, impact_ns, detector_version, finding_id, hosts, incident_id, gpus
         FROM `{db}`.findings FINAL WHERE job_id = {sql_string(job_id)}
         ORDER BY impact_ns DESC, level, kind, steps, ranks, phase, kernel""")
     out = []
     for (job, level, kind, ranks, phase, kernel, stream, steps, score, evidence, time_ns, per_step, total,
-         version) in res.rows:
+         version, fid, hosts, incident, gpus) in res.rows:
         out.append({"job": job, "level": level, "kind": kind, "ranks": [int(r) for r in ranks],
                     "phase": phase, "kernel": kernel, "stream": None if stream is None else int(stream),
                     "steps": [int(s) for s in steps], "score": float(score), "evidence": json.loads(evidence),
                     "time_ns": int(time_ns), "impact_ns_per_step": float(per_step), "impact_ns": float(total),
-                    "detector_version": version})
-    return out
+                    "detector_version": version, "finding_id": fid, "hosts": [str(h) for h in hosts or ()],
+                    "incident_id": incident or fid, "gpus": [str(g) for g in gpus or ()]})
+    return [f for group in fold_incidents(out) for f in group]
+
+
+def fold_incidents(findings: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """``argus findings --json`` objects grouped by ``incident_id``: the incident of largest impact first, each
+    its lead (the finding whose ``finding_id`` is the incident's) then its members by impact; a finding without
+    an incident id (one from an older argus) is its own incident. Equal impacts keep their order."""
+    return by_incident(findings, lambda f: str(f.get("finding_id") or id(f)),
+                       lambda f: str(f.get("incident_id") or ""), lambda f: float(f.get("impact_ns") or 0.0))
 
 
 def diagnosis_complete(settings: Settings, job_id: str, query: Query | None = None) -> bool:

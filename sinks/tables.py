@@ -158,7 +158,7 @@ def _summary_rows(r: KernelSummary) -> Iterable[tuple[Any, ...]]:
 def _topology_rows(r: JobTopology) -> Iterable[tuple[Any, ...]]:
     for i in range(r.world_size):
         yield (r.job_id, r.rank[i], r.host[i], r.dp_group[i], r.tp_group[i], r.pp_group[i], r.ep_group[i],
-               r.pp_stage[i], r.world_size, r.dp_size, r.tp_size, r.pp_size, r.ep_size)
+               r.pp_stage[i], r.world_size, r.dp_size, r.tp_size, r.pp_size, r.ep_size, r.gpu_of(i))
 
 
 def _job_rows(r: JobLifecycle) -> Iterable[tuple[Any, ...]]:
@@ -168,7 +168,8 @@ def _job_rows(r: JobLifecycle) -> Iterable[tuple[Any, ...]]:
 
 def _finding_rows(r: Finding) -> Iterable[tuple[Any, ...]]:
     yield (r.job_id, r.finding_id, r.level.value, r.kind.value, list(r.ranks), r.phase, r.kernel, r.stream,
-           list(r.steps), r.score, r.evidence_json, r.time_ns, r.impact_ns_per_step, r.impact_ns, r.detector_version)
+           list(r.steps), r.score, r.evidence_json, r.time_ns, r.impact_ns_per_step, r.impact_ns, r.detector_version,
+           list(r.hosts), r.incident, list(r.gpus))
 
 
 def _dead_letter_rows(r: DeadLetter) -> Iterable[tuple[Any, ...]]:
@@ -219,7 +220,9 @@ TABLES: dict[str, Table] = {t.name: t for t in (
                        ("dp_group", "Int32", _I32), ("tp_group", "Int32", _I32), ("pp_group", "Int32", _I32),
                        ("ep_group", "Int32", _I32), ("pp_stage", "Int32", _I32), ("world_size", "Int32", _I32),
                        ("dp_size", "Int32", _I32), ("tp_size", "Int32", _I32), ("pp_size", "Int32", _I32),
-                       ("ep_size", "Int32", _I32)),
+                       ("ep_size", "Int32", _I32),
+                       # v3: the rank's GPU (CUDA UUID, else PCI bus id, else cuda:<index>; '' unknown).
+                       ("gpu", "String", _STR)),
           ("job_id", "rank"), _topology_rows),
     Table("jobs", (("job_id", _LC, _STR), ("event", _LC, _STR), ("part", _LC, _STR), ("time_ns", "Int64", _I64),
                    ("world_size", "Int32", _I32), ("source", _LC, _STR), ("kernel_events", "Nullable(Int64)", _I64),
@@ -234,7 +237,11 @@ TABLES: dict[str, Table] = {t.name: t for t in (
                        ("stream", "Nullable(Int64)", _I64), ("steps", _A64, _AL), ("score", "Float64", pa.float64()),
                        ("evidence_json", "String", _STR), ("time_ns", "Int64", _I64),
                        ("impact_ns_per_step", "Float64", pa.float64()), ("impact_ns", "Float64", pa.float64()),
-                       ("detector_version", _LC, _STR)),
+                       ("detector_version", _LC, _STR),
+                       # Schema v4: the hosts of its ranks, and its incident (the lead's finding_id; a finding
+                       # written before v4 is its own): GROUP BY arrayJoin(hosts) or incident_id.
+                       ("hosts", "Array(LowCardinality(String))", pa.list_(_STR)), ("incident_id", "String", _STR),
+                       ("gpus", "Array(String)", pa.list_(_STR))),
           ("job_id", "finding_id"), _finding_rows),
     Table("dead_letters", (("topic", _LC, _STR), ("partition", "Int32", _I32), ("offset", "Int64", _I64),
                            ("stage", _LC, _STR), ("job_id", _LC, _STR), ("key", "Nullable(String)", pa.binary()),

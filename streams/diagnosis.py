@@ -37,6 +37,7 @@ from argus.core.kinds import FindingKind
 from argus.core.settings import Settings
 from argus.detectors.findings import DetectorResult, to_finding
 from argus.detectors.impact import StepClock, impact_of, worth_raising
+from argus.detectors.incidents import IncidentParams
 from argus.detectors.kernel_excess import detect_kernel_excess
 from argus.detectors.l1_iteration import IterationSeries, L1Params, L1Result, detect_l1
 from argus.detectors.l2_history import PhaseHistory
@@ -73,6 +74,8 @@ class DiagnosisParams:
     l2: L2Params = field(default_factory=L2Params)
     l3: L3Params = field(default_factory=L3Params)
     ranks: RankExcessParams = field(default_factory=RankExcessParams)
+    #: When findings form one incident (a slow host: docs/incidents.md).
+    incidents: IncidentParams = field(default_factory=IncidentParams)
 
 
 #: Settings that change what the compressor and the detectors find (they enter :func:`detector_version`).

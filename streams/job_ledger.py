@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
 from argus.detectors.impact import StepClock
+from argus.detectors.incidents import IncidentParams, form_incidents
 from argus.detectors.victims import straggler_ranks
 from argus.schemas.job_context import JobContext
 from argus.schemas.records import Finding, JobLifecycle, JobTopology, LifecycleEvent, ParallelGroup
@@ -50,8 +51,9 @@ class JobLedger:
     """
 
     def __init__(self, version: str, remote: Callable[[str], JobContext | None] = lambda job_id: None,
-                 max_jobs: int = 10_000) -> None:
+                 max_jobs: int = 10_000, incidents: IncidentParams | None = None) -> None:
         self.version, self.remote = version, remote
+        self.incidents = incidents if incidents is not None else IncidentParams()
         self.topologies: Recent[JobTopology] = Recent(max_jobs)
         self.groups: Recent[dict[int, ParallelGroup]] = Recent(max_jobs)
         #: Ranks L2 named stragglers per job: their blocking-group peers are victims for L3.
@@ -63,6 +65,8 @@ class JobLedger:
         self.end_read: Recent[float] = Recent(max_jobs)
         self._links: Recent[LinkLedger] = Recent(max_jobs)
         self._published: Recent[set[str]] = Recent(max_jobs)
+        #: The findings published per job, as published (with their hosts and incidents), by id.
+        self._found: Recent[dict[str, Finding]] = Recent(max_jobs)
         self._parts_done: Recent[set[int]] = Recent(max_jobs)
         self._diagnosed: Recent[set[str]] = Recent(max_jobs)
         self._shared: Recent[tuple[Any, ...]] = Recent(max_jobs)  # what the job context last written here held
@@ -95,7 +99,10 @@ class JobLedger:
 
     def publishable(self, findings: Iterable[Finding]) -> tuple[Finding, ...]:
         """``findings`` of one job (L1/L2, L3 or hangs) as published: filtered by the job's link ledger, those
-        published before left out, stamped with the detector version; their stragglers noted for L3."""
+        published before left out, stamped with the detector version, with their hosts and incidents
+        (:func:`~argus.detectors.incidents.form_incidents` over every finding of the job published here); their
+        stragglers noted for L3. A finding published before whose incident changed (a host incident formed
+        since) is published again: the same ``finding_id``, so the sink keeps the newer row."""
         found = list(findings)
         if not found:
             return ()
@@ -105,8 +112,15 @@ class JobLedger:
         found = self._links[job_id].filter(found)
         self.stragglers[job_id] = self.stragglers.get(job_id, set()) | straggler_ranks(found)
         seen = self._published.get(job_id) or set()
-        out = tuple(dataclasses.replace(f, detector_version=self.version) for f in found if f.finding_id not in seen)
+        before = self._found.get(job_id) or {}
+        fresh = {f.finding_id: dataclasses.replace(f, detector_version=self.version) for f in found
+                 if f.finding_id not in seen}
+        if not fresh:
+            return ()
+        grouped = form_incidents([*before.values(), *fresh.values()], self.topology_of(job_id), self.incidents)
+        out = tuple(g for g in grouped if g.finding_id not in seen or before.get(g.finding_id) != g)
         self._published[job_id] = seen | {f.finding_id for f in out}
+        self._found[job_id] = {g.finding_id: g for g in grouped}
         return out
 
     def diagnosed_record(self, job_id: str, part: str, time_ns: int, world_size: int) -> JobLifecycle:
@@ -144,7 +158,7 @@ class JobLedger:
         """Every part of the job is diagnosed: its context goes (not its DIAGNOSED parts, which tell later
         copies apart). Whether this worker had written the job's context (then it leaves tombstones)."""
         for d in (self.topologies, self.groups, self.stragglers, self.clocks, self.final_clocks, self._links,
-                  self._published, self._parts_done):
+                  self._published, self._found, self._parts_done):
             d.pop(job_id, None)
         return self._shared.pop(job_id, None) is not None
 
@@ -157,4 +171,4 @@ class JobLedger:
     def jobs(self) -> set[str]:
         """The jobs with context here."""
         return {*self.topologies, *self.groups, *self.stragglers, *self.clocks, *self.final_clocks, *self._links,
-                *self._published, *self._parts_done}
+                *self._published, *self._found, *self._parts_done}

@@ -18,6 +18,7 @@ from typing import Any
 
 from argus.core.settings import Settings
 from argus.detectors.findings import finding_json
+from argus.detectors.incidents import by_incident, form_incidents
 from argus.detectors.victims import drop_victims, straggler_ranks
 from argus.schemas.records import (
     Finding,
@@ -42,7 +43,7 @@ from argus.streams.diagnosis import (
 from argus.streams.windows import ClosedWindow, WindowBuffer
 from argus.topics import Topic
 
-__all__ = ["diagnose_records", "diagnose_traces", "finding_json"]
+__all__ = ["diagnose_records", "diagnose_traces", "finding_json", "ordered_json"]
 
 
 class _Job:
@@ -80,7 +81,7 @@ class _Job:
                                    clock=clock)
             self.keep(drop_victims(found, self.stragglers))
         self.keep(self.ranks.diagnose(topo, clock))
-        return _dedup(self.findings)
+        return form_incidents(_dedup(self.findings), topo, self.params.incidents)
 
 
 def diagnose_records(records: Iterable[Record], settings: Settings | None = None,
@@ -135,7 +136,7 @@ def diagnose_records(records: Iterable[Record], settings: Settings | None = None
 def diagnose_traces(directory: Path, job_id: str, topology: str | None = None,
                     settings: Settings | None = None) -> list[dict[str, Any]]:
     """``argus import-kineto DIR --job J`` then ``argus findings --job J --json``, in one process: the
-    findings of the Kineto traces under ``directory`` as JSON objects, largest impact first. Raises
+    findings of the Kineto traces under ``directory`` as JSON objects, by incident (:func:`ordered_json`). Raises
     :class:`~argus.core.errors.ProducerError` like the importer."""
     from argus.producers.kineto import import_kineto
 
@@ -143,9 +144,16 @@ def diagnose_traces(directory: Path, job_id: str, topology: str | None = None,
     sink = _Collect()
     import_kineto(cfg, Path(directory), job_id, topology=topology, publisher=sink)
     findings = diagnose_records(sink.records, cfg).get(job_id, [])
+    return ordered_json(findings)
+
+
+def ordered_json(findings: Iterable[Finding]) -> list[dict[str, Any]]:
+    """``findings`` as ``argus findings --json`` gives them: incidents by impact (largest first), each its lead
+    then its members (:func:`~argus.detectors.incidents.by_incident`)."""
     out = [finding_json(f) for f in findings]
     out.sort(key=lambda f: (-f["impact_ns"], f["level"], f["kind"], f["steps"], f["ranks"]))
-    return out
+    groups = by_incident(out, lambda f: f["finding_id"], lambda f: f["incident_id"], lambda f: f["impact_ns"])
+    return [f for g in groups for f in g]
 
 
 class _Collect:

@@ -51,6 +51,9 @@ class FindingKind(enum.StrEnum):
     LATE_ARRIVAL = "late_arrival"
     #: L3: a rank slower than its peers across the job's compute kernels.
     RANK_DEGRADED = "rank_degraded"
+    #: L3: the ranks of one host slow together beyond what their groups explain (an incident: its evidence
+    #: is its ranks' and kernels' findings; see :mod:`argus.detectors.incidents`).
+    NODE_DEGRADED = "node_degraded"
 
     @property
     def level(self) -> Level:
@@ -74,5 +77,5 @@ _LEVELS = {
     **dict.fromkeys((FindingKind.COMPUTE_STRAGGLER, FindingKind.PHASE_STRAGGLER, FindingKind.PP_STAGE_SLOW,
                      FindingKind.RANK_SILENT, FindingKind.HANG_WAVEFRONT), Level.L2),
     **dict.fromkeys((FindingKind.KERNEL_DEGRADED, FindingKind.LINK_DEGRADED, FindingKind.LATE_ARRIVAL,
-                     FindingKind.RANK_DEGRADED), Level.L3),
+                     FindingKind.RANK_DEGRADED, FindingKind.NODE_DEGRADED), Level.L3),
 }

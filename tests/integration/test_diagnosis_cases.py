@@ -9,10 +9,11 @@ from typing import Any
 import pytest
 
 from argus.core.settings import Settings
-from argus.producers.faults import Fault
+from argus.producers.faults import Fault, FaultSpec
 from argus.producers.publisher import Publisher
 from argus.producers.seed_cases import paper_case
 from argus.producers.simulator import JobSimulator, JobSpec
+from argus.producers.topology import build_topology
 from argus.sinks.findings_query import fetch_findings, wait_diagnosed
 from tests.integration.conftest import SinkThread, WorkerProcess
 
@@ -29,6 +30,23 @@ def run_job(settings: Settings, spec: JobSpec, sink: SinkThread) -> list[dict[st
     return fetch_findings(settings, spec.job_id, query=sink.store.query)
 
 
+def assert_incident_order(findings: list[dict[str, Any]]) -> None:
+    """Incidents by their largest impact, largest first; each its lead (its own incident) first, then its members
+    by impact, largest first (docs/incidents.md)."""
+    groups: list[list[dict[str, Any]]] = []
+    for f in findings:
+        if not groups or groups[-1][0]["incident_id"] != f["incident_id"]:
+            groups.append([f])
+        else:
+            groups[-1].append(f)
+    assert len(groups) == len({f["incident_id"] for f in findings}), "an incident's findings are not together"
+    tops = [max(f["impact_ns"] for f in g) for g in groups]
+    assert tops == sorted(tops, reverse=True)
+    for g in groups:
+        assert g[0]["finding_id"] == g[0]["incident_id"] or all(f["finding_id"] != g[0]["incident_id"] for f in g)
+        assert [f["impact_ns"] for f in g[1:]] == sorted((f["impact_ns"] for f in g[1:]), reverse=True)
+
+
 def by_level(findings: list[dict[str, Any]], level: str) -> list[dict[str, Any]]:
     return [f for f in findings if f["level"] == level]
 
@@ -40,8 +58,8 @@ def test_contract_fields(settings: Settings, worker: WorkerProcess, sink: SinkTh
         assert {"job", "level", "kind", "ranks", "phase", "kernel", "stream", "steps", "score", "evidence"} <= set(f)
         assert f["job"] == "c1" and f["level"] in ("L1", "L2", "L3") and isinstance(f["evidence"], dict)
         assert f["impact_ns"] >= f["impact_ns_per_step"] > 0 and f["evidence"]["delay_ms_per_step"] > 0
-    # What a user acts on first: ordered by the GPU time the job lost to each finding.
-    assert [f["impact_ns"] for f in findings] == sorted((f["impact_ns"] for f in findings), reverse=True)
+    # What a user acts on first: incidents by the GPU time the job lost to them, each its lead then its members.
+    assert_incident_order(findings)
     # Case 1: L1 change point at step 15; L2 flags only rank 5.
     l1 = by_level(findings, "L1")
     assert [(f["kind"], f["steps"]) for f in l1 if f["kind"] == "step_regression"] == [("step_regression", [15])]
@@ -86,3 +104,15 @@ def test_case5_compute_not_network(settings: Settings, worker: WorkerProcess, si
 def test_healthy_jobs_stay_silent(settings: Settings, worker: WorkerProcess, sink: SinkThread, seed: int) -> None:
     spec = JobSpec(f"healthy-{seed}", dp=4, tp=2, pp=2, steps=30, seed=seed)
     assert run_job(settings, spec, sink) == []
+
+
+def test_a_slow_host_is_one_incident_naming_the_host(settings: Settings, worker: WorkerProcess,
+                                                      sink: SinkThread) -> None:
+    topo = build_topology("sh", dp=8, tp=4)  # 32 ranks on 4 hosts; node0002 runs ranks 16-23
+    spec = JobSpec("sh", dp=8, tp=4, steps=20, fault=FaultSpec.slow_host(topo, "node0002"))
+    findings = run_job(settings, spec, sink)
+    nodes = [f for f in findings if f["kind"] == "node_degraded"]
+    assert len(nodes) == 1 and nodes[0]["hosts"] == ["node0002"] and nodes[0]["ranks"] == list(range(16, 24))
+    assert findings[0] == nodes[0] and {f["incident_id"] for f in findings} == {nodes[0]["finding_id"]}
+    assert {h for f in findings for h in f["hosts"]} == {"node0002"} and len(findings) > 8
+    assert_incident_order(findings)

@@ -16,11 +16,14 @@ from argus.producers.kineto import find_traces, topology_from_pg_config
 from argus.producers.kineto_parse import RankTrace, parse_rank
 from load_tests.kineto_scenarios import (
     FAULT_CLASSES,
+    GPUS_PER_NODE,
     RANK_KINDS,
     Scenario,
     Timeline,
     estimate_kernel_events,
     expected_findings,
+    host_name,
+    incident_ids,
     kernel_budget,
     score_findings,
     simulate,
@@ -61,6 +64,7 @@ def test_traces_parse_and_give_the_topology(tmp_path: Path, variant: dict[str, A
         counts = np.bincount(tl.rank, minlength=scn.world)
         for t in parsed:
             assert t.world_size == scn.world and not t.skipped and t.host and t.device
+            assert t.gpu_index == t.rank % GPUS_PER_NODE and t.host == host_name(scn, t.rank)
             assert t.kernel_events == counts[t.rank]
             assert [s.step for s in t.steps] == [scn.first_step + i for i in range(scn.steps)]
             assert t.max_lag_ns == 0
@@ -237,6 +241,12 @@ def test_truth_per_class() -> None:
                 assert exp == [{"kinds": ["step_regression"], "ranks": [], "steps": None,
                                 "onset": scn.first_step + scn.onset}]
                 assert 5 <= scn.onset <= scn.steps - 5
+            elif fault == "slow_host":
+                host = scn.fault_ranks[0] // GPUS_PER_NODE
+                assert exp[0]["kinds"] == ["node_degraded"] and exp[0]["hosts"] == [host_name(scn, scn.fault_ranks[0])]
+                assert exp[0]["ranks"] == list(range(host * GPUS_PER_NODE, (host + 1) * GPUS_PER_NODE))
+                assert truth["max_incidents"] == 1 and scn.dp * scn.tp >= 4 * GPUS_PER_NODE
+                assert 1.15 <= scn.magnitude <= 1.5 and scn.all_compute
             elif fault == "host_stall":
                 assert exp[0]["kinds"] == ["iteration_spike"]
                 assert exp[0]["steps"] == [scn.first_step + s for s in scn.stall_steps] and exp[0]["steps"]
@@ -305,3 +315,23 @@ def test_timeline_select_orders_a_rank() -> None:
     tl: Timeline = simulate(SMALL)
     idx = tl.select(3)
     assert (np.diff(tl.start[idx]) >= 0).all() and (tl.rank[idx] == 3).all()
+
+
+def test_a_slow_host_scores_exact_only_as_one_incident_naming_the_host() -> None:
+    scn = Scenario.from_seed(3, "slow_host", 128)
+    truth = expected_findings(scn)
+    ranks, host = list(scn.fault_ranks), host_name(scn, scn.fault_ranks[0])
+
+    def f(kind: str, rs: list[int], fid: str, incident: str, hosts: list[str] | None = None) -> dict[str, Any]:
+        return {"kind": kind, "ranks": rs, "hosts": [host] if hosts is None else hosts, "finding_id": fid,
+                "incident_id": incident, "steps": []}
+
+    node = f("node_degraded", ranks, "n", "n")
+    members = [f("rank_degraded", [r], f"r{r}", "n") for r in ranks]
+    assert score_findings(truth, [node, *members])["exact"]
+    alone = [f("rank_degraded", [r], f"r{r}", f"r{r}") for r in ranks]  # before incidents: 8 incidents
+    res = score_findings(truth, [node, *alone])
+    assert not res["exact"] and {"max_incidents": 1, "incidents": 9} in res["missing"]
+    assert not score_findings(truth, [f("node_degraded", ranks, "n", "n", ["elsewhere"])])["exact"]
+    assert not score_findings(truth, members)["exact"]  # no host named
+    assert incident_ids([{"finding_id": "a"}, {"finding_id": "b", "incident_id": "a"}]) == {"a"}

@@ -68,4 +68,4 @@ def test_wheel_holds_argus_only(tmp_path: Path) -> None:
     assert {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")} == {"argus"}
     for stage in STAGES:
         assert f"argus/{stage}/__init__.py" in names, stage
-    assert "argus/schemas/finding.v3.avsc" in names
+    assert "argus/schemas/finding.v4.avsc" in names

@@ -223,3 +223,18 @@ def test_no_data_is_an_argus_error(tmp_path: Path) -> None:
     with pytest.raises(ArgusError, match="no data for job 'ghost'"):
         build_report(settings, "ghost", tmp_path / "out.html", query=query)
     assert not (tmp_path / "out.html").exists() and all("FINAL" in q for q in asked)
+
+
+def test_findings_table_marks_incidents_and_their_members() -> None:
+    lead = {**finding("L3", "node_degraded", list(range(8, 16))), "finding_id": "n", "incident_id": "n",
+            "hosts": ["node0001"]}
+    members = [{**finding("L3", "rank_degraded", [r], impact=5e8), "finding_id": f"r{r}", "incident_id": "n",
+                "hosts": ["node0001"]} for r in (8, 9)]
+    alone = {**finding("L3", "kernel_degraded", [40], kernel="k", stream=7), "finding_id": "k", "incident_id": "k",
+             "hosts": ["node0005"]}
+    table = findings_table([lead, *members, alone])
+    assert "node_degraded (+2 findings)" in table and table.count('class="lvl-L3 member"') == 2
+    assert table.count("\u21b3 rank_degraded") == 2 and "node0001" in table and "node0005" in table
+    assert "kernel_degraded (+" not in table
+    old = findings_table([finding("L3", "kernel_degraded", [5], kernel="k", stream=7)])  # before schema v4
+    assert "member" not in old and "(+" not in old

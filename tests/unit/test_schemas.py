@@ -117,22 +117,38 @@ def test_trailing_bytes_rejected() -> None:
         KernelBatch.decode(kernel_batch().encode() + b"\x00")
 
 
-def test_findings_of_older_schemas_decode_with_no_impact_and_no_detector_version() -> None:
+def test_findings_of_older_schemas_decode_with_no_impact_no_detector_version_no_hosts_no_incident() -> None:
     from argus.schemas.codec import codec
     from argus.schemas.records import Finding, Level
 
     f = Finding(finding_id="x", job_id="j", level=Level.L3, kind="kernel_degraded", ranks=(3,), steps=(),
                 score=0.4, evidence_json="{}", time_ns=5, kernel="gemm", stream=7, impact_ns_per_step=8.0,
-                impact_ns=80.0, detector_version="0.1.0+0123456789ab")
-    assert codec("finding").latest == 3
-    assert Finding.decode(f.encode()) == f  # written with the newest (v3)
-    v2 = {k: v for k, v in f.to_avro().items() if k != "detector_version"}
+                impact_ns=80.0, detector_version="0.1.0+0123456789ab", hosts=("node0000",), incident_id="lead",
+                gpus=("GPU-1",))
+    assert codec("finding").latest == 4
+    assert Finding.decode(f.encode()) == f  # written with the newest (v4)
+    assert f.incident == "lead"
+    v3 = {k: v for k, v in f.to_avro().items() if k not in ("hosts", "incident_id", "gpus")}
+    old3 = Finding.decode(codec("finding").encode(v3, version=3))
+    assert (old3.hosts, old3.incident_id, old3.gpus, old3.detector_version) == ((), "", (), f.detector_version)
+    assert old3.incident == "x"  # a finding written before incidents is its own incident
+    v2 = {k: v for k, v in v3.items() if k != "detector_version"}
     old2 = Finding.decode(codec("finding").encode(v2, version=2))
-    assert (old2.impact_ns, old2.detector_version) == (80.0, "")
+    assert (old2.impact_ns, old2.detector_version, old2.hosts, old2.incident) == (80.0, "", (), "x")
     v1 = {k: v for k, v in v2.items() if not k.startswith("impact")}
     old = Finding.decode(codec("finding").encode(v1, version=1))
     assert (old.impact_ns, old.impact_ns_per_step, old.ranks, old.kernel) == (0.0, 0.0, (3,), "gemm")
-    assert old.detector_version == ""
+    assert (old.detector_version, old.hosts, old.incident_id) == ("", (), "")
+
+
+def test_finding_hosts_must_be_sorted_distinct_names() -> None:
+    from argus.schemas.records import Finding, Level
+
+    for hosts in (("b", "a"), ("a", "a"), ("",)):
+        bad = Finding(finding_id="x", job_id="j", level=Level.L3, kind="rank_degraded", ranks=(3,), steps=(),
+                      score=0.4, evidence_json="{}", time_ns=5, hosts=hosts)
+        with pytest.raises(SchemaError, match="hosts must be distinct, sorted"):
+            Finding.decode(bad.encode())  # a reader refuses it
 
 
 def test_lifecycle_abandoned_round_trips_and_old_versions_decode_with_defaults() -> None:
