@@ -12,9 +12,9 @@ collectives in the same order on every member. So for two ranks on one stream, t
 :func:`pair_ratio` reads the spread of a pair's end offsets over that of its start offsets (after a straight
 line through each is taken out: a clock's drift); a small ratio is a pair that co-ends. :func:`stream_kind`
 names the kind of a stream's group: the kind whose sampled groups co-end inside (pairs of members) and not
-beyond (a member with a rank of another of its groups, or of its group of another kind: a larger group that
-merely contains the kind's, like the model-parallel group of a pipeline's tensor-parallel groups, co-ends
-there too). Clock offsets between hosts (tens of ms in real traces) cancel out; nothing here reads an
+beyond (a member with a rank of another of its groups, or of its group of another kind, ending no less
+apart than the members: a larger group that merely contains the kind's, like the model-parallel group of a
+pipeline's tensor-parallel groups, co-ends there too). Clock offsets between hosts (tens of ms in real traces) cancel out; nothing here reads an
 absolute time. Times in ns.
 """
 
@@ -30,7 +30,7 @@ from argus.core.errors import DetectorError
 from argus.schemas.records import JobTopology, ParallelGroup
 
 __all__ = ["CoEndParams", "KindPairs", "StreamCalls", "co_ending_kinds", "kind_pairs", "pair_ratio",
-           "sampled_ranks", "stream_kind"]
+           "pair_spreads", "sampled_ranks", "stream_kind"]
 
 I64 = npt.NDArray[np.int64]
 F64 = npt.NDArray[np.float64]
@@ -82,9 +82,13 @@ class CoEndParams:
     groups: int = 6
     members: int = 3
     #: A kind is the stream's where this share of its member pairs co-end [0.9] and at most this share of
-    #: its pairs beyond its groups do [0.1].
+    #: its pairs beyond its groups do [0.1] ...
     inside: float = 0.9
     outside: float = 0.1
+    #: ... a pair beyond co-ending where its end offsets spread at most this many times the members' [4.0],
+    #: a spread floored at the traces' resolution (Kineto writes µs; some tools whole ones) [1000 ns].
+    beyond: float = 4.0
+    resolution_ns: float = 1000.0
 
     def __post_init__(self) -> None:
         if not (0.0 < self.ratio < 1.0 and 0.5 <= self.same_names <= 1.0):
@@ -92,6 +96,8 @@ class CoEndParams:
                                 f"{self.same_names}")
         if not (0.5 < self.inside <= 1.0 and 0.0 <= self.outside < 0.5):
             raise DetectorError(f"need inside in (0.5, 1] and outside in [0, 0.5), got {self.inside}, {self.outside}")
+        if not (self.beyond >= 1.0 and self.resolution_ns > 0.0):
+            raise DetectorError(f"need beyond >= 1 and resolution_ns > 0, got {self.beyond}, {self.resolution_ns}")
         if self.min_calls < 3 or self.max_shift < 0 or self.groups < 2 or self.members < 1:
             raise DetectorError("need min_calls >= 3, max_shift >= 0, groups >= 2, members >= 1")
 
@@ -117,11 +123,11 @@ def _in_common_steps(a: StreamCalls, b: StreamCalls) -> tuple[StreamCalls, Strea
     return keep(a), keep(b)
 
 
-def pair_ratio(a: StreamCalls, b: StreamCalls, p: CoEndParams) -> float | None:
-    """The spread of two ranks' end offsets over their start offsets' (see the module docstring), at the
-    alignment of their calls (shifted by up to ``p.max_shift``) where the end offsets spread least; None where
-    they cannot be compared: fewer than ``p.min_calls`` matched calls, other kernels (``p.same_names``), or
-    start offsets that do not spread at all."""
+def pair_spreads(a: StreamCalls, b: StreamCalls, p: CoEndParams) -> tuple[float, float] | None:
+    """The spreads (ns) of two ranks' end offsets and of their start offsets (see the module docstring), at
+    the alignment of their calls (shifted by up to ``p.max_shift``) where the end offsets spread least; None
+    where they cannot be compared: fewer than ``p.min_calls`` matched calls, or other kernels
+    (``p.same_names``)."""
     a, b = _in_common_steps(a, b)
     best: tuple[float, float] | None = None
     for k in range(-p.max_shift, p.max_shift + 1):
@@ -136,9 +142,16 @@ def pair_ratio(a: StreamCalls, b: StreamCalls, p: CoEndParams) -> float | None:
         end = _spread((b.end_ns[sb] - a.end_ns[sa]).astype(np.float64), t)
         if best is None or end < best[0]:
             best = (end, _spread((b.start_ns[sb] - a.start_ns[sa]).astype(np.float64), t))
-    if best is None or best[1] <= 0.0:
+    return best
+
+
+def pair_ratio(a: StreamCalls, b: StreamCalls, p: CoEndParams) -> float | None:
+    """Of :func:`pair_spreads`, the end offsets' spread over the start offsets' (a small ratio: the pair
+    co-ends); None where they cannot be compared or the start offsets do not spread at all."""
+    spreads = pair_spreads(a, b, p)
+    if spreads is None or spreads[1] <= 0.0:
         return None
-    return best[0] / best[1]
+    return spreads[0] / spreads[1]
 
 
 @dataclass(frozen=True)
@@ -198,22 +211,30 @@ def sampled_ranks(pairs: Sequence[KindPairs]) -> set[int]:
 
 def stream_kind(calls: Mapping[int, StreamCalls], pairs: Sequence[KindPairs], p: CoEndParams) -> ParallelGroup:
     """The kind of the group one stream's collectives run in (``calls``: per rank, its calls on the stream),
-    or NONE where no kind, or more than one with different groups, co-ends inside and not beyond."""
-    cache: dict[tuple[int, int], float | None] = {}
+    or NONE where no kind, or more than one with different groups, co-ends inside and not beyond.
 
-    def co_ends(pair: tuple[int, int]) -> bool | None:
+    Inside, a pair co-ends by its own arrivals: its end offsets spread at most ``p.ratio`` of its start
+    offsets. Beyond, a pair co-ends *as the members do*: its end offsets spread no more than ``p.beyond``
+    times the members' (their median, floored at ``p.resolution_ns``). Not by the ratio: two groups that
+    both end at a common point (the step's last bucket, a barrier) after arrivals that differ much
+    between them (a pipeline's stages) have a small ratio, yet end tens of µs apart, where the members of
+    one collective end within its last hops."""
+    cache: dict[tuple[int, int], tuple[float, float] | None] = {}
+
+    def spreads(pair: tuple[int, int]) -> tuple[float, float] | None:
         if pair not in cache:
             a, b = calls.get(pair[0]), calls.get(pair[1])
-            cache[pair] = None if a is None or b is None else pair_ratio(a, b, p)
-        ratio = cache[pair]
-        return None if ratio is None else ratio <= p.ratio
+            cache[pair] = None if a is None or b is None else pair_spreads(a, b, p)
+        return cache[pair]
 
     found: list[KindPairs] = []
     for kp in pairs:
-        inside = [co_ends(pair) for pair in kp.inside]
-        if not inside or sum(x is True for x in inside) < p.inside * len(inside):
+        inside = [spreads(pair) for pair in kp.inside]
+        ends = [x[0] for x in inside if x is not None and x[1] > 0.0 and x[0] <= p.ratio * x[1]]
+        if not inside or len(ends) < p.inside * len(inside):
             continue  # pairs that cannot be compared count against: the stream need not run this kind at all
-        outside = [x for x in (co_ends(pair) for pair in kp.outside) if x is not None]
+        level = p.beyond * max(float(np.median(ends)), p.resolution_ns)
+        outside = [x[0] <= level for x in (spreads(pair) for pair in kp.outside) if x is not None]
         if sum(outside) > p.outside * len(outside):
             continue  # the group reaches beyond this kind's: a larger one that contains it
         found.append(kp)
