@@ -12,11 +12,12 @@ scenario's truth (:func:`kineto_scenarios.score_findings`):
 * ``--mode inproc``: the same scoring with the diagnosis in-process through
   ``argus.streams.offline.diagnose_traces(directory, job_id)`` (skipped with a message where it does not exist).
 
-Scenario classes are drawn in equal shares (``kineto_scenarios.FAULT_CLASSES``); every scenario has its own
-seed, and ``--only-seed S --fault CLASS [--max-ranks M]`` reruns exactly that one. ``--details PATH`` writes
-one JSON line per scenario (truth, findings, score, timings, the rerun command). Progress goes to stderr; the
-result is one JSON line on stdout. Budgets: exact match >= 0.95 of scenarios and zero findings on >= 0.99 of
-healthy jobs; exit code 1 when a budget fails.
+A scenario whose traces carry no ``pg_config`` is imported with ``--topology`` (``kineto_scenarios.topology_flag``),
+as its operator would. Scenario classes are drawn in equal shares (``kineto_scenarios.FAULT_CLASSES``); every
+scenario has its own seed, and ``--only-seed S --fault CLASS [--max-ranks M]`` reruns exactly that one. ``--details
+PATH`` writes one JSON line per scenario (truth, findings, score, timings, the rerun command). Progress goes to
+stderr; the result is one JSON line on stdout. Budgets: exact match >= 0.95 of scenarios and zero findings on >=
+0.99 of healthy jobs; exit code 1 when a budget fails.
 
 Run: .venv/bin/python load_tests/detection_eval.py [--scenarios 200] [--seed 0] [--max-ranks 512]
 """

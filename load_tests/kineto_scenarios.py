@@ -9,14 +9,17 @@ The job (per ``ProfilerStep``) is a discrete-event timeline, vectorized over the
 
 * topology DP x TP x PP (x EP for MoE: expert groups carved out of each DP group), Megatron rank order
   ``rank = pp_stage * dp * tp + dp_idx * tp + tp_idx``; every rank's ``distributedInfo.pg_config`` lists its
-  groups of each kind (``TENSOR_MODEL_PARALLEL_GROUP``, ``DATA_PARALLEL_GROUP``, ...) and ``default_pg``;
+  groups of each kind (``TENSOR_MODEL_PARALLEL_GROUP``, ``DATA_PARALLEL_GROUP``, ...) and ``default_pg``, and
+  NCCL kernels may name their process group in their args: three trace variants (``Scenario.pg_variant``:
+  args and pg_config, pg_config only, neither -- then the importer needs :func:`topology_flag`);
 * per microbatch and layer: GEMMs (one kernel name at several shapes: QKV, out-projection, fc1 share the
   forward name, so its durations are multimodal; dgrad/wgrad names likewise), flash attention, norms,
   elementwise, dropout, MoE router/permute/grouped GEMMs; embedding on the first stage, LM head and loss on
   the last; the optimizer (``multi_tensor_apply_kernel``) after the gradient sync; memset/memcpy;
 * compute on stream 7, every communicator on its own NCCL stream. A collective **ends together** on all
   members of its group: each member's kernel starts when it arrives (and its stream is free) and ends at
-  ``max(arrival over the group) + transfer``, so early members show long kernels. TP collectives (and the MoE
+  ``max(arrival over the group) + transfer`` (each within ``coend_jitter_us``), so early members show long
+  kernels. TP collectives (and the MoE
   all-to-all) block the compute stream; pipeline send/recv between adjacent stages (GPipe or 1F1B) gate each
   stage's forward/backward; DP reduce-scatter/all-reduce buckets overlap the last backward; the distributed
   optimizer's all-gather closes the step; the host synchronizes at the end of every step;
