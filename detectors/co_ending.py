@@ -111,10 +111,11 @@ def _spread(x: F64, t: F64) -> float:
 
 
 def _in_common_steps(a: StreamCalls, b: StreamCalls) -> tuple[StreamCalls, StreamCalls]:
-    """Both ranks' calls in the steps both traced (all of them where either has calls outside every step)."""
-    if (a.step < 0).any() or (b.step < 0).any():
+    """Both ranks' calls in the steps both traced (all of them where either has no call in a step: a trace
+    without step annotations)."""
+    if not ((a.step >= 0).any() and (b.step >= 0).any()):
         return a, b
-    both = np.intersect1d(a.step, b.step)
+    both = np.intersect1d(a.step[a.step >= 0], b.step[b.step >= 0])
 
     def keep(c: StreamCalls) -> StreamCalls:
         m = np.isin(c.step, both)
@@ -162,13 +163,22 @@ class KindPairs:
     kind: ParallelGroup
     inside: tuple[tuple[int, int], ...]
     outside: tuple[tuple[int, int], ...]
-    #: The kind's groups as sets of ranks (kinds with the very same groups cannot be told apart).
-    partition: frozenset[frozenset[int]]
+    #: The kind's groups, each rank's labelled by the order of the groups' first ranks (equal for kinds with
+    #: the very same groups, which cannot be told apart).
+    partition: bytes
 
 
 def _spaced(n: int, k: int) -> list[int]:
     """Up to ``k`` of ``range(n)``, evenly spaced, first and last included."""
     return sorted({round(x) for x in np.linspace(0, n - 1, min(n, k))}) if n else []
+
+
+def _labels(column: I64) -> bytes:
+    """A partition of ranks (``column``: each rank's group id) as each rank's group numbered in the order of
+    the groups' first ranks: equal for two columns exactly where their groups are the same sets."""
+    _, first, inverse = np.unique(column, return_index=True, return_inverse=True)
+    order: I64 = np.argsort(np.argsort(first, kind="stable"), kind="stable")
+    return bytes(order[inverse].astype(np.int64).tobytes())
 
 
 def kind_pairs(topology: JobTopology, p: CoEndParams) -> list[KindPairs]:
@@ -198,9 +208,7 @@ def kind_pairs(topology: JobTopology, p: CoEndParams) -> list[KindPairs]:
                 peers = ranks[(columns[other] == columns[other][pos]) & (col != col[pos])]
                 if peers.size:
                     outside.append((lead, int(peers[0])))
-        partition = (frozenset(frozenset(ranks[col == g].tolist()) for g in ids) if ids.size <= 4096
-                     else frozenset())
-        out.append(KindPairs(kind, tuple(inside), tuple((a, b) for a, b in outside if a != b), partition))
+        out.append(KindPairs(kind, tuple(inside), tuple((a, b) for a, b in outside if a != b), _labels(col)))
     return out
 
 
@@ -238,7 +246,7 @@ def stream_kind(calls: Mapping[int, StreamCalls], pairs: Sequence[KindPairs], p:
         if sum(outside) > p.outside * len(outside):
             continue  # the group reaches beyond this kind's: a larger one that contains it
         found.append(kp)
-    if not found or any(kp.partition != found[0].partition or not kp.partition for kp in found[1:]):
+    if not found or any(kp.partition != found[0].partition for kp in found[1:]):
         return ParallelGroup.NONE
     return found[0].kind
 

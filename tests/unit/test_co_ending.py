@@ -143,3 +143,15 @@ def test_params_and_calls_are_checked() -> None:
     x = np.zeros(3, dtype=np.int64)
     with pytest.raises(DetectorError):
         StreamCalls(x, x[:2], x, x)
+
+
+def test_calls_outside_every_step_are_left_out_where_both_ranks_have_steps() -> None:
+    topo = build_topology("j", 2, 2, 1)
+    calls = _calls(topo.array("tp_group"), np.random.default_rng(5))
+    a, b = calls[0], calls[1]
+    # Rank b's trace holds three calls before its first step (the previous step's tail), rank a's does not.
+    tail = StreamCalls(np.concatenate([b.start_ns[:3] - 10**8, b.start_ns]),
+                       np.concatenate([b.end_ns[:3] - 10**8, b.end_ns]),
+                       np.concatenate([np.full(3, -1), b.step]), np.concatenate([b.name[:3], b.name]))
+    ratio = pair_ratio(a, tail, P)
+    assert ratio is not None and ratio <= P.ratio
