@@ -146,6 +146,11 @@ def pair_spreads(a: StreamCalls, b: StreamCalls, p: CoEndParams) -> tuple[float,
     return best
 
 
+def _co_ends(spreads: tuple[float, float], p: CoEndParams) -> bool:
+    """Whether a pair's (end, start) offset spreads (ns) are those of a pair that co-ends (``p.ratio``)."""
+    return spreads[1] > 0.0 and spreads[0] <= p.ratio * spreads[1]
+
+
 def pair_ratio(a: StreamCalls, b: StreamCalls, p: CoEndParams) -> float | None:
     """Of :func:`pair_spreads`, the end offsets' spread over the start offsets' (a small ratio: the pair
     co-ends); None where they cannot be compared or the start offsets do not spread at all."""
@@ -221,12 +226,13 @@ def stream_kind(calls: Mapping[int, StreamCalls], pairs: Sequence[KindPairs], p:
     """The kind of the group one stream's collectives run in (``calls``: per rank, its calls on the stream),
     or NONE where no kind, or more than one with different groups, co-ends inside and not beyond.
 
-    Inside, a pair co-ends by its own arrivals: its end offsets spread at most ``p.ratio`` of its start
-    offsets. Beyond, a pair co-ends *as the members do*: its end offsets spread no more than ``p.beyond``
-    times the members' (their median, floored at ``p.resolution_ns``). Not by the ratio: two groups that
-    both end at a common point (the step's last bucket, a barrier) after arrivals that differ much
+    A pair co-ends by its own arrivals: its end offsets spread at most ``p.ratio`` of its start offsets.
+    Beyond, a pair co-ends only *as the members do* too: its end offsets spread no more than ``p.beyond``
+    times the members' (their median, floored at ``p.resolution_ns``). The ratio alone does not tell: two
+    groups that both end at a common point (the step's last bucket) after arrivals that differ much
     between them (a pipeline's stages) have a small ratio, yet end tens of µs apart, where the members of
-    one collective end within its last hops."""
+    one collective end within its last hops; and two groups that start together end together without
+    telling anything."""
     cache: dict[tuple[int, int], tuple[float, float] | None] = {}
 
     def spreads(pair: tuple[int, int]) -> tuple[float, float] | None:
@@ -238,11 +244,11 @@ def stream_kind(calls: Mapping[int, StreamCalls], pairs: Sequence[KindPairs], p:
     found: list[KindPairs] = []
     for kp in pairs:
         inside = [spreads(pair) for pair in kp.inside]
-        ends = [x[0] for x in inside if x is not None and x[1] > 0.0 and x[0] <= p.ratio * x[1]]
+        ends = [x[0] for x in inside if x is not None and _co_ends(x, p)]
         if not inside or len(ends) < p.inside * len(inside):
             continue  # pairs that cannot be compared count against: the stream need not run this kind at all
         level = p.beyond * max(float(np.median(ends)), p.resolution_ns)
-        outside = [x[0] <= level for x in (spreads(pair) for pair in kp.outside) if x is not None]
+        outside = [_co_ends(x, p) and x[0] <= level for x in (spreads(pair) for pair in kp.outside) if x is not None]
         if sum(outside) > p.outside * len(outside):
             continue  # the group reaches beyond this kind's: a larger one that contains it
         found.append(kp)

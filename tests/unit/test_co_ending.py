@@ -28,14 +28,17 @@ I64 = npt.NDArray[np.int64]
 
 
 def _calls(group: I64, rng: np.random.Generator, n: int = 60, jitter_ns: float = 2_000.0,
-           together: bool = True) -> dict[int, StreamCalls]:
+           together: bool = True, arrive_with: I64 | None = None) -> dict[int, StreamCalls]:
     """A stream of ``n`` collectives: rank ``r`` is in group ``group[r]``; every rank arrives with its own
     noise (50 µs) on a common schedule, each group ends at its last arrival plus the transfer (100 µs) and each
     member within ``jitter_ns`` of that (``together=False``: each rank at its own arrival, no group at all).
-    Each rank's clock is off by up to 50 ms and drifts by up to 10 ppm."""
+    Each rank's clock is off by up to 50 ms and drifts by up to 10 ppm. ``arrive_with``: ranks of one label
+    arrive at once (to within 1 µs)."""
     world = group.size
     base = np.cumsum(rng.uniform(0.5e6, 3e6, n))  # calls 0.5-3 ms apart
     arrive = base[None, :] + rng.normal(0.0, 50e3, (world, n)) + rng.normal(0.0, 20e3, (world, 1))
+    if arrive_with is not None:
+        arrive = arrive[arrive_with] + rng.normal(0.0, 1e3, (world, n))
     if together:
         last = np.zeros((world, n))
         for g in np.unique(group):
@@ -155,3 +158,13 @@ def test_calls_outside_every_step_are_left_out_where_both_ranks_have_steps() -> 
                        np.concatenate([np.full(3, -1), b.step]), np.concatenate([b.name[:3], b.name]))
     ratio = pair_ratio(a, tail, P)
     assert ratio is not None and ratio <= P.ratio
+
+
+def test_groups_that_start_together_and_end_together_are_no_larger_group() -> None:
+    """The DP reduction after the last TP collective of the backward: the TP peers arrive at once, every DP
+    group ends at the same last arrival, so ranks of different DP groups end together too -- having started
+    together, which tells nothing of a group they share."""
+    topo = build_topology("j", 4, 8, 1)
+    tp = topo.array("tp_group")
+    calls = _calls(topo.array("dp_group"), np.random.default_rng(6), arrive_with=tp * 8)  # a TP group's first
+    assert stream_kind(calls, kind_pairs(topo, P), P) is ParallelGroup.DP
