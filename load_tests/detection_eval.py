@@ -12,12 +12,13 @@ scenario's truth (:func:`kineto_scenarios.score_findings`):
 * ``--mode inproc``: the same scoring with the diagnosis in-process through
   ``argus.streams.offline.diagnose_traces(directory, job_id)`` (skipped with a message where it does not exist).
 
-Scenario classes are drawn in equal shares (``kineto_scenarios.FAULT_CLASSES``); every scenario has its own
-seed, and ``--only-seed S --fault CLASS [--max-ranks M]`` reruns exactly that one. ``--details PATH`` writes
-one JSON line per scenario (truth, findings, score, timings, the rerun command). Progress goes to stderr; the
-result is one JSON line on stdout; per class it also gives the findings and the incidents (findings grouped by
-cause, ``incident_id``: docs/incidents.md) per job, e.g. how many of each a slow host yields. Budgets: exact
-match >= 0.95 of scenarios and zero findings on >= 0.99 of healthy jobs; exit code 1 when a budget fails.
+A scenario whose traces carry no ``pg_config`` is imported with ``--topology`` (``kineto_scenarios.topology_flag``),
+as its operator would. Scenario classes are drawn in equal shares (``kineto_scenarios.FAULT_CLASSES``); every
+scenario has its own seed, and ``--only-seed S --fault CLASS [--max-ranks M]`` reruns exactly that one. ``--details
+PATH`` writes one JSON line per scenario (truth, findings, score, timings, the rerun command). Progress goes to
+stderr; the result is one JSON line on stdout; per class it also gives the findings and the incidents (findings
+grouped by cause, ``incident_id``: docs/incidents.md) per job, e.g. how many of each a slow host yields. Budgets:
+exact match >= 0.95 of scenarios and zero findings on >= 0.99 of healthy jobs; exit code 1 when a budget fails.
 
 Run: .venv/bin/python load_tests/detection_eval.py [--scenarios 200] [--seed 0] [--max-ranks 512]
 """
@@ -55,6 +56,7 @@ from load_tests.kineto_scenarios import (  # noqa: E402
     incident_ids,
     score_findings,
     simulate,
+    topology_flag,
     write_scenario,
 )
 
@@ -95,7 +97,9 @@ def generate(seed: int, fault: str, max_ranks: int, parent: str) -> dict[str, An
     out = Path(tempfile.mkdtemp(prefix=f"scn-{fault}-{seed}-", dir=parent))
     traces = write_scenario(scn, out, tl)
     truth = json.loads((out / "truth.json").read_text())
-    return {"dir": str(out), "traces": str(traces), "truth": truth, "simulate_s": t1 - t0,
+    # A trace without pg_config names no group: its operator passes the topology (--topology).
+    return {"dir": str(out), "traces": str(traces), "truth": truth, "topology": topology_flag(scn),
+            "simulate_s": t1 - t0,
             "write_s": time.perf_counter() - t1, "kernel_events": int(tl.rank.shape[0]),
             "bytes": sum(p.stat().st_size for p in traces.iterdir())}
 
@@ -173,9 +177,10 @@ class PrivateStack:
             return False, []
         return True, json.loads(res.stdout)
 
-    def diagnose(self, traces: str, job: str) -> dict[str, Any]:
+    def diagnose(self, traces: str, job: str, topology: str | None = None) -> dict[str, Any]:
         t0 = time.perf_counter()
-        imp = self.argus("import-kineto", traces, "--job", job, timeout=1800)
+        flag = ("--topology", topology) if topology else ()
+        imp = self.argus("import-kineto", traces, "--job", job, *flag, timeout=1800)
         t1 = time.perf_counter()
         if imp.returncode != 0:
             return {"error": f"import-kineto exit {imp.returncode}: {imp.stderr[-2000:]}", "import_s": t1 - t0}
@@ -201,13 +206,13 @@ class PrivateStack:
         return out
 
 
-def _inproc_diagnose() -> Callable[[Path, str], list[dict[str, Any]]] | None:
+def _inproc_diagnose() -> Callable[..., list[dict[str, Any]]] | None:
     try:
         mod = importlib.import_module("argus.streams.offline")
     except ImportError:
         return None
     fn = getattr(mod, "diagnose_traces", None)
-    return cast(Callable[[Path, str], list[dict[str, Any]]], fn) if callable(fn) else None
+    return cast(Callable[..., list[dict[str, Any]]], fn) if callable(fn) else None
 
 
 def inproc_one(seed: int, fault: str, max_ranks: int, parent: str, job: str, keep: bool) -> dict[str, Any]:
@@ -217,7 +222,7 @@ def inproc_one(seed: int, fault: str, max_ranks: int, parent: str, job: str, kee
     gen = generate(seed, fault, max_ranks, parent)
     t0 = time.perf_counter()
     try:
-        findings = diagnose(Path(gen["traces"]), job)
+        findings = diagnose(Path(gen["traces"]), job, topology=gen["topology"])
         res: dict[str, Any] = {"findings": findings, "diagnosed": True}
     except Exception as exc:  # a crash of the detectors is a result to report, not a reason to stop
         res = {"error": f"{type(exc).__name__}: {exc}"}
@@ -288,6 +293,7 @@ def _row(i: int, seed: int, fault: str, max_ranks: int, job: str, gen: dict[str,
     return {
         "i": i, "seed": seed, "fault": fault, "max_ranks": max_ranks, "job": job,
         "world": scn["world"], "topology": {k: scn[k] for k in ("dp", "tp", "pp", "ep", "moe")},
+        "pg_variant": "args" if scn.get("pg_args") else "pg_config" if scn.get("pg_config", True) else "none",
         "steps": scn["steps"], "magnitude": round(scn["magnitude"], 3), "onset": scn["onset"],
         "kernel_events": gen["kernel_events"], "trace_mb": round(gen["bytes"] / 1e6, 1),
         "simulate_s": round(gen["simulate_s"], 2), "write_s": round(gen["write_s"], 2),
@@ -395,7 +401,7 @@ def main(argv: list[str] | None = None) -> int:
                     seed, fault = jobs[i]
                     job = f"eval-{tag}-{i:04d}-{fault}-{seed}"
                     gen = fut.result()
-                    res = stack.diagnose(gen["traces"], job)
+                    res = stack.diagnose(gen["traces"], job, gen["topology"])
                     if not args.keep:
                         shutil.rmtree(gen["dir"], ignore_errors=True)
                     row = _row(i, seed, fault, args.max_ranks, job, gen, res)

@@ -9,14 +9,17 @@ The job (per ``ProfilerStep``) is a discrete-event timeline, vectorized over the
 
 * topology DP x TP x PP (x EP for MoE: expert groups carved out of each DP group), Megatron rank order
   ``rank = pp_stage * dp * tp + dp_idx * tp + tp_idx``; every rank's ``distributedInfo.pg_config`` lists its
-  groups of each kind (``TENSOR_MODEL_PARALLEL_GROUP``, ``DATA_PARALLEL_GROUP``, ...) and ``default_pg``;
+  groups of each kind (``TENSOR_MODEL_PARALLEL_GROUP``, ``DATA_PARALLEL_GROUP``, ...) and ``default_pg``, and
+  NCCL kernels may name their process group in their args: three trace variants (``Scenario.pg_variant``:
+  args and pg_config, pg_config only, neither -- then the importer needs :func:`topology_flag`);
 * per microbatch and layer: GEMMs (one kernel name at several shapes: QKV, out-projection, fc1 share the
   forward name, so its durations are multimodal; dgrad/wgrad names likewise), flash attention, norms,
   elementwise, dropout, MoE router/permute/grouped GEMMs; embedding on the first stage, LM head and loss on
   the last; the optimizer (``multi_tensor_apply_kernel``) after the gradient sync; memset/memcpy;
 * compute on stream 7, every communicator on its own NCCL stream. A collective **ends together** on all
   members of its group: each member's kernel starts when it arrives (and its stream is free) and ends at
-  ``max(arrival over the group) + transfer``, so early members show long kernels. TP collectives (and the MoE
+  ``max(arrival over the group) + transfer`` (each within ``coend_jitter_us``), so early members show long
+  kernels. TP collectives (and the MoE
   all-to-all) block the compute stream; pipeline send/recv between adjacent stages (GPipe or 1F1B) gate each
   stage's forward/backward; DP reduce-scatter/all-reduce buckets overlap the last backward; the distributed
   optimizer's all-gather closes the step; the host synchronizes at the end of every step;
@@ -49,6 +52,7 @@ import numpy.typing as npt
 __all__ = [
     "FAULT_CLASSES",
     "KIND_CLASS",
+    "LINK_FAULTS",
     "MAX_KERNEL_EVENTS",
     "RANK_KINDS",
     "Scenario",
@@ -58,6 +62,7 @@ __all__ = [
     "kernel_budget",
     "score_findings",
     "simulate",
+    "topology_flag",
     "write_scenario",
 ]
 
@@ -66,7 +71,11 @@ I64 = npt.NDArray[np.int64]
 B8 = npt.NDArray[np.bool_]
 
 FAULT_CLASSES = ("compute_straggler", "stage_slow", "link_degraded", "one_mode", "job_regression", "host_stall",
-                 "healthy", "short_trace", "slow_host")
+                 "healthy", "short_trace", "slow_host",
+                 "link_small_group")
+#: Classes whose fault is a degraded link: ``link_small_group`` is one in a group of 2-4 members or among only two
+#: groups of its kind, in a trace whose NCCL kernels do not name their process group.
+LINK_FAULTS = ("link_degraded", "link_small_group")
 #: Finding kinds that name a slow rank.
 RANK_KINDS = ("compute_straggler", "late_arrival", "kernel_degraded", "rank_degraded")
 #: Coarse class of each finding kind, for precision/recall over (kind class, rank) pairs.
@@ -305,10 +314,21 @@ class Scenario:
     #: NCCL kernels name their process group in their args (PyTorch 2.3+: ``Process Group Name``,
     #: ``Process Group Description``, ``Process Group Ranks``, ``Group size``).
     pg_args: bool = False
+    #: ``distributedInfo`` lists the rank's process groups (``pg_config``); without it (and without ``pg_args``)
+    #: the trace names no group at all, and the importer needs the topology given (:func:`topology_flag`).
+    pg_config: bool = True
+    #: Members of a collective end within this many µs of each other (the ring's last hops), not at one instant.
+    coend_jitter_us: float = 0.0
 
     @property
     def world(self) -> int:
         return self.dp * self.tp * self.pp
+
+    @property
+    def pg_variant(self) -> str:
+        """What names the process groups: 'args' (NCCL kernels' args, and ``pg_config``), 'pg_config' only, or
+        'none'."""
+        return "args" if self.pg_args else "pg_config" if self.pg_config else "none"
 
     @property
     def stage_size(self) -> int:
@@ -378,7 +398,11 @@ class Scenario:
         scn = _fit_budget(cls(**kw), min_steps)
         # Drawn on its own stream, so that every other draw of a seed is what it was before the field existed.
         own = np.random.default_rng([seed, 11]) if seed is not None else rng
-        scn = dataclasses.replace(scn, pg_args=bool(own.random() < 0.5))
+        scn = dataclasses.replace(scn, pg_args=bool(own.random() < 0.5) and fault != "link_small_group")
+        # Likewise the trace variant without process-group args (pg_config only, or nothing) and the co-end jitter.
+        own = np.random.default_rng([seed, 12]) if seed is not None else rng
+        scn = dataclasses.replace(scn, pg_config=scn.pg_args or bool(own.random() < 0.5),
+                                  coend_jitter_us=float(own.uniform(0.5, 4.0)))
         return _draw_fault(scn, rng)
 
 
@@ -409,6 +433,8 @@ def _draw_topology(rng: np.random.Generator, fault: str, max_ranks: int) -> tupl
         moe = dp >= 2 and rng.random() < 0.25 and fault != "short_trace"
         ep = int(rng.choice([e for e in (2, 4, 8) if dp % e == 0 and e <= dp])) if moe else 1
         if fault == "link_degraded" and not _link_kinds(dp, tp, pp, ep):
+            continue
+        if fault == "link_small_group" and not _small_link_kinds(dp, tp, pp, ep):
             continue
         return dp, tp, pp, ep, moe
     raise ValueError(f"no topology for {fault} within {max_ranks} ranks")  # pragma: no cover
@@ -462,8 +488,9 @@ def _draw_fault(scn: Scenario, rng: np.random.Generator) -> Scenario:
         stage = scn.pp - 1 if rng.random() < 0.6 else int(rng.integers(0, scn.pp))
         return dataclasses.replace(scn, fault_stage=stage, fault_ranks=tuple(_stage_ranks(scn, stage)),
                                    magnitude=mag(1.2, 3.0), onset=onset())
-    if f == "link_degraded":
-        kind = str(rng.choice(_link_kinds(scn.dp, scn.tp, scn.pp, scn.ep)))
+    if f in LINK_FAULTS:
+        kinds = _link_kinds if f == "link_degraded" else _small_link_kinds
+        kind = str(rng.choice(kinds(scn.dp, scn.tp, scn.pp, scn.ep)))
         scn = dataclasses.replace(scn, fault_group=kind, magnitude=mag(1.5, 3.0), onset=onset())
         r = int(rng.integers(0, w))
         if kind == "pp":
@@ -501,6 +528,21 @@ def _link_kinds(dp: int, tp: int, pp: int, ep: int) -> list[str]:
     """Group kinds a degraded link can be put in: groups of >= 2 members, and >= 2 such groups to compare."""
     groups = {"tp": (tp, dp * pp), "dp": (dp, tp * pp), "pp": (pp, (pp - 1) * dp * tp), "ep": (ep, dp // ep * tp * pp)}
     return [k for k, (size, count) in groups.items() if size > 1 and count > 1]
+
+
+def _small_link_kinds(dp: int, tp: int, pp: int, ep: int) -> list[str]:
+    """Collective kinds (reductions, all-to-alls) whose groups are small for the link rule: 2-4 members, or
+    only two groups of the kind in the job."""
+    groups = {"tp": (tp, dp * pp), "dp": (dp, tp * pp), "ep": (ep, dp // ep * tp * pp)}
+    return [k for k, (size, count) in groups.items() if size > 1 and count > 1 and (size <= 4 or count == 2)]
+
+
+def topology_flag(scn: Scenario) -> str | None:
+    """``argus import-kineto --topology`` for a scenario whose traces carry no ``pg_config`` (None otherwise):
+    what its operator would pass."""
+    if scn.pg_config:
+        return None
+    return f"dp={scn.dp},tp={scn.tp},pp={scn.pp}" + (f",ep={scn.ep}" if scn.ep > 1 else "")
 
 
 def _stage_ranks(scn: Scenario, stage: int) -> list[int]:
@@ -944,7 +986,7 @@ class _Sim:
         self.chunk_id = 0
         # Link degradation multipliers per stage (shape of the group reduction), from the onset.
         self.link: dict[tuple[str, int], npt.NDArray[np.float64]] = {}
-        if scn.fault == "link_degraded":
+        if scn.fault in LINK_FAULTS:
             m: npt.NDArray[np.float64]
             r0 = scn.fault_ranks[0]
             s, d, t_ = _coords(scn, r0)
@@ -962,6 +1004,8 @@ class _Sim:
                 m[r0 % ns] = scn.magnitude
             self.link[(scn.fault_group, s)] = m
         self.coll_code = {k: i for i, k in enumerate(Timeline.COLL_KINDS)}
+        # Its own stream: every other draw of a seed stays what it was before members' ends were spread.
+        self.coend_rng = np.random.default_rng([scn.seed, 13])
 
     # -- recording --
 
@@ -980,7 +1024,7 @@ class _Sim:
 
     def _fault(self, seg: _Seg, s: int, n: int, bwd: bool) -> F64 | None:
         scn = self.scn
-        if scn.fault in ("healthy", "host_stall", "link_degraded") or n < scn.onset:
+        if scn.fault in ("healthy", "host_stall", *LINK_FAULTS) or n < scn.onset:
             return None
         ranks = np.arange(s * self.ns, (s + 1) * self.ns)
         if scn.fault in ("compute_straggler", "short_trace", "one_mode", "slow_host"):
@@ -1042,6 +1086,8 @@ class _Sim:
             end = np.broadcast_to(end_g, (lead, dp // ep, ep, tp)).reshape(-1)
         else:
             end = np.broadcast_to(end_g, a.shape).reshape(-1)
+        if scn.coend_jitter_us > 0:  # the members' last hops: each ends within the jitter of the group's end
+            end = end + self.coend_rng.uniform(0.0, scn.coend_jitter_us, end.shape)
         ranks = (np.arange(s * self.ns, (s + 1) * self.ns) if s is not None else np.arange(scn.world))
         name = self.cat.name_id(key)
         argid = self.cat.args_id("nccl", transfer, self.cat.key_name[key])
@@ -1264,8 +1310,8 @@ def fault_delay_fraction(scn: Scenario, tl: Timeline | None = None) -> float | N
     seed: every other duration is identical). For a degraded link: the lesser of the collective time it adds
     per step to the group's least affected member (the transfer alone) and the growth of the median iteration
     time (a transfer hidden behind compute costs the job nothing). None for other classes."""
-    link = scn.fault == "link_degraded"
-    if scn.fault not in ("compute_straggler", "one_mode", "short_trace", "link_degraded", "slow_host") \
+    link = scn.fault in LINK_FAULTS
+    if scn.fault not in ("compute_straggler", "one_mode", "short_trace", "slow_host", *LINK_FAULTS) \
             or not scn.fault_ranks:
         return None
     tl = tl if tl is not None else simulate(scn)
@@ -1331,7 +1377,7 @@ def expected_findings(scn: Scenario, iteration_us: Sequence[float] | None = None
     elif f == "stage_slow":
         exp.append({"kinds": ["pp_stage_slow"], "ranks": list(scn.fault_ranks), "steps": None, "onset": onset_step})
         tol.append({"kinds": [*RANK_KINDS, "phase_straggler"], "ranks": list(scn.fault_ranks)})
-    elif f == "link_degraded":
+    elif f in LINK_FAULTS:
         entry = {"kinds": ["link_degraded"], "ranks": list(scn.fault_ranks), "steps": None, "onset": onset_step}
         if delay_fraction is not None and delay_fraction < MIN_IMPACT_FRACTION:
             tol.append({"kinds": ["link_degraded"], "ranks": list(scn.fault_ranks)})
@@ -1345,7 +1391,7 @@ def expected_findings(scn: Scenario, iteration_us: Sequence[float] | None = None
     elif f == "host_stall":
         exp.append({"kinds": ["iteration_spike"], "ranks": [], "steps": [scn.step_number(s) for s in scn.stall_steps],
                     "onset": None})
-    if regression_ok and f in ("compute_straggler", "one_mode", "stage_slow", "link_degraded", "slow_host"):
+    if regression_ok and f in ("compute_straggler", "one_mode", "stage_slow", "slow_host", *LINK_FAULTS):
         opt.append({"kinds": ["step_regression"], "ranks": [], "steps": None, "onset": onset_step})
     return {"expected": exp, "optional": opt, "tolerated": tol, "onset_tolerance": 2, "step_tolerance": 1,
             "iteration_growth": growth, "fault_delay_fraction": delay_fraction, "max_incidents": incidents}
@@ -1663,8 +1709,10 @@ def write_scenario(scn: Scenario, out_dir: Path, timeline: Timeline | None = Non
     bounds = np.searchsorted(tl.rank[order], np.arange(scn.world + 1))
     for r in range(scn.world):
         pgs = table[r]
-        info = {"backend": "nccl", "rank": r, "world_size": scn.world, "pg_count": len(pgs), "pg_config": pgs,
-                "nccl_version": "2.21.5" if arch == "sm90" else "2.18.3"}
+        info: dict[str, Any] = {"backend": "nccl", "rank": r, "world_size": scn.world,
+                                "nccl_version": "2.21.5" if arch == "sm90" else "2.18.3"}
+        if scn.pg_config:
+            info |= {"pg_count": len(pgs), "pg_config": pgs}
         head = {"schemaVersion": 1, "deviceProperties": devices, "distributedInfo": info,
                 "record_shapes": 0, "with_stack": 0, "host_name": host_name(scn, r),
                 "trace_id": f"{scn.seed:08X}{r:08X}"}

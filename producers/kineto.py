@@ -35,7 +35,7 @@ import logging
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,7 +46,7 @@ import numpy.typing as npt
 from argus.core.errors import ConfigError, ProducerError
 from argus.core.settings import Settings
 from argus.producers.gpu_ids import kineto_gpu
-from argus.producers.kineto_groups import MEGATRON_GROUPS, PhaseGroups
+from argus.producers.kineto_groups import MEGATRON_GROUPS, PhaseGroups, co_ended_streams
 from argus.producers.kineto_parse import MAX_FILE_BYTES, MemoryBudget, Phase, RankTrace, assign_steps, parse_rank
 from argus.producers.publisher import MAX_MESSAGE_BYTES, Publisher
 from argus.producers.topology import GROUP_COLUMN, build_topology, groups_of
@@ -110,11 +110,12 @@ class ImportReport:
     messages: tuple[str, ...]
 
 
-def with_stream_groups(topo: JobTopology, traces: Iterable[RankTrace], messages: list[str]) -> JobTopology:
+def with_stream_groups(topo: JobTopology, traces: Sequence[RankTrace], messages: list[str]) -> JobTopology:
     """``topo`` with the collective streams whose NCCL kernels named their process group
     (:attr:`~argus.producers.kineto_parse.RankTrace.stream_pgs`): a stream whose group is of one kind on every rank
     that names it; a stream named as different kinds by different ranks is left out (and said in
-    ``messages``)."""
+    ``messages``). The other NCCL streams' groups are recovered from which ranks' calls end together
+    (:func:`~argus.producers.kineto_groups.co_ended_streams`), where that names one."""
     groups = PhaseGroups(topo)
     kinds: dict[int, set[ParallelGroup]] = {}
     for t in traces:
@@ -128,6 +129,11 @@ def with_stream_groups(topo: JobTopology, traces: Iterable[RankTrace], messages:
     if known:
         messages.append("collective streams by process group: "
                         + ", ".join(f"{st}={g.value}" for st, g in known.items()))
+    ended = co_ended_streams(topo, traces, skip=[*known, *mixed])
+    if ended:
+        messages.append("collective streams by the ranks whose calls end together: "
+                        + ", ".join(f"{st}={g.value}" for st, g in ended.items()))
+    known = dict(sorted((known | ended).items()))
     return dataclasses.replace(topo, group_streams=tuple(known), group_kinds=tuple(known.values()))
 
 
@@ -138,8 +144,10 @@ def step_records(trace: RankTrace, job_id: str, shift_ns: int = 0,
     which has no Step. ``shift_ns`` is added to every time (clock alignment). With ``groups`` (the job's
     :class:`~argus.producers.kineto_groups.PhaseGroups`), sends and receives between pipeline stages or inside
     expert groups are named by their role and carry their group, and collectives on a stream whose NCCL
-    kernels name their process group carry that group; other phases have group NONE."""
-    on_stream = ({st: groups.stream_group(trace.rank, pg) for st, pg in trace.stream_pgs.items()}
+    kernels name their process group (or whose group the topology knows: ``group_streams``) carry that group;
+    other phases have group NONE."""
+    on_stream = ({**groups.stream_groups(), **{st: groups.stream_group(trace.rank, pg)
+                                               for st, pg in trace.stream_pgs.items()}}
                  if groups is not None else {})
     starts = np.array([p.start_ns for p in trace.phases], dtype=np.int64)
     steps = np.where(np.array([p.on_gpu for p in trace.phases], dtype=bool),

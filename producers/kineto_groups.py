@@ -15,6 +15,11 @@ Two things in a trace tell which group a communication phase ran in:
   DP/TP/PP/EP groups of the job topology; every collective phase on that stream (the ``gpu_user_annotation``
   ``nccl:all_reduce`` PyTorch puts around the kernel) carries it, and so the detectors learn which group
   each collective stream serves instead of guessing it from durations.
+* **Which ranks' collective calls end together.** Where the kernels name no process group (older PyTorch,
+  traces cut by other tools), :func:`co_ended_streams` reads the NCCL kernels of a sample of ranks and names
+  each stream's group kind by :mod:`argus.detectors.co_ending`: the kind whose groups' members end their
+  calls together, and no larger group's. The candidate groups are the topology's (``pg_config``, else the
+  ``--topology`` given).
 
 Anything else keeps its name and group NONE.
 """
@@ -22,16 +27,17 @@ Anything else keeps its name and group NONE.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 import numpy as np
 import numpy.typing as npt
 
-from argus.producers.kineto_parse import StreamPG
+from argus.detectors.co_ending import CoEndParams, StreamCalls, co_ending_kinds, kind_pairs, sampled_ranks
+from argus.producers.kineto_parse import RankTrace, StreamPG, assign_steps
 from argus.producers.topology import GROUP_COLUMN
 from argus.schemas.records import JobTopology, ParallelGroup, PhaseKind
 
-__all__ = ["MEGATRON_GROUPS", "PhaseGroups"]
+__all__ = ["MAX_STREAM_CALLS", "MEGATRON_GROUPS", "PhaseGroups", "co_ended_streams", "stream_calls"]
 
 _P2P = re.compile(r"^nccl:(send|recv)\s*(\d+)\s*(?:->|<-)\s*(\d+)\s*$")
 #: Megatron's process-group descriptions (``pg_config`` ``pg_desc``) of the groups argus compares in.
@@ -43,6 +49,56 @@ MEGATRON_GROUPS: Mapping[str, ParallelGroup] = {
 }
 
 _KINDS = (ParallelGroup.DP, ParallelGroup.TP, ParallelGroup.PP, ParallelGroup.EP)
+#: NCCL calls kept per (rank, stream) for the co-ending test, the earliest: enough to judge a pair by, and a
+#: bound on memory whatever the traces' length.
+MAX_STREAM_CALLS = 2048
+_READ_ROWS = 1 << 16
+
+
+def stream_calls(trace: RankTrace, name_ids: dict[str, int], limit: int = MAX_STREAM_CALLS) -> dict[int, StreamCalls]:
+    """Per CUDA stream of ``trace``: its NCCL kernels (``ncclKernel_*``,
+    ``ncclDevKernel_*``), the earliest ``limit`` by start, with their steps; ``name_ids`` maps kernel names to
+    ids shared by every rank (new names are added)."""
+    nccl = np.array([i for i, n in enumerate(trace.names) if n.lower().startswith("nccl")], dtype=np.int64)
+    if not nccl.size:
+        return {}
+    local = np.full(len(trace.names), -1, dtype=np.int64)
+    local[nccl] = [name_ids.setdefault(trace.names[i], len(name_ids)) for i in nccl.tolist()]
+    parts: dict[int, list[npt.NDArray[np.int64]]] = {}
+    kept: dict[int, int] = {}
+    for rows in trace.rows(_READ_ROWS):
+        sel = np.isin(rows["name"], nccl)
+        for st in np.unique(rows["stream"][sel]).tolist():
+            if kept.get(st, 0) >= 4 * limit:  # file order is nearly start order: later calls are not the earliest
+                continue
+            r = rows[sel & (rows["stream"] == st)]
+            parts.setdefault(st, []).append(np.stack([r["start"], r["start"] + r["dur"], local[r["name"]]]))
+            kept[st] = kept.get(st, 0) + r.shape[0]
+    iv = trace.intervals(gpu=True)
+    out = {}
+    for st, chunks in parts.items():
+        cols = np.concatenate(chunks, axis=1)
+        cols = cols[:, np.argsort(cols[0], kind="stable")[:limit]]
+        out[int(st)] = StreamCalls(cols[0], cols[1], assign_steps(iv, cols[0]).astype(np.int64), cols[2])
+    return out
+
+
+def co_ended_streams(topology: JobTopology, traces: Iterable[RankTrace], skip: Iterable[int] = (),
+                     params: CoEndParams | None = None) -> dict[int, ParallelGroup]:
+    """Per NCCL stream (but those in ``skip``: already known), the kind of group its collectives run in, by
+    which ranks' calls end together (:func:`argus.detectors.co_ending.co_ending_kinds`); only the ranks the
+    test samples are read."""
+    p = params if params is not None else CoEndParams()
+    want = sampled_ranks(kind_pairs(topology, p))
+    name_ids: dict[str, int] = {}
+    by_stream: dict[int, dict[int, StreamCalls]] = {}
+    known = set(skip)
+    for t in traces:
+        if t.rank in want:
+            for st, calls in stream_calls(t, name_ids).items():
+                if st not in known:
+                    by_stream.setdefault(st, {})[t.rank] = calls
+    return co_ending_kinds(by_stream, topology, p)
 
 
 class PhaseGroups:
@@ -81,6 +137,10 @@ class PhaseGroups:
             lo, hi = np.searchsorted(indexes, [g, g + 1])
             group = self._groups[(kind, g)] = frozenset(members[lo:hi].tolist())
         return group
+
+    def stream_groups(self) -> dict[int, ParallelGroup]:
+        """The group kinds of the collective streams the topology knows (``group_streams``)."""
+        return self._topo.stream_groups()
 
     def stream_group(self, rank: int, pg: StreamPG) -> ParallelGroup:
         """The kind of ``rank``'s group that ``pg`` is: by its Megatron description, else by its ranks (the

@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 
 from argus.detectors.impact import StepClock
 from argus.detectors.incidents import IncidentParams, form_incidents
+from argus.detectors.links import LinkParams
 from argus.detectors.victims import straggler_ranks
 from argus.schemas.job_context import JobContext
 from argus.schemas.records import Finding, JobLifecycle, JobTopology, LifecycleEvent, ParallelGroup
@@ -47,13 +48,16 @@ class JobLedger:
     """Per-job context and publication record (see the module's docstring). Not thread-safe.
 
     ``version``: stamped on every finding published. ``remote``: what the job's holder shared of a job (its
-    part ``job`` of the job context), for jobs another worker holds. ``max_jobs``: jobs kept.
+    part ``job`` of the job context), for jobs another worker holds. ``max_jobs``: jobs kept. ``links``: the
+    link rule's settings the diagnosis runs with (``L3Params.links``), which each job's link ledger judges by.
     """
 
     def __init__(self, version: str, remote: Callable[[str], JobContext | None] = lambda job_id: None,
-                 max_jobs: int = 10_000, incidents: IncidentParams | None = None) -> None:
+                 max_jobs: int = 10_000, incidents: IncidentParams | None = None,
+                 links: LinkParams | None = None) -> None:
         self.version, self.remote = version, remote
         self.incidents = incidents if incidents is not None else IncidentParams()
+        self.link_params = links if links is not None else LinkParams()
         self.topologies: Recent[JobTopology] = Recent(max_jobs)
         self.groups: Recent[dict[int, ParallelGroup]] = Recent(max_jobs)
         #: Ranks L2 named stragglers per job: their blocking-group peers are victims for L3.
@@ -108,7 +112,7 @@ class JobLedger:
             return ()
         job_id = found[0].job_id
         if job_id not in self._links:
-            self._links[job_id] = LinkLedger()
+            self._links[job_id] = LinkLedger(self.link_params)
         found = self._links[job_id].filter(found)
         self.stragglers[job_id] = self.stragglers.get(job_id, set()) | straggler_ranks(found)
         seen = self._published.get(job_id) or set()

@@ -110,7 +110,7 @@ class JobRouter(Generic[H]):
         self._jobs: dict[str, JobDiagnosis] = {}
         self._held: dict[str, list[H]] = {}
         #: The jobs' context (what L3 judges with), findings published and DIAGNOSED parts: the L3 agent's view.
-        self.ledger = JobLedger(version, remote, max_jobs, params.incidents)
+        self.ledger = JobLedger(version, remote, max_jobs, params.incidents, params.l3.links)
         # (kind, rank, step) of the Step/PhaseBatch records taken per running job, and the jobs finished here
         # (-> their world size, 0: unknown), whose later records are acked too.
         self._taken: dict[str, set[tuple[str, int, int]]] = {}

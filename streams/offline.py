@@ -51,7 +51,7 @@ class _Job:
         self.state = JobDiagnosis(job_id, params)
         self.kernels: dict[tuple[str, int], KernelDiagnosis] = {}
         self.ranks = RankDiagnosis(job_id, params)
-        self.links = LinkLedger()
+        self.links = LinkLedger(params.l3.links)  # the link rule's own settings: one LinkParams serves both
         self.params = params
         self.stragglers: set[int] = set()
         self.findings: list[Finding] = []

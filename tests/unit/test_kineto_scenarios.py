@@ -17,6 +17,7 @@ from argus.producers.kineto_parse import RankTrace, parse_rank
 from load_tests.kineto_scenarios import (
     FAULT_CLASSES,
     GPUS_PER_NODE,
+    LINK_FAULTS,
     RANK_KINDS,
     Scenario,
     Timeline,
@@ -27,6 +28,7 @@ from load_tests.kineto_scenarios import (
     kernel_budget,
     score_findings,
     simulate,
+    topology_flag,
     write_scenario,
 )
 
@@ -234,9 +236,14 @@ def test_truth_per_class() -> None:
                 assert exp[0]["kinds"] == ["pp_stage_slow"]
                 assert exp[0]["ranks"] == list(range(stage * scn.stage_size, (stage + 1) * scn.stage_size))
                 assert truth["tolerated"][0]["ranks"] == exp[0]["ranks"]
-            elif fault == "link_degraded":
+            elif fault in LINK_FAULTS:
                 assert exp[0]["kinds"] == ["link_degraded"] and len(exp[0]["ranks"]) >= 2
                 assert len(exp[0]["ranks"]) < scn.world
+                if fault == "link_small_group":  # 2-4 members, or one of only two groups of its kind
+                    size = len(scn.fault_ranks)
+                    count = scn.world // size if scn.fault_group != "ep" else scn.world // scn.ep
+                    assert scn.fault_group in ("tp", "dp", "ep") and (size <= 4 or count == 2)
+                    assert not scn.pg_args
             elif fault == "job_regression":
                 assert exp == [{"kinds": ["step_regression"], "ranks": [], "steps": None,
                                 "onset": scn.first_step + scn.onset}]
@@ -335,3 +342,36 @@ def test_a_slow_host_scores_exact_only_as_one_incident_naming_the_host() -> None
     assert not score_findings(truth, [f("node_degraded", ranks, "n", "n", ["elsewhere"])])["exact"]
     assert not score_findings(truth, members)["exact"]  # no host named
     assert incident_ids([{"finding_id": "a"}, {"finding_id": "b", "incident_id": "a"}]) == {"a"}
+
+
+def test_three_trace_variants_name_process_groups_or_not(tmp_path: Path) -> None:
+    """Per-kernel process-group args (and pg_config), pg_config only, or neither: the importer then needs the
+    topology given (topology_flag)."""
+    seen = Counter(Scenario.from_seed(seed, "healthy", 16).pg_variant for seed in range(160))
+    assert set(seen) == {"args", "pg_config", "none"} and min(seen.values()) >= 20  # 1/2, 1/4, 1/4
+    for variant in ("args", "pg_config", "none"):
+        scn = dataclasses.replace(SMALL, pg_args=variant == "args", pg_config=variant != "none")
+        traces = write_scenario(scn, tmp_path / variant)
+        parsed = _parse_all(traces)
+        try:
+            has_pg = [bool(t.pg_config) for t in parsed]
+            named = [bool(t.stream_pgs) for t in parsed]
+        finally:
+            for t in parsed:
+                t.close()
+        assert all(has_pg) == (variant != "none") and any(has_pg) == all(has_pg)
+        assert all(named) == (variant == "args") and any(named) == all(named)
+        assert (topology_flag(scn) is None) == (variant != "none")
+    assert topology_flag(dataclasses.replace(SMALL, pg_config=False)) == "dp=2,tp=2,pp=2"
+
+
+def test_members_of_a_collective_end_within_the_jitter() -> None:
+    scn = dataclasses.replace(SMALL, coend_jitter_us=3.0)
+    tl = simulate(scn)
+    tp = tl.stream == TP_STREAM
+    # Per (step, call) the two members of a TP group end within 3 µs, not at one instant.
+    ends = tl.start[tp] + tl.dur[tp]
+    key = np.stack([tl.step[tp], tl.chunk[tp], tl.rank[tp] // scn.tp], axis=1)
+    order = np.lexsort((tl.start[tp], key[:, 2], key[:, 1], key[:, 0]))
+    a, b = ends[order][0::2], ends[order][1::2]
+    assert np.abs(a - b).max() <= 3.0 and np.abs(a - b).max() > 0.0

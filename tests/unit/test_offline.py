@@ -156,3 +156,25 @@ def test_findings_carry_the_version_of_the_detectors_that_made_them() -> None:
     assert detector_version(DiagnosisParams(), cfg.replace(window_ns=5_000_000_000)) != version
     # Settings that do not touch the diagnosis leave it alone.
     assert detector_version(DiagnosisParams(), cfg.replace(sink_flush_ms=900)) == version
+
+
+def test_the_link_ledgers_judge_by_the_link_params_the_diagnosis_runs_with() -> None:
+    """One LinkParams (``L3Params.links``) serves the link rule and the job's link ledger, offline and in the
+    worker (the JobRouter's ledger)."""
+    from argus.core.settings import Settings
+    from argus.detectors.l3_kernels import L3Params
+    from argus.detectors.links import LinkParams
+    from argus.streams.diagnosis import DiagnosisParams
+    from argus.streams.diagnosis_stats import DiagnosisStats
+    from argus.streams.job_router import JobRouter
+    from argus.streams.offline import _Job
+
+    links = LinkParams(strong_ratio=3.5, strong_groups=6)
+    params = DiagnosisParams(l3=dataclasses.replace(L3Params(), links=links))
+    assert _Job("j", params).links.params is links
+    router: JobRouter[Finding] = JobRouter(Settings().worker, 1, params, DiagnosisStats(), lambda m: m, "v")
+    assert router.ledger.link_params is links
+    strong = _link((2, 3), "AllReduce", 3.0, 4)  # strong by the default LinkParams, not by these
+    assert len(LinkLedger().filter([strong])) == 1
+    assert router.ledger.publishable([strong]) == ()
+    assert LinkLedger(links).filter([strong]) == []
