@@ -45,6 +45,7 @@ from argus.detectors.l3_kernels import L3Params, L3Result, detect_l3
 from argus.detectors.l3_ranks import KernelTotals, RankExcessParams, detect_rank_excess, detect_stage_excess
 from argus.detectors.link_ledger import LinkLedger
 from argus.detectors.links import CORROBORATES_ONLY, corroborates_only
+from argus.detectors.onsets import OnsetParams, rank_onsets
 from argus.schemas.records import Finding, JobLifecycle, JobTopology, KernelSummary, ParallelGroup, PhaseBatch, Step
 
 __all__ = ["CORROBORATES_ONLY", "DiagnosisParams", "JobDiagnosis", "JudgedWindow", "KernelDiagnosis", "LinkLedger",
@@ -54,6 +55,8 @@ __all__ = ["CORROBORATES_ONLY", "DiagnosisParams", "JobDiagnosis", "JudgedWindow
 #: collective groups from; past this many it starts again (learning again is only slower, never different).
 _LEARNT_KEPT = 256
 _GPU_NS, _WALL_NS, _START_NS = attrgetter("gpu_ns"), attrgetter("wall_ns"), attrgetter("start_ns")
+#: The span of a job-wide judgement (every step): before and after any epoch time.
+_NO_START, _NO_END = -(1 << 62), 1 << 62
 
 
 @dataclass(frozen=True)
@@ -73,6 +76,7 @@ class DiagnosisParams:
     l2: L2Params = field(default_factory=L2Params)
     l3: L3Params = field(default_factory=L3Params)
     ranks: RankExcessParams = field(default_factory=RankExcessParams)
+    onsets: OnsetParams = field(default_factory=OnsetParams)
 
 
 #: Settings that change what the compressor and the detectors find (they enter :func:`detector_version`).
@@ -117,11 +121,14 @@ def _package_version() -> str:
 def judge(job_id: str, results: list[DetectorResult], time_ns: int, world_size: int, clock: StepClock,
           min_fraction: float, window: tuple[int, int] | None = None) -> list[Finding]:
     """The findings of ``results`` worth raising (:func:`~argus.detectors.impact.worth_raising`), each with its
-    impact; ``window``: the judged window of L3 results (its steps spread their excess)."""
+    impact; ``window``: the judged window of L3 results (its steps spread their excess, from the onset on
+    where the named ranks slowed down inside it: :meth:`~argus.detectors.impact.StepClock.affected_steps`)."""
     steps = clock.steps_in(*window) if window is not None else max(len(clock.starts_ns), 1)
+    span = window if window is not None else (_NO_START, _NO_END)
     out = []
     for res in results:
-        impact = impact_of(res, world_size, steps)
+        impact = impact_of(res, world_size, clock.affected_steps(res.ranks, *span)
+                           if isinstance(res, L3Result) and clock.onsets else steps)
         if worth_raising(impact, clock, min_fraction):
             out.append(to_finding(job_id, res, time_ns, impact))
         elif isinstance(res, L3Result) and res.kind is FindingKind.LINK_DEGRADED:
@@ -173,6 +180,7 @@ class JobDiagnosis:
         self._last_run = 0
         self._emitted: set[str] = set()
         self._onsets: list[int] = []
+        self._onset_cache: tuple[int, tuple[tuple[int, int], ...]] | None = None
         self.last_time_ns = 0
         #: The parallel group each collective stream serves, learnt from the phases (for L3).
         self.collective_groups: dict[int, ParallelGroup] = {}
@@ -250,8 +258,26 @@ class JobDiagnosis:
         return len(self._complete)
 
     def clock(self) -> StepClock:
-        """The complete steps' starts and median iteration time, for judging impacts."""
-        return StepClock.of(self._starts, [wall for _, wall, _ in self._series])
+        """The complete steps' starts and median iteration time, and the onsets of ranks that slowed down part
+        way through the held steps (:func:`~argus.detectors.onsets.rank_onsets`), for judging impacts."""
+        clock = StepClock.of(self._starts, [wall for _, wall, _ in self._series])
+        return dataclasses.replace(clock, onsets=self._rank_onsets()) if self._series else clock
+
+    def _rank_onsets(self) -> tuple[tuple[int, int], ...]:
+        """(rank, start ns of its onset step), computed once per complete step (clock() is asked often)."""
+        held = self._onset_cache
+        if held is not None and held[0] == len(self._complete):
+            return held[1]
+        steps, ranks, phases, own = self._history.compute_own()
+        at = rank_onsets(own, phases, self.params.onsets) if ranks.size else np.empty(0, np.int64)
+        first: dict[int, int] = {}
+        for r, i in zip(ranks.tolist(), at.tolist(), strict=True):
+            if i >= 0:  # a rank's earliest onset over its phases
+                first[r] = min(first.get(r, i), i)
+        start = dict(zip((s for s, _, _ in self._series), self._starts, strict=True))
+        found = tuple((r, start[steps[i]]) for r, i in sorted(first.items()) if steps[i] in start)
+        self._onset_cache = (len(self._complete), found)
+        return found
 
     def due(self) -> bool:
         """Enough new complete steps since the last live run."""
