@@ -29,12 +29,16 @@ __all__ = ["Impact", "StepClock", "impact_of", "worth_raising"]
 @dataclass(frozen=True)
 class StepClock:
     """What the diagnosis knows of a job's steps: their start times (ns since the epoch, ascending), the
-    median iteration time (ns; 0 when unknown) and ``onsets``: (rank, start ns of its onset step) of the ranks
-    that slowed down part way through the steps (:func:`~argus.detectors.onsets.rank_onsets`), by rank."""
+    median iteration time (ns; 0 when unknown), ``onsets``: (rank, start ns of its onset step) of the ranks
+    that slowed down part way through the steps (:func:`~argus.detectors.onsets.rank_onsets`), by rank, and
+    the ranks' routed tokens (:mod:`argus.detectors.experts`)."""
 
     starts_ns: tuple[int, ...] = ()
     median_step_ns: float = 0.0
     onsets: tuple[tuple[int, int], ...] = ()
+    #: (rank, tokens routed to its MoE experts over the complete steps) of the ranks that counted them in every
+    #: complete step (``Step.expert_tokens``), by rank; empty when not counted.
+    expert_tokens: tuple[tuple[int, int], ...] = ()
 
     @classmethod
     def of(cls, starts_ns: Sequence[int], step_ns: Sequence[float]) -> StepClock:

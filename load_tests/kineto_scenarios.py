@@ -88,14 +88,18 @@ NCCL_STREAMS = {"tp": 0, "dp": 4, "ep": 8, "pp_prev": 12, "pp_next": 16, "mp": 2
 _SM90_GEMM = ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_{l}_n_tilesize{t}_warpgroupsize{w}"
               "_execute_segment_k_off_kernel__5x_cublas")
 _SM80_GEMM = "ampere_{d}_s16816gemm_{d}_{t}_ldg8_f2f_stages_64x3_{l}"
-_CUTLASS80 = ("void cutlass::Kernel2<cutlass_80_tensorop_{d}_s16816gemm_relu_{d}_{t}_{l}_align8>"
-              "(cutlass_80_tensorop_{d}_s16816gemm_relu_{d}_{t}_{l}_align8::Params)")
 _CUTLASS90 = ("void cutlass::device_kernel<cutlass::gemm::kernel::GemmUniversal<cutlass::gemm::GroupProblemShape"
               "<cute::tuple<int, int, int> >, cutlass::gemm::collective::CollectiveMma<cutlass::gemm::"
               "MainloopSm90ArrayTmaGmmaWarpSpecialized<{s}, cute::tuple<cute::C<1>, cute::C<1>, cute::C<1> >, "
               "cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative>, cute::tuple<cute::C<{t}>, "
               "cute::C<64> >, cutlass::bfloat16_t, cute::tuple<long, cute::C<1>, cute::C<0> >*, "
               "cutlass::bfloat16_t, cute::tuple<long, cute::C<1>, cute::C<0> >*> > >(...)")
+_GROUPED80 = ("void cutlass::Kernel<cutlass::gemm::kernel::GemmGrouped<cutlass::gemm::threadblock::MmaMultistage<"
+              "cutlass::gemm::GemmShape<{m}, {n}, {k}>, cutlass::bfloat16_t, cutlass::layout::RowMajor>, "
+              "cutlass::epilogue::threadblock::Epilogue<cutlass::gemm::GemmShape<{m}, {n}, {k}> >, "
+              "cutlass::gemm::threadblock::GemmBatchedIdentityThreadblockSwizzle, "
+              "(cutlass::gemm::kernel::GroupScheduleMode)0, false> >(cutlass::gemm::kernel::GemmGrouped<"
+              "cutlass::gemm::GemmShape<{m}, {n}, {k}> >::Params)")
 _SM90_TILES = ("128x128x64", "256x128x64", "128x256x64", "64x128x64", "128x64x64", "256x64x64", "64x256x64",
                "192x128x64")
 _SM80_TILES = ("128x128", "256x128", "128x256", "64x128", "128x64", "256x64", "64x256", "64x64")
@@ -616,10 +620,10 @@ class _Catalog:
                 gemm_names[f"gemm_fwd:{shape}"] = gemm("tn", i)
                 gemm_names[f"gemm_dgrad:{shape}"] = gemm("nn", (i + 2) % len(tiles))
                 gemm_names[f"gemm_wgrad:{shape}"] = gemm("nt", (i + 4) % len(tiles))
-        expert = (_CUTLASS90.format(s=2, t=256) if arch == "sm90"
-                  else _CUTLASS80.format(d=dt, t="64x64_64x4", l="tn"))
-        expert_bwd = (_CUTLASS90.format(s=3, t=128) if arch == "sm90"
-                      else _CUTLASS80.format(d=dt, t="128x64_32x6", l="nn"))
+        # Grouped GEMMs: CUTLASS 3 grouped problem shapes on Hopper, CUTLASS 2 GemmGrouped (the grouped_gemm
+        # package) on Ampere.
+        expert = (_CUTLASS90.format(s=2, t=256) if arch == "sm90" else _GROUPED80.format(m=128, n=128, k=32))
+        expert_bwd = (_CUTLASS90.format(s=3, t=128) if arch == "sm90" else _GROUPED80.format(m=128, n=64, k=64))
         self.key_name.update(gemm_names)
         self.key_name.update({"gemm_expert": expert, "gemm_expert_bwd": expert_bwd})
         flash = {"attn_fwd": _FLASH_FWD, "attn_bwd": _FLASH_BWD, "attn_dot": _FLASH_DOT, "attn_cvt": _FLASH_CVT}

@@ -55,6 +55,7 @@ __all__ = ["CORROBORATES_ONLY", "DiagnosisParams", "JobDiagnosis", "JudgedWindow
 #: collective groups from; past this many it starts again (learning again is only slower, never different).
 _LEARNT_KEPT = 256
 _GPU_NS, _WALL_NS, _START_NS = attrgetter("gpu_ns"), attrgetter("wall_ns"), attrgetter("start_ns")
+_TOKENS = attrgetter("expert_tokens")
 #: The span of a job-wide judgement (every step): before and after any epoch time.
 _NO_START, _NO_END = -(1 << 62), 1 << 62
 
@@ -181,6 +182,8 @@ class JobDiagnosis:
         self._emitted: set[str] = set()
         self._onsets: list[int] = []
         self._onset_cache: tuple[int, tuple[tuple[int, int], ...]] | None = None
+        #: Per rank: tokens routed to its experts over the complete steps, and the steps that counted them.
+        self._tokens: dict[int, tuple[int, int]] = {}
         self.last_time_ns = 0
         #: The parallel group each collective stream serves, learnt from the phases (for L3).
         self.collective_groups: dict[int, ParallelGroup] = {}
@@ -261,7 +264,11 @@ class JobDiagnosis:
         """The complete steps' starts and median iteration time, and the onsets of ranks that slowed down part
         way through the held steps (:func:`~argus.detectors.onsets.rank_onsets`), for judging impacts."""
         clock = StepClock.of(self._starts, [wall for _, wall, _ in self._series])
-        return dataclasses.replace(clock, onsets=self._rank_onsets()) if self._series else clock
+        if not self._series:
+            return clock
+        n = len(self._series)
+        tokens = tuple((r, tok) for r, (tok, steps) in sorted(self._tokens.items()) if steps == n)
+        return dataclasses.replace(clock, onsets=self._rank_onsets(), expert_tokens=tokens)
 
     def _rank_onsets(self) -> tuple[tuple[int, int], ...]:
         """(rank, start ns of its onset step), computed once per complete step (clock() is asked often)."""
@@ -327,6 +334,12 @@ class JobDiagnosis:
         self._done.add(step)
         bisect.insort(self._complete, step)
         ranks = self._steps.pop(step).values()
+        counted = list(map(_TOKENS, ranks))
+        if counted.count(None) != len(counted):  # one C-level pass where no rank counts tokens (most jobs)
+            for st, tokens in zip(ranks, counted, strict=True):
+                if tokens is not None:
+                    tok, n = self._tokens.get(st.rank, (0, 0))
+                    self._tokens[st.rank] = (tok + tokens, n + 1)
         self._series.append((step, float(max(map(_WALL_NS, ranks))), _most_gpu_ns(ranks)))
         self._starts.append(min(map(_START_NS, ranks)))
         batches = self._phases.pop(step)
@@ -501,7 +514,9 @@ class RankDiagnosis:
         slow = detect_rank_excess(self._totals.values(), topology, self.params.ranks)
         results: list[DetectorResult] = list(slow)
         named = {r for res in slow for r in res.ranks}
-        results += detect_kernel_excess(self._totals.values(), topology, self.params.ranks, exclude=named)
+        tokens = dict(clock.expert_tokens) if clock is not None else None
+        results += detect_kernel_excess(self._totals.values(), topology, self.params.ranks, exclude=named,
+                                        expert_tokens=tokens)
         if topology is not None:
             steps = max(len(clock.starts_ns), 1) if clock is not None else 1
             # Every rank of a stage slow alike is the stage's slowness (its work or its hosts), not stragglers
