@@ -33,8 +33,9 @@ Only kernels that every rank of the set runs with the same calls (at least ``ker
 compared: the same work. Collectives are left out (they wait for their group). An MoE layer's grouped GEMMs
 run the tokens routed to each rank's experts, not the same work (:mod:`argus.detectors.experts`): with the
 ranks' routed tokens known they are compared per token; without, each rank's EP group's mean is compared
-across groups (the router conserves a group's tokens: a hot expert's gain is its peers' loss) and only the
-slowest member of a group in excess is named; with one group to compare, they are not judged per rank.
+across groups (the router conserves a group's tokens: a hot expert's gain is its peers' loss) and only one
+member of a group in excess is named, the slowest against the same expert position in the other groups;
+with one group to compare, they are not judged per rank.
 """
 
 from __future__ import annotations
@@ -127,8 +128,11 @@ class _Experts:
         return np.asarray(self.routed[cols], dtype=bool)
 
 
-def _residuals(per_call: F64, calls: F64) -> tuple[F64, F64, F64]:
-    """The two-way model's residuals, their z-scores and the ranks' speeds (log), for ranks x kernels."""
+def _residuals(per_call: F64, calls: F64, pooled_only: npt.NDArray[np.bool_] | None = None
+               ) -> tuple[F64, F64, F64]:
+    """The two-way model's residuals, their z-scores and the ranks' speeds (log), for ranks x kernels;
+    ``pooled_only``: kernels whose noise is the pooled scale alone (EP-group means: a few distinct values,
+    whose own spread is the difference being judged)."""
     x = np.log(per_call)
     n = x.shape[0]
     ref = loo_median_rows(x.T).T  # each rank against its peers' median, kernel by kernel
@@ -141,6 +145,8 @@ def _residuals(per_call: F64, calls: F64) -> tuple[F64, F64, F64]:
     scale = np.maximum(pooled * widen, _SCALE_FLOOR)
     if n >= _SPREAD_RANKS:
         own = _MAD_SCALE * np.median(np.abs(e - np.median(e, axis=0)), axis=0)
+        if pooled_only is not None:
+            own = np.where(pooled_only, 0.0, own)
         scale = np.maximum(scale, own)
     return e, e / scale, speed[:, 0]
 
@@ -199,22 +205,36 @@ def _group_scores(tot: F64, med: F64, c: F64, conserved: npt.NDArray[np.bool_], 
                   group: I64 | None) -> tuple[F64, F64, npt.NDArray[np.bool_]]:
     """The plain and median z-scores with the ``conserved`` columns read as each rank's EP-group mean (the
     router conserves a group's tokens), and where a rank may be named: in those columns only the member of its
-    group with the largest own excess, and none where fewer than two groups compare (module docstring)."""
+    group slowest against its position's median over the groups, and none where fewer than two groups compare
+    (module docstring)."""
     assert group is not None
     g_tot, enough = group_means(tot[:, conserved], group)
     g_med, _ = group_means(med[:, conserved], group)
     t2, m2 = tot.copy(), med.copy()
     t2[:, conserved], m2[:, conserved] = g_tot, g_med
-    _, z_plain, _ = _residuals(t2 / c, c)
-    _, z_median, _ = _residuals(m2 / c, c)
+    _, z_plain, _ = _residuals(t2 / c, c, conserved)
+    _, z_median, _ = _residuals(m2 / c, c, conserved)
     keep = np.ones_like(z_plain, dtype=bool)
     if not bool(enough):
         keep[:, conserved] = False
         return z_plain, z_median, keep
+    # Within a group the member named is the one slowest against the same position of the other groups (the
+    # same expert: a hot expert is hot in every group), not the one with the most time (which may be the hot
+    # expert, its group's slow member being a cold one).
+    ids = np.unique(group[group >= 0])
+    position = np.full(group.size, -1, dtype=np.int64)
+    for g in ids.tolist():
+        rows = np.flatnonzero(group == g)
+        position[rows] = np.arange(rows.size)
     for j in np.flatnonzero(conserved).tolist():
-        for g in np.unique(group[group >= 0]).tolist():
+        per_call = tot[:, j] / c[:, j]
+        against = np.ones(group.size)
+        for q in np.unique(position[position >= 0]).tolist():
+            at = position == q
+            against[at] = per_call[at] / np.median(per_call[at])
+        for g in ids.tolist():
             rows = np.flatnonzero(group == g)
-            top = rows[int(np.argmax(e_plain[rows, j]))]
+            top = rows[int(np.argmax(against[rows]))]
             keep[rows, j] = False
             keep[top, j] = True
     return z_plain, z_median, keep

@@ -14,7 +14,8 @@ shift: the split of the steps that maximizes the two-sample t statistic of the l
 ones, with the noise the residuals' robust scale (1.4826 MAD about each segment's median), at least the
 median of that scale over the ranks (a rank's few steps may happen to lie close together). An onset is named
 when that t passes a Bonferroni bound over the ranks and the splits tried (``alpha``), the shift is at least
-``min_shift`` and each side holds ``min_segment`` steps. A rank slow from the first step has no onset (its
+``min_shift`` and each side holds ``min_segment`` steps (more than that before it: a shift at the first
+split allowed may have begun earlier, and an onset found too late would overstate the impact). A rank slow from the first step has no onset (its
 excess already spreads over every step it cost); nor has a rank whose time wanders without one clear shift.
 
 It only ever shortens the steps an excess is spread over for a rank that plainly slowed down part way
@@ -107,7 +108,9 @@ def rank_onsets(own_ns: npt.ArrayLike, phase: npt.ArrayLike | None = None,
     d = shift[rows, best]
     t = d / (noise * np.sqrt(1.0 / k + 1.0 / (n - k)))
     bound = max(p.min_t, float(ndtri(1.0 - p.alpha / (n_rows * splits.size))))
-    hit = np.isfinite(t) & (t >= bound) & (d >= math.log1p(p.min_shift))
+    # A best split at the first one allowed may stand for an earlier onset the segments cannot resolve: taken
+    # as an onset it would spread the excess over too few steps (more impact than there was), so it is none.
+    hit = np.isfinite(t) & (t >= bound) & (d >= math.log1p(p.min_shift)) & (k > p.min_segment)
     out[hit] = keep[k[hit]]
     return out
 
