@@ -14,10 +14,10 @@ They are read here in one of two ways:
   lose, and the group's *mean* grouped-GEMM time is the same as another group's. A slow rank raises its
   group's mean. :func:`group_means` gives each rank its EP group's mean, which is compared across groups;
   of a group in excess the member named is the one slowest against the same expert position in the other
-  groups (a popular expert is popular in every group: the group's longest member may be a hot one). With fewer than two expert groups to compare (every rank of
-  the comparison in one group) nothing tells a hot expert from a slow one without the tokens: such kernels
-  are not judged per rank (a slow rank there is still seen by what else it runs slowly, and by its waiting
-  peers in the all-to-all).
+  groups (a popular expert is popular in every group: the group's longest member may be a hot one). With
+  fewer than two expert groups to compare (every rank of the comparison in one group) nothing tells a hot
+  expert from a slow one without the tokens: such kernels are not judged per rank (a slow rank there is
+  still seen by what else it runs slowly, and by its waiting peers in the all-to-all).
 
 Grouped GEMMs are known by name (:data:`GROUPED_GEMM_MARKERS`); experts run as a loop of ordinary GEMMs
 (one per expert) look like any other GEMM and are compared as such.

@@ -26,7 +26,7 @@ def _job(load: np.ndarray, slow: dict[int, float] | None = None, seed: int = 0, 
     and each rank's tokens."""
     rng = np.random.default_rng(seed)
     n = load.size
-    tokens = {r: int(round(4096 * float(load[r]))) * CALLS for r in range(n)}
+    tokens = {r: round(4096 * float(load[r])) * CALLS for r in range(n)}
     out = []
     for k in range(8):
         base = float(rng.lognormal(np.log(1e5), 0.5))

@@ -32,7 +32,7 @@ def test_a_shift_part_way_is_found_at_its_step(n_ranks: int, n_steps: int, frac:
                                                seed: int) -> None:
     own = _own(n_ranks, n_steps, seed)
     seg = OnsetParams().min_segment
-    onset = seg + 1 + int(round(frac * (n_steps - 2 * seg - 1)))
+    onset = seg + 1 + round(frac * (n_steps - 2 * seg - 1))
     own[1, onset:] *= shift
     found = rank_onsets(own)
     assert abs(int(found[1]) - onset) <= 1
