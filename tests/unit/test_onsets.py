@@ -92,3 +92,29 @@ def test_the_excess_spreads_over_the_steps_from_the_onset() -> None:
     assert late.affected_steps((7,), starts[0], starts[8]) == 8
     # Job-wide results (no window) too.
     assert judge("j", [_result((5,), 1.2)], 0, 8, late, 0.015)[0].evidence["impact_steps"] == 6
+
+
+def test_the_phase_history_gives_each_ranks_own_compute_time_per_step() -> None:
+    from argus.detectors.l2_history import PhaseHistory
+    from argus.schemas.records import ParallelGroup, PhaseBatch, PhaseKind
+
+    hist = PhaseHistory(16)
+    kinds = (PhaseKind.FORWARD, PhaseKind.ALL_REDUCE, PhaseKind.BACKWARD, PhaseKind.ALL_REDUCE)
+    groups = (ParallelGroup.NONE, ParallelGroup.TP, ParallelGroup.NONE, ParallelGroup.DP)
+    for step in range(3):
+        batches = []
+        for rank in range(2):
+            fwd = 1000 * (rank + 1) + step
+            # forward [0, fwd) holds a blocking TP all-reduce of 100 ns: its own time is fwd - 100
+            starts = (0, 10, fwd, fwd + 1)
+            durs = (fwd, 100, 500, 50)
+            batches.append(PhaseBatch("j", rank, step, kinds, ("forward", "tp", "backward", "dp"), groups,
+                                      (7, 20, 7, 24), starts, durs))
+        hist.fold(step, batches)
+    steps, ranks, phases, own = hist.compute_own()
+    assert steps == [0, 1, 2] and sorted(set(ranks.tolist())) == [0, 1]
+    by = {(int(r), int(p)): own[i] for i, (r, p) in enumerate(zip(ranks, phases, strict=True))}
+    fwd_id = min(int(p) for p in phases)  # the first phase seen has the first id
+    for rank in range(2):
+        assert by[(rank, fwd_id)].tolist() == [1000 * (rank + 1) + s - 100 for s in range(3)]
+    assert len(by) == 4  # forward and backward of two ranks; collectives are not compute
