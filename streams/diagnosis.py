@@ -271,11 +271,13 @@ class JobDiagnosis:
         return dataclasses.replace(clock, onsets=self._rank_onsets(), expert_tokens=tokens)
 
     def _rank_onsets(self) -> tuple[tuple[int, int], ...]:
-        """(rank, start ns of its onset step), computed once per complete step (clock() is asked often)."""
-        held = self._onset_cache
-        if held is not None and held[0] == len(self._complete):
+        """(rank, start ns of its onset step), computed again every ``detect_every`` complete steps (the live
+        cadence: clock() is asked often, and at 10,240 ranks a pass over the history costs ~0.1 s) and once the
+        job has finished."""
+        held, n = self._onset_cache, len(self._complete)
+        if held is not None and (held[0] == n or (n - held[0] < self.params.detect_every and not self.finished())):
             return held[1]
-        steps, ranks, phases, own = self._history.compute_own()
+        steps, ranks, phases, own = self._history.compute_own(self.params.onsets.max_steps)
         at = rank_onsets(own, phases, self.params.onsets) if ranks.size else np.empty(0, np.int64)
         first: dict[int, int] = {}
         for r, i in zip(ranks.tolist(), at.tolist(), strict=True):
