@@ -165,7 +165,7 @@ def _judge(ranks: I64, total: F64, median: F64, calls: F64, keys: Sequence[tuple
     _, z_median, _ = _residuals(med / c, c)
     conserved = moe.conserved(cols)
     if conserved.any():
-        z_plain, z_median, keep = _group_scores(tot, med, c, conserved, e_plain, moe.group)
+        z_plain, z_median, keep = _group_scores(tot, med, c, conserved, speed, moe.group)
     else:
         keep = np.ones_like(z_plain, dtype=bool)
     z = z_plain
@@ -201,17 +201,20 @@ def _judge(ranks: I64, total: F64, median: F64, calls: F64, keys: Sequence[tuple
     return out
 
 
-def _group_scores(tot: F64, med: F64, c: F64, conserved: npt.NDArray[np.bool_], e_plain: F64,
+def _group_scores(tot: F64, med: F64, c: F64, conserved: npt.NDArray[np.bool_], speed: F64,
                   group: I64 | None) -> tuple[F64, F64, npt.NDArray[np.bool_]]:
     """The plain and median z-scores with the ``conserved`` columns read as each rank's EP-group mean (the
     router conserves a group's tokens), and where a rank may be named: in those columns only the member of its
     group slowest against its position's median over the groups, and none where fewer than two groups compare
-    (module docstring)."""
+    (module docstring). ``speed``: each rank's speed (log), taken out of the values a group's mean is made of
+    and put back into each member's (a mean over members mixes their speeds, which the model takes out per rank:
+    left in, two members' ordinary few-percent difference reads as their group's excess)."""
     assert group is not None
-    g_tot, enough = group_means(tot[:, conserved], group)
-    g_med, _ = group_means(med[:, conserved], group)
+    own = np.exp(speed)[:, None]
+    g_tot, enough = group_means(tot[:, conserved] / own, group)
+    g_med, _ = group_means(med[:, conserved] / own, group)
     t2, m2 = tot.copy(), med.copy()
-    t2[:, conserved], m2[:, conserved] = g_tot, g_med
+    t2[:, conserved], m2[:, conserved] = g_tot * own, g_med * own
     _, z_plain, _ = _residuals(t2 / c, c, conserved)
     _, z_median, _ = _residuals(m2 / c, c, conserved)
     keep = np.ones_like(z_plain, dtype=bool)
@@ -227,7 +230,7 @@ def _group_scores(tot: F64, med: F64, c: F64, conserved: npt.NDArray[np.bool_], 
         rows = np.flatnonzero(group == g)
         position[rows] = np.arange(rows.size)
     for j in np.flatnonzero(conserved).tolist():
-        per_call = tot[:, j] / c[:, j]
+        per_call = tot[:, j] / c[:, j] / own[:, 0]
         against = np.ones(group.size)
         for q in np.unique(position[position >= 0]).tolist():
             at = position == q

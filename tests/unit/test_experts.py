@@ -19,11 +19,11 @@ GROUPED = ("void cutlass::device_kernel<cutlass::gemm::kernel::GemmUniversal<cut
 CALLS = 48
 
 
-def _job(load: np.ndarray, slow: dict[int, float] | None = None, seed: int = 0, noise: float = 0.02
-         ) -> tuple[list[KernelTotals], dict[int, int]]:
+def _job(load: np.ndarray, slow: dict[int, float] | None = None, seed: int = 0, noise: float = 0.02,
+         speed: dict[int, float] | None = None) -> tuple[list[KernelTotals], dict[int, int]]:
     """Eight dense kernels and one grouped GEMM on ``load.size`` ranks; the grouped GEMM's time per call is
-    its rank's routed tokens (``load`` x 4096) times its speed (``slow``: rank -> factor). Returns the totals
-    and each rank's tokens."""
+    its rank's routed tokens (``load`` x 4096) times its slowness (``slow``: rank -> factor); ``speed``: rank ->
+    factor on everything it runs. Returns the totals and each rank's tokens."""
     rng = np.random.default_rng(seed)
     n = load.size
     tokens = {r: round(4096 * float(load[r])) * CALLS for r in range(n)}
@@ -32,12 +32,13 @@ def _job(load: np.ndarray, slow: dict[int, float] | None = None, seed: int = 0, 
         base = float(rng.lognormal(np.log(1e5), 0.5))
         t = KernelTotals(f"sm90_xmma_gemm_{k}", 7)
         for r in range(n):
-            d = base * np.exp(noise * rng.standard_normal(CALLS))
+            d = base * (speed or {}).get(r, 1.0) * np.exp(noise * rng.standard_normal(CALLS))
             t.total_ns[r], t.calls[r], t.median_ns[r] = float(d.sum()), float(CALLS), float(np.median(d) * CALLS)
         out.append(t)
     g = KernelTotals(GROUPED, 7)
     for r in range(n):
-        d = 50.0 * tokens[r] / CALLS * (slow or {}).get(r, 1.0) * np.exp(noise * rng.standard_normal(CALLS))
+        d = 50.0 * tokens[r] / CALLS * (slow or {}).get(r, 1.0) * (speed or {}).get(r, 1.0) * np.exp(
+            noise * rng.standard_normal(CALLS))
         g.total_ns[r], g.calls[r], g.median_ns[r] = float(d.sum()), float(CALLS), float(np.median(d) * CALLS)
     out.append(g)
     return out, tokens
@@ -108,3 +109,12 @@ def test_one_expert_group_without_tokens_is_not_judged() -> None:
     assert detect_kernel_excess(hot, topo) == [] and detect_kernel_excess(slow, topo) == []
     # Without a topology (no EP known), grouped GEMMs compare as any kernel: the slow one is named.
     assert [r.ranks for r in detect_kernel_excess(slow)] == [(3,)]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_ranks_own_speeds_do_not_make_a_group_mean_slow(seed: int) -> None:
+    # Two EP groups of two (a DP2 x TP2 stage): the hot member of the first group is also a 3 % faster GPU
+    # and its cold peer 3 % slower. A group mean that mixed their speeds read as the cold member's excess.
+    topo = build_topology("j", 4, ep=2)
+    totals, _ = _job(_conserved(2, 2, 1.5), seed=seed, noise=0.005, speed={0: 1.03, 1: 0.97})
+    assert detect_kernel_excess(totals, topo) == []
