@@ -25,14 +25,14 @@ Grouped GEMMs are known by name (:data:`GROUPED_GEMM_MARKERS`); experts run as a
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 import numpy.typing as npt
 
 from argus.schemas.records import JobTopology
 
-__all__ = ["GROUPED_GEMM_MARKERS", "ep_group_ids", "group_means", "is_grouped_gemm",
+__all__ = ["GROUPED_GEMM_MARKERS", "ep_group_ids", "every_groups_expert", "group_means", "is_grouped_gemm",
            "per_token_scale"]
 
 F64 = npt.NDArray[np.float64]
@@ -82,3 +82,25 @@ def per_token_scale(ranks: Sequence[int] | I64, tokens: Mapping[int, int] | None
     if got.size == 0 or not (got > 0).all():
         return None
     return np.asarray(np.median(got) / got, dtype=np.float64)
+
+
+def every_groups_expert(ranks: Iterable[int], topology: JobTopology | None) -> set[int]:
+    """The ranks of ``ranks`` that hold one expert position in *every* expert-parallel group of the job (two
+    groups or more): the signature of a popular expert, whose rank's compute phases run longer in every data-
+    parallel replica, not of faults (independent GPUs do not slow down at the same expert in every replica).
+    Empty without expert parallelism."""
+    if topology is None or topology.ep_size < 2:
+        return set()
+    members: dict[int, list[int]] = {}
+    for r, g in zip(topology.rank, topology.ep_group, strict=True):
+        members.setdefault(g, []).append(r)
+    if len(members) < 2:
+        return set()
+    where = {r: (g, i) for g, rs in members.items() for i, r in enumerate(sorted(rs))}
+    named = {r for r in ranks if r in where}
+    out: set[int] = set()
+    for pos in {where[r][1] for r in named}:
+        at = {r for r in named if where[r][1] == pos}
+        if {where[r][0] for r in at} == set(members):
+            out |= at
+    return out

@@ -35,6 +35,7 @@ import numpy as np
 
 from argus.core.kinds import FindingKind
 from argus.core.settings import Settings
+from argus.detectors.experts import every_groups_expert
 from argus.detectors.findings import DetectorResult, to_finding
 from argus.detectors.impact import StepClock, impact_of, worth_raising
 from argus.detectors.kernel_excess import detect_kernel_excess
@@ -56,6 +57,8 @@ __all__ = ["CORROBORATES_ONLY", "DiagnosisParams", "JobDiagnosis", "JudgedWindow
 _LEARNT_KEPT = 256
 _GPU_NS, _WALL_NS, _START_NS = attrgetter("gpu_ns"), attrgetter("wall_ns"), attrgetter("start_ns")
 _TOKENS = attrgetter("expert_tokens")
+#: L2 kinds naming ranks slow in their own compute phases.
+_RANK_PHASE_KINDS = frozenset({FindingKind.COMPUTE_STRAGGLER, FindingKind.PHASE_STRAGGLER})
 #: The span of a job-wide judgement (every step): before and after any epoch time.
 _NO_START, _NO_END = -(1 << 62), 1 << 62
 
@@ -316,7 +319,11 @@ class JobDiagnosis:
                 self._onsets.append(step)
             results.append(r)
         if self.topology is not None and self._complete:
-            results.extend(self._history.detect(self.topology, self.params.l2, onset_step=onset))
+            l2 = self._history.detect(self.topology, self.params.l2, onset_step=onset)
+            # A popular MoE expert's rank runs longer phases in every expert group: routing, not a fault.
+            routed = every_groups_expert({r for res in l2 if res.kind in _RANK_PHASE_KINDS for r in res.ranks},
+                                         self.topology)
+            results.extend(res for res in l2 if not (res.kind in _RANK_PHASE_KINDS and routed.issuperset(res.ranks)))
         new = []
         world = self.world_size or (len(self.topology.rank) if self.topology else 1)
         for finding in judge(self.job_id, list(results), self.last_time_ns, world, self.clock(),

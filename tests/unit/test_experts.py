@@ -118,3 +118,15 @@ def test_ranks_own_speeds_do_not_make_a_group_mean_slow(seed: int) -> None:
     topo = build_topology("j", 4, ep=2)
     totals, _ = _job(_conserved(2, 2, 1.5), seed=seed, noise=0.005, speed={0: 1.03, 1: 0.97})
     assert detect_kernel_excess(totals, topo) == []
+
+
+def test_ranks_at_one_expert_in_every_group_are_routing_not_faults() -> None:
+    from argus.detectors.experts import every_groups_expert
+
+    topo = build_topology("j", 16, ep=8)  # groups 0-7 and 8-15
+    assert every_groups_expert({6, 14}, topo) == {6, 14}  # position 6 of both groups
+    assert every_groups_expert({6}, topo) == set()  # one group only: a rank of its own
+    assert every_groups_expert({6, 13}, topo) == set()  # different positions
+    assert every_groups_expert({6, 14, 3}, topo) == {6, 14}
+    assert every_groups_expert({1, 2}, build_topology("j", 8, ep=8)) == set()  # one group: nothing to say
+    assert every_groups_expert({6, 14}, build_topology("j", 16)) == set() and every_groups_expert({1}, None) == set()
