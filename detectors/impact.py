@@ -9,7 +9,8 @@ user, whatever its statistical strength: :func:`worth_raising` says so.
 
 The delay per step comes from the detectors: L1 and L2 results carry ``delay_ns_per_step`` and
 ``steps_affected``; an L3 result carries ``excess_ns`` over the judged window, spread over the steps that
-began in it (:meth:`StepClock.steps_in`).
+began in it (:meth:`StepClock.steps_in`) -- from the onset on where its rank slowed down inside the window
+(:attr:`StepClock.onsets`, :mod:`argus.detectors.onsets`): a late onset's excess is the affected steps' only.
 """
 
 from __future__ import annotations
@@ -27,11 +28,17 @@ __all__ = ["Impact", "StepClock", "impact_of", "worth_raising"]
 
 @dataclass(frozen=True)
 class StepClock:
-    """What the diagnosis knows of a job's steps: their start times (ns since the epoch, ascending) and the
-    median iteration time (ns; 0 when unknown)."""
+    """What the diagnosis knows of a job's steps: their start times (ns since the epoch, ascending), the
+    median iteration time (ns; 0 when unknown), ``onsets``: (rank, start ns of its onset step) of the ranks
+    that slowed down part way through the steps (:func:`~argus.detectors.onsets.rank_onsets`), by rank, and
+    the ranks' routed tokens (:mod:`argus.detectors.experts`)."""
 
     starts_ns: tuple[int, ...] = ()
     median_step_ns: float = 0.0
+    onsets: tuple[tuple[int, int], ...] = ()
+    #: (rank, tokens routed to its MoE experts over the complete steps) of the ranks that counted them in every
+    #: complete step (``Step.expert_tokens``), by rank; empty when not counted.
+    expert_tokens: tuple[tuple[int, int], ...] = ()
 
     @classmethod
     def of(cls, starts_ns: Sequence[int], step_ns: Sequence[float]) -> StepClock:
@@ -46,6 +53,18 @@ class StepClock:
         lo = bisect.bisect_left(self.starts_ns, start_ns)
         hi = bisect.bisect_left(self.starts_ns, end_ns)
         return max(hi - lo, 1)
+
+    def affected_steps(self, ranks: Sequence[int], start_ns: int, end_ns: int) -> int:
+        """Steps of ``[start_ns, end_ns)`` an excess of ``ranks`` was spent in: from the earliest onset among them
+        where every one has an onset inside the span (:attr:`onsets`), else every step that began in it."""
+        onset = dict(self.onsets)
+        at = [onset.get(r) for r in ranks]
+        if not at or any(a is None for a in at):
+            return self.steps_in(start_ns, end_ns)
+        first = min(a for a in at if a is not None)
+        if not start_ns < first < end_ns:
+            return self.steps_in(start_ns, end_ns)
+        return self.steps_in(first, end_ns)
 
 
 @dataclass(frozen=True)

@@ -30,19 +30,26 @@ kernels is one :attr:`~argus.core.kinds.FindingKind.KERNEL_DEGRADED` result nami
 excess (score: its time over the predicted one, less 1), the others in the evidence.
 
 Only kernels that every rank of the set runs with the same calls (at least ``kernel_min_calls``) are
-compared: the same work. Collectives are left out (they wait for their group).
+compared: the same work. Collectives are left out (they wait for their group). An MoE layer's grouped GEMMs
+run the tokens routed to each rank's experts, not the same work (:mod:`argus.detectors.experts`): with the
+ranks' routed tokens known they are compared per token; without, each rank's EP group's mean is compared
+across groups (the router conserves a group's tokens: a hot expert's gain is its peers' loss) and only one
+member of a group in excess is named, the slowest against the same expert position in the other groups;
+with one group to compare, they are not judged per rank.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
 from scipy.special import ndtri
 
 from argus.core.kinds import FindingKind
+from argus.detectors.experts import ep_group_ids, group_means, is_grouped_gemm, per_token_scale
 from argus.detectors.l2_groups import loo_median_rows
 from argus.detectors.l3_kernels import L3Result, is_collective
 from argus.detectors.l3_ranks import KernelTotals, RankExcessParams, comparison_sets, totals_matrix
@@ -63,13 +70,16 @@ _SPREAD_RANKS = 5
 
 
 def detect_kernel_excess(totals: Iterable[KernelTotals], topology: JobTopology | None = None,
-                         params: RankExcessParams | None = None, exclude: Iterable[int] = ()) -> list[L3Result]:
+                         params: RankExcessParams | None = None, exclude: Iterable[int] = (),
+                         expert_tokens: Mapping[int, int] | None = None) -> list[L3Result]:
     """Ranks with kernels slower than their own speed predicts (see the module docstring).
 
     ``totals``: one :class:`KernelTotals` per (kernel, stream) of the job, with ``median_ns`` (ranks
     without it are left out of a kernel). ``topology``: ranks are compared within their pipeline stage
     (small stages job-wide in the kernels every rank shares) when given, else across the job.
-    ``exclude``: ranks not to name (already named slow across kernels). One result per named rank.
+    ``exclude``: ranks not to name (already named slow across kernels). ``expert_tokens``: per rank, the
+    tokens routed to its experts over the same steps (grouped GEMMs are then compared per token). One result
+    per named rank.
     """
     p = params if params is not None else RankExcessParams()
     usable = [t for t in totals if t.calls and not is_collective(t.kernel, p.collective_markers)]
@@ -79,9 +89,13 @@ def detect_kernel_excess(totals: Iterable[KernelTotals], topology: JobTopology |
     keys = [(t.kernel, t.stream) for t in usable]
     skip = set(exclude)
     out: dict[int, L3Result] = {}
+    routed = np.array([is_grouped_gemm(k) for k, _ in keys], dtype=bool)
+    groups = ep_group_ids(topology, ranks)
     for label, rows, cols, judged in comparison_sets(part, calls, p):
+        moe = _Experts(routed[cols], per_token_scale(ranks[rows], expert_tokens),
+                       None if groups is None else groups[rows])
         for res in _judge(ranks[rows], total[np.ix_(rows, cols)], median[np.ix_(rows, cols)],
-                          calls[np.ix_(rows, cols)], [keys[j] for j in cols.tolist()], label, p):
+                          calls[np.ix_(rows, cols)], [keys[j] for j in cols.tolist()], label, p, moe):
             r = res.ranks[0]
             if r in skip or r in out or not judged[int(np.searchsorted(ranks[rows], r))]:
                 continue
@@ -89,8 +103,36 @@ def detect_kernel_excess(totals: Iterable[KernelTotals], topology: JobTopology |
     return [out[r] for r in sorted(out)]
 
 
-def _residuals(per_call: F64, calls: F64) -> tuple[F64, F64, F64]:
-    """The two-way model's residuals, their z-scores and the ranks' speeds (log), for ranks x kernels."""
+@dataclass(frozen=True)
+class _Experts:
+    """How one comparison set's grouped GEMMs are read: ``routed`` per kernel column; ``scale`` per rank (time
+    to time per token, :func:`~argus.detectors.experts.per_token_scale`; None: tokens unknown); ``group`` per
+    rank (its EP group; None without expert parallelism)."""
+
+    routed: npt.NDArray[np.bool_]
+    scale: F64 | None
+    group: I64 | None
+
+    def per_token(self, values: F64, cols: I64) -> F64:
+        """``values`` (ranks x ``cols``) with the routed columns per token where the tokens are known."""
+        if self.scale is None or not self.routed[cols].any():
+            return values
+        out = values.copy()
+        out[:, self.routed[cols]] *= self.scale[:, None]
+        return out
+
+    def conserved(self, cols: I64) -> npt.NDArray[np.bool_]:
+        """Per column of ``cols``: judged on EP-group means (routed, tokens unknown, expert parallelism)."""
+        if self.scale is not None or self.group is None:
+            return np.zeros(cols.size, dtype=bool)
+        return np.asarray(self.routed[cols], dtype=bool)
+
+
+def _residuals(per_call: F64, calls: F64, pooled_only: npt.NDArray[np.bool_] | None = None
+               ) -> tuple[F64, F64, F64]:
+    """The two-way model's residuals, their z-scores and the ranks' speeds (log), for ranks x kernels;
+    ``pooled_only``: kernels whose noise is the pooled scale alone (EP-group means: a few distinct values,
+    whose own spread is the difference being judged)."""
     x = np.log(per_call)
     n = x.shape[0]
     ref = loo_median_rows(x.T).T  # each rank against its peers' median, kernel by kernel
@@ -103,12 +145,14 @@ def _residuals(per_call: F64, calls: F64) -> tuple[F64, F64, F64]:
     scale = np.maximum(pooled * widen, _SCALE_FLOOR)
     if n >= _SPREAD_RANKS:
         own = _MAD_SCALE * np.median(np.abs(e - np.median(e, axis=0)), axis=0)
+        if pooled_only is not None:
+            own = np.where(pooled_only, 0.0, own)
         scale = np.maximum(scale, own)
     return e, e / scale, speed[:, 0]
 
 
 def _judge(ranks: I64, total: F64, median: F64, calls: F64, keys: Sequence[tuple[str, int]], part: int,
-           p: RankExcessParams) -> list[L3Result]:
+           p: RankExcessParams, moe: _Experts) -> list[L3Result]:
     n = ranks.size
     same = ((calls >= p.kernel_min_calls).all(axis=0) & (calls.max(axis=0) <= (1.0 + _SAME_CALLS) * calls.min(axis=0))
             & (total > 0).all(axis=0) & (np.nan_to_num(median) > 0).all(axis=0))
@@ -116,8 +160,14 @@ def _judge(ranks: I64, total: F64, median: F64, calls: F64, keys: Sequence[tuple
         return []
     cols = np.flatnonzero(same)
     c = calls[:, cols]
-    e_plain, z_plain, speed = _residuals(total[:, cols] / c, c)
-    _, z_median, _ = _residuals(median[:, cols] / c, c)
+    tot, med = moe.per_token(total[:, cols], cols), moe.per_token(median[:, cols], cols)
+    e_plain, z_plain, speed = _residuals(tot / c, c)
+    _, z_median, _ = _residuals(med / c, c)
+    conserved = moe.conserved(cols)
+    if conserved.any():
+        z_plain, z_median, keep = _group_scores(tot, med, c, conserved, speed, moe.group)
+    else:
+        keep = np.ones_like(z_plain, dtype=bool)
     z = z_plain
     bound = max(p.kernel_min_z if n >= 3 else p.min_z_two_ranks, float(ndtri(1.0 - p.alpha / (n * cols.size))))
     # The size and its significance are the plain total's; the median total corroborates (module docstring).
@@ -125,11 +175,11 @@ def _judge(ranks: I64, total: F64, median: F64, calls: F64, keys: Sequence[tuple
     # Of two ranks each one's residuals mirror the other's (a slow GEMM on one reads as the other's slower
     # everything else once its speed is taken out): there both totals are held to the bound.
     corroborate = float(ndtri(1.0 - p.alpha)) if n >= 3 else bound
-    hit = (z >= bound) & (z_median >= corroborate) & (e >= math.log(p.kernel_min_ratio))
+    hit = (z >= bound) & (z_median >= corroborate) & (e >= math.log(p.kernel_min_ratio)) & keep
     hit[:, 2 * hit.sum(axis=0) > n] = False  # slower on most ranks: the kernel's work changed, not a rank
     if not hit.any():
         return []
-    per_call = total[:, cols] / c
+    per_call = tot / c
     expected = per_call / np.exp(e_plain)
     extra = np.where(hit, c * expected * np.expm1(e), 0.0)
     out = []
@@ -149,3 +199,45 @@ def _judge(ranks: I64, total: F64, median: F64, calls: F64, keys: Sequence[tuple
             "top_kernels_calls": {k: float(c[i, j]) for k, j in named.items()},
         }, excess_ns=float(extra[i].sum())))
     return out
+
+
+def _group_scores(tot: F64, med: F64, c: F64, conserved: npt.NDArray[np.bool_], speed: F64,
+                  group: I64 | None) -> tuple[F64, F64, npt.NDArray[np.bool_]]:
+    """The plain and median z-scores with the ``conserved`` columns read as each rank's EP-group mean (the
+    router conserves a group's tokens), and where a rank may be named: in those columns only the member of its
+    group slowest against its position's median over the groups, and none where fewer than two groups compare
+    (module docstring). ``speed``: each rank's speed (log), taken out of the values a group's mean is made of
+    and put back into each member's (a mean over members mixes their speeds, which the model takes out per rank:
+    left in, two members' ordinary few-percent difference reads as their group's excess)."""
+    assert group is not None
+    own = np.exp(speed)[:, None]
+    g_tot, enough = group_means(tot[:, conserved] / own, group)
+    g_med, _ = group_means(med[:, conserved] / own, group)
+    t2, m2 = tot.copy(), med.copy()
+    t2[:, conserved], m2[:, conserved] = g_tot * own, g_med * own
+    _, z_plain, _ = _residuals(t2 / c, c, conserved)
+    _, z_median, _ = _residuals(m2 / c, c, conserved)
+    keep = np.ones_like(z_plain, dtype=bool)
+    if not bool(enough):
+        keep[:, conserved] = False
+        return z_plain, z_median, keep
+    # Within a group the member named is the one slowest against the same position of the other groups (the
+    # same expert: a hot expert is hot in every group), not the one with the most time (which may be the hot
+    # expert, its group's slow member being a cold one).
+    ids = np.unique(group[group >= 0])
+    position = np.full(group.size, -1, dtype=np.int64)
+    for g in ids.tolist():
+        rows = np.flatnonzero(group == g)
+        position[rows] = np.arange(rows.size)
+    for j in np.flatnonzero(conserved).tolist():
+        per_call = tot[:, j] / c[:, j] / own[:, 0]
+        against = np.ones(group.size)
+        for q in np.unique(position[position >= 0]).tolist():
+            at = position == q
+            against[at] = per_call[at] / np.median(per_call[at])
+        for g in ids.tolist():
+            rows = np.flatnonzero(group == g)
+            top = rows[int(np.argmax(against[rows]))]
+            keep[rows, j] = False
+            keep[top, j] = True
+    return z_plain, z_median, keep

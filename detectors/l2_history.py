@@ -312,6 +312,31 @@ class PhaseHistory:
         pid[np.array(order, dtype=np.int64)] = np.arange(len(order))
         return pid
 
+    def compute_own(self, last: int | None = None) -> tuple[list[int], I64, I64, F64]:
+        """The held steps (ascending; with ``last``, only the latest that many) and, per (rank, compute phase)
+        seen in them, its rank, its phase id and its own time in each step (rows x steps, ns: the phase's time
+        less its nested blocking collectives, summed over its occurrences; NaN where the rank did not run it
+        that step). Forward, backward and optimizer phases only. For :mod:`argus.detectors.onsets`."""
+        steps = self.steps()
+        if last is not None:
+            steps = steps[-last:] if last > 0 else []
+        n_ids = max(len(self.index.keys), 1)
+        compute = np.array([k[1] in COMPUTE_KINDS for k in self.index.keys], dtype=bool)
+        keys, values, cols = [], [], []
+        for j, s in enumerate(steps):
+            piece = self._pieces[s]
+            shape = piece.shape
+            sel = compute[shape.cell_gid] if shape.cell_gid.size else np.zeros(0, dtype=bool)
+            keys.append(shape.cell_rank[sel] * n_ids + shape.cell_gid[sel])
+            values.append(piece.column[:shape.n_own][sel].astype(np.float64))
+            cols.append(np.full(keys[-1].size, j, dtype=np.int64))
+        every = np.concatenate(keys) if keys else np.empty(0, np.int64)
+        cells, row = np.unique(every, return_inverse=True)
+        out = np.full((cells.size, len(steps)), np.nan)
+        if every.size:
+            out[row, np.concatenate(cols)] = np.concatenate(values)
+        return steps, cells // n_ids, cells % n_ids, out
+
     def detect(self, topology: JobTopology, params: L2Params, onset_step: int | None = None) -> list[L2Result]:
         """``detect_l2`` over the held steps (see the module docstring); [] when no step is held."""
         steps = self.steps()

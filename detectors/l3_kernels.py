@@ -67,6 +67,7 @@ from argus.core.errors import DetectorError
 from argus.core.kinds import FindingKind
 from argus.detectors.cdf_grid import median_sample, sample_reference, score_against
 from argus.detectors.collective_groups import collective_groups, collective_kinds, is_p2p
+from argus.detectors.experts import is_grouped_gemm
 from argus.detectors.kernel_modes import ReferenceModes, reference_modes
 from argus.detectors.kernel_rows import SummaryColumns, lower_part_floors, merge_rows, one_key, row_floors, window_end
 from argus.detectors.l2_groups import loo_median
@@ -289,6 +290,10 @@ def detect_l3(summaries: Sequence[KernelSummary], topology: JobTopology | None =
     if not one_key(summaries):
         raise DetectorError("detect_l3 needs the summaries of exactly one (job, kernel, stream)")
     collective = is_collective(first.kernel, p.collective_markers)
+    if not collective and topology is not None and topology.ep_size >= 2 and is_grouped_gemm(first.kernel):
+        # An expert-parallel job's grouped GEMMs run each rank's routed tokens, not the same work: they are
+        # judged per token or per EP group, over the job (kernel_excess; argus.detectors.experts).
+        return []
     # Few calls of a collective are judged only in one grouping (the group the trace named, or the only kind
     # the topology has): read in every grouping, a handful of calls per member is too little to tell waiting
     # from a slow group.

@@ -54,6 +54,7 @@ __all__ = [
     "KIND_CLASS",
     "LINK_FAULTS",
     "MAX_KERNEL_EVENTS",
+    "MOE_CLASSES",
     "RANK_KINDS",
     "Scenario",
     "Timeline",
@@ -71,11 +72,12 @@ I64 = npt.NDArray[np.int64]
 B8 = npt.NDArray[np.bool_]
 
 FAULT_CLASSES = ("compute_straggler", "stage_slow", "link_degraded", "one_mode", "job_regression", "host_stall",
-                 "healthy", "short_trace", "slow_host",
-                 "link_small_group")
+                 "healthy", "short_trace", "slow_host", "link_small_group", "ep_straggler", "token_imbalance")
 #: Classes whose fault is a degraded link: ``link_small_group`` is one in a group of 2-4 members or among only two
 #: groups of its kind, in a trace whose NCCL kernels do not name their process group.
 LINK_FAULTS = ("link_degraded", "link_small_group")
+#: Classes drawn on MoE jobs with expert parallelism (EP >= 2) only.
+MOE_CLASSES = ("ep_straggler", "token_imbalance")
 #: Finding kinds that name a slow rank.
 RANK_KINDS = ("compute_straggler", "late_arrival", "kernel_degraded", "rank_degraded")
 #: Coarse class of each finding kind, for precision/recall over (kind class, rank) pairs.
@@ -95,14 +97,18 @@ NCCL_STREAMS = {"tp": 0, "dp": 4, "ep": 8, "pp_prev": 12, "pp_next": 16, "mp": 2
 _SM90_GEMM = ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_{l}_n_tilesize{t}_warpgroupsize{w}"
               "_execute_segment_k_off_kernel__5x_cublas")
 _SM80_GEMM = "ampere_{d}_s16816gemm_{d}_{t}_ldg8_f2f_stages_64x3_{l}"
-_CUTLASS80 = ("void cutlass::Kernel2<cutlass_80_tensorop_{d}_s16816gemm_relu_{d}_{t}_{l}_align8>"
-              "(cutlass_80_tensorop_{d}_s16816gemm_relu_{d}_{t}_{l}_align8::Params)")
 _CUTLASS90 = ("void cutlass::device_kernel<cutlass::gemm::kernel::GemmUniversal<cutlass::gemm::GroupProblemShape"
               "<cute::tuple<int, int, int> >, cutlass::gemm::collective::CollectiveMma<cutlass::gemm::"
               "MainloopSm90ArrayTmaGmmaWarpSpecialized<{s}, cute::tuple<cute::C<1>, cute::C<1>, cute::C<1> >, "
               "cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative>, cute::tuple<cute::C<{t}>, "
               "cute::C<64> >, cutlass::bfloat16_t, cute::tuple<long, cute::C<1>, cute::C<0> >*, "
               "cutlass::bfloat16_t, cute::tuple<long, cute::C<1>, cute::C<0> >*> > >(...)")
+_GROUPED80 = ("void cutlass::Kernel<cutlass::gemm::kernel::GemmGrouped<cutlass::gemm::threadblock::MmaMultistage<"
+              "cutlass::gemm::GemmShape<{m}, {n}, {k}>, cutlass::bfloat16_t, cutlass::layout::RowMajor>, "
+              "cutlass::epilogue::threadblock::Epilogue<cutlass::gemm::GemmShape<{m}, {n}, {k}> >, "
+              "cutlass::gemm::threadblock::GemmBatchedIdentityThreadblockSwizzle, "
+              "(cutlass::gemm::kernel::GroupScheduleMode)0, false> >(cutlass::gemm::kernel::GemmGrouped<"
+              "cutlass::gemm::GemmShape<{m}, {n}, {k}> >::Params)")
 _SM90_TILES = ("128x128x64", "256x128x64", "128x256x64", "64x128x64", "128x64x64", "256x64x64", "64x256x64",
                "192x128x64")
 _SM80_TILES = ("128x128", "256x128", "128x256", "64x128", "128x64", "256x64", "64x256", "64x64")
@@ -319,6 +325,15 @@ class Scenario:
     pg_config: bool = True
     #: Members of a collective end within this many µs of each other (the ring's last hops), not at one instant.
     coend_jitter_us: float = 0.0
+    #: MoE routing: per position in an expert group, the share of the group's routed tokens its experts get,
+    #: over an even share (mean 1; empty: even). Tokens are conserved within a group: a hot expert's extra
+    #: tokens are its peers' missing ones. Per chunk the shares also wander (``routing_noise``, log sigma).
+    expert_skew: tuple[float, ...] = ()
+    routing_noise: float = 0.08
+    #: The trace records routed tokens: each forward grouped GEMM's cpu_op (``GroupedGemm``, as the
+    #: ``grouped_gemm`` package's autograd function shows with ``record_shapes``) carries ``Input Dims`` whose
+    #: first input is ``[tokens routed to the rank's experts, hidden]``.
+    token_counts: bool = False
 
     @property
     def world(self) -> int:
@@ -403,6 +418,9 @@ class Scenario:
         own = np.random.default_rng([seed, 12]) if seed is not None else rng
         scn = dataclasses.replace(scn, pg_config=scn.pg_args or bool(own.random() < 0.5),
                                   coend_jitter_us=float(own.uniform(0.5, 4.0)))
+        if scn.moe:
+            moe_rng = np.random.default_rng([seed, 13])
+            scn = dataclasses.replace(scn, token_counts=bool(moe_rng.random() < 0.5))
         return _draw_fault(scn, rng)
 
 
@@ -425,12 +443,14 @@ def _draw_topology(rng: np.random.Generator, fault: str, max_ranks: int) -> tupl
             continue
         if dp < 2 and fault != "stage_slow":
             continue
+        if fault in MOE_CLASSES and dp % 2:
+            continue
         world = dp * tp * pp
         if not lo <= world <= hi or (fault == "stage_slow" and dp * tp < 2):
             continue
         if fault == "slow_host" and dp * tp < 4 * GPUS_PER_NODE:
             continue
-        moe = dp >= 2 and rng.random() < 0.25 and fault != "short_trace"
+        moe = dp >= 2 and (rng.random() < 0.25 or fault in MOE_CLASSES) and fault != "short_trace"
         ep = int(rng.choice([e for e in (2, 4, 8) if dp % e == 0 and e <= dp])) if moe else 1
         if fault == "link_degraded" and not _link_kinds(dp, tp, pp, ep):
             continue
@@ -521,6 +541,19 @@ def _draw_fault(scn: Scenario, rng: np.random.Generator) -> Scenario:
         return dataclasses.replace(scn, stall_steps=tuple(sorted(chosen)), magnitude=mag(2.0, 4.0))
     if f == "short_trace":
         return dataclasses.replace(scn, fault_ranks=(int(rng.integers(0, w)),), magnitude=mag(1.3, 1.6), onset=0)
+    if f == "ep_straggler":
+        # One expert rank's GPU runs its grouped GEMMs slow (its all-to-all peers wait for it).
+        return dataclasses.replace(scn, fault_ranks=(int(rng.integers(0, w)),), magnitude=mag(1.3, 2.5),
+                                   onset=onset())
+    if f == "token_imbalance":
+        # A healthy job whose router favours one expert position: its grouped GEMMs get `hot` times an even
+        # share of the tokens, its peers fewer (tokens are conserved in an expert group); no fault.
+        e = scn.ep
+        hot = mag(1.3, min(3.0, 0.8 * e))
+        cold = (e - hot) / (e - 1)
+        pos = int(rng.integers(0, e))
+        return dataclasses.replace(scn, expert_skew=tuple(hot if i == pos else cold for i in range(e)),
+                                   magnitude=hot)
     return scn
 
 
@@ -641,10 +674,10 @@ class _Catalog:
                 gemm_names[f"gemm_fwd:{shape}"] = gemm("tn", i)
                 gemm_names[f"gemm_dgrad:{shape}"] = gemm("nn", (i + 2) % len(tiles))
                 gemm_names[f"gemm_wgrad:{shape}"] = gemm("nt", (i + 4) % len(tiles))
-        expert = (_CUTLASS90.format(s=2, t=256) if arch == "sm90"
-                  else _CUTLASS80.format(d=dt, t="64x64_64x4", l="tn"))
-        expert_bwd = (_CUTLASS90.format(s=3, t=128) if arch == "sm90"
-                      else _CUTLASS80.format(d=dt, t="128x64_32x6", l="nn"))
+        # Grouped GEMMs: CUTLASS 3 grouped problem shapes on Hopper, CUTLASS 2 GemmGrouped (the grouped_gemm
+        # package) on Ampere.
+        expert = (_CUTLASS90.format(s=2, t=256) if arch == "sm90" else _GROUPED80.format(m=128, n=128, k=32))
+        expert_bwd = (_CUTLASS90.format(s=3, t=128) if arch == "sm90" else _GROUPED80.format(m=128, n=64, k=64))
         self.key_name.update(gemm_names)
         self.key_name.update({"gemm_expert": expert, "gemm_expert_bwd": expert_bwd})
         flash = {"attn_fwd": _FLASH_FWD, "attn_bwd": _FLASH_BWD, "attn_dot": _FLASH_DOT, "attn_cvt": _FLASH_CVT}
@@ -952,6 +985,8 @@ class Timeline:
     launch_base: F64
     #: per rank: where the host leaves the last step (its ProfilerStep end, µs)
     cpu_end: F64
+    #: per kernel: tokens routed to the rank's experts in a forward grouped GEMM (-1 for other kernels)
+    tokens: I64 = field(default_factory=lambda: np.zeros(0, np.int64))
 
     COLL_KINDS = ("allreduce", "allreduce_f32", "allreduce_max", "reducescatter", "reducescatter_f32", "allgather",
                   "alltoall", "send", "recv")
@@ -983,6 +1018,8 @@ class _Sim:
         self.streams = {kind: scn.nccl_stream_base + off for kind, off in NCCL_STREAMS.items()}
         self.free = {k: np.zeros(w) for k in self.streams}
         self.blocks: list[tuple[I64, I64, F64, F64]] = []  # (ranks, meta rows [n, 8], start, dur)
+        #: per block (by index) whose kernels route tokens: tokens per kernel and rank (-1: none)
+        self.tokens: dict[int, I64] = {}
         self.chunk_id = 0
         # Link degradation multipliers per stage (shape of the group reduction), from the onset.
         self.link: dict[tuple[str, int], npt.NDArray[np.float64]] = {}
@@ -1024,14 +1061,15 @@ class _Sim:
 
     def _fault(self, seg: _Seg, s: int, n: int, bwd: bool) -> F64 | None:
         scn = self.scn
-        if scn.fault in ("healthy", "host_stall", *LINK_FAULTS) or n < scn.onset:
+        if scn.fault in ("healthy", "host_stall", "token_imbalance", *LINK_FAULTS) or n < scn.onset:
             return None
         ranks = np.arange(s * self.ns, (s + 1) * self.ns)
-        if scn.fault in ("compute_straggler", "short_trace", "one_mode", "slow_host"):
+        if scn.fault in ("compute_straggler", "short_trace", "one_mode", "slow_host", "ep_straggler"):
             rmask = np.isin(ranks, scn.fault_ranks)
             if not rmask.any():
                 return None
-            omask = (seg.mode if scn.fault == "one_mode" else seg.compute if scn.all_compute else seg.gemm)
+            omask = (seg.mode if scn.fault == "one_mode" else seg.expert if scn.fault == "ep_straggler"
+                     else seg.compute if scn.all_compute else seg.gemm)
         elif scn.fault == "stage_slow":
             if s != scn.fault_stage or not bwd:
                 return None
@@ -1107,7 +1145,8 @@ class _Sim:
         chunk = self.chunk_id
         self.chunk_id += 1
         rank_f = self.persist[sl] * self.rank_step[n, sl] * self.step_shared[n]
-        load = self.rng.lognormal(0.0, 0.08, self.ns) if scn.moe else None
+        load = self._routing() if scn.moe else None
+        tokens = np.rint(scn.tokens * scn.topk * load).astype(np.int64) if load is not None else None
         for seg in prog.segs:
             if seg.coll:
                 arrive = np.maximum(t, self.free[seg.coll][sl])
@@ -1136,9 +1175,23 @@ class _Sim:
             meta[:, :3] = seg.meta
             meta[:, 3], meta[:, 4], meta[:, 5], meta[:, 6], meta[:, 7] = COMPUTE_STREAM, n, chunk, phase, -1
             self._record(ranks, meta, starts, d)
+            if tokens is not None and seg.expert.any():
+                fwd = seg.expert & np.array([k == "gemm_expert" for k in seg.keys])
+                self.tokens[len(self.blocks) - 1] = np.where(fwd[:, None], tokens[None, :], -1)
             t = t + cum[-1]
         self.t[sl] = t
         return t0, t
+
+    def _routing(self) -> F64:
+        """Per rank of a stage: the tokens its experts get in one chunk over an even share. Each expert group
+        routes its tokens among its members (``expert_skew`` persistently, wandering per chunk), so the shares
+        of a group average 1: tokens are conserved."""
+        scn = self.scn
+        dp, tp, ep = scn.dp, scn.tp, scn.ep
+        raw = self.rng.lognormal(0.0, scn.routing_noise, self.ns).reshape(dp // ep, ep, tp)
+        if scn.expert_skew:
+            raw = raw * np.asarray(scn.expert_skew)[None, :, None]
+        return np.asarray((raw / raw.mean(axis=1, keepdims=True)).reshape(-1), dtype=np.float64)
 
     def _p2p(self, s_from: int, s_to: int, post_send: F64, n: int, m: int) -> None:
         """Send/recv of microbatch ``m`` from stage ``s_from`` to the adjacent ``s_to``; the receiver blocks."""
@@ -1285,10 +1338,13 @@ class _Sim:
         meta = np.concatenate([np.repeat(m, r.shape[0], axis=0) for r, m, _, _ in self.blocks])
         start = np.concatenate([s.reshape(-1) for _, _, s, _ in self.blocks])
         dur = np.concatenate([d.reshape(-1) for _, _, _, d in self.blocks])
+        routed = np.concatenate([self.tokens[i].reshape(-1) if i in self.tokens else np.full(d.size, -1, np.int64)
+                                 for i, (_, _, _, d) in enumerate(self.blocks)])
         return Timeline(scn=scn, names=list(self.cat.names), args=list(self.cat.args), rank=ranks,
                         name=meta[:, 0], cat=meta[:, 1], argid=meta[:, 2], stream=meta[:, 3], step=meta[:, 4],
                         chunk=meta[:, 5], phase=meta[:, 6], coll=meta[:, 7], start=start, dur=dur,
-                        cpu_start=cpu_start, launch_base=launch_base, cpu_end=np.asarray(host, np.float64))
+                        cpu_start=cpu_start, launch_base=launch_base, cpu_end=np.asarray(host, np.float64),
+                        tokens=routed)
 
 
 def simulate(scn: Scenario) -> Timeline:
@@ -1311,7 +1367,7 @@ def fault_delay_fraction(scn: Scenario, tl: Timeline | None = None) -> float | N
     per step to the group's least affected member (the transfer alone) and the growth of the median iteration
     time (a transfer hidden behind compute costs the job nothing). None for other classes."""
     link = scn.fault in LINK_FAULTS
-    if scn.fault not in ("compute_straggler", "one_mode", "short_trace", "slow_host", *LINK_FAULTS) \
+    if scn.fault not in ("compute_straggler", "one_mode", "short_trace", "slow_host", "ep_straggler", *LINK_FAULTS) \
             or not scn.fault_ranks:
         return None
     tl = tl if tl is not None else simulate(scn)
@@ -1358,7 +1414,7 @@ def expected_findings(scn: Scenario, iteration_us: Sequence[float] | None = None
         it = np.asarray(iteration_us)
         growth = float(np.median(it[scn.onset:]) / np.median(it[:scn.onset]) - 1.0)
     regression_ok = growth is not None and growth >= 0.05
-    if f in ("compute_straggler", "one_mode", "short_trace"):
+    if f in ("compute_straggler", "one_mode", "short_trace", "ep_straggler"):
         entry = {"kinds": list(RANK_KINDS), "ranks": list(scn.fault_ranks), "steps": None,
                  "onset": onset_step if f != "short_trace" else None}
         if delay_fraction is not None and delay_fraction < MIN_IMPACT_FRACTION:
@@ -1391,7 +1447,8 @@ def expected_findings(scn: Scenario, iteration_us: Sequence[float] | None = None
     elif f == "host_stall":
         exp.append({"kinds": ["iteration_spike"], "ranks": [], "steps": [scn.step_number(s) for s in scn.stall_steps],
                     "onset": None})
-    if regression_ok and f in ("compute_straggler", "one_mode", "stage_slow", "slow_host", *LINK_FAULTS):
+    if regression_ok and f in ("compute_straggler", "one_mode", "stage_slow", "slow_host", "ep_straggler",
+                                *LINK_FAULTS):
         opt.append({"kinds": ["step_regression"], "ranks": [], "steps": None, "onset": onset_step})
     return {"expected": exp, "optional": opt, "tolerated": tol, "onset_tolerance": 2, "step_tolerance": 1,
             "iteration_growth": growth, "fault_delay_fraction": delay_fraction, "max_incidents": incidents}
@@ -1614,6 +1671,18 @@ def _rank_events(tl: Timeline, r: int, idx: npt.NDArray[np.intp], base_ns: int, 
         rname, cbid = rt[cats[i]]
         ev.append(f'{{"ph":"X","cat":"cuda_runtime","name":"{rname}","pid":{pid},"tid":{tid},"ts":{l_ts[i]},'
                   f'"dur":{ld_ts[i]},"args":{{"External id":{ext[i]},"cbid":{cbid},"correlation":{corr[i]}}}}}')
+    if scn.token_counts and tl.tokens.size:
+        # The grouped GEMM's op around its launch, with its input shapes (record_shapes): tokens x hidden, the
+        # rank's experts' weights, the tokens per expert (their values are not recorded, only their shape).
+        tok = tl.tokens[idx]
+        local = max(1, 8 // scn.ep)
+        ffn = 4 * scn.hidden // scn.tp
+        for i in np.flatnonzero(tok >= 0).tolist():
+            a, b = _ts(np.array([launch[i] - 2000 + shift, int(ldur[i]) + 4000]))
+            ev.append(f'{{"ph":"X","cat":"cpu_op","name":"GroupedGemm","pid":{pid},"tid":{tid},"ts":{a},"dur":{b},'
+                      f'"args":{{"External id":{ext[i]},"Sequence number":{ext[i]},"Fwd thread id":0,'
+                      f'"Input Dims":[[{int(tok[i])},{scn.hidden}],[{local},{scn.hidden},{ffn}],[{local}],[]],'
+                      f'"Input type":["c10::BFloat16","c10::BFloat16","long int","Scalar"]}}}}')
     # Phase annotations (CPU around the launches, GPU mirror on the compute stream).
     if scn.annotate_phases:
         names3 = _PHASE_NAMES[scn.phase_style]
@@ -1714,7 +1783,7 @@ def write_scenario(scn: Scenario, out_dir: Path, timeline: Timeline | None = Non
         if scn.pg_config:
             info |= {"pg_count": len(pgs), "pg_config": pgs}
         head = {"schemaVersion": 1, "deviceProperties": devices, "distributedInfo": info,
-                "record_shapes": 0, "with_stack": 0, "host_name": host_name(scn, r),
+                "record_shapes": int(scn.token_counts), "with_stack": 0, "host_name": host_name(scn, r),
                 "trace_id": f"{scn.seed:08X}{r:08X}"}
         tail: dict[str, Any] = {"traceName": f"/tmp/trace/rank-{r}.pt.trace.json", "displayTimeUnit": "ms"}
         if not scn.absolute_ts:

@@ -65,7 +65,7 @@ class PhaseRec:
 class StepRec:
     """One step as recorded on the training thread."""
 
-    __slots__ = ("dropped_phases", "ev0", "ev1", "phases", "step", "t0", "t1")
+    __slots__ = ("dropped_phases", "ev0", "ev1", "expert_tokens", "phases", "step", "t0", "t1")
 
     def __init__(self, step: int, t0: int, ev0: Any = None) -> None:
         self.step, self.t0, self.t1 = step, t0, 0
@@ -73,6 +73,8 @@ class StepRec:
         self.ev1: Any = None
         self.phases: list[PhaseRec] = []
         self.dropped_phases = 0
+        #: tokens routed to the rank's MoE experts this step (None: not counted)
+        self.expert_tokens: int | None = None
 
     def events(self) -> list[Any]:
         out = [e for e in (self.ev0, self.ev1) if e is not None]
@@ -249,7 +251,7 @@ class StepResolver:
             groups.append(p.group)
             streams.append(p.stream if p.ev0 is not None else -1)
         gpu_ns = max(0, round((gpu_hi - gpu_lo) * 1e6)) if base is not None and rec.ev1 is not None else None
-        step = Step(self.job_id, self.rank, rec.step, start_ns, wall_ns, gpu_ns)
+        step = Step(self.job_id, self.rank, rec.step, start_ns, wall_ns, gpu_ns, rec.expert_tokens)
         batch = PhaseBatch(self.job_id, self.rank, rec.step, tuple(kinds), tuple(names), tuple(groups),
                            tuple(streams), tuple(starts), tuple(durs))
         ok_step = self._publisher.publish(Topic.STEPS, self._key, step)

@@ -164,7 +164,8 @@ def step_records(trace: RankTrace, job_id: str, shift_ns: int = 0,
                  else [(p.name, ParallelGroup.NONE) for p in ps])
         rec = None if s is None else Step(
             job_id, trace.rank, step, s.start_ns + shift_ns, s.dur_ns,
-            None if s.kernel_start_ns is None or s.kernel_end_ns is None else s.kernel_end_ns - s.kernel_start_ns)
+            None if s.kernel_start_ns is None or s.kernel_end_ns is None else s.kernel_end_ns - s.kernel_start_ns,
+            s.expert_tokens)
         out.append((rec, PhaseBatch(job_id, trace.rank, step, tuple(p.kind for p in ps), tuple(n for n, _ in named),
                                     tuple(g for _, g in named), tuple(p.stream for p in ps),
                                     tuple(p.start_ns + shift_ns for p in ps), tuple(p.dur_ns for p in ps))))

@@ -34,6 +34,7 @@ after the host launched them; the last step is open-ended); host events use the 
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import json
 import math
@@ -62,6 +63,11 @@ __all__ = ["GPU_CATEGORIES", "MAX_DEPTH", "MAX_EXPONENT_DIGITS", "MAX_FILE_BYTES
 
 #: Event categories imported as kernel events (compared lower-case).
 GPU_CATEGORIES = frozenset({"kernel", "gpu_memcpy", "gpu_memset"})
+#: Names of the host ops (``cpu_op``) of a forward grouped GEMM, whose first input is ``[routed tokens, hidden]``
+#: (``Input Dims``, traces recorded with ``record_shapes``): the ``grouped_gemm`` package's autograd function,
+#: PyTorch's grouped matmul and Transformer Engine's grouped linear. Their backward ops are not counted.
+GROUPED_GEMM_OPS = ("GroupedGemm", "aten::_grouped_mm", "_GroupedLinear")
+_GROUPED_OPS = frozenset(GROUPED_GEMM_OPS)
 _ANNOTATIONS = {"user_annotation": False, "gpu_user_annotation": True}  # category -> on the GPU timeline
 _STEP_RE = re.compile(r"ProfilerStep#(\d+)")
 _MAX_STEP_DIGITS = 10  # steps are int32; int() of a longer run is wasted work (or a ValueError)
@@ -225,6 +231,10 @@ class StepSpan:
     #: First kernel start and last kernel end of the kernels assigned to the step.
     kernel_start_ns: int | None = None
     kernel_end_ns: int | None = None
+    #: Tokens routed to the rank's experts in the step: the first input's rows of its forward grouped-GEMM ops
+    #: (``cpu_op`` named in :data:`GROUPED_GEMM_OPS`, with ``Input Dims``); None
+    #: where the trace records no such op.
+    expert_tokens: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -630,6 +640,8 @@ class _Collector:
         self.stream_pgs: dict[int, StreamPG] = {}
         #: The device index of the rank's kernels (``args.device`` of the first kernel that has one).
         self.gpu_index: int | None = None
+        #: (start ns, routed tokens) of the forward grouped-GEMM ops seen.
+        self.routed: list[tuple[int, int]] = []
 
     def event(self, e: Any) -> None:
         self.seen += 1
@@ -643,10 +655,14 @@ class _Collector:
         if hit is None:
             low = cat.lower()
             hit = (("gpu", True) if low in GPU_CATEGORIES else ("ann", _ANNOTATIONS[low]) if low in _ANNOTATIONS
-                   else ("", False))
+                   else ("op", False) if low == "cpu_op" else ("", False))
             if len(self.cats) < 1024:
                 self.cats[cat] = hit
         kind, on_gpu = hit
+        if kind == "op":
+            if e.get("name") in _GROUPED_OPS:
+                self._routed(e)
+            return
         if not kind:
             if cat.lower() in _RUNTIME_CATEGORIES:
                 self._runtime(e)
@@ -678,6 +694,19 @@ class _Collector:
                     self.stream_pgs[stream] = pg
         else:
             self._annotation(name, on_gpu, stream if on_gpu and stream is not None else -1, start, dur)
+
+    def _routed(self, e: dict[str, Any]) -> None:
+        """A forward grouped-GEMM op: its first input's rows are the tokens routed to the rank's experts."""
+        args = e.get("args")
+        dims = args.get("Input Dims") if type(args) is dict else None
+        first = dims[0] if type(dims) is list and dims else None
+        tokens = first[0] if type(first) is list and first else None
+        ts = to_ns(e.get("ts"))
+        if type(tokens) is not int or not 0 <= tokens < 2**53 or ts is None or not -_MAX_NS < ts < _MAX_NS:
+            self.skipped["invalid_routed_tokens"] += 1
+            return
+        self.budget.charge(MemoryBudget.PHASE_BYTES)
+        self.routed.append((ts, tokens))
 
     @staticmethod
     def _check(name: str, ts: Any, dur: Any) -> tuple[str, int, int]:
@@ -780,10 +809,17 @@ class _Collector:
 
     def step_spans(self, base: int) -> list[StepSpan]:
         out = []
+        routed = np.array(sorted(self.routed), dtype=np.int64).reshape(-1, 2)
+        cum = np.concatenate([[0], np.cumsum(routed[:, 1])])
         for step in set(self.cpu_steps) | set(self.gpu_steps):
             g = self.gpu_steps.get(step)
             start, dur = self.cpu_steps.get(step) or (g[0], g[1] - g[0])  # type: ignore[index]
-            out.append(StepSpan(step, start + base, dur, g and g[0] + base, g and g[1] + base))
+            tokens = None
+            if routed.size and step in self.cpu_steps:  # host ops belong to the host's step span
+                lo, hi = np.searchsorted(routed[:, 0], [start, start + dur])
+                tokens = int(cum[hi] - cum[lo])
+            out.append(StepSpan(step, start + base, dur, g and g[0] + base, g and g[1] + base,
+                                expert_tokens=tokens))
         return sorted(out, key=lambda s: s.start_ns)
 
 
@@ -910,5 +946,5 @@ def _kernel_spans(trace: RankTrace) -> None:
             sel = steps == s
             lo[s] = min(lo.get(s, _OPEN_END), int(rows["start"][sel].min()))
             hi[s] = max(hi.get(s, -_OPEN_END), int(ends[sel].max()))
-    trace.steps = [StepSpan(s.step, s.start_ns, s.dur_ns, s.gpu_start_ns, s.gpu_end_ns, lo.get(s.step),
-                            hi.get(s.step)) for s in trace.steps]
+    trace.steps = [dataclasses.replace(s, kernel_start_ns=lo.get(s.step), kernel_end_ns=hi.get(s.step))
+                   for s in trace.steps]

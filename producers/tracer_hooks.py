@@ -7,6 +7,12 @@ layer's ``self_attention`` and ``mlp``, as the L2 detector compares them across 
 as an OPTIMIZER phase. A phase opened by a pre-hook is closed by the matching post-hook (a per-module stack;
 posts that never come, after an exception inside the module, are forgotten). Activation checkpointing re-runs
 forward hooks during backward: those recomputations appear as extra FORWARD phases.
+
+``count_expert_tokens(n)`` adds the tokens an MoE router sent to this rank's experts to the current step's
+count, sent with its Step record (``expert_tokens``): the detectors then compare grouped-GEMM times per routed
+token (a hot expert is no fault; :mod:`argus.detectors.experts`). Call it where the host already holds the
+count (Megatron's all-to-all dispatcher keeps ``tokens_per_expert`` on the host for its grouped GEMM), once per
+MoE layer and microbatch.
 """
 
 from __future__ import annotations
@@ -56,6 +62,18 @@ class HookMixin(PhaseOpener):
             self._error("instrument", exc)
         self._handles += handles
         return handles
+
+    def count_expert_tokens(self, tokens: int) -> None:
+        """Add ``tokens`` (an int >= 0: tokens routed to this rank's experts by one MoE layer, forward) to the
+        current step's count. Outside a step, or given anything but a non-negative int (a tensor would make the
+        host wait for the GPU), it is counted as an error and ignored: training never stops for it."""
+        cur = getattr(self, "_cur", None)
+        if cur is None:
+            return
+        if type(tokens) is not int or tokens < 0:
+            self._error("count_expert_tokens", TypeError(f"tokens must be an int >= 0, got {type(tokens).__name__}"))
+            return
+        cur.expert_tokens = (cur.expert_tokens or 0) + tokens
 
     def instrument_optimizer(self, optimizer: Any, name: str = "optimizer", *, steps: bool = False,
                              phase: bool = True) -> list[Any]:

@@ -39,6 +39,10 @@ class JobContext(Record):
     totals_ns: tuple[float, ...] = ()
     totals_calls: tuple[float, ...] = ()
     totals_median_ns: tuple[float, ...] = ()
+    onset_rank: tuple[int, ...] = ()
+    onset_ns: tuple[int, ...] = ()
+    token_rank: tuple[int, ...] = ()
+    tokens: tuple[int, ...] = ()
 
     @classmethod
     def _enum_fields(cls) -> dict[str, type[enum.Enum]]:
@@ -61,4 +65,10 @@ class JobContext(Record):
         if sum(self.totals_rows) != len(self.totals_rank):
             raise SchemaError(f"{what}: totals_rows add up to {sum(self.totals_rows)}, not {len(self.totals_rank)}")
         _bounded(what, "stragglers", self.stragglers, 0, 2**31 - 1)
+        _same_length(what, self, ("onset_ns",), len(self.onset_rank), "the number of onset_rank")
+        _same_length(what, self, ("tokens",), len(self.token_rank), "the number of token_rank")
+        _times(what, "onset_ns", self.onset_ns)
+        _bounded(what, "onset_rank", self.onset_rank, 0, 2**31 - 1)
+        _bounded(what, "token_rank", self.token_rank, 0, 2**31 - 1)
+        _bounded(what, "tokens", self.tokens, 0, 2**63 - 1)
         _bounded(what, "totals_rank", self.totals_rank, 0, 2**31 - 1)

@@ -29,7 +29,7 @@ import numpy.typing as npt
 from argus.schemas.codec import codec
 from argus.schemas.phase_reading import read_layout, scan_phase_batches
 from argus.schemas.records import TIME_LIMIT_NS, ParallelGroup, PhaseBatch, PhaseKind, Step, raw_phase_layout
-from argus.schemas.step_reading import STEP_FIELDS, scan_steps
+from argus.schemas.step_reading import STEP_FIELDS, STEP_VERSION, scan_steps
 
 __all__ = ["JoinBuffer", "PhaseColumns", "StepColumns", "decode_phase_batches", "decode_steps"]
 
@@ -151,7 +151,8 @@ def decode_phase_batches(payloads: Sequence[bytes], buffer: JoinBuffer | None = 
 class StepColumns:
     """Step messages decoded by columns: row ``k`` is message ``index[k]`` of the input; ``jobs`` / ``job`` as
     :class:`PhaseColumns`; ``start_ns``, ``wall_ns``, ``gpu_ns`` (ns; ``gpu_ns`` meaningful where
-    ``has_gpu``). ``rest``: the messages left to the record-wise decode."""
+    ``has_gpu``); ``expert_tokens`` (meaningful where ``has_tokens``). ``rest``: the messages left to the
+    record-wise decode."""
 
     jobs: tuple[str, ...]
     job: I64
@@ -161,6 +162,8 @@ class StepColumns:
     wall_ns: I64
     gpu_ns: I64
     has_gpu: npt.NDArray[np.bool_]
+    expert_tokens: I64
+    has_tokens: npt.NDArray[np.bool_]
     index: I64
     rest: tuple[int, ...]
 
@@ -170,7 +173,8 @@ class StepColumns:
     def record(self, k: int) -> Step:
         """Row ``k`` as the record the record-wise decode gives."""
         return Step(self.jobs[self.job[k]], int(self.rank[k]), int(self.step[k]), int(self.start_ns[k]),
-                    int(self.wall_ns[k]), int(self.gpu_ns[k]) if self.has_gpu[k] else None)
+                    int(self.wall_ns[k]), int(self.gpu_ns[k]) if self.has_gpu[k] else None,
+                    int(self.expert_tokens[k]) if self.has_tokens[k] else None)
 
 
 def decode_steps(payloads: Sequence[bytes], buffer: JoinBuffer | None = None) -> StepColumns:
@@ -178,8 +182,8 @@ def decode_steps(payloads: Sequence[bytes], buffer: JoinBuffer | None = None) ->
     join them (default: a new one)."""
     n = len(payloads)
     data, bounds = (buffer or JoinBuffer()).join(payloads)
-    if codec(Step.SCHEMA).latest == _V1:
-        cols, job_ranges = scan_steps(data, bounds, _V1, TIME_LIMIT_NS)
+    if codec(Step.SCHEMA).latest == STEP_VERSION:  # a newer layout than the compiled pass knows: record-wise
+        cols, job_ranges = scan_steps(data, bounds, TIME_LIMIT_NS)
     else:
         cols, job_ranges = np.zeros((len(STEP_FIELDS), n), dtype=np.int64), np.empty((0, 2), dtype=np.int64)
     c = dict(zip(STEP_FIELDS, cols, strict=True))
@@ -188,4 +192,5 @@ def decode_steps(payloads: Sequence[bytes], buffer: JoinBuffer | None = None) ->
     good[good] = job_ok[c["job"][good]]
     idx = np.flatnonzero(good)
     return StepColumns(jobs, c["job"][idx], c["rank"][idx], c["step"][idx], c["start_ns"][idx], c["wall_ns"][idx],
-                       c["gpu_ns"][idx], c["has_gpu"][idx] == 1, idx, tuple(np.flatnonzero(~good).tolist()))
+                       c["gpu_ns"][idx], c["has_gpu"][idx] == 1, c["expert_tokens"][idx], c["has_tokens"][idx] == 1,
+                       idx, tuple(np.flatnonzero(~good).tolist()))

@@ -352,7 +352,7 @@ class KernelBatch(Record):
 
 @dataclass(frozen=True)
 class Step(Record):
-    """One iteration of one rank; see ``schemas/step.v1.avsc``."""
+    """One iteration of one rank; see ``schemas/step.v2.avsc`` (v1: without ``expert_tokens``)."""
 
     SCHEMA: ClassVar[str] = "step"
 
@@ -362,6 +362,8 @@ class Step(Record):
     start_ns: int
     wall_ns: int
     gpu_ns: int | None = None
+    #: Tokens routed to the rank's MoE experts in the step (None: not counted).
+    expert_tokens: int | None = None
 
     def check(self) -> None:
         what = f"step {self.job_id}/{self.rank}/{self.step}"
@@ -371,6 +373,8 @@ class Step(Record):
         _durations(what, "wall_ns", self.wall_ns)
         if self.gpu_ns is not None:
             _durations(what, "gpu_ns", self.gpu_ns)
+        if self.expert_tokens is not None:
+            _bounded(what, "expert_tokens", self.expert_tokens, 0, _INT64[1])
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,7 @@ import numpy as np
 
 from argus.core.kinds import FindingKind
 from argus.core.settings import Settings
+from argus.detectors.experts import every_groups_expert
 from argus.detectors.findings import DetectorResult, to_finding
 from argus.detectors.impact import StepClock, impact_of, worth_raising
 from argus.detectors.incidents import IncidentParams
@@ -46,6 +47,7 @@ from argus.detectors.l3_kernels import L3Params, L3Result, detect_l3
 from argus.detectors.l3_ranks import KernelTotals, RankExcessParams, detect_rank_excess, detect_stage_excess
 from argus.detectors.link_ledger import LinkLedger
 from argus.detectors.links import CORROBORATES_ONLY, corroborates_only
+from argus.detectors.onsets import OnsetParams, rank_onsets
 from argus.schemas.records import Finding, JobLifecycle, JobTopology, KernelSummary, ParallelGroup, PhaseBatch, Step
 
 __all__ = ["CORROBORATES_ONLY", "DiagnosisParams", "JobDiagnosis", "JudgedWindow", "KernelDiagnosis", "LinkLedger",
@@ -55,6 +57,11 @@ __all__ = ["CORROBORATES_ONLY", "DiagnosisParams", "JobDiagnosis", "JudgedWindow
 #: collective groups from; past this many it starts again (learning again is only slower, never different).
 _LEARNT_KEPT = 256
 _GPU_NS, _WALL_NS, _START_NS = attrgetter("gpu_ns"), attrgetter("wall_ns"), attrgetter("start_ns")
+_TOKENS = attrgetter("expert_tokens")
+#: L2 kinds naming ranks slow in their own compute phases.
+_RANK_PHASE_KINDS = frozenset({FindingKind.COMPUTE_STRAGGLER, FindingKind.PHASE_STRAGGLER})
+#: The span of a job-wide judgement (every step): before and after any epoch time.
+_NO_START, _NO_END = -(1 << 62), 1 << 62
 
 
 @dataclass(frozen=True)
@@ -76,6 +83,7 @@ class DiagnosisParams:
     ranks: RankExcessParams = field(default_factory=RankExcessParams)
     #: When findings form one incident (a slow host: docs/incidents.md).
     incidents: IncidentParams = field(default_factory=IncidentParams)
+    onsets: OnsetParams = field(default_factory=OnsetParams)
 
 
 #: Settings that change what the compressor and the detectors find (they enter :func:`detector_version`).
@@ -120,11 +128,14 @@ def _package_version() -> str:
 def judge(job_id: str, results: list[DetectorResult], time_ns: int, world_size: int, clock: StepClock,
           min_fraction: float, window: tuple[int, int] | None = None) -> list[Finding]:
     """The findings of ``results`` worth raising (:func:`~argus.detectors.impact.worth_raising`), each with its
-    impact; ``window``: the judged window of L3 results (its steps spread their excess)."""
+    impact; ``window``: the judged window of L3 results (its steps spread their excess, from the onset on
+    where the named ranks slowed down inside it: :meth:`~argus.detectors.impact.StepClock.affected_steps`)."""
     steps = clock.steps_in(*window) if window is not None else max(len(clock.starts_ns), 1)
+    span = window if window is not None else (_NO_START, _NO_END)
     out = []
     for res in results:
-        impact = impact_of(res, world_size, steps)
+        impact = impact_of(res, world_size, clock.affected_steps(res.ranks, *span)
+                           if isinstance(res, L3Result) and clock.onsets else steps)
         if worth_raising(impact, clock, min_fraction):
             out.append(to_finding(job_id, res, time_ns, impact))
         elif isinstance(res, L3Result) and res.kind is FindingKind.LINK_DEGRADED:
@@ -176,6 +187,9 @@ class JobDiagnosis:
         self._last_run = 0
         self._emitted: set[str] = set()
         self._onsets: list[int] = []
+        self._onset_cache: tuple[int, tuple[tuple[int, int], ...]] | None = None
+        #: Per rank: tokens routed to its experts over the complete steps, and the steps that counted them.
+        self._tokens: dict[int, tuple[int, int]] = {}
         self.last_time_ns = 0
         #: The parallel group each collective stream serves, learnt from the phases (for L3).
         self.collective_groups: dict[int, ParallelGroup] = {}
@@ -253,8 +267,32 @@ class JobDiagnosis:
         return len(self._complete)
 
     def clock(self) -> StepClock:
-        """The complete steps' starts and median iteration time, for judging impacts."""
-        return StepClock.of(self._starts, [wall for _, wall, _ in self._series])
+        """The complete steps' starts and median iteration time, and the onsets of ranks that slowed down part
+        way through the held steps (:func:`~argus.detectors.onsets.rank_onsets`), for judging impacts."""
+        clock = StepClock.of(self._starts, [wall for _, wall, _ in self._series])
+        if not self._series:
+            return clock
+        n = len(self._series)
+        tokens = tuple((r, tok) for r, (tok, steps) in sorted(self._tokens.items()) if steps == n)
+        return dataclasses.replace(clock, onsets=self._rank_onsets(), expert_tokens=tokens)
+
+    def _rank_onsets(self) -> tuple[tuple[int, int], ...]:
+        """(rank, start ns of its onset step), computed again every ``detect_every`` complete steps (the live
+        cadence: clock() is asked often, and at 10,240 ranks a pass over the history costs ~0.1 s) and once the
+        job has finished."""
+        held, n = self._onset_cache, len(self._complete)
+        if held is not None and (held[0] == n or (n - held[0] < self.params.detect_every and not self.finished())):
+            return held[1]
+        steps, ranks, phases, own = self._history.compute_own(self.params.onsets.max_steps)
+        at = rank_onsets(own, phases, self.params.onsets) if ranks.size else np.empty(0, np.int64)
+        first: dict[int, int] = {}
+        for r, i in zip(ranks.tolist(), at.tolist(), strict=True):
+            if i >= 0:  # a rank's earliest onset over its phases
+                first[r] = min(first.get(r, i), i)
+        start = dict(zip((s for s, _, _ in self._series), self._starts, strict=True))
+        found = tuple((r, start[steps[i]]) for r, i in sorted(first.items()) if steps[i] in start)
+        self._onset_cache = (len(self._complete), found)
+        return found
 
     def due(self) -> bool:
         """Enough new complete steps since the last live run."""
@@ -284,7 +322,11 @@ class JobDiagnosis:
                 self._onsets.append(step)
             results.append(r)
         if self.topology is not None and self._complete:
-            results.extend(self._history.detect(self.topology, self.params.l2, onset_step=onset))
+            l2 = self._history.detect(self.topology, self.params.l2, onset_step=onset)
+            # A popular MoE expert's rank runs longer phases in every expert group: routing, not a fault.
+            routed = every_groups_expert({r for res in l2 if res.kind in _RANK_PHASE_KINDS for r in res.ranks},
+                                         self.topology)
+            results.extend(res for res in l2 if not (res.kind in _RANK_PHASE_KINDS and routed.issuperset(res.ranks)))
         new = []
         world = self.world_size or (len(self.topology.rank) if self.topology else 1)
         for finding in judge(self.job_id, list(results), self.last_time_ns, world, self.clock(),
@@ -304,6 +346,12 @@ class JobDiagnosis:
         self._done.add(step)
         bisect.insort(self._complete, step)
         ranks = self._steps.pop(step).values()
+        counted = list(map(_TOKENS, ranks))
+        if counted.count(None) != len(counted):  # one C-level pass where no rank counts tokens (most jobs)
+            for st, tokens in zip(ranks, counted, strict=True):
+                if tokens is not None:
+                    tok, n = self._tokens.get(st.rank, (0, 0))
+                    self._tokens[st.rank] = (tok + tokens, n + 1)
         self._series.append((step, float(max(map(_WALL_NS, ranks))), _most_gpu_ns(ranks)))
         self._starts.append(min(map(_START_NS, ranks)))
         batches = self._phases.pop(step)
@@ -478,7 +526,9 @@ class RankDiagnosis:
         slow = detect_rank_excess(self._totals.values(), topology, self.params.ranks)
         results: list[DetectorResult] = list(slow)
         named = {r for res in slow for r in res.ranks}
-        results += detect_kernel_excess(self._totals.values(), topology, self.params.ranks, exclude=named)
+        tokens = dict(clock.expert_tokens) if clock is not None else None
+        results += detect_kernel_excess(self._totals.values(), topology, self.params.ranks, exclude=named,
+                                        expert_tokens=tokens)
         if topology is not None:
             steps = max(len(clock.starts_ns), 1) if clock is not None else 1
             # Every rank of a stage slow alike is the stage's slowness (its work or its hosts), not stragglers

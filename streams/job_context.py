@@ -54,7 +54,10 @@ def job_context(job_id: str, time_ns: int, topology: JobTopology | None, groups:
                       topology=topology.encode() if topology is not None else None,
                       group_streams=tuple(streams), group_kinds=tuple(groups[s] for s in streams),
                       stragglers=tuple(sorted(stragglers)), step_starts_ns=clock.starts_ns,
-                      median_step_ns=float(clock.median_step_ns), final=final)
+                      median_step_ns=float(clock.median_step_ns), final=final,
+                      onset_rank=tuple(r for r, _ in clock.onsets), onset_ns=tuple(t for _, t in clock.onsets),
+                      token_rank=tuple(r for r, _ in clock.expert_tokens),
+                      tokens=tuple(n for _, n in clock.expert_tokens))
 
 
 def context_topology(ctx: JobContext | None) -> JobTopology | None:
@@ -75,7 +78,9 @@ def context_groups(ctx: JobContext | None) -> dict[int, ParallelGroup]:
 def context_clock(ctx: JobContext | None) -> StepClock | None:
     if ctx is None or not (ctx.step_starts_ns or ctx.median_step_ns):
         return None
-    return StepClock(tuple(ctx.step_starts_ns), ctx.median_step_ns)
+    return StepClock(tuple(ctx.step_starts_ns), ctx.median_step_ns,
+                     tuple(zip(ctx.onset_rank, ctx.onset_ns, strict=True)),
+                     tuple(zip(ctx.token_rank, ctx.tokens, strict=True)))
 
 
 def totals_context(job_id: str, part: int, time_ns: int, totals: Iterable[KernelTotals]) -> JobContext:

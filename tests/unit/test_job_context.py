@@ -29,6 +29,10 @@ def test_the_job_agents_context_round_trips() -> None:
     assert back.part == CONTEXT_JOB_PART and back.final and back.stragglers == (1, 3)
     assert context_topology(back) == topo and context_clock(back) == clock
     assert context_groups(back) == {7: ParallelGroup.DP, 17: ParallelGroup.TP}
+    # Onsets and routed tokens (v3) travel too: the L3 parts elsewhere judge impacts and grouped GEMMs alike.
+    rich = StepClock((10, 20, 30), 10.0, onsets=((3, 20),), expert_tokens=((0, 500), (1, 900)))
+    moe = JobContext.decode(job_context("j", 1, None, {}, (), rich, False).encode())
+    assert context_clock(moe) == rich
     empty = job_context("j", 0, None, {}, (), None, False)
     assert context_topology(empty) is None and context_clock(empty) is None and context_groups(None) == {}
 

@@ -228,9 +228,10 @@ def test_truth_per_class() -> None:
             truth = expected_findings(scn)
             exp = truth["expected"]
             seen.add(fault)
-            if fault in ("compute_straggler", "one_mode", "short_trace"):
+            if fault in ("compute_straggler", "one_mode", "short_trace", "ep_straggler"):
                 assert len(exp) == 1 and exp[0]["kinds"] == list(RANK_KINDS)
                 assert exp[0]["ranks"] == list(scn.fault_ranks) and len(scn.fault_ranks) in (1, 2)
+                assert fault != "ep_straggler" or (scn.moe and scn.ep >= 2)
             elif fault == "stage_slow":
                 stage = scn.fault_stage
                 assert exp[0]["kinds"] == ["pp_stage_slow"]
@@ -259,6 +260,9 @@ def test_truth_per_class() -> None:
                 assert exp[0]["steps"] == [scn.first_step + s for s in scn.stall_steps] and exp[0]["steps"]
             else:
                 assert exp == [] and not truth["optional"]
+                if fault == "token_imbalance":
+                    assert scn.moe and scn.ep >= 2 and len(scn.expert_skew) == scn.ep
+                    assert max(scn.expert_skew) >= 1.3 and abs(sum(scn.expert_skew) - scn.ep) < 1e-9
     assert seen == set(FAULT_CLASSES)
 
 
@@ -375,3 +379,68 @@ def test_members_of_a_collective_end_within_the_jitter() -> None:
     order = np.lexsort((tl.start[tp], key[:, 2], key[:, 1], key[:, 0]))
     a, b = ends[order][0::2], ends[order][1::2]
     assert np.abs(a - b).max() <= 3.0 and np.abs(a - b).max() > 0.0
+
+
+MOE = dataclasses.replace(SMALL, moe=True, dp=4, tp=1, pp=1, ep=2, steps=6, microbatches=2, layers=1,
+                          sequence_parallel=False, schedule="gpipe")
+
+
+def _expert_rows(tl: Timeline) -> np.ndarray:
+    return np.flatnonzero(tl.tokens >= 0)
+
+
+def test_routing_conserves_tokens_in_an_expert_group_and_a_hot_expert_runs_longer() -> None:
+    hot = dataclasses.replace(MOE, fault="token_imbalance", expert_skew=(1.6, 0.4))
+    tl = simulate(hot)
+    rows = _expert_rows(tl)
+    assert rows.size
+    # Per chunk the members of an expert group (ranks 0-1, 2-3) share its tokens: each of its two forward
+    # grouped GEMMs (fc1, fc2) runs the group's tokens x top-k over its members.
+    per: dict[tuple[int, int], list[int]] = {}
+    for i in rows.tolist():
+        per.setdefault((int(tl.chunk[i]), int(tl.rank[i]) // 2), []).append(int(tl.tokens[i]))
+    expected = 2 * hot.tokens * hot.topk * hot.ep
+    for toks in per.values():
+        assert len(toks) == 4 and abs(sum(toks) - expected) <= 4
+    # The hot position (0: ranks 0 and 2) gets ~4x its peer's tokens, and its grouped GEMMs run longer.
+    tok_hot = tl.tokens[rows][np.isin(tl.rank[rows], [0, 2])].mean()
+    tok_cold = tl.tokens[rows][np.isin(tl.rank[rows], [1, 3])].mean()
+    assert 3.0 < tok_hot / tok_cold < 5.5
+    dur = {r: tl.dur[rows][tl.rank[rows] == r].mean() for r in range(4)}
+    assert min(dur[0], dur[2]) > 2.5 * max(dur[1], dur[3])
+
+
+def test_token_counts_are_written_as_grouped_gemm_input_dims(tmp_path: Path) -> None:
+    scn = dataclasses.replace(MOE, fault="token_imbalance", expert_skew=(1.5, 0.5), token_counts=True)
+    tl = simulate(scn)
+    traces = write_scenario(scn, tmp_path, tl)
+    parsed = _parse_all(traces)
+    try:
+        for t in parsed:
+            mine = _expert_rows(tl)[tl.rank[_expert_rows(tl)] == t.rank]
+            want = {int(s): int(tl.tokens[mine][tl.step[mine] == s].sum()) for s in range(scn.steps)}
+            assert {s.step - scn.first_step: s.expert_tokens for s in t.steps} == want
+    finally:
+        for t in parsed:
+            t.close()
+    plain_scn = dataclasses.replace(scn, token_counts=False)
+    plain = write_scenario(plain_scn, tmp_path / "plain", simulate(plain_scn))
+    parsed = _parse_all(plain)
+    try:
+        assert all(s.expert_tokens is None for t in parsed for s in t.steps)
+    finally:
+        for t in parsed:
+            t.close()
+
+
+def test_an_ep_straggler_slows_only_its_grouped_gemms() -> None:
+    base = simulate(dataclasses.replace(MOE, fault="ep_straggler", fault_ranks=(3,), magnitude=1.0))
+    slow = simulate(dataclasses.replace(MOE, fault="ep_straggler", fault_ranks=(3,), magnitude=2.0))
+    compute = slow.coll < 0
+    expert = np.zeros(slow.rank.size, dtype=bool)
+    names = [i for i, n in enumerate(slow.names) if "GroupProblemShape" in n]
+    expert[np.isin(slow.name, names)] = True
+    ratio = slow.dur / base.dur
+    assert np.allclose(ratio[compute & expert & (slow.rank == 3)], 2.0)
+    assert np.allclose(ratio[compute & ~expert], 1.0)
+    assert np.allclose(ratio[compute & expert & (slow.rank != 3)], 1.0)

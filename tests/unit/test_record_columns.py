@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from argus.core.errors import SchemaError
 from argus.schemas import phase_reading
+from argus.schemas.codec import codec
 from argus.schemas.record_columns import JoinBuffer, decode_phase_batches, decode_steps
 from argus.schemas.records import TIME_LIMIT_NS, ParallelGroup, PhaseBatch, PhaseKind, Step
 
@@ -57,7 +58,14 @@ def messages(draw: st.DrawFn, make: st.SearchStrategy[bytes]) -> list[bytes]:
 phase_messages = messages(st.lists(layouts, min_size=1, max_size=3).flatmap(
     lambda lays: st.sampled_from(lays).flatmap(phase_batch)).map(lambda b: b.encode()))
 step_messages = messages(st.builds(Step, JOBS, st.integers(0, 2**31 - 1), st.integers(-(2**63), 2**63 - 1), times,
-                                   durations, st.none() | durations).map(lambda s: s.encode()))
+                                   durations, st.none() | durations, st.none() | st.integers(0, 2**63 - 1))
+                         .flatmap(lambda s: st.sampled_from([s.encode(), *([] if s.expert_tokens is not None
+                                                                           else [_step_v1(s)])])))
+
+
+def _step_v1(step: Step) -> bytes:
+    """``step`` as a writer of ``step.v1`` sends it (no ``expert_tokens``)."""
+    return codec(Step.SCHEMA).encode({k: v for k, v in step.to_avro().items() if k != "expert_tokens"}, version=1)
 
 
 def _record_wise(decode: object, payload: bytes) -> object:
@@ -93,8 +101,10 @@ def test_columnar_steps_equal_the_record_wise_decode(payloads: list[bytes]) -> N
         got = cols.record(k)
         assert got == Step.decode(payloads[i])
         assert type(got.gpu_ns) is type(Step.decode(payloads[i]).gpu_ns)
+        assert type(got.expert_tokens) is type(Step.decode(payloads[i]).expert_tokens)
     for i in cols.rest:
-        assert isinstance(_record_wise(Step.decode, payloads[i]), SchemaError) or payloads[i][1:2] != b"\x01"
+        assert isinstance(_record_wise(Step.decode, payloads[i]), SchemaError) or payloads[i][1:2] not in (b"\x01",
+                                                                                                          b"\x02")
 
 
 def test_valid_messages_are_all_read_by_columns() -> None:

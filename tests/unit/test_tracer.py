@@ -507,3 +507,18 @@ def test_collective_wrapper_times_on_a_communication_stream(tmp_path: Path, fake
     assert batch.names == ("dp-allreduce", "dp-allreduce")
     assert batch.streams == (comm.stream_id, comm.stream_id)
     assert all(d >= 20_000_000 for d in batch.duration_ns)  # the 20 "ms" of the collective are inside
+
+
+def test_expert_tokens_are_counted_per_step_and_sent_with_it(tmp_path: Path) -> None:
+    pub = RecordingPublisher(check=True)
+    with make(pub, tmp_path) as tr:
+        tr.count_expert_tokens(5)  # outside a step: ignored
+        with tr.step():
+            for n in (100, 40, 2):
+                tr.count_expert_tokens(n)
+            tr.count_expert_tokens(-1)  # refused, never raised into training
+            tr.count_expert_tokens(3.5)  # type: ignore[arg-type]
+        with tr.step():
+            pass
+    assert [s.expert_tokens for s in pub.of(Step)] == [142, None]
+    assert tr.stats().errors >= 2

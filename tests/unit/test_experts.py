@@ -1,0 +1,132 @@
+"""MoE grouped GEMMs in the L3 kernel comparison: per routed token where the tokens are known, on EP-group
+means where not (argus.detectors.experts, argus.detectors.kernel_excess)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from argus.core.kinds import FindingKind
+from argus.detectors.experts import ep_group_ids, group_means, is_grouped_gemm, per_token_scale
+from argus.detectors.kernel_excess import detect_kernel_excess
+from argus.detectors.l3_ranks import KernelTotals
+from argus.producers.topology import build_topology
+
+GROUPED = ("void cutlass::device_kernel<cutlass::gemm::kernel::GemmUniversal<cutlass::gemm::GroupProblemShape"
+           "<cute::tuple<int, int, int> > > >(...)")
+CALLS = 48
+
+
+def _job(load: np.ndarray, slow: dict[int, float] | None = None, seed: int = 0, noise: float = 0.02,
+         speed: dict[int, float] | None = None) -> tuple[list[KernelTotals], dict[int, int]]:
+    """Eight dense kernels and one grouped GEMM on ``load.size`` ranks; the grouped GEMM's time per call is
+    its rank's routed tokens (``load`` x 4096) times its slowness (``slow``: rank -> factor); ``speed``: rank ->
+    factor on everything it runs. Returns the totals and each rank's tokens."""
+    rng = np.random.default_rng(seed)
+    n = load.size
+    tokens = {r: round(4096 * float(load[r])) * CALLS for r in range(n)}
+    out = []
+    for k in range(8):
+        base = float(rng.lognormal(np.log(1e5), 0.5))
+        t = KernelTotals(f"sm90_xmma_gemm_{k}", 7)
+        for r in range(n):
+            d = base * (speed or {}).get(r, 1.0) * np.exp(noise * rng.standard_normal(CALLS))
+            t.total_ns[r], t.calls[r], t.median_ns[r] = float(d.sum()), float(CALLS), float(np.median(d) * CALLS)
+        out.append(t)
+    g = KernelTotals(GROUPED, 7)
+    for r in range(n):
+        d = 50.0 * tokens[r] / CALLS * (slow or {}).get(r, 1.0) * (speed or {}).get(r, 1.0) * np.exp(
+            noise * rng.standard_normal(CALLS))
+        g.total_ns[r], g.calls[r], g.median_ns[r] = float(d.sum()), float(CALLS), float(np.median(d) * CALLS)
+    out.append(g)
+    return out, tokens
+
+
+def _conserved(ep: int, groups: int, hot: float, pos: int = 1) -> np.ndarray:
+    """Per rank (``groups`` EP groups of ``ep`` in Megatron order): its share of its group's tokens, the
+    position ``pos`` of every group ``hot`` times an even share, the others the rest."""
+    cold = (ep - hot) / (ep - 1)
+    shares = np.array([hot if i == pos else cold for i in range(ep)])
+    return np.tile(shares, groups)
+
+
+def test_grouped_gemm_names() -> None:
+    assert is_grouped_gemm(GROUPED)
+    assert is_grouped_gemm("void cutlass::Kernel<cutlass::gemm::kernel::GemmGrouped<...> >(...)")
+    assert not is_grouped_gemm("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64")
+    assert not is_grouped_gemm("ncclDevKernel_AllReduce_Sum_bf16_RING_LL")
+
+
+def test_group_means_and_per_token_scale() -> None:
+    v = np.array([[1.0], [3.0], [5.0], [7.0], [9.0]])
+    means, enough = group_means(v, np.array([0, 0, 1, 1, -1]))
+    assert means[:, 0].tolist() == [2.0, 2.0, 6.0, 6.0, 9.0] and bool(enough)
+    assert not bool(group_means(v, np.array([0, 0, 0, 0, 0]))[1])
+    scale = per_token_scale([0, 1, 2], {0: 100, 1: 200, 2: 400})
+    assert scale is not None and scale.tolist() == [2.0, 1.0, 0.5]
+    assert per_token_scale([0, 1, 2], {0: 100, 1: 200}) is None and per_token_scale([0, 1], None) is None
+    assert per_token_scale([0, 1], {0: 0, 1: 5}) is None
+    topo = build_topology("j", 8, ep=4)
+    assert ep_group_ids(topo, [0, 3, 4, 7]).tolist() == [0, 0, 1, 1]
+    assert ep_group_ids(build_topology("j", 8), [0, 1]) is None and ep_group_ids(None, [0]) is None
+
+
+@settings(max_examples=25, deadline=None)
+@given(hot=st.floats(1.3, 2.6), ep=st.sampled_from([4, 8]), known=st.booleans(), seed=st.integers(0, 10_000))
+def test_a_hot_expert_is_never_named(hot: float, ep: int, known: bool, seed: int) -> None:
+    # 16 ranks, EP groups of `ep`: every group's position 1 gets `hot` times an even share of the tokens.
+    topo = build_topology("j", 16, ep=ep)
+    totals, tokens = _job(_conserved(ep, 16 // ep, hot), seed=seed)
+    assert detect_kernel_excess(totals, topo, expert_tokens=tokens if known else None) == []
+
+
+@pytest.mark.parametrize("known", [True, False])
+@pytest.mark.parametrize("seed", range(4))
+def test_a_slow_expert_rank_is_named_with_its_grouped_gemm(known: bool, seed: int) -> None:
+    topo = build_topology("j", 16, ep=4)
+    totals, tokens = _job(_conserved(4, 4, 1.8), slow={6: 1.6}, seed=seed)
+    res = detect_kernel_excess(totals, topo, expert_tokens=tokens if known else None)
+    assert [(r.kind, r.ranks, r.kernel) for r in res] == [(FindingKind.KERNEL_DEGRADED, (6,), GROUPED)]
+    # Per token (known) its grouped GEMM runs 1.6x; the size is its own time either way.
+    assert 1.45 < res[0].evidence["top_kernels_ratio"][f"{GROUPED}@7"] < (1.75 if known else 3.0)
+
+
+def test_a_slow_hot_expert_is_named_per_token() -> None:
+    # The hot expert itself is also slow: per token it runs 1.6x its peers.
+    topo = build_topology("j", 8, ep=8)
+    totals, tokens = _job(_conserved(8, 1, 2.5, pos=3), slow={3: 1.6})
+    res = detect_kernel_excess(totals, topo, expert_tokens=tokens)
+    assert [r.ranks for r in res] == [(3,)]
+
+
+def test_one_expert_group_without_tokens_is_not_judged() -> None:
+    # One EP group and no token counts: a hot expert and a slow one look the same; neither is named.
+    topo = build_topology("j", 8, ep=8)
+    hot, _ = _job(_conserved(8, 1, 2.0))
+    slow, _ = _job(np.ones(8), slow={3: 2.0})
+    assert detect_kernel_excess(hot, topo) == [] and detect_kernel_excess(slow, topo) == []
+    # Without a topology (no EP known), grouped GEMMs compare as any kernel: the slow one is named.
+    assert [r.ranks for r in detect_kernel_excess(slow)] == [(3,)]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_ranks_own_speeds_do_not_make_a_group_mean_slow(seed: int) -> None:
+    # Two EP groups of two (a DP2 x TP2 stage): the hot member of the first group is also a 3 % faster GPU
+    # and its cold peer 3 % slower. A group mean that mixed their speeds read as the cold member's excess.
+    topo = build_topology("j", 4, ep=2)
+    totals, _ = _job(_conserved(2, 2, 1.5), seed=seed, noise=0.005, speed={0: 1.03, 1: 0.97})
+    assert detect_kernel_excess(totals, topo) == []
+
+
+def test_ranks_at_one_expert_in_every_group_are_routing_not_faults() -> None:
+    from argus.detectors.experts import every_groups_expert
+
+    topo = build_topology("j", 16, ep=8)  # groups 0-7 and 8-15
+    assert every_groups_expert({6, 14}, topo) == {6, 14}  # position 6 of both groups
+    assert every_groups_expert({6}, topo) == set()  # one group only: a rank of its own
+    assert every_groups_expert({6, 13}, topo) == set()  # different positions
+    assert every_groups_expert({6, 14, 3}, topo) == {6, 14}
+    assert every_groups_expert({1, 2}, build_topology("j", 8, ep=8)) == set()  # one group: nothing to say
+    assert every_groups_expert({6, 14}, build_topology("j", 16)) == set() and every_groups_expert({1}, None) == set()
