@@ -114,6 +114,8 @@ log = logging.getLogger(__name__)
 #: are ~0.2 s of the router's work at most, so the other agents of the worker wait no longer than that.
 _BULK_MAX = 4096
 _BULK_WITHIN_S = 0.05
+#: Messages of the job topics Faust reads ahead of the agent (PhaseBatch messages are ~4 kB at 146 phases: 32 MB).
+_JOB_BUFFER = 2 * _BULK_MAX
 
 
 def install_diagnosis(app: faust.App, settings: Settings, params: DiagnosisParams | None = None,
@@ -127,7 +129,9 @@ def install_diagnosis(app: faust.App, settings: Settings, params: DiagnosisParam
     stats = DiagnosisStats()
     names = {t.full(settings): t for t in (Topic.STEPS, Topic.PHASES, Topic.TOPOLOGY, Topic.LIFECYCLE,
                                            Topic.HEARTBEATS)}
-    job_input = app.topic(*names, key_type=bytes, value_type=bytes)
+    # Read ahead by lists: with the app's small per-stream buffer (sized for kernel batches of tens of KB) Faust
+    # pauses the job topics' fetch after every 256 messages of ~40 B-4 kB and the agent waits on the broker.
+    job_input = app.topic(*names, key_type=bytes, value_type=bytes, maxsize=_JOB_BUFFER)
     summaries = app.topic(Topic.SUMMARIES.full(settings), key_type=bytes, value_type=bytes)
     findings_topic = app.topic(Topic.FINDINGS.full(settings), key_type=bytes, value_type=bytes)
     findings_json_topic = app.topic(Topic.FINDINGS_JSON.full(settings), key_type=bytes, value_type=bytes)
