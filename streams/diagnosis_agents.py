@@ -290,8 +290,8 @@ def install_diagnosis(app: faust.App, settings: Settings, params: DiagnosisParam
     @app.agent(job_input, name="argus.diagnose-jobs")
     async def diagnose_jobs(stream: Any) -> Any:
         await read_diagnosed()
-        # In lists (Faust's per-event path costs more than the decode; see argus.streams.job_intake), never
-        # acked by Faust: each message is acked by the router's effects, after what it caused was delivered.
+        # In lists, each decoded at once (argus.streams.job_intake), never acked by Faust: each message is acked
+        # by the router's effects, after what it caused was delivered.
         async for events in stream.noack_take(_BULK_MAX, within=_BULK_WITHIN_S):
             revoked = revocations[0]
             assigned = app.consumer.assignment()
