@@ -657,6 +657,14 @@ class JobTopology(Record):
         out: npt.NDArray[np.int64] = order[at]
         return out, found
 
+    def members(self) -> frozenset[int]:
+        """The job's ranks as a set, built once per topology object: the job agent tests every record's rank
+        against it (building it per record cost O(world size) a record: 2.5 ms at 102,400 ranks)."""
+        got: frozenset[int] | None = self.__dict__.get("_members")
+        if got is None:
+            got = self.__dict__["_members"] = frozenset(self.rank)
+        return got
+
     def _memo(self, key: str, make: Callable[[], npt.NDArray[np.int64]]) -> npt.NDArray[np.int64]:
         """``make()`` once per topology object, read-only (the fields are frozen: the cache sits beside them)."""
         arrays: dict[str, npt.NDArray[np.int64]] = self.__dict__.setdefault("_arrays", {})

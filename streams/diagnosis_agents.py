@@ -15,8 +15,9 @@
   :class:`argus.streams.diagnosis.RankDiagnosis`, judged before the DIAGNOSED of the last partition this worker
   finishes the job on, when this worker has held all partitions of the job.
 
-Both agents are thin shells: the job agent decodes each record and hands it to its
-:class:`~argus.streams.job_router.JobRouter`, the L3 agent each summary to its
+Both agents are thin shells: the job agent takes its messages in lists, decodes each list at once
+(:class:`~argus.streams.job_intake.JobIntake`: steps and phases by columns) and hands the records, in their
+order, to its :class:`~argus.streams.job_router.JobRouter`, the L3 agent each summary to its
 :class:`~argus.streams.summary_router.SummaryRouter` (what to hold, ack, dead-letter, publish and judge;
 unit-tested without a broker), and each carries out what its router answers, in order; the timers (idle jobs,
 hangs) ask the job router too.
@@ -86,6 +87,7 @@ from argus.streams.dead_letters import DeadLetters
 from argus.streams.diagnosis import DiagnosisParams, RankDiagnosis, detector_version
 from argus.streams.diagnosis_stats import DiagnosisStats
 from argus.streams.job_context import ContextTable, context_key, context_totals, totals_context
+from argus.streams.job_intake import JobIntake
 from argus.streams.job_router import (
     Abandon,
     Ack,
@@ -108,6 +110,13 @@ __all__ = ["install_diagnosis"]
 
 log = logging.getLogger(__name__)
 
+#: The job agent's lists: at most this many messages, or what arrived within this many seconds. 4,096 messages
+#: are ~0.2 s of the router's work at most, so the other agents of the worker wait no longer than that.
+_BULK_MAX = 4096
+_BULK_WITHIN_S = 0.05
+#: Messages of the job topics Faust reads ahead of the agent (PhaseBatch messages are ~4 kB at 146 phases: 32 MB).
+_JOB_BUFFER = 2 * _BULK_MAX
+
 
 def install_diagnosis(app: faust.App, settings: Settings, params: DiagnosisParams | None = None,
                       max_pending: int = 200_000, max_jobs: int = 10_000, final_wait_s: float = 30.0,
@@ -120,7 +129,9 @@ def install_diagnosis(app: faust.App, settings: Settings, params: DiagnosisParam
     stats = DiagnosisStats()
     names = {t.full(settings): t for t in (Topic.STEPS, Topic.PHASES, Topic.TOPOLOGY, Topic.LIFECYCLE,
                                            Topic.HEARTBEATS)}
-    job_input = app.topic(*names, key_type=bytes, value_type=bytes)
+    # Read ahead by lists: with the app's small per-stream buffer (sized for kernel batches of tens of KB) Faust
+    # pauses the job topics' fetch after every 256 messages of ~40 B-4 kB and the agent waits on the broker.
+    job_input = app.topic(*names, key_type=bytes, value_type=bytes, maxsize=_JOB_BUFFER)
     summaries = app.topic(Topic.SUMMARIES.full(settings), key_type=bytes, value_type=bytes)
     findings_topic = app.topic(Topic.FINDINGS.full(settings), key_type=bytes, value_type=bytes)
     findings_json_topic = app.topic(Topic.FINDINGS_JSON.full(settings), key_type=bytes, value_type=bytes)
@@ -142,6 +153,8 @@ def install_diagnosis(app: faust.App, settings: Settings, params: DiagnosisParam
     def remote(job_id: str) -> JobContext | None:
         return shared.get(job_id).get(CONTEXT_JOB_PART)
 
+    intake = JobIntake()
+    revocations = [0]  # partitions revoked so far: a list taken across a rebalance stops there
     jobs: JobRouter[EventT] = JobRouter(settings.worker, settings.partitions, params, stats, decode_job_record,
                                         detector_version(params, settings), remote, max_pending, max_jobs,
                                         final_wait_s, where, time.monotonic())
@@ -259,25 +272,36 @@ def install_diagnosis(app: faust.App, settings: Settings, params: DiagnosisParam
             except Exception as exc:  # liveness of one job must not stop the others' (nor the agent)
                 log.error("hang findings not published: %s", failure_reason(exc))
 
+    async def take_job_record(rec: JobRecord | SchemaError, event: EventT) -> None:
+        if isinstance(rec, SchemaError):
+            stats.undecodable += 1  # the sink dead-letters it with the reason
+            event.ack()
+            return
+        stats.records += 1
+        job_agent_read[0] = time.monotonic()
+        step = jobs.take(rec, event, time.monotonic())
+        try:
+            await carry_out(step)
+        except DeadLetterError:
+            raise
+        except Exception as exc:  # a send failed: repaired as a record whose processing raised
+            await carry_out(jobs.failed(rec, event, exc, time.monotonic()))
+
     @app.agent(job_input, name="argus.diagnose-jobs")
     async def diagnose_jobs(stream: Any) -> Any:
         await read_diagnosed()
-        async for event in stream.noack().events():
-            try:
-                rec = decode_job_record(event)
-            except SchemaError:
-                stats.undecodable += 1  # the sink dead-letters it with the reason
-                event.ack()
-                continue
-            stats.records += 1
-            job_agent_read[0] = time.monotonic()
-            step = jobs.take(rec, event, time.monotonic())
-            try:
-                await carry_out(step)
-            except DeadLetterError:
-                raise
-            except Exception as exc:  # a send failed: repaired as a record whose processing raised
-                await carry_out(jobs.failed(rec, event, exc, time.monotonic()))
+        # In lists, each decoded at once (argus.streams.job_intake), never acked by Faust: each message is acked
+        # by the router's effects, after what it caused was delivered.
+        async for events in stream.noack_take(_BULK_MAX, within=_BULK_WITHIN_S):
+            revoked = revocations[0]
+            assigned = app.consumer.assignment()
+            # Messages buffered before a rebalance took their partition away are re-delivered to the new holder.
+            taken = [e for e in events if e.message.tp in assigned]
+            records = intake.decode([(names[e.message.topic], e.value) for e in taken])
+            for rec, event in zip(records, taken, strict=True):
+                if revocations[0] != revoked:  # revoked meanwhile: the rest comes back from the committed offsets
+                    break
+                await take_job_record(rec, event)
             yield None
 
     def holds_job(job_id: str) -> bool:
@@ -431,6 +455,7 @@ def install_diagnosis(app: faust.App, settings: Settings, params: DiagnosisParam
     @app.on_partitions_revoked.connect  # type: ignore[arg-type]
     async def on_revoked(sender: Any, *args: Any, **kwargs: Any) -> None:
         # Un-acked messages come back from the committed offsets after the rebalance.
+        revocations[0] += 1
         router.revoked()
         jobs.revoked()
         for d in (pending_finals, pending_since, pending_ranks):

@@ -34,7 +34,7 @@ def foreign_ranks(ranks: Iterable[int], topology: JobTopology | None, world_size
     """The ranks of ``ranks`` that are not in their job: absent from its topology when that is known, else
     not below its world size when that is known (sorted, each once)."""
     if topology is not None:
-        members = set(topology.rank)
+        members = topology.members()
         return sorted({r for r in ranks if r not in members})
     if world_size:
         return sorted({r for r in ranks if r >= world_size})
