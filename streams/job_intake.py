@@ -14,11 +14,17 @@ Pure (no Kafka): unit-tested against the record-wise decode.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import cast
+from collections.abc import Callable, Sequence
+from typing import Any, cast
 
 from argus.core.errors import SchemaError
-from argus.schemas.record_columns import JoinBuffer, decode_phase_batches, decode_steps
+from argus.schemas.record_columns import (
+    JoinBuffer,
+    PhaseColumns,
+    StepColumns,
+    decode_phase_batches,
+    decode_steps,
+)
 from argus.streams.job_effects import JobRecord
 from argus.topics import RECORD_OF, Topic
 
@@ -37,27 +43,26 @@ class JobIntake:
         self._step_buffer = JoinBuffer()
         self._phase_buffer = JoinBuffer()
 
+    @staticmethod
+    def _by_columns(messages: Sequence[tuple[Topic, bytes]], idx: list[int], out: list[Any],
+                    decode: Callable[[list[bytes]], StepColumns | PhaseColumns]) -> list[int]:
+        """Decode the messages at ``idx`` by columns into ``out`` (where there are enough of them to pay);
+        returns the indices left to the record-wise decode."""
+        if len(idx) < _COLUMNAR_MIN:
+            return idx
+        cols = decode([messages[i][1] for i in idx])
+        for k, at in enumerate(cols.index.tolist()):
+            out[idx[at]] = cols.record(k) if isinstance(cols, StepColumns) else cols.batch(k)
+        return [idx[i] for i in cols.rest]
+
     def decode(self, messages: Sequence[tuple[Topic, bytes]]) -> list[JobRecord | SchemaError]:
         """The records of ``messages`` ((topic, wire bytes) each), in their order; a message that does not
         decode gives its :class:`SchemaError` in its place."""
         out: list[JobRecord | SchemaError | None] = [None] * len(messages)
         steps = [i for i, (t, _) in enumerate(messages) if t is Topic.STEPS]
         phases = [i for i, (t, _) in enumerate(messages) if t is Topic.PHASES]
-        left: list[int] = []
-        if len(steps) >= _COLUMNAR_MIN:
-            cols = decode_steps([messages[i][1] for i in steps], self._step_buffer)
-            for k, at in enumerate(cols.index.tolist()):
-                out[steps[at]] = cols.record(k)
-            left += [steps[i] for i in cols.rest]
-        else:
-            left += steps
-        if len(phases) >= _COLUMNAR_MIN:
-            pcols = decode_phase_batches([messages[i][1] for i in phases], self._phase_buffer)
-            for k, at in enumerate(pcols.index.tolist()):
-                out[phases[at]] = pcols.batch(k)
-            left += [phases[i] for i in pcols.rest]
-        else:
-            left += phases
+        left = [*self._by_columns(messages, steps, out, lambda p: decode_steps(p, self._step_buffer)),
+                *self._by_columns(messages, phases, out, lambda p: decode_phase_batches(p, self._phase_buffer))]
         for i, rec in enumerate(out):
             if rec is None and messages[i][0] is not Topic.STEPS and messages[i][0] is not Topic.PHASES:
                 left.append(i)
