@@ -65,8 +65,8 @@ class HookMixin(PhaseOpener):
 
     def count_expert_tokens(self, tokens: int) -> None:
         """Add ``tokens`` (an int >= 0: tokens routed to this rank's experts by one MoE layer, forward) to the
-        current step's count. Outside a step, or given anything but a non-negative int (a tensor would make the
-        host wait for the GPU), it is counted as an error and ignored: training never stops for it."""
+        current step's count. Outside a step it is ignored; anything but a non-negative int (a tensor would make
+        the host wait for the GPU) is counted as an error and ignored: training never stops for it."""
         cur = getattr(self, "_cur", None)
         if cur is None:
             return
