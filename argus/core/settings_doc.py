@@ -17,7 +17,7 @@ from pathlib import Path
 from argus.core import settings as settings_module
 from argus.core.settings import ENV_PREFIX, Secret, Settings
 
-__all__ = ["field_docs", "settings_markdown"]
+__all__ = ["comment_docs", "field_docs", "rst_markdown", "settings_markdown"]
 
 _HEADER = """# Settings
 
@@ -37,24 +37,39 @@ a test keeps it in sync.
 
 def field_docs() -> dict[str, str]:
     """Each field of :class:`Settings` and its ``#:`` comment (joined into one line; '' when it has none)."""
-    source = inspect.getsource(settings_module)
+    return comment_docs(Settings)
+
+
+def comment_docs(cls: type, *, shared: bool = False) -> dict[str, str]:
+    """Each annotated field of the class ``cls`` (defined at the top of its module) and the ``#:`` comment above
+    it, joined into one line of Markdown; '' when it has none. ``shared``: a field without a comment of its own
+    right below another field (no blank line between) shares that field's comment (``a: int``/``b: int`` under
+    one comment)."""
+    source = inspect.getsource(sys.modules[cls.__module__])
     lines = source.splitlines()
     tree = ast.parse(source)
-    [cls] = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == Settings.__name__]
+    [node_cls] = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls.__name__]
     docs: dict[str, str] = {}
-    for node in cls.body:
+    previous: tuple[int, str] | None = None  # the last field's end line (1-based) and name
+    for node in node_cls.body:
         if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
+            previous = None
             continue
         comment: list[str] = []
         row = node.lineno - 2  # the line above the field, 0-based
         while row >= 0 and lines[row].strip().startswith("#:"):
             comment.insert(0, lines[row].strip()[2:].strip())
             row -= 1
-        docs[node.target.id] = _markdown(" ".join(comment))
+        name = node.target.id
+        if not comment and shared and previous is not None and previous[0] == node.lineno - 1:
+            docs[name] = docs[previous[1]]
+        else:
+            docs[name] = rst_markdown(" ".join(comment))
+        previous = (node.end_lineno or node.lineno, name)
     return docs
 
 
-def _markdown(text: str) -> str:
+def rst_markdown(text: str) -> str:
     """A ``#:`` comment's reStructuredText as Markdown: literals in single backticks, no Sphinx roles."""
     return re.sub(r":(?:class|func|meth|attr|mod|data):`~?([^`]+)`", r"`\1`", text).replace("``", "`")
 
