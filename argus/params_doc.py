@@ -181,15 +181,21 @@ def _tree(root: object, path: str = "") -> Iterator[tuple[str, object]]:
 
 
 def _other_roots(nested: set[type]) -> list[type]:
-    """The Params dataclasses of :mod:`argus.detectors` that are no part of ``nested``, by module and name."""
+    """The Params dataclasses of :mod:`argus.detectors` that are no part of ``nested``, by module and name (those
+    with a field that has no default set no threshold of their own: left out)."""
     found: dict[str, type] = {}
     for info in pkgutil.iter_modules(argus.detectors.__path__, argus.detectors.__name__ + "."):
         module = importlib.import_module(info.name)
         for name, obj in vars(module).items():
             if (name.endswith("Params") and inspect.isclass(obj) and dataclasses.is_dataclass(obj)
-                    and obj.__module__ == module.__name__ and obj not in nested):
+                    and obj.__module__ == module.__name__ and obj not in nested and _all_defaulted(obj)):
                 found[f"{obj.__module__}.{name}"] = obj
     return [found[k] for k in sorted(found)]
+
+
+def _all_defaulted(cls: type) -> bool:
+    return all(f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
+               for f in dataclasses.fields(cls))
 
 
 def _value(row: ParamRow) -> str:
@@ -197,7 +203,8 @@ def _value(row: ParamRow) -> str:
     if isinstance(v, enum.Enum):
         text = v.name
     elif isinstance(v, tuple):
-        text = "(" + ", ".join(x.name if isinstance(x, enum.Enum) else repr(x) for x in v) + ("," if len(v) == 1 else "") + ")"
+        items = [x.name if isinstance(x, enum.Enum) else repr(x) for x in v]
+        text = "(" + ", ".join(items) + ("," if len(items) == 1 else "") + ")"
     elif isinstance(v, int) and not isinstance(v, bool) and abs(v) >= 10_000:
         text = f"{v:_}"
     else:

@@ -14,7 +14,6 @@ import re
 import sys
 from pathlib import Path
 
-from argus.core import settings as settings_module
 from argus.core.settings import ENV_PREFIX, Secret, Settings
 
 __all__ = ["comment_docs", "field_docs", "rst_markdown", "settings_markdown"]
