@@ -6,7 +6,6 @@ measures how far ranks drift apart with the 1-Wasserstein distance (in ns). The 
 runs on top: :mod:`argus.detectors.l1_iteration` (iteration-time spikes and regressions),
 :mod:`argus.detectors.l2_phases` (straggler rank and phase within parallel groups, slow pipeline stages),
 :mod:`argus.detectors.l3_kernels` (degraded kernels, mode by mode with :mod:`argus.detectors.kernel_modes`, and links
-from argus.core.kinds import FindingKind
 from the compressed windows), :mod:`argus.detectors.l3_ranks` (ranks and pipeline stages slow across kernels),
 :mod:`argus.detectors.kernel_excess` (a kernel slower on a rank than the rank's own speed predicts);
 :mod:`argus.detectors.hangs` names stalled jobs, silent ranks and the ranks a hung collective waits for;
@@ -14,6 +13,7 @@ from the compressed windows), :mod:`argus.detectors.l3_ranks` (ranks and pipelin
 turns results into Finding records.
 """
 
+from argus.core.kinds import FindingKind
 from argus.detectors.findings import DetectorResult, finding_id, to_finding, to_findings
 from argus.detectors.hangs import HangParams, HangResult, RankLiveness, detect_hangs, job_resumed
 from argus.detectors.impact import Impact, StepClock, impact_of, worth_raising
