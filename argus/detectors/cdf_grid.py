@@ -6,20 +6,7 @@ it and its quantiles at given levels are read off its CDF. At 10,240 ranks x 512
 component terms per (kernel, window); scipy's ``ndtr`` costs ~20 ns a term and numpy's median over the
 rank axis ~20 ns a value, which kept numpy alone near half a second per window against a 100 ms budget.
 These kernels (numba, compiled once per process and cached on disk) do the same arithmetic:
-
-* **CDF terms** ``weight * ndtr(z)``, ``z = (ln x - mu) / sigma``: exactly ``weight`` for ``z > _Z_HIGH``
-  (where ``ndtr`` is 1.0 in float64), left out for ``z < _Z_LOW`` (under half an ulp of 1.0), and in
-  between a cubic Hermite interpolation of ``ndtr`` from a table of its values and derivatives at
-  ``1 / _CELLS_PER_Z`` steps of ``z`` (:func:`_hermite_table`): within 2e-15 of ``ndtr``, the last bits of a
-  float64 CDF. Each row is made nondecreasing (rounding can leave a value one ulp below its neighbour).
-* **One pass per rank** (:func:`score_against`): a rank's CDF is built in a scratch row, integrated against
-  the reference and searched for its quantiles, and dropped: no ``R x G`` array is ever stored.
-* **The reference** (:func:`sample_reference`, :func:`pointwise_median`) is the median per grid point, by
-  numpy's partition of each point's values, as ``np.median`` gives it, over all ranks or a fixed sample of
-  513 of them (:func:`median_sample`).
-
-The functions check shapes only: :mod:`argus.detectors.mixture` and :mod:`argus.detectors.l3_kernels`
-validate the mixtures.
+see docs/internals/detectors.md.
 """
 
 from __future__ import annotations

@@ -9,13 +9,7 @@ collectives in the same order on every member. So for two ranks on one stream, t
 * ranks of different groups: each group ends at its own last arrival, so their end offsets vary about as
   much as their start offsets.
 
-:func:`pair_ratio` reads the spread of a pair's end offsets over that of its start offsets (after a straight
-line through each is taken out: a clock's drift); a small ratio is a pair that co-ends. :func:`stream_kind`
-names the kind of a stream's group: the kind whose sampled groups co-end inside (pairs of members) and not
-beyond (a member with a rank of another of its groups, or of its group of another kind, ending as close as
-the members: a larger group that merely contains the kind's, like the model-parallel group of a pipeline's
-tensor-parallel groups, co-ends there too). Clock offsets between hosts (tens of ms in real traces) cancel
-out; nothing here reads an absolute time. Times in ns.
+Details and reasoning: docs/internals/detectors.md.
 """
 
 from __future__ import annotations

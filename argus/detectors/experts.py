@@ -4,23 +4,8 @@ In a mixture-of-experts layer with expert parallelism, each rank's grouped GEMMs
 tokens routed to them. A hot expert (the router favours it) gets more tokens, so its rank's grouped GEMMs
 run longer without anything being wrong with the rank; a slow GPU runs them longer on the same tokens. The
 L3 comparisons of a kernel across ranks assume the same work on every rank, which grouped GEMMs do not do.
-They are read here in one of two ways:
-
-* **tokens known** (``Step.expert_tokens``: the trace's grouped-GEMM ops record their input shapes,
-  :data:`argus.producers.kineto_parse.GROUPED_GEMM_OPS`): a rank's grouped-GEMM time is compared per routed token
-  (:func:`per_token_scale`). A hot expert takes as long per token as its peers; a slow one longer.
-* **tokens unknown**: the router conserves tokens within an expert-parallel group (every token of the
-  group goes to ``top_k`` of the group's experts), so what a hot expert gains its group's other members
-  lose, and the group's *mean* grouped-GEMM time is the same as another group's. A slow rank raises its
-  group's mean. :func:`group_means` gives each rank its EP group's mean, which is compared across groups;
-  of a group in excess the member named is the one slowest against the same expert position in the other
-  groups (a popular expert is popular in every group: the group's longest member may be a hot one). With
-  fewer than two expert groups to compare (every rank of the comparison in one group) nothing tells a hot
-  expert from a slow one without the tokens: such kernels are not judged per rank (a slow rank there is
-  still seen by what else it runs slowly, and by its waiting peers in the all-to-all).
-
-Grouped GEMMs are known by name (:data:`GROUPED_GEMM_MARKERS`); experts run as a loop of ordinary GEMMs
-(one per expert) look like any other GEMM and are compared as such.
+They are read here per routed token where the trace counts tokens, else on expert-parallel group
+means: docs/moe.md ("What the diagnosis does now").
 """
 
 from __future__ import annotations

@@ -1,27 +1,12 @@
 """Hangs and silence of a job, from each rank's last heartbeat (or last step/phase): pure functions.
 
 Given per rank what it was last seen doing (:class:`RankLiveness`), the job's topology and *now* (event
-time), :func:`detect_hangs` says:
+time), :func:`detect_hangs` names a stalled job (``job_stalled``), silent ranks (``rank_silent``) and, per
+parallel group of a stalled job, the collective its members wait in and the ranks they wait for
+(``hang_wavefront``); :func:`job_resumed` closes an episode. Results are :class:`HangResult`, thresholds
+:class:`HangParams`.
 
-* ``job_stalled`` (L1): no rank completed a step for ``max(stall_k × median step time, stall_floor_ns)``
-  (:meth:`HangParams.stall_bound_ns`); evidence ``last_completed_step``, ``seconds_stalled``.
-* ``rank_silent`` (L2): a rank whose last record is older than the silence bound (the stall bound, and at
-  least ``silent_heartbeats`` heartbeat intervals, so a rank between two heartbeats is not silent) while
-  other ranks still publish: by the bound older than the job's newest record. When every rank is silent,
-  the job is (``job_stalled`` with ``all_ranks_silent``), not a rank.
-* ``hang_wavefront`` (L2), in a stalled job, per parallel group (DP, TP, PP, EP, by the topology's group
-  columns): the collective (kind, seq) most of the group's waiting members are in, the members waiting in
-  it (*victims*) and the members that never entered it or never finished an earlier one (*suspects*, the
-  finding's ranks). The *first* ranks of the wavefront (``first_ranks``) are the suspects that wait in no
-  collective at all (stuck in compute, or silent); when every suspect waits somewhere, the ones waiting
-  the longest.
-
-:func:`job_resumed` closes an episode (L1 ``job_resumed``, evidence ``seconds_stalled``). The caller (the
-stream) keeps the episode: when it began, and that it raised ``job_stalled`` once.
-
-Results are :class:`HangResult`; :func:`argus.detectors.findings.to_finding` turns them into findings. Their
-``steps`` are stable while the episode lasts (the last completed step, or the step the group waits in), so
-a finding re-derived on every tick has the same id.
+The bounds and rules: docs/internals/detectors.md.
 """
 
 from __future__ import annotations

@@ -4,25 +4,7 @@ A slow host whose eight GPUs all run compute 1.3x slower is found by the detecto
 time (a ``rank_degraded`` finding per rank, a ``kernel_degraded`` per rank and kernel): dozens of findings for one
 thing to fix. :func:`form_incidents` stamps every finding with the hosts of its ranks and groups findings by
 cause; each finding's ``incident_id`` is the ``finding_id`` of its incident's lead. The rules, in order (a finding
-joins the first incident that claims it; docs/incidents.md gives the reasons):
-
-1. **Host** (:func:`slow_hosts`): at least ``min_host_ranks`` and ``min_host_fraction`` of one host's ranks are
-   named slow (findings of :data:`SLOW_KINDS`), while at most ``max_peer_fraction`` of the ranks on other hosts
-   that share a pipeline stage with them are, and no slow pipeline stage holds them: a new
-   :attr:`~argus.core.kinds.FindingKind.NODE_DEGRADED` finding names the host (all its ranks) and leads the
-   slow-rank findings within the host. A single slow rank is no host fault; nor are ranks slow because their
-   whole stage (or the whole job) is.
-2. **Stage**: a ``pp_stage_slow`` finding leads the slow-rank findings within its stage.
-3. **Link**: the ``link_degraded`` findings of one group (one per collective) and the late arrivals within the
-   group form one incident, led by the one of largest impact.
-4. **Straggler**: a ``rank_degraded`` (else ``compute_straggler``) finding leads the other slow-rank findings
-   within its ranks (its kernels, its phases, its late arrivals).
-5. **Symptom**: where every other finding forms one incident, the job's ``step_regression`` joins it (the step
-   time grew and that is the only cause found).
-
-Every other finding is its own incident. A host incident once raised stays: a ``node_degraded`` finding in the
-input keeps its host's incident, so grouping again what was grouped changes nothing
-(``form_incidents(form_incidents(x)) == form_incidents(x)``), however the findings arrived.
+joins the first incident that claims it), and their reasons: docs/incidents.md.
 """
 
 from __future__ import annotations

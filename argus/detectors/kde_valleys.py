@@ -5,21 +5,7 @@ A window of one rank holds ~20k kernel events in ~15 (kernel, stream) groups. Do
 costs ~25 small array calls (std, linspace, two bincounts, a convolution, scipy's ``find_peaks`` and
 ``peak_prominences``, a stable argsort): ~0.35 ms of call overhead per group, most of the compression
 agent's time. These kernels (numba, compiled once and cached on disk) do the same arithmetic per group
-without leaving compiled code:
-
-* :func:`dense_codes`: the distinct group ids of a window (sorted) and each event's rank among them, by an
-  open-addressing hash (O(n), where ``np.unique`` sorts);
-* :func:`valley_cuts`: for every group (and again inside each cluster it splits into, with the cluster's own
-  bandwidth), the bandwidth (Scott's rule on ``ln ns``, a few isolated values at either end left out), the
-  binned Gaussian KDE,
-  its valleys (the local maxima of ``-density`` as ``scipy.signal.find_peaks`` finds them, plateaus at their
-  middle) with their topographic prominence (as ``scipy.signal.peak_prominences``), each valley's z-score and
-  the greedy choice of cuts, most significant first.
-
-The arithmetic follows the numpy statement of :mod:`argus.detectors.kde_clusters` operation by operation;
-only the order of a few float sums differs (the KDE's convolution and the variance), by an ulp or so of a
-density, far below any decision's margin (``tests/unit/test_compression_equivalence.py`` checks the clusters
-against the numpy statement). Inputs are validated by the caller.
+without leaving compiled code: see docs/internals/detectors.md.
 """
 
 from __future__ import annotations

@@ -4,38 +4,7 @@ A fault often hits one shape of one kernel on one rank (a GEMM whose tile config
 unit used by one op): the kernel name runs several shapes, so the slowed shape is one mode of a multimodal
 kernel, and when its durations lie close to another shape's the KDE merges both into one cluster and the
 shift is diluted (one shape x1.4 of three gives the cluster x1.1). Per-kernel W1 on one window does not see
-a tenth; summed over the job's windows it is plain, once two things are taken out:
-
-- **the rank's own speed**: GPUs of one job differ by a few percent in everything they run (clocks,
-  thermals), so a rank 5 % slower in all its kernels is no fault. :func:`detect_kernel_excess` fits a
-  two-way model on log time per call, ``x[r, k] = ref[k] + speed[r] + e[r, k]``, with ``ref`` the
-  leave-one-out median of the rank's peers in kernel ``k`` and ``speed`` the rank's median deviation
-  over its kernels; the residual ``e`` is the kernel's excess beyond what the rank's speed predicts.
-- **the noise**: a kernel's residuals are judged in units of its noise -- the set's pooled robust scale
-  (1.4826 MAD of all residuals), widened for kernels with fewer calls than the set's median kernel (the
-  mean of fewer calls is noisier) and, in sets of five or more ranks, at least the kernel's own robust
-  spread over the ranks.
-
-A (rank, kernel) is slow when its residual in the plain totals is at least ``kernel_min_ratio`` and its
-z-score passes the Bonferroni bound of ``alpha`` over the set's ranks x kernels, and the cluster-median
-totals (:attr:`~argus.detectors.l3_ranks.KernelTotals.median_ns`) corroborate it: their z-score passes
-``alpha`` as one test (one-sided, 2.33 at 0.01; in a set of two ranks, the bound too). The plain total is
-what the job lost but a few outlier calls move it; the median total ignores outliers merged into a
-cluster, but moves when the KDE splits one rank's modes differently, and moves less than the mean where
-only one shape of a merged cluster slows (one GEMM shape x1.45 of three merged: plain z 19, median z 3.9),
-so it confirms the direction and the size is the plain total's. Held to the multiple-test bound in both,
-such a slowdown went unnamed.
-A kernel slow on most ranks of a set is the kernel's work, not a rank: it names none. Each rank with slow
-kernels is one :attr:`~argus.core.kinds.FindingKind.KERNEL_DEGRADED` result naming the kernel with the most
-excess (score: its time over the predicted one, less 1), the others in the evidence.
-
-Only kernels that every rank of the set runs with the same calls (at least ``kernel_min_calls``) are
-compared: the same work. Collectives are left out (they wait for their group). An MoE layer's grouped GEMMs
-run the tokens routed to each rank's experts, not the same work (:mod:`argus.detectors.experts`): with the
-ranks' routed tokens known they are compared per token; without, each rank's EP group's mean is compared
-across groups (the router conserves a group's tokens: a hot expert's gain is its peers' loss) and only one
-member of a group in excess is named, the slowest against the same expert position in the other groups;
-with one group to compare, they are not judged per rank.
+a tenth; summed over the job's windows it is plain, once two things are taken out: see docs/internals/detectors.md.
 """
 
 from __future__ import annotations

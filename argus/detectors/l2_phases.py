@@ -1,62 +1,11 @@
 """L2 diagnosis: which rank is the straggler, in which phase, comparing ranks only within their groups.
 
-Input is a :class:`PhaseTable`: per (rank, step, phase) the summed duration of that phase in the step
-and its number of occurrences. Per rank and phase the analysed value is the median per-step sum over the
-analysed steps (those from ``onset_step`` on, if given). For a compute phase (FORWARD, BACKWARD,
-OPTIMIZER) that sum is its **own time**: the duration less the time of the rank's *blocking* collectives
-(TP, EP, PP; :data:`BLOCKING_GROUPS`) that overlap it (``PhaseTable.nested_ns``). A Megatron layer's
-self_attention and mlp hold a blocking TP all-reduce: a rank that waits there for its slow TP partner (a
-victim), or whose TP link is degraded, has a long phase but no slow compute. DP gradient buckets overlap
-the backward and are not subtracted. A rank whose own time is elevated but whose phase, waiting included,
-is not longer than its peers' by at least half that excess made nobody wait: its peers' own time is what
-is short (a collective that merely overlapped their phase on another stream, e.g. a pipeline send still in
-flight through the optimizer, was taken for blocking), so it is not flagged. Ranks are compared only with
-the ranks that run the same work:
+Input is a :class:`PhaseTable` (per rank, step and phase: the summed duration and the count). A compute phase
+is judged by its own time (less the blocking TP/EP/PP collectives that overlap it) against the rank's DP group, a
+collective against the group of its own kind; :func:`detect_l2` returns :class:`L2Result` s, with the
+thresholds in :class:`L2Params`.
 
-* compute and host phases (every non-collective kind: FORWARD, BACKWARD, OPTIMIZER, DATA_LOADER,
-  OTHER) within the rank's **DP group** (same TP index and pipeline stage, identical work);
-* collectives within the group of the collective's own kind (the PhaseBatch ``group`` column; NONE
-  falls back to DP). Where members of one group run different numbers of a phase per step (pipeline
-  send/receive: the first and last stage run half as many), per-occurrence means are compared instead.
-
-Each rank is compared with the **median of its peers** (leave-one-out, so a group of two still has a
-baseline). A compute phase flags a rank when it is at least ``min_elevation`` (1.5x) its peers' median
-and, in groups of 3 or more, its robust z-score ``(value - peers' median) / max(1.4826 MAD,
-mad_floor * peers' median)`` is at least ``min_z``; the group's coefficient of variation is reported as
-evidence (it is diluted as ``1/sqrt(n)`` in large groups, so it is no gate).
-
-Collectives end together for every member, so each member's duration includes **waiting for the last
-one to arrive**: a compute straggler's own collective is *short* and its peers' are long. A member whose
-collective is 2x shorter than its peers' median arrived late: the long collectives of its group are never
-reported, and a compute straggler's evidence lists it (``collective_short``). The shortness ratio
-amplifies small delays when the transfer itself is short (healthy jobs reach ~2.4x on ReduceScatter at
-1 % rank spread), so a late arrival *without* an elevated compute phase is named a
-:attr:`FindingKind.COMPUTE_STRAGGLER` only if it is also ``collective_ratio`` (3x) short and its lateness
-(peers' median minus its own time, per step) is at least ``min_late_fraction`` of its longest phase per
-step, and if under half of that lateness is time its blocking collectives took beyond its peers' (a rank
-late because it waited in a TP all-reduce, for a degraded link or a late TP partner, is no straggler). In a
-group of two there is no peer to score a member against (GPUs a few percent apart make one member of some
-pair arrive last every step): a pair's difference must stand out among the phase's other pairs
-(:func:`~argus.detectors.l2_compare.pair_outliers`; its z is the flag's). A
-rank that shares a TP, PP or EP group with a compute straggler is a victim (it waited for it, e.g. in a
-blocking TP collective) and is not named for arriving late, nor is a late arrival sharing one with a
-victim (e.g. the victim's next pipeline stage), and so on. The same holds for a late arrival whose lateness
-is its own (under a fifth of it spent waiting in blocking collectives): late arrivals sharing a blocking
-group with it that did wait there are its victims (a straggler's pipeline neighbour, held up in its
-receive, reaches its DP all-reduce late too). Reductions over a group that spans pipeline stages (the PP
-group, other than its sends and receives) name no late arrival: the schedule decides which stage comes
-last. A *long* collective is never a finding here:
-within a group it means the member arrived early, and a degraded link slows all members of the group
-alike, which only a comparison across groups shows (L3). An elevated host phase (a kind other than
-compute or collective, e.g. DATA_LOADER) is a :attr:`FindingKind.PHASE_STRAGGLER`.
-
-Pipeline parallelism hides a slow stage: ``finish_grad_sync`` aligns the forward-backward totals of
-all stages, and a DP group never spans stages. So per phase of a kind in ``stage_kinds`` (BACKWARD)
-the per-occurrence mean of each stage (median over its ranks, compute stragglers left out, and so are the
-ranks that share a TP or EP group with one, or with such a rank: they wait for it inside the layer) is
-compared with the median of the other stages: a ratio of ``stage_ratio`` (1.5x) or more is a
-:attr:`FindingKind.PP_STAGE_SLOW` naming all ranks of that stage. A stage with no rank left is
-explained by its stragglers: only a baseline for the others.
+Details and reasoning: docs/internals/detectors.md.
 """
 
 from __future__ import annotations

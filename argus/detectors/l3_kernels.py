@@ -2,53 +2,10 @@
 
 Input: every :class:`~argus.schemas.records.KernelSummary` of one (job, kernel, stream), each holding cluster
 rows of some ranks and windows. All windows of a rank are merged into one log-normal mixture (weights =
-cluster counts; see :mod:`argus.detectors.mixture`). Per comparison set of ranks:
-
-1. **W1 to a robust reference.** Every rank's mixture CDF is evaluated on one shared geometric grid of
-   ``G`` points, the reference is the pointwise median of the ``R`` CDFs, and each rank's 1-Wasserstein
-   distance to it is integrated: O(R * K * G) time and O(R * G) memory for ``K`` components per rank,
-   against O(R^2 * G) for the paper's all-pairs matrix (:func:`~argus.detectors.mixture.w1_matrix`) -- what
-   makes 10k ranks feasible. A rank's **score** is ``W1 / mean of the reference``: a rank whose
-   durations all grew by a factor ``f`` scores about ``f - 1``. The signed integral gives the direction
-   (slower or faster than the reference). W1 sees both a shifted median and a fattened tail.
-2. **Outliers by IQR fences** on the scores (``Q3 + iqr_k * IQR``, 4+ ranks), gated by a relative
-   elevation: only ranks slower than the reference with a score of at least ``min_score`` (compute) or
-   ``collective_min_score`` (collectives) are flagged, so the small jitter of healthy ranks never is.
-3. **Group-symmetric faults.** When a whole group or half of the ranks is slow the median reference sits
-   between the two and IQR fences fail, so each rank's primary p50 (the p50 of its mode with the most
-   events, see :func:`primary_p50`) is also compared with the healthy majority, the median of the lower
-   half of those p50s: ``p50_ratio`` (3x; ``collective_p50_ratio``, 4x, for collectives) or more is slow.
-
-Compute kernels are compared within a pipeline stage (``compute_scope=STAGE`` with a topology: stages
-run different layers, the first/last also embedding/loss; a slow *stage* is L2's cross-stage check).
-Collective kernels (name containing a ``collective_markers`` entry, by default ``nccl``: ``ncclKernel_*``
-and ``ncclDevKernel_*``) are compared across the job and read with the topology, because a collective
-ends together for all members of its group and so includes waiting for the last to arrive:
-
-* a group whose fastest member (its transfer) is slow against the other groups of its kind: the group's
-  link is degraded, :attr:`FindingKind.LINK_DEGRADED` with ``ranks`` = the group (the link rule,
-  :func:`~argus.detectors.links.detect_links`, with its :class:`~argus.detectors.links.LinkParams` in
-  ``L3Params.links`` and its evidence a :class:`~argus.detectors.links.LinkEvidence`);
-* a member whose typical call (the median call, at its cluster's median) is 2x shorter than the median of
-  its group peers' arrived late: its peers' long collectives are
-  explained, never flagged; ``short_ratio`` (5x) shorter names it (:attr:`FindingKind.COMPUTE_STRAGGLER_BY_
-  COLLECTIVE`). The ratio amplifies small delays of short transfers (1.7x in healthy jobs at 1 % rank
-  spread, 3.2x at 3 %), hence the higher naming gate. Only a call's last arrival is short, so a group
-  with over a quarter of short members has none.
-
-The kernel name does not say the group kind, so groups of every kind (pipeline and expert groups only for
-send/receive kernels; pipeline sides only where the stream skips a stage, as the sends to the next stage skip
-the last) are tried, **largest first**, each explaining its members once (a greedy cover;
-at equal size links before late arrivals). So the DP all-reduce of a DP 8 x TP 2 job whose rank 5 is
-slow shows rank 4 and rank 5 late in their DP groups, and those groups explain the long collectives
-of every other TP pair (no links). Late arrivals that together make up a whole group of another kind
-(there: TP ranks 4 and 5) arrived late together, and which of them held up the others shows only in
-that group's own collective (the TP all-reduce: rank 5 short, rank 4 long): they explain their peers but
-are not named. Durations alone cannot always tell a late group from a degraded link of the group that
-waited for it (where the kernel's own groups are not the largest, e.g. DP 2 x TP 4); L2 knows the group
-and is the authoritative attribution. Slow members left unexplained only waited (a collective ends together
-on every member) and are not named; without a topology, slow ranks are :attr:`FindingKind.KERNEL_DEGRADED`
-(``collective: true`` in evidence).
+cluster counts; see :mod:`argus.detectors.mixture`). Per comparison set of ranks
+(a pipeline stage for compute, the job for collectives) each rank's W1 distance to the pointwise-median
+reference is its score; :func:`detect_l3` flags outliers (:class:`L3Params`). The steps and the reading of
+collectives with the topology: docs/internals/detectors.md.
 """
 
 from __future__ import annotations

@@ -3,33 +3,7 @@
 A real trace is often one or two steps long, so each kernel name runs 1-3 times per rank: no single-kernel
 test has samples enough, yet a rank whose every GEMM runs 30 % slower is plain when the kernels are taken
 together. :func:`detect_rank_excess` pools the evidence of every compute kernel of the job per rank:
-
-1. Per kernel (within a comparison set: the rank's pipeline stage, whose ranks run the same kernels) each
-   rank's mean duration per call ``m`` is compared with the median of its peers in the set, ``ref``.
-2. **Significance.** In each kernel the ranks are ordered by ``m / ref`` and each gets the normal score of
-   its place; a rank's scores are summed over the kernels. If no rank differed, the places would be a
-   random permutation per kernel, so the sum's null variance is known exactly and its z-score is calibrated
-   whatever the durations' noise, skew or quantization. It runs over all kernels and over each kernel
-   family (:func:`kernel_family`: GEMMs, attention, ...) alone, so a fault confined to one family is not
-   diluted by the kernels it spares. The order alone also ranks a GPU a few percent slower in every kernel
-   (GPUs of one job differ so) as high as a slow one: it counts where the typical (median) kernel of the
-   subset is ``typical_ratio`` slower too. Or the shift holds in time: the rank's shift over its kernels,
-   each weighted by its expected time (``calls * ref``), against the noise of that weighted sum (each
-   kernel's spread over the set's ranks) -- where the order need only show the kernels agree. Of two
-   ranks (each the other's reference), only the kernels whose shapes fix their work count in time (GEMMs,
-   attention, norms; embedding lookups, sorts and copies move data-dependent amounts per rank).
-3. **Effect size.** Its **excess**: the time beyond its peers in the kernels it runs slower (``m / ref >
-   slower_ratio``), ``sum(calls * (m - ref))``, as a share of its expected time. Noise puts some kernels of
-   every rank above its peers, so in a set of five or more ranks the share must also stand out of the
-   others' shares (robust z over the set's Bonferroni bound).
-4. A rank significant so (``alpha`` over its set's tests) with such an excess share
-   ``>= min_excess_fraction`` is a
-   :attr:`~argus.detectors.l3_kernels.FindingKind.RANK_DEGRADED` finding naming the kernels that carry most of the
-   excess (and the stream layer raises it only when its delay is worth it, :mod:`argus.detectors.impact`). If
-   most of a set is flagged it is the set's work that changed, not a rank: nothing is named.
-
-Collective kernels are left out: their duration includes waiting for the last member, which says nothing
-about a rank's own speed (the per-kernel L3 reads them with the topology).
+see docs/internals/detectors.md.
 """
 
 from __future__ import annotations

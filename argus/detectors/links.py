@@ -7,12 +7,7 @@ stage, or the same pair of stages) mode by mode (:mod:`argus.detectors.kernel_mo
 that untouched -- waiting is never a link -- while a degraded link slows it on every member. Its results
 carry a :class:`LinkEvidence` each, the thresholds are :class:`LinkParams`.
 
-One collective of a grouping guessed from durations can mislead (ranks of one position waiting in a
-collective of another kind look like a slow group of their own), so the job's
-:class:`~argus.detectors.link_ledger.LinkLedger` holds link findings back until a group's evidence holds in
-two collectives, in a named group, or strongly; a pipeline link seen one side per stream
-(:attr:`PseudoGroup.PP_SIDE`) is named once both of its sides are slow. Group statistics the rule reads are
-:mod:`argus.detectors.link_stats`.
+Details and reasoning: docs/links.md.
 """
 
 from __future__ import annotations

@@ -8,20 +8,7 @@ hold no steps (a window's calls are pooled), but the phase records do: each rank
 (:meth:`~argus.detectors.l2_history.PhaseHistory.compute_own`, forward, backward and optimizer phases less
 their nested blocking collectives), where the job annotates its phases.
 
-:func:`rank_onsets` reads, per (rank, compute phase), its log own time less the median over the ranks of
-that phase in each step (which takes out what every rank shares: the step's length, the job's drift; one
-phase at a time, as a one-shape fault shows in the phase that runs the shape) and looks for one upward mean
-shift: the split of the steps that maximizes the two-sample t statistic of the later steps over the earlier
-ones, with the noise the residuals' robust scale (1.4826 MAD about each segment's median), at least the median
-of that scale over the phase's rows (a rank's few steps may happen to lie close together). An onset is named
-when that t passes a Bonferroni bound over the rows and the splits tried (``alpha``), the shift is at least
-``min_shift`` and each side holds ``min_segment`` steps (more than that before it: a shift at the first split
-allowed may have begun earlier, and an onset found too late would overstate the impact). A rank slow from the
-first step has no onset (its excess already spreads over every step it cost); nor has a rank whose time
-wanders without one clear shift. A rank's onset is its phases' earliest.
-
-It only ever shortens the steps an excess is spread over for a rank that plainly slowed down part way
-through; every other result is judged as before.
+Details and reasoning: docs/internals/detectors.md.
 """
 
 from __future__ import annotations

@@ -8,24 +8,7 @@ On each rank (any launcher: ``torchrun``, Slurm, ``torch.multiprocessing``)::
 
 What it does, never raising into training (a failure is logged as a warning, counted in the tracer's
 ``stats().errors``, and the rest goes on; in the worst case a disabled tracer comes back):
-
-* builds the process's :class:`~argus.producers.tracer.Tracer` from the environment (:func:`tracer_from_env`):
-  ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` (the process group's rank and size win when one is initialized), the
-  job id from ``ARGUS_JOB_ID``, ``TORCHELASTIC_RUN_ID`` (unless ``none``) or ``SLURM_JOB_ID`` (else the first
-  rank's proposal, ``<script>-<time>-<random>``, agreed through the c10d store), the topology from
-  ``ARGUS_TOPOLOGY`` (``dp=4,tp=2,pp=1``), Megatron's ``parallel_state`` or the named process groups
-  (:mod:`argus.producers.groups`), exchanged through the store without a collective (:mod:`argus.producers.exchange`);
-* starts it (publishes TOPOLOGY and START from the lifecycle rank) and instruments what it is given: the
-  whole model's FORWARD and BACKWARD phases and iteration boundaries (:mod:`argus.producers.tracer_auto`), the
-  optimizer's OPTIMIZER phase, whose end ends each iteration, DDP's gradient buckets and FSDP2's collectives
-  (:mod:`argus.producers.tracer_ddp`), and with ``patch_collectives=True`` (or ``ARGUS_PATCH_COLLECTIVES=1``)
-  the ``torch.distributed`` collectives (:mod:`argus.producers.tracer_patch`);
-* closes it at ``torch.distributed.destroy_process_group()`` (before the group goes, so END carries the job's
-  record counts) or at interpreter exit (atexit, within ``close_timeout_s``).
-
-One tracer per process: a second ``attach`` returns the same tracer, instruments only what it was not given
-before (no double hooks) and ignores tracer arguments (a warning says so). ``ARGUS_DISABLE=1`` makes
-``attach`` return a disabled tracer.
+see docs/internals/producers.md.
 """
 
 from __future__ import annotations

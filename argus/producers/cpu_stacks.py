@@ -11,15 +11,7 @@ Flow: findings topic (own consumer group per host, from the latest offset: only 
 not captured yet for this (job, rank, finding) -> rate limit -> ``py-spy dump --pid <pid> --json`` ->
 CpuStack -> publisher.
 
-Safety: the command is an argument list (no shell) whose only variable part is the pid, an integer read
-from this host's own registry file and checked to be a live process; nothing of a Kafka record's content
-reaches the command line. The job id only selects a registry folder (a safe file name or a hash of the id).
-A finding steers captures only of ranks registered by the collector's own user: entries, folders and target
-processes of any other user are refused (see :mod:`argus.producers.rank_registry`), so findings written by whoever
-can reach the findings topic cannot point a root collector at another user's (or a system) process. Run the
-collector as the user that runs the training job; as root it serves only jobs run as root.
-py-spy needs ptrace permission on the target (root, ``CAP_SYS_PTRACE``, or ``kernel.yama.ptrace_scope=0``);
-without it :func:`capture_stacks` raises :class:`StackCaptureError` with ``permission=True`` and says so.
+Details and reasoning: docs/internals/producers.md.
 """
 
 from __future__ import annotations

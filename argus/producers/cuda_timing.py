@@ -8,18 +8,7 @@ queue. The resolver's daemon thread polls ``event.query()`` (never ``synchronize
 oldest step has completed, computes durations with ``elapsed_time``, returns the events to the pool and
 publishes one :class:`~argus.schemas.records.Step` and one :class:`~argus.schemas.records.PhaseBatch`.
 
-Times of a step, integer ns:
-
-* ``Step.start_ns``: host clock at step entry (``perf_counter_ns`` anchored to ``time_ns`` once);
-  ``Step.wall_ns``: host time from step entry to exit;
-* ``Step.gpu_ns`` (CUDA only): from the earliest to the latest event of the step on the GPU, the step's own
-  begin/end events on the compute stream included;
-* a GPU phase's ``start_ns`` is the step's host start plus the phase's GPU offset from the step's begin event
-  (the GPU timeline anchored at the step's host start); its ``duration_ns`` is ``elapsed_time`` between its two
-  events. A host-timed phase (no CUDA, or CPU tensors) has stream -1 and host-clock times.
-
-A phase whose end was never recorded (an exception inside it, an async collective never waited) is dropped
-and counted.
+Times of a step, integer ns: see docs/internals/producers.md.
 """
 
 from __future__ import annotations

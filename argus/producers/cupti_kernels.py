@@ -1,39 +1,11 @@
 """GPU kernel events of one rank through CUPTI's Activity API (``cupti-python``), as columnar KernelBatches.
 
-Three decoupled paths, as in the ARGUS paper (§4):
+Three decoupled paths: control (:meth:`CuptiKernels.start` / :meth:`CuptiKernels.stop`, on the training thread,
+once), enqueue (CUPTI's buffer callback only appends to a bounded inbox) and parse/export (a daemon thread runs
+:mod:`argus.producers.cupti_parse` and hands KernelBatches to the non-blocking publisher). The training thread
+never waits on any of it.
 
-* **control** (:meth:`CuptiKernels.start` / :meth:`~CuptiKernels.stop`, on the training thread, once):
-  decides whether this process traces at all (:func:`cupti_enabled_for`), sizes CUPTI's device buffer pool,
-  registers the buffer callbacks, enables ``CONCURRENT_KERNEL``, ``MEMCPY`` and ``MEMSET`` activities and a
-  periodic flush; at the end it flushes, disables and drains.
-* **enqueue** (the buffer-completed callback, on CUPTI's worker thread): appends the list of records to a
-  bounded in-memory inbox and returns. Nothing else: no parsing, no I/O. When the inbox holds
-  ``max_queued_records`` records, further buffers are dropped and counted.
-* **parse/export** (a daemon parser thread): the pure functions of :mod:`argus.producers.cupti_parse` turn records
-  into columns, assign steps and build :class:`~argus.schemas.records.KernelBatch` es of ``batch_events`` events
-  with a per-batch name dictionary (kernel names normalized by :mod:`argus.producers.kernel_names`); the thread
-  hands them to the non-blocking publisher. A partial batch leaves after ``max_latency_s`` at the latest.
-
-The training thread never waits on any of this: kernels cost it nothing beyond CUPTI's own in-driver
-recording. One caveat of doing this in Python: ``cupti-python`` turns every record of a completed buffer
-into a Python object on CUPTI's thread while holding the GIL, and the parser needs the GIL too, so a
-launch-bound Python training loop competes with them for the interpreter. Buffers are therefore small
-(``buffer_bytes``, 2 MiB: about 9,000 records per callback) to keep each hold of the GIL short, and
-``load_tests/gpu/overhead.py`` measures the resulting step-time overhead (``argus`` vs ``argus_phases``).
-
-Buffers: ``cupti-python`` allocates each host buffer of ``buffer_bytes`` on CUPTI's request and frees it once
-the completed callback returns, after copying each record into its own Python object (``from_ptr`` without
-an owner copies), so records stay valid in the inbox. On the device side CUPTI's buffer pool is
-pre-allocated (``DEVICE_BUFFER_PRE_ALLOCATE_VALUE``) and capped (``DEVICE_BUFFER_POOL_LIMIT``).
-
-Timestamps: CUPTI's clock is mapped to the host's epoch clock by an offset measured at start
-(``time.time_ns() - cupti.get_timestamp()``). Steps: a kernel belongs to the last step whose host start
-(:class:`StepMarks`, fed by the tracer) is at or before the kernel's start; -1 before the first step. A kernel
-that runs after its step's host code has moved on to the next step is attributed to the next step: the GPU
-lag of an unsynchronized loop shifts attribution by at most that lag.
-
-Without a GPU, a CUDA driver or ``cupti-python``, :meth:`CuptiKernels.start` returns a
-:attr:`CuptiState.UNAVAILABLE` status with the reason and the job carries on; it never raises.
+Details and reasoning (buffer sizes, the GIL): docs/internals/producers.md.
 """
 
 from __future__ import annotations

@@ -5,18 +5,7 @@ Nothing here touches CUPTI or a GPU, so all of it is unit-tested with fake recor
 the attributes of a ``cupti-python`` activity record). :mod:`argus.producers.cupti_kernels` runs it on its parser
 thread.
 
-* :func:`extract_columns`: records -> :class:`ActivityColumns` (names interned in a :class:`NameTable`,
-  normalized once per distinct raw name with :func:`argus.producers.kernel_names.normalize`; memcpy records are
-  named ``memcpy:<direction>``, memset records ``memset``; other kinds and malformed records are skipped and
-  counted);
-* :func:`columns_to_batches`: columns -> KernelBatches of ``batch_events`` events sorted by start, each
-  with its own name dictionary, steps assigned from :class:`StepMarks`;
-* :func:`build_kernel_batches`: both in one call;
-* :func:`cupti_enabled_for`: selective enablement (``ARGUS_CUPTI``, ``ARGUS_CUPTI_RANKS``, compile workers,
-  launchers).
-
-Records' ``correlation_id`` is not needed: a kernel's step comes from its start time and the tracer's step
-marks, which saves enabling (and parsing) the runtime-API activity that correlation would require.
+Details and reasoning: docs/internals/producers.md.
 """
 
 from __future__ import annotations

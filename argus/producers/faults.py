@@ -2,29 +2,7 @@
 
 A :class:`FaultSpec` is generic: every factor multiplies the matching kernels of the listed ranks from
 ``onset_step`` on, whatever the :class:`Fault` label says. The class methods give the paper's defaults:
-
-=============================  ===============================================================
-fault                          effect (default)
-=============================  ===============================================================
-``COMPUTE_STRAGGLER`` (1)      rank 5's self_attention / mlp compute kernels x25 / x20 from step 15
-``LINK_DEGRADATION`` (2)       ranks 4-7 (a whole DP group): AllReduce / AllGather / ReduceScatter
-                               transfers x8 / x12 / x20 from step 0 (steady degraded regime)
-``PP_LAST_STAGE_SLOW`` (3)     every backward compute kernel of the last pipeline stage x1.9
-``HOST_JIT_STALL`` (4)         an 80 ms host stall on every rank before steps 12 and 27
-``COMPUTE_STRAGGLER_SHORT_     rank 5's mlp compute x3 from step 0: its ReduceScatter looks *shorter*
-COLLECTIVES`` (5)              than its peers' (it arrives last, and all members end together)
-``HANG``                       rank R stops inside a DP collective at step S: it never enters it, its DP
-                               peers block in it, the other ranks wait at the step's barrier; heartbeats
-                               only for ``hang_ns``, then the job resumes (``resume``) or goes quiet
-``SILENT_RANK``                rank R publishes nothing from step S; the others complete step S, then
-                               block in step S + 1 (heartbeats for ``hang_ns``), and the job goes quiet
-``CRASH``                      the job stops after step S - 1 (all steps by default) and never sends END
-``SLOW_HOST``                  every rank of one host (a power cap, a thermal problem): its self_attention
-                               and mlp compute kernels x1.3 from step 0 (one incident, docs/incidents.md)
-=============================  ===============================================================
-
-A link factor slows the whole collective of every group that holds a listed rank (a ring is as fast as its
-slowest link), so link faults must name whole DP or TP groups; :meth:`FaultSpec.link_degradation` checks it.
+see docs/internals/producers.md.
 """
 
 from __future__ import annotations

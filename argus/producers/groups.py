@@ -1,20 +1,6 @@
 """Which parallel group (DP, TP, PP, EP) each ``torch.distributed`` process group of this rank is.
 
-Sources, first match per kind wins:
-
-1. groups given explicitly (``attach(groups={"tp": tp_group, ...})``);
-2. Megatron-LM's ``megatron.core.parallel_state`` when it imports and is initialized (its tensor-, pipeline-,
-   data- and expert-parallel groups);
-3. the process groups torch knows (``torch.distributed.distributed_c10d._world``), by their description or
-   name: ``new_group(..., group_desc="tp")``, a :class:`~torch.distributed.device_mesh.DeviceMesh` dimension
-   (``mesh_dp``, ``mesh_dp_shard``, ``mesh_tp``, ...) or Megatron's ``TENSOR_MODEL_PARALLEL_GROUP``-style
-   names. A name is split into words; ``tp``/``tensor`` is TP, ``pp``/``pipe``/``pipeline`` PP,
-   ``ep``/``expert``/``moe`` EP and ``dp``/``data``/``ddp``/``fsdp``/``replicate``/``shard`` DP. A name with
-   words of two kinds (``TENSOR_AND_DATA_PARALLEL_GROUP``) is left out; of several groups of one kind the
-   largest is taken (HSDP: the union of the replicate and shard dimensions, when a flattened one exists).
-
-The world group is DP when nothing else is known. Everything here is best effort: a failure is logged and
-yields fewer groups, never an exception.
+Sources, first match per kind wins: see docs/internals/producers.md.
 """
 
 from __future__ import annotations

@@ -11,9 +11,7 @@ no lock, no Kafka call. A :class:`HeartbeatThread` reads that state and publishe
   then add nothing, while a rank that stops inside a collective says so within about two ticks — the
   record a hang diagnosis needs most.
 
-Reads race with the training thread's writes; under the GIL each attribute read is whole, and the state
-counter tells the reader when the state moved under it (it then keeps what it read: at worst one
-heartbeat shows a phase that just ended).
+Details and reasoning: docs/internals/producers.md.
 """
 
 from __future__ import annotations

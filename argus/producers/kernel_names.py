@@ -5,62 +5,7 @@ that key in two ways: the *same* kernel is spelled differently by different libr
 (NCCL renamed every kernel in 2.19; CUPTI reports mangled symbols, Kineto demangled ones with argument
 lists), and a careless cleanup would merge *different* kernels (two GEMM tile configurations, AllReduce
 and ReduceScatter) whose durations have nothing in common. :func:`normalize` applies these rules, in order:
-
-1. **Already normalized** names (``nccl:...``, ``memcpy:...``, ``memset``, a ``~<hash>``-capped name) are
-   returned unchanged, so ``normalize(normalize(x)) == normalize(x)`` for every string.
-2. **Mangled** symbols (``_Z...``, as CUPTI reports them) are demangled with the C++ runtime's
-   ``__cxa_demangle``; a symbol it cannot demangle is kept as it is.
-3. **Copies and sets**: CUPTI/Kineto ``Memcpy HtoD (Pageable -> Device)`` becomes ``memcpy:HtoD`` and
-   ``Memset (Device)`` becomes ``memset`` (the memory kinds in parentheses are dropped; the direction stays).
-4. **NCCL** kernels become ``nccl:<Collective>[:<Op>:<dtype>][:<ALGO>:<PROTO>]`` plus any unknown name
-   parts, with one spelling per part whatever the NCCL version:
-
-   ==========================================  ====================================
-   raw (NCCL version)                          normalized
-   ==========================================  ====================================
-   ``ncclKernel_AllReduce_RING_LL_Sum_bfloat16``  ``nccl:AllReduce:Sum:bf16:RING:LL``
-   (<= 2.18)
-   ``ncclDevKernel_AllReduce_Sum_bf16_RING_LL``   ``nccl:AllReduce:Sum:bf16:RING:LL``
-   (>= 2.19, also with ``(ncclDevKernelArgsStorage<4096ul>)``)
-   ``ncclAllReduceRingLLKernel_sum_bf16`` (2.4)   ``nccl:AllReduce:Sum:bf16:RING:LL``
-   ``ncclKernel_AllGather_RING_LL_Sum_int8_t``    ``nccl:AllGather:RING:LL``
-   ``ncclDevKernel_AllGather_RING_LL``            ``nccl:AllGather:RING:LL``
-   ``ncclDevKernel_Generic``                      ``nccl:Generic``
-   ==========================================  ====================================
-
-   Data types are spelled ``i8 u8 i32 u32 i64 u64 f16 bf16 f32 f64 f8e4m3 f8e5m2`` (``float`` -> ``f32``,
-   ``half`` -> ``f16``, ``bfloat16``/``__nv_bfloat16`` -> ``bf16``, ``int8_t`` -> ``i8``, ...); operations
-   ``Sum Prod Min Max PreMulSum SumPostDiv``; algorithms and protocols upper case. Collectives that move data
-   without reducing it (AllGather, Broadcast, SendRecv, ...) carry no operation or type: older NCCL named
-   them with a dummy ``Sum_int8_t``. Collective, operation, type, algorithm and protocol all stay in the
-   name, so AllReduce and ReduceScatter, bf16 and f32, RING and TREE remain different kernels.
-5. **Other C++ kernels** (demangled names):
-
-   * the return type (``void ``) and the parameter list ``(...)`` are dropped: they repeat the template
-     arguments and change with the ABI (``long`` vs ``long long``) and with refactors of argument structs;
-   * template arguments are **kept**: they are what tells kernels apart (the functor of
-     ``vectorized_elementwise_kernel<4, GeluFunctor...>`` is the operation, the tile shape of
-     ``cutlass::Kernel<cutlass_80_tensorop_bf16_s16816gemm_bf16_128x128_32x3_tn_align8>`` is the GEMM
-     configuration), but their noise is removed: ``(anonymous namespace)::``, the signatures of the
-     functions that enclose lambdas (``GeluCUDAKernelImpl(at::TensorIteratorBase&)::{lambda()#1}`` ->
-     ``GeluCUDAKernelImpl::{lambda()#1}``; a lambda's own parameter types stay: they are the dispatched
-     dtype), ``::operator()() const``, integer suffixes and casts
-     (``4096ul``, ``(unsigned int)4`` -> ``4096``, ``4``) and spacing (``> >`` -> ``>>``, ``char *`` ->
-     ``char*``);
-   * known renames of wrapper templates are mapped to one spelling (:data:`RENAMES`: CUTLASS 2's
-     ``cutlass::Kernel2<...>`` -> ``cutlass::Kernel<...>``).
-
-   ``void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>,
-   at::detail::Array<char*, 1> >(int, at::native::FillFunctor<float>, at::detail::Array<char*, 1>)``
-   becomes ``at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>,
-   at::detail::Array<char*, 1>>``.
-6. **Plain identifiers** (cuBLAS ``sm90_xmma_gemm_..._cublas``, Triton ``triton_poi_fused_add_0``) are kept
-   as they are: their tile shapes and fusion indices are part of the identity.
-7. Names longer than :data:`MAX_LEN` characters are cut and suffixed with ``~`` and 12 hex digits of the
-   SHA-1 of the full name, so that they stay distinct and bounded.
-
-Whitespace is collapsed everywhere; an empty name becomes ``<unnamed>``. Results are cached
-(:func:`functools.lru_cache`), so the per-event cost of normalizing a repeated name is a dictionary hit.
+see docs/internals/producers.md.
 """
 
 from __future__ import annotations

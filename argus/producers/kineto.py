@@ -1,30 +1,11 @@
 """``argus import-kineto``: publish a directory of torch.profiler / Kineto traces (one file per rank) as a job.
 
-Each file is parsed in one streaming pass (:mod:`argus.producers.kineto_parse`: bounded memory, kernels spilled to a
-temporary file), so every file is checked before anything is published: a bad file aborts the import with a
-:class:`~argus.core.errors.ProducerError` naming it, and nothing of the job reaches Kafka. Hostile files (nesting,
-numbers or strings beyond the parser's limits, more than ``max_file_bytes`` per rank, ranks or world sizes over
-:data:`~argus.producers.kineto_parse.MAX_WORLD_SIZE`) are refused the same way, naming the event. Then::
+Every file is parsed and checked first (:mod:`argus.producers.kineto_parse`, bounded memory): a bad or hostile
+file aborts the import with a :class:`~argus.core.errors.ProducerError` naming it, and nothing of the job reaches
+Kafka. Then the job's topology, START, every step's Step and PhaseBatch, each rank's KernelBatches and END are
+published, as a traced job's would be.
 
-    JobTopology; JobLifecycle START (source 'kineto-import');
-    step by step, every rank's Step and PhaseBatch (keyed by job; one PhaseBatch per step and rank, empty if
-    the step has no phases, so the detectors see each step complete);
-    rank by rank, its KernelBatches (keyed by rank, the last one end_of_stream);
-    JobLifecycle END with the counts of kernel events, Steps and PhaseBatches published.
-
-Topology, in this order of preference: Megatron process groups in ``distributedInfo.pg_config`` (descriptions
-``TENSOR_MODEL_PARALLEL_GROUP``, ``DATA_PARALLEL_GROUP``, ``PIPELINE_MODEL_PARALLEL_GROUP``,
-``EXPERT_MODEL_PARALLEL_GROUP``, merged over all files); the ``topology`` argument ``dp=…,tp=…,pp=…`` (its
-product must be the world size); else one data-parallel group of all ranks. The world size is
-``distributedInfo.world_size``; when only some ranks' traces are there, the job is published with
-``max rank + 1`` ranks (the detectors wait for every rank of the published world), and the report says so.
-
-Clocks: event time is the trace's (``baseTimeNanoseconds`` + ts). The offset of each rank's first common
-``ProfilerStep`` start from the reference rank's (rank 0, else the lowest) is reported; with
-``align_clocks=True`` every rank is shifted so those starts coincide. That is only valid for synchronous jobs
-(every rank enters a step at nearly the same moment, e.g. data-parallel training), and it hides real skew in
-when ranks start a step. By default (``None``) ranks are aligned only when the skew exceeds
-:data:`ALIGN_THRESHOLD_NS` and every rank has step annotations.
+The order of publication, the topology sources and the clocks: docs/internals/producers.md.
 """
 
 from __future__ import annotations

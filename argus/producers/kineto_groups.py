@@ -1,27 +1,6 @@
 """The parallel group of each collective phase in a torch.profiler trace, and role names for transfers.
 
-Two things in a trace tell which group a communication phase ran in:
-
-* **Point-to-point names.** PyTorch's NCCL process group annotates a send as ``nccl:send A->B`` and a
-  receive as ``nccl:recv A<-B`` (``A`` the rank itself, ``B`` its peer; ranks global, or local to the process
-  group the operation ran in -- a pipeline group's local rank is the stage). Peers compare phases by name and
-  every rank has other peers, so ``nccl:recv 8<-0`` on rank 8 and ``nccl:recv 9<-1`` on rank 9 would never
-  meet. A transfer between adjacent stages of one pipeline becomes ``nccl:send next`` / ``nccl:recv prev``
-  (and so on) in the PP group, one inside an expert group ``nccl:send ep`` in the EP group: one name on every
-  rank of a stage, and a group kind that tells the diagnosis the rank *waited* there rather than worked.
-* **Process groups of NCCL kernels.** PyTorch 2.3+ writes ``Process Group Name``, ``Description`` and
-  ``Ranks`` into each NCCL kernel's args (:class:`~argus.producers.kineto_parse.StreamPG`, one per stream). The
-  group is identified by its Megatron description (``pg_config``) or by its ranks, as one of the rank's
-  DP/TP/PP/EP groups of the job topology; every collective phase on that stream (the ``gpu_user_annotation``
-  ``nccl:all_reduce`` PyTorch puts around the kernel) carries it, and so the detectors learn which group
-  each collective stream serves instead of guessing it from durations.
-* **Which ranks' collective calls end together.** Where the kernels name no process group (older PyTorch,
-  traces cut by other tools), :func:`co_ended_streams` reads the NCCL kernels of a sample of ranks and names
-  each stream's group kind by :mod:`argus.detectors.co_ending`: the kind whose groups' members end their
-  calls together, and no larger group's. The candidate groups are the topology's (``pg_config``, else the
-  ``--topology`` given).
-
-Anything else keeps its name and group NONE.
+Two things in a trace tell which group a communication phase ran in: see docs/internals/producers.md.
 """
 
 from __future__ import annotations

@@ -9,27 +9,7 @@ backend ``yajl2_c``) walks ``traceEvents`` event by event:
   annotations phases: few per step, kept in memory;
 * everything else (CPU ops, runtime calls, flows) is passed over.
 
-The small top-level keys (``distributedInfo``, ``baseTimeNanoseconds``, ``deviceProperties``, ``host_name``)
-come from a scan of the file's head that stops where ``traceEvents`` begins, and, for those written after the
-events (Kineto writes ``baseTimeNanoseconds`` there), from the file's last 1 MiB kept while streaming. Only
-when ``distributedInfo`` is in neither does one more C-level scan of the whole file look for it.
-
-Times: ``ts``/``dur`` are microseconds, possibly with sub-µs decimals. Numbers are parsed exactly (``Decimal``;
-a float loses the ns digits of an epoch in µs) and rounded to integer ns; absolute time is
-``baseTimeNanoseconds`` (when present) + ts. Events with missing or invalid fields are skipped and counted by
-reason, never fatal.
-
-Hostile input: every byte is checked before the parser sees it (:class:`_Guard`), and a file over a limit is
-refused with a :class:`~argus.core.errors.ProducerError` naming the file and where (``traceEvents[i]`` and the
-event's name, or the top-level key): nesting deeper than :data:`MAX_DEPTH`, a number with more than
-:data:`MAX_NUMBER_DIGITS` digits in a row or :data:`MAX_EXPONENT_DIGITS` exponent digits, a string over
-:data:`MAX_STRING_BYTES`, more than ``max_file_bytes`` bytes after decompression (default
-:data:`MAX_FILE_BYTES`, 2 GiB), a world size over :data:`MAX_WORLD_SIZE`, a rank not below it or not below its
-``distributedInfo.world_size``. Memory is then proportional to what is kept (distinct names, steps, phases).
-
-Steps: a GPU event belongs to the step whose GPU ``ProfilerStep#N`` span contains its start, or, without GPU
-step annotations, to the step whose CPU span *extended to the next step's start* contains it (kernels run
-after the host launched them; the last step is open-ended); host events use the extended CPU spans; else -1.
+Details and reasoning: docs/internals/producers.md.
 """
 
 from __future__ import annotations

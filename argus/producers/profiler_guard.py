@@ -4,23 +4,7 @@ CUPTI serves one activity client per process: Kineto (behind ``torch.profiler.pr
 ``torch.autograd.profiler.profile``) registers its own buffer callbacks and enables its own activities when a
 session is prepared, and argus, always on, would otherwise keep the records the user asked their profiler
 for, or make it fail (pytorch #117935). :class:`ProfilerGuard` wraps the three methods every such session goes
-through, on ``torch.autograd.profiler.profile``:
-
-* ``_prepare_trace`` and ``_start_trace`` (whichever comes first; ``torch.profiler.profile`` prepares at its
-  warm-up, before Kineto takes CUPTI): argus pauses its kernel records for
-  :attr:`~argus.schemas.records.PauseReason.PROFILER` first (flush, then release: see
-  :meth:`~argus.producers.cupti_kernels.CuptiKernels.pause`);
-* ``__exit__`` (a session's stop, ``torch.profiler.profile.stop`` included): once the last session of the
-  process is done, argus takes CUPTI back.
-
-Only sessions that trace the GPU (``ProfilerActivity.CUDA`` in their activities) make argus step aside; a
-CPU-only session changes nothing. Steps, phases and heartbeats go on throughout; the pause is counted, logged
-and flagged in heartbeats (``kernels_paused``, reason PROFILER). Tools outside the process (nsys) are served by
-``argus control pause-kernels``; a tool that holds CUPTI before argus starts makes argus retry later (see
-:mod:`argus.producers.cupti_kernels`).
-
-The patch is on a class, so it is process-wide: each guard wraps what it finds (another guard's wrapper
-included) and, when uninstalled, restores it if its own wrapper is still in place, else goes passive.
+through, on ``torch.autograd.profiler.profile``: see docs/internals/producers.md.
 """
 
 from __future__ import annotations

@@ -10,9 +10,7 @@ the record is dropped, counted (``encode_errors`` or ``failed``) and logged with
 ``close(timeout_s)`` returns within about ``timeout_s`` whatever state the sender is in (dead, stuck on a full
 Kafka queue, behind a full record queue): a training process never hangs at exit on its publisher.
 
-Opt-in metrics: with ``publisher_metrics_port`` set (``ARGUS_PUBLISHER_METRICS_PORT``), the publisher serves
-its counters for Prometheus on ``metrics_host``, port ``publisher_metrics_port + LOCAL_RANK``, from a daemon
-thread (see :mod:`argus.producers.publisher_metrics`); a port that cannot be bound is logged, never raised.
+Details and reasoning: docs/internals/producers.md.
 """
 
 from __future__ import annotations

@@ -7,16 +7,7 @@ as torchrun sets it, 0 when unset or not a number), so the ranks of one host get
 that is logged as a warning and the publisher runs on without metrics; the server is a daemon thread that
 never touches the publish path (:class:`PublisherCollector` reads the publisher's counters when scraped).
 
-Exported (all ``argus_publisher_``, counted since the publisher was created):
-
-* ``records_accepted_total``: records queued by ``publish``; ``records_dropped_total``: records dropped
-  because the queue was full (or the publisher closed);
-* ``encode_errors_total``: records that could not be encoded (dropped);
-* ``records_delivered_total``: Kafka messages delivered; ``delivery_errors_total``: records not delivered
-  (refused, timed out, or not handed to Kafka);
-* ``delivered_bytes_total{topic}``: delivered value bytes (Avro, before Kafka compression) per topic;
-* ``queue_depth``: records waiting in the publisher's queue; ``queue_capacity``: its bound
-  (``publisher_queue_max``); ``kafka_queue_messages``: messages handed to Kafka, not yet delivered.
+Exported (all ``argus_publisher_``, counted since the publisher was created): see docs/internals/producers.md.
 """
 
 from __future__ import annotations

@@ -11,16 +11,7 @@ safe file name (``[A-Za-z0-9._-]``, not starting with a dot, at most 100 charact
 ``job-<sha1 of the job id>``. The directory defaults to ``$ARGUS_RANK_REGISTRY`` or
 ``<tmp>/argus-ranks-<uid>``.
 
-Who may steer it: a finding (from a Kafka topic anyone with access may write to) only names a job and ranks;
-the pid comes from here, and only from what the *reading* user registered. The directory and each job's
-folder are created 0700 (an existing one of ours is narrowed to 0700), entries 0600. Reading refuses, with a
-warning, and skips: a directory or entry that is a symbolic link, is not owned by the reading user (so a
-``/tmp/argus-ranks-0`` planted by someone else is never read by root), or is writable by group or others;
-an entry larger than 4 KiB, with other keys or types than the tracer writes, a pid outside ``2..pid_max`` or
-without a start time. An entry is :meth:`~RankEntry.alive` only while its pid runs the same process (same
-start time) *and* that process belongs to the entry's owner, so a user cannot register someone else's
-process to have it dumped. Hence the stack collector acts only on ranks its own user registered: run it as
-the user that runs the training job (root only for jobs run as root).
+Details and reasoning: docs/internals/producers.md.
 """
 
 from __future__ import annotations

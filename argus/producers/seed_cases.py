@@ -4,15 +4,7 @@ Everything that runs a seed case takes it from here: :func:`paper_case` (the job
 layout, for tests and benchmarks), ``argus demo`` / ``argus simulate --fault caseN`` (the case's fault on any
 layout, :meth:`SeedCase.fault_on`), and the end-to-end tests (:attr:`SeedCase.expect`).
 
-====  =======================================  ======================  ============================================
-case  fault                                    layout                  notes
-====  =======================================  ======================  ============================================
-1     ``COMPUTE_STRAGGLER``                    dp=8                    DDP AllReduce; rank 5 slow from step 15
-2     ``LINK_DEGRADATION``                     dp=4, pp=2              distributed optimizer; ranks 4-7 degraded
-3     ``PP_LAST_STAGE_SLOW``                   pp=4, 8 microbatches    stage 3 backward x1.9
-4     ``HOST_JIT_STALL``                       dp=4, 40 ms steps       80 ms host stall before steps 12 and 27
-5     ``COMPUTE_STRAGGLER_SHORT_COLLECTIVES``  dp=8                    distributed optimizer; rank 5 mlp x3
-====  =======================================  ======================  ============================================
+Details and reasoning: docs/internals/producers.md.
 """
 
 from __future__ import annotations

@@ -1,19 +1,10 @@
 """Lays out one simulated step in time, for every rank at once (numpy over the ranks of a stage).
 
-Semantics:
+Compute kernels run back to back; a collective ends together for every member of its group (at the last
+arrival plus the transfer), so a straggler makes its peers' collectives long; pipeline transfers wait for both
+sides; ``finish_grad_sync`` is a job-wide barrier.
 
-* Compute kernels run back to back on the compute stream, ``GAP_NS`` apart (launch gaps).
-* A collective *ends together* for every member of its group: each member arrives when its own work
-  before it is done; the collective ends at ``max(arrivals) + transfer`` (the group's largest transfer
-  time, so a degraded member slows its whole group). A member's kernel runs from its own arrival to
-  that end, so a straggler makes its peers' collectives long and its own short.
-* TP collectives block the compute stream. DP gradient buckets run on the DP stream overlapped with the
-  last microbatch's backward (arrival = bucket ready or DP stream free, whichever is later); the compute
-  stream waits for them before ``finish_grad_sync``.
-* Pipeline send/receive kernels start when both sides are ready (sender's data and receiver's compute
-  stream) and last the transfer time only; waiting for a pipeline peer is idle time (a bubble).
-* ``finish_grad_sync`` is a job-wide barrier: every rank's forward-backward ends at the same time.
-* The step ends for everyone when the job's last kernel of the step ends.
+The semantics in full: docs/internals/producers.md.
 """
 
 from __future__ import annotations

@@ -2,23 +2,7 @@
 
 Every rank of a stage runs the same *program*: a fixed kernel list (names, streams, relative durations)
 and the operations that lay it out in time (compute runs, blocking TP collectives, overlapped DP buckets,
-pipeline send/receive). Streams:
-
-======  =======================================================================
-stream  what runs on it
-======  =======================================================================
-7       compute: GEMMs, flash attention, layer norm, elementwise, optimizer
-13      DP collectives: ``ncclDevKernel_AllReduce_Sum_bf16_RING_LL`` (gradient buckets, or the
-        grad-norm/unsharded AllReduce), ``..._ReduceScatter_Sum_bf16_RING_LL``, ``..._AllGather_RING_LL``
-17      TP collectives: ``ncclDevKernel_AllReduce_Sum_bf16_RING_LL`` (only when tp > 1)
-21      PP point-to-point: ``ncclDevKernel_SendRecv`` (only when pp > 1)
-======  =======================================================================
-
-Per microbatch and layer the forward runs ``self_attention`` (layer norm, QKV GEMM, flash attention,
-attention-out GEMM, [TP AllReduce], residual add) then ``mlp`` (layer norm, up GEMM, GELU, down GEMM,
-[TP AllReduce], residual add); the backward mirrors it with two GEMMs (dgrad, wgrad) per forward GEMM.
-The single GEMM kernel name runs at three shapes (attention-out < QKV < MLP up/down), so its durations
-are trimodal. Microbatches follow the 1F1B pipeline schedule (plain gradient accumulation when pp = 1).
+pipeline send/receive). Streams: see docs/internals/producers.md.
 """
 
 from __future__ import annotations

@@ -7,29 +7,7 @@ described in :mod:`argus.producers.sim_workload`, timing semantics (collectives 
 the ``finish_grad_sync`` barrier) in :mod:`argus.producers.sim_timeline`, faults in :mod:`argus.producers.faults`.
 
 Phases of one step of one rank (names repeat: one entry per microbatch, layer or bucket):
-
-* ``forward`` / ``backward`` (FORWARD / BACKWARD, stream 7): one microbatch on this stage;
-* ``self_attention`` / ``mlp`` (FORWARD or BACKWARD, stream 7): one layer's sub-phase, nested in the above;
-* ``tp-allreduce`` (ALL_REDUCE, TP, 17), ``pp-send-recv`` (SEND_RECV, PP, 21), ``dp-allreduce``
-  (ALL_REDUCE, DP, 13), ``dp-reduce-scatter`` (REDUCE_SCATTER, DP, 13), ``dp-all-gather``
-  (ALL_GATHER, DP, 13): one collective each, from the rank's arrival to the group's common end
-  (pipeline send/receive: the transfer only);
-* ``optimizer`` (OPTIMIZER, 7);
-* ``forward-backward`` (OTHER, NONE, stream -1, host-timed): from the rank's GPU start of the step to
-  ``finish_grad_sync``, identical on every rank of a step (the aligned totals of case 3).
-
-``Step.wall_ns`` is the host's step time (including host stalls; the same on every rank), ``Step.gpu_ns``
-the span from the rank's first kernel start to its last kernel end in the step.
-
-**Pauses** (``JobSpec.pause_step`` / ``pause_ns``): a healthy job that stops for a checkpoint. A training loop
-saves between two traced steps (after step ``pause_step - 1``'s optimizer, before step ``pause_step`` begins),
-and every rank leaves the save together (the checkpoint's barrier), so the whole job pauses and resumes at
-once. The ranks' processes stay alive and their tracers' heartbeat threads keep publishing what the tracer
-knows: the last step begun, no phase open and no collective in flight (the save runs outside the tracer's
-step and phases, and its barrier and gathers are not traced collectives). No Step, PhaseBatch or kernel is
-produced meanwhile; each rank's pending kernels leave as a partial batch when the pause begins (the tracer's
-kernel thread publishes a partial batch after ``max_latency_s``, 1 s, at the latest), and the steps resume
-``pause_ns`` later with their usual timing (``Step.wall_ns`` does not include the pause: it is not in a step).
+see docs/internals/producers.md.
 """
 
 from __future__ import annotations

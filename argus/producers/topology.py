@@ -6,26 +6,7 @@ Ranks are numbered tensor-parallel fastest, then data-parallel, then pipeline-pa
 
 so the ranks of one pipeline stage are the contiguous block ``[pp_idx * tp * dp, (pp_idx + 1) * tp * dp)``
 and a TP group is ``tp`` consecutive ranks. Group indices (what :class:`~argus.schemas.records.JobTopology`
-stores) are chosen so that ranks sharing an index of a kind form one group:
-
-=============  ====================================  =============================================
-column         members share                          index
-=============  ====================================  =============================================
-``tp_group``   ``(dp_idx, pp_idx)``                   ``dp_idx + dp * pp_idx`` (= rank // tp)
-``dp_group``   ``(tp_idx, pp_idx)``                   ``tp_idx + tp * pp_idx``
-``pp_group``   ``(tp_idx, dp_idx)`` (one pipeline)    ``tp_idx + tp * dp_idx``
-``ep_group``   DP group and ``dp_idx // ep``          ``dp_group * (dp // ep) + dp_idx // ep``
-``pp_stage``   ``pp_idx``                             ``pp_idx`` (0 = first stage)
-=============  ====================================  =============================================
-
-Expert-parallel groups partition every DP group into ``dp // ep`` chunks of ``ep`` consecutive DP ranks
-(``ep`` must divide ``dp``), as Megatron carves the expert-parallel group out of the data-parallel one.
-Hosts hold ``hosts_per_node`` consecutive ranks each (the number of GPUs, i.e. ranks, per host) and are
-named ``node0000``, ``node0001``, ...
-
-A job whose process groups do not follow that order is described by its groups themselves
-(:func:`topology_from_groups`, what :func:`argus.producers.attach.attach` builds from the groups every rank reports);
-``ARGUS_TOPOLOGY=dp=4,tp=2,pp=1`` gives the degrees of a Megatron-order job (:func:`parse_topology_spec`).
+stores) are chosen so that ranks sharing an index of a kind form one group: see docs/internals/producers.md.
 """
 
 from __future__ import annotations

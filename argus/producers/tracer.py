@@ -1,46 +1,12 @@
 """The rank-side tracer a training script adopts in a few lines: steps, phases, collectives, kernels.
 
-Example (one process per rank; ``torchrun`` or ``torch.multiprocessing``)::
+:class:`Tracer` (``with Tracer(settings, job_id=..., rank=..., world_size=...) as tracer``) times steps
+(``tracer.step()``), phases (``tracer.phase(name, kind)``, or hooks: ``instrument``, ``instrument_optimizer``) and
+collectives (its wrappers, or ``tracer.collective(...)`` for your own) and publishes per step a Step and a
+PhaseBatch, with CUPTI KernelBatches, through the non-blocking publisher. With CUDA the training thread only
+records timing events (:mod:`argus.producers.cuda_timing`); nothing here raises into training.
 
-    from argus.producers.tracer import Tracer
-    from argus.schemas.records import ParallelGroup, PhaseKind
-
-    with Tracer(settings, job_id="llama-7b-run3", rank=rank, world_size=world) as tracer:
-        tracer.instrument(model, modules=("self_attention", "mlp"))   # per-layer FORWARD phases
-        tracer.instrument_optimizer(optimizer)                        # OPTIMIZER phase
-        for batch in loader:
-            with tracer.step():
-                with tracer.phase("forward", PhaseKind.FORWARD):
-                    loss = model(batch).mean()
-                with tracer.phase("backward", PhaseKind.BACKWARD):
-                    loss.backward()
-                for p in model.parameters():
-                    tracer.all_reduce(p.grad, parallel_group=ParallelGroup.DP)   # "dp-allreduce"
-                optimizer.step()
-
-What it publishes (through the non-blocking :class:`~argus.producers.publisher.Publisher`): per step one
-:class:`~argus.schemas.records.Step` and one :class:`~argus.schemas.records.PhaseBatch` (key ``<job>``); with CUPTI,
-:class:`~argus.schemas.records.KernelBatch` es (key ``<job>/<rank>``, see :mod:`argus.producers.cupti_kernels`), ending
-with an ``end_of_stream`` batch; the lifecycle rank (rank 0 by default) also publishes the
-:class:`~argus.schemas.records.JobTopology` and ``START`` at :meth:`Tracer.start` and ``END`` with the job's record
-counts at :meth:`Tracer.close`. The tracer also registers this process in the host's
-:class:`~argus.producers.rank_registry.RankRegistry`, so that py-spy stacks can be taken when a finding names it.
-
-Timing (see :mod:`argus.producers.cuda_timing`): with CUDA the training thread only *records* timing events and
-queues them; a background thread resolves them with ``event.query()``, never ``synchronize``. Without CUDA the
-same API times with the host clock.
-
-**Communication phases must be timed on the stream the collective runs on.** ``all_reduce(t, async_op=True)``
-returns at once; events recorded on the compute stream around it measure the launch, not the transfer, and
-an AllReduce looks instant while the GPU is still busy in NCCL. The wrappers (:meth:`Tracer.all_reduce`,
-``reduce_scatter_tensor``, ``all_gather_into_tensor``, ``broadcast``, ``all_to_all_single``,
-``batch_isend_irecv``) therefore bracket the collective with events on a per-group communication stream that
-waits for it device-side (details in :mod:`argus.producers.tracer_collectives`). For collectives you launch
-yourself use ``with tracer.collective(name, kind, group, stream=s)`` with ``s`` the stream the collective is
-ordered on, and call ``work.wait()`` inside the block while ``s`` is current.
-
-Nothing here raises into training: errors are caught, counted (:meth:`Tracer.stats`) and logged; memory is
-bounded (events, queued steps and phases per step are capped; beyond the caps data is dropped and counted).
+The full example, what it publishes and why collectives are timed on their own stream: docs/internals/producers.md.
 """
 
 from __future__ import annotations

@@ -8,16 +8,7 @@ it when the backward pass has computed every gradient -- before DDP's final wait
 waiting for a slow peer shows in the DP all-reduce phases, not in BACKWARD. Nothing wraps the model's inputs or
 outputs (no full backward hooks): in-place operations on the output stay legal.
 
-Iteration boundaries, three modes (:attr:`Tracer.step_mode`):
-
-* ``"auto"`` (``argus.attach``): a training forward (module in training mode, grad enabled) or
-  ``optimizer.step()`` with no iteration open begins one; the end of ``optimizer.step()`` (its step
-  post-hook) ends it. The time between an optimizer step and the next training forward (data loading,
-  evaluation under ``no_grad``, checkpoints) lies between iterations, as a checkpoint pause does.
-* ``"external"``: :meth:`AutoMixin.begin_step` / :meth:`AutoMixin.end_step` (what the Lightning and Hugging
-  Face callbacks call) set the boundaries; a training forward still begins an iteration when none is open.
-* ``"manual"``: the script's own ``with tracer.step():`` -- entering it switches to this mode, and the hooks
-  never begin or end an iteration again (they still time phases inside the user's steps).
+Iteration boundaries, three modes (:attr:`Tracer.step_mode`): see docs/internals/producers.md.
 """
 
 from __future__ import annotations

@@ -1,24 +1,7 @@
 """``torch.distributed`` collective wrappers of the :class:`~argus.producers.tracer.Tracer` (a mixin).
 
 Each wrapper launches the collective with ``async_op=True`` and times it as a communication phase:
-
-* CUDA tensors, inside a step: from a per-(device, process group) communication stream, so that the phase's
-  events bracket the collective on the GPU (see the :mod:`argus.producers.tracer` docstring for why events on the
-  compute stream would make it look instant). The communication stream first waits for the current stream
-  (ordering only: ``wait_stream`` uses an event without timing), records the start event, launches, waits
-  device-side for the collective (``work.wait()`` makes the current stream, i.e. the communication stream,
-  wait for NCCL's stream) and records the end event. ``async_op=False`` then orders the caller's stream after
-  the communication stream; ``async_op=True`` returns a :class:`CollectiveHandle` whose ``wait()`` does, and
-  the tensors are marked as used on the communication stream (``record_stream``) for the caching allocator.
-* CPU tensors (gloo) or no CUDA: host-clock timing from the launch to the completed ``wait()`` (for
-  ``async_op=True``: to the handle's ``wait()``).
-
-The collective itself runs exactly once whatever happens to the instrumentation; errors of the collective
-(the caller's) propagate, errors of the instrumentation are counted and logged.
-
-The mixin also holds the tracer's other ``torch.distributed`` uses, all outside the training loop: the
-topology's host names (``all_gather_object`` at start) and the job's record totals for END (one
-``all_reduce`` at close).
+see docs/internals/producers.md.
 """
 
 from __future__ import annotations

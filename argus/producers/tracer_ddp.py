@@ -6,22 +6,7 @@ gradient bucket's all-reduce as an ALL_REDUCE phase ``dp-allreduce`` in the DP g
 launch until its future completes (CUDA: events on the tracer's communication stream, the end one recorded in
 the future's callback, which runs on a stream synchronized with NCCL; gloo: the host clock until gloo
 completes the future; see :mod:`argus.producers.tracer_patch`). The hook chains the hook that does the work:
-
-* by default ``default_hooks.allreduce_hook`` (the Python twin of DDP's built-in all-reduce: divide by the
-  group size, then all-reduce; DDP's ``Join`` context for uneven inputs is not supported with it);
-* a hook the user registers *after* ``attach`` (``register_comm_hook`` / ``_register_builtin_comm_hook`` are
-  intercepted on that model: the user's hook replaces the default inside the chain);
-* a hook registered *before* cannot be chained (DDP accepts one hook, once): the buckets are then not timed,
-  and a warning says so (``patch_collectives=True`` times the collectives such a hook launches through
-  ``torch.distributed``).
-
-**FSDP2** (``fully_shard``, :meth:`DDPMixin.instrument_fsdp`): every FSDP module's all-gather and
-reduce-scatter objects (``_all_gather_comm`` / ``_reduce_scatter_comm`` of its parameter groups, what
-``set_custom_all_gather`` sets) are wrapped: ALL_GATHER ``dp-all-gather`` and REDUCE_SCATTER
-``dp-reduce-scatter`` phases, timed on the stream FSDP issues them on. Not covered: HSDP's extra all-reduce
-(use ``patch_collectives``), ``set_symm_mem_for_comm`` / ``set_allocate_memory_from_process_group_for_comm``
-after the wrap (FSDP refuses a custom comm there: call them before ``attach``), and FSDP1
-(``FullyShardedDataParallel``), whose collectives ``patch_collectives=True`` times.
+see docs/internals/producers.md.
 """
 
 from __future__ import annotations

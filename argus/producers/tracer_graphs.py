@@ -3,20 +3,7 @@
 A loop captured with CUDA graphs (torch.compile's ``mode="reduce-overhead"``, ``torch.cuda.make_graphed_callables``,
 Megatron's and NeMo's capture) runs its Python code, module hooks included, only while it is captured; every
 later iteration replays the whole graph with one ``cudaGraphLaunch`` and no Python in between. Two consequences:
-
-* **Inside a capture** the GPU runs nothing: a phase opened there would time the capture, not the work, and a
-  timing event recorded on a capturing stream is an error that invalidates the user's capture. While the
-  current stream captures, the tracer records no CUDA event: phases opened then are left out and counted
-  (``TracerStats.phases_captured``), a step that begins or ends then is timed on the host only.
-* **Replays** are timed as phases: :meth:`GraphMixin.time_graph_replays` wraps ``torch.cuda.CUDAGraph.replay``
-  so that each replay inside a step is one phase (``cuda-graph-<n>``, ``n`` counting the graphs in the order
-  of their first replay; kind OTHER), with events on the replaying stream before and after it: the graph's
-  GPU time. A captured step is then one phase, or one per graph where the capture was cut into several
-  (``make_graphed_callables``: one per callable and direction). The graph's kernels come through CUPTI with
-  their graph and node ids (:mod:`argus.producers.cupti_parse`).
-
-The wrapper is on a class, so it is process-wide; each tracer restores what it wrapped at close if its wrapper
-is still in place (else it goes passive).
+see docs/internals/producers.md.
 """
 
 from __future__ import annotations

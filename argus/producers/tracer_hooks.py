@@ -8,11 +8,7 @@ as an OPTIMIZER phase. A phase opened by a pre-hook is closed by the matching po
 posts that never come, after an exception inside the module, are forgotten). Activation checkpointing re-runs
 forward hooks during backward: those recomputations appear as extra FORWARD phases.
 
-``count_expert_tokens(n)`` adds the tokens an MoE router sent to this rank's experts to the current step's
-count, sent with its Step record (``expert_tokens``): the detectors then compare grouped-GEMM times per routed
-token (a hot expert is no fault; :mod:`argus.detectors.experts`). Call it where the host already holds the
-count (Megatron's all-to-all dispatcher keeps ``tokens_per_expert`` on the host for its grouped GEMM), once per
-MoE layer and microbatch.
+Details and reasoning: docs/internals/producers.md.
 """
 
 from __future__ import annotations

@@ -2,28 +2,11 @@
 ``torch.distributed``'s collective functions, and the timing that the DDP/FSDP hooks share with it.
 
 :meth:`PatchMixin.patch_collectives` (``argus.attach(..., patch_collectives=True)`` or
-``ARGUS_PATCH_COLLECTIVES=1``) replaces ``torch.distributed.all_reduce``, ``all_gather_into_tensor``,
-``all_gather_single``, ``reduce_scatter_tensor``, ``reduce_scatter_single``, ``broadcast``,
-``all_to_all_single``, ``send``, ``recv``, ``isend``, ``irecv`` and ``batch_isend_irecv`` by wrappers that
-call the original exactly once with the caller's arguments and time it inside an iteration, tagged with the
-parallel group of its process group (:meth:`PatchMixin.group_kind`: from the groups ``attach`` found, else by
-comparing the group's members with this rank's groups in the topology; the default group is DP when the job is
-pure data parallel). Code that bound a function before the patch (``from torch.distributed import
-all_reduce``) keeps the original. The wrappers return what the original returns, with one exception: an async
-host (gloo) send/receive, whose Work has no future, comes back wrapped in a proxy whose ``wait()`` ends the
-phase (``isinstance(work, Work)`` is then False).
+``ARGUS_PATCH_COLLECTIVES=1``) replaces ``torch.distributed``'s collectives by wrappers that call the original
+once with the caller's arguments and time it inside an iteration, tagged with its parallel group
+(:meth:`PatchMixin.group_kind`).
 
-Timing (the same for the DDP communication hook and FSDP2's collectives, :mod:`argus.producers.tracer_ddp`):
-
-* CUDA tensors: the start event on the stream the collective is ordered after (the current one); the end
-  event on the tracer's communication stream for the group after a device-side wait for the collective
-  (``work.wait()`` with that stream current: no host wait, the caller's streams untouched), or, for a future,
-  in its ``then`` callback (which torch runs on a stream synchronized with the collective).
-* host (gloo, CPU tensors): the host clock from the launch to the return (synchronous), to the completion of
-  the Work's future (async), or to the proxy's ``wait()``.
-
-Collectives a wrapper launches itself (the tracer's own :meth:`~argus.producers.tracer.Tracer.all_reduce`, a chained
-DDP hook's ``all_reduce``) are not timed twice: a per-thread guard marks the launch.
+Details and reasoning: docs/internals/producers.md.
 """
 
 from __future__ import annotations

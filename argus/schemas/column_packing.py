@@ -6,24 +6,7 @@ microseconds to milliseconds. A packed column stores each value's *code* in the 
 (1, 2, 4 or 8 bytes) that holds nearly all of the batch's codes; the few codes too wide for it (a pause of
 seconds between two kernels of one stream, say) are stored apart, whole ("patched frame of reference"). The
 bytes of equal significance are stored together ("byte shuffle") so the Kafka producer's compressor (zstd)
-sees long runs of equal high bytes. Codes, by method:
-
-* ``OFFSET``: value - base (base = the column's minimum).
-* ``GAP``: per group (kernel starts per stream), value - (previous value of the group + ``after`` of that
-  previous event), zigzag-coded; the first of each group counts from the base. With ``after`` the kernel
-  durations this is the idle gap between one kernel's end and the next kernel's start on its stream: a few
-  microseconds while the GPU is busy, so it compresses far better than the start time itself.
-
-Layout of one packed column (little-endian)::
-
-    byte 0        method (:class:`PackMethod`)
-    byte 1        width of the codes in bytes: 1, 2, 4 or 8
-    bytes 2-9     base, int64
-    bytes 10-13   number of patches p, uint32
-    then          n codes of ``width`` bytes, byte-shuffled (all first bytes, then all second bytes, ...)
-    then          p event indices (uint32) and p whole codes (uint64) of the patched events
-
-Arithmetic wraps modulo 2^64 on both sides, so every int64 column round-trips exactly, whatever its range.
+sees long runs of equal high bytes. Codes, by method: see docs/internals/schemas.md.
 """
 
 from __future__ import annotations

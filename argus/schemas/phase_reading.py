@@ -8,12 +8,7 @@ specification: zigzag varints, length-prefixed strings, arrays in blocks of a co
 by the block's size in bytes) and returns the long columns as int64 arrays and, for the strings, their byte
 ranges, so the caller decodes names only for a layout it has not seen (a layout's bytes name it).
 
-It reads only what fastavro would read the same way: any byte it does not expect (a truncated body, a varint
-beyond 64 bits, an enum index outside the symbols, a negative length) makes it answer ``None``, and the caller
-decodes with fastavro, which gives the same values or raises the same error as ever.
-
-Imported only where batches are decoded (the stream worker, the sink, the tools), not by the rank-side
-tracer, which only encodes: importing numba costs ~0.3 s and its compiler's memory.
+Details and reasoning: docs/internals/schemas.md.
 """
 
 from __future__ import annotations

@@ -8,13 +8,7 @@ checks. The job ids and phase layouts that the messages repeat are recognized by
 message whose layout bytes equal a layout read before skips them: one compare, no parse) and turned into
 Python values once per distinct value. What is left per message is array work.
 
-The values are those of the record-wise decode (:meth:`PhaseBatch.decode`, :meth:`Step.decode`): a message
-the compiled passes do not read exactly as it would (another schema version, a corrupt body, a value the
-checks reject, a name that is not UTF-8) is listed in ``rest``, for the caller to decode record-wise (which
-decodes it or raises :class:`~argus.core.errors.SchemaError` with the reason). ``batch(k)`` / ``step(k)``
-build the record of row ``k``, equal to the record-wise decode's, layouts shared as it shares them.
-
-Imported only where records are decoded (the stream worker, the tools), not by the rank-side tracer (numba).
+Details and reasoning: docs/internals/schemas.md.
 """
 
 from __future__ import annotations

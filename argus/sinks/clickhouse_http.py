@@ -8,15 +8,7 @@ What a ClickHouse client sends (clickhouse-connect, curl, Grafana's datasource o
 ``Code: N. DB::Exception: ... (NAME)`` in the body, ``X-ClickHouse-Exception-Code`` in the headers and
 ClickHouse's HTTP status for the code.
 
-Every statement runs with ``readonly=1``, as for a read-only ClickHouse user: URL parameters that only steer
-the HTTP transport are accepted (:data:`TRANSPORT_PARAMS`; ``readonly=1`` or ``2`` too), and so is a limit the
-service enforces (``max_execution_time``, ``max_result_rows``, ...) with an integer value, which is not applied:
-the service's own stays in force (Grafana's datasource sends its query timeout this way); any other setting is
-refused with ``Code: 164 ... (READONLY)`` as ClickHouse refuses it, so no client can lift readonly or the
-limits. Response
-compression (``enable_http_compression=1`` with ``Accept-Encoding: gzip`` or ``deflate``) is done here;
-ClickHouse's own block compression (``compress=1``, ``decompress=1``) and compressed request bodies are refused
-with ``Code: 48 (NOT_IMPLEMENTED)``.
+Details and reasoning: docs/query-service.md.
 """
 
 from __future__ import annotations

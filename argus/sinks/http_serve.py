@@ -2,17 +2,7 @@
 
 Both the query service (:mod:`argus.sinks.query_service`) and the sink's backend
 (:mod:`argus.sinks.query_server`) run on it. It runs an asyncio loop in a daemon thread of its own:
-
-* **Deadline per request.** Reading a request (the wait for its first byte, its headers and its body) must finish
-  within ``request_deadline_s`` in all, however slowly the client trickles bytes: half a request sent and then
-  nothing (slow-loris) frees its connection at the deadline. An idle keep-alive connection is closed the same way.
-* **Bounded connections.** At most ``max_connections`` are open at once; one more is answered ``503`` at once
-  and closed, so a flood is refused fast and costs no thread. Connections are coroutines, so the bound can be
-  generous and a few hundred stalled clients still leave room for ``/ping``.
-* **Bounded work.** Request heads up to :data:`MAX_HEAD_BYTES`, bodies up to ``max_body_bytes`` (with a
-  ``Content-Length``; chunked bodies are refused). Quick answers (``fast``: ``/ping``, ``/health``) are made on
-  the loop; everything else runs in a pool of ``workers`` threads, and a request that finds no free worker
-  within its deadline is answered ``503``.
+see docs/query-service.md.
 """
 
 from __future__ import annotations

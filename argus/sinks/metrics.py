@@ -7,18 +7,7 @@ the insert path only keeps the counters it kept before, plus one histogram obser
 comes from librdkafka's statistics, every 5 s, on the sink's own thread (a scrape never calls into the
 consumer). The SQL endpoint (:mod:`argus.sinks.query_server`) is separate and unchanged.
 
-Exported (all ``argus_sink_``, counted since the process started):
-
-* ``messages_total``: Kafka messages stored (committed batches); ``batches_total``: batches consumed;
-  ``commits_total``; ``batch_failures_total``: batches rewound to be retried (ClickHouse or broker trouble);
-* ``rows_total{table}``: rows inserted per table (a re-delivered copy counts again; the tables replace it);
-* ``insert_seconds{table}`` (histogram): duration of each successful insert;
-* ``dead_letters_total``: messages dead-lettered by the sink (undecodable, or refused by their table);
-* ``findings_total{level,kind}``: findings stored;
-* ``consumer_lag_messages{topic,partition}``: high-water offset minus committed offset, per partition assigned
-  to this sink (messages not stored yet), as librdkafka's statistics last reported it (every 5 s; a partition
-  appears once the sink has committed on it);
-* ``last_commit_timestamp_seconds``: wall-clock time of the last offset commit (0: none yet).
+Exported (all ``argus_sink_``, counted since the process started): see docs/internals/sinks.md.
 """
 
 from __future__ import annotations

@@ -9,23 +9,7 @@ default ``TabSeparated``; ``X-Argus-Database``: the current database; ``param_<n
 values) answers the engine's bytes in that format as they are, and ``GET /health`` the sink's counters (JSON).
 Errors are ClickHouse's: ``Code: N. DB::Exception: ...`` with ``X-ClickHouse-Exception-Code``.
 
-It is read-only and bounded, whoever holds the token:
-
-* **Token.** ``<home>/query.token`` (mode 0600, created by the server when missing or unsafe) holds a
-  random bearer token, so only users who can read the argus home (and the query service) can query.
-* **Browsers.** Requests with an ``Origin`` other than the endpoint itself, a ``Host`` other than the bound
-  address (DNS rebinding) or a ``Content-Type`` other than ``application/sql`` are refused.
-* **Statements.** :func:`~argus.sinks.sql_guard.prepare_statement` lets one read-only statement through
-  (no table functions that reach files, URLs, other servers or programs, no ``INTO OUTFILE``), normalized
-  before anything else reads it; the engine's own ``readonly=1`` holds as well.
-* **Limits.** Requests read whole within 10 s (:mod:`argus.sinks.http_serve`), bodies up to 1 MB, statements
-  up to 256 KiB once normalized, two queries at a time on chDB connections of their own with
-  ``max_execution_time`` 50 s, ``max_result_rows`` 1,000,000, ``max_result_bytes`` 64 MiB and
-  ``max_memory_usage`` 2 GiB, answers up to 128 MiB: a query asking for a gigabyte is refused by the engine
-  before the sink holds it. A connection whose query failed is replaced (see :meth:`_Handle.discard`).
-
-The engine is called directly (``chdb.connect`` handles on the sink's engine), never through clickhouse-connect,
-whose trailing-``LIMIT`` regex backtracks quadratically on long whitespace while holding the GIL.
+It is read-only and bounded, whoever holds the token: see docs/query-service.md.
 """
 
 from __future__ import annotations

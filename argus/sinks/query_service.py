@@ -7,12 +7,7 @@
 Clients log in as ``query_user`` (default ``argus``) with ``query_password``, or with the per-home token
 (``<home>/query.token``) when no password is set, which is how ``argus sql`` and ``argus findings`` use it.
 
-It does the work a query costs before any of it reaches the process that ingests: reading the request within
-its deadline, the credentials, the statement guard and its normalization
-(:func:`~argus.sinks.sql_guard.prepare_statement`). Then it forwards the normalized statement: for embedded
-chDB to the sink's backend (:mod:`argus.sinks.query_server`; chDB allows one process per directory and the
-sink owns it), for a ClickHouse server (``http(s)://`` DSN) to the server, with the limits and ``readonly=1``.
-Answers are relayed up to :data:`~argus.sinks.query_server.MAX_RESULT_BYTES`.
+Details and reasoning: docs/query-service.md.
 """
 
 from __future__ import annotations

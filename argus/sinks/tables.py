@@ -4,18 +4,7 @@ Every table is a ``ReplacingMergeTree`` whose sorting key is the record's natura
 Kafka re-delivers (at-least-once) replaces its earlier copy instead of doubling it. Query with ``FINAL``
 (or ``argMax``) to see the deduplicated view before background merges have run.
 
-``kernel_summaries`` is keyed by (job, kernel, stream, rank, window, ``piece``) with ``n_events`` as its
-version. A piece is identified by the last kernel message it summarizes (:mod:`argus.streams.windows`), so a
-re-summary of a window after a restart is the same piece and the complete copy (more events) wins, while
-events that arrived after their window was summarized (a broker outage, stragglers after a rank's end) are a
-further piece: pieces add up (``sum(n_events)``), and the view ``kernel_windows`` merges them per (rank,
-window) (clusters concatenated). A table created before pieces existed keeps its old sorting key (pieces
-then replace each other): drop it to upgrade.
-Times are Int64 nanoseconds since the Unix epoch (``*_ns``); ``*_time`` columns are readable aliases.
-
-On a ClickHouse cluster (``ARGUS_CLICKHOUSE_CLUSTER``) each table ``T`` is two: ``T_local``, a
-``ReplicatedReplacingMergeTree`` on every replica of every shard, and ``T``, a ``Distributed`` table over them
-that inserts and queries use unchanged (:func:`schema_ddl`; ``argus ddl`` prints the statements).
+Details and reasoning: docs/internals/sinks.md.
 """
 
 from __future__ import annotations

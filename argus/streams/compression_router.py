@@ -5,21 +5,7 @@ the messages not yet acked, which partition each rank arrives on, the jobs' last
 input with a :class:`Routed`: the dead letters to send, the summaries of the windows that closed (an
 :class:`Emission`), a job-end marker to pass on, and the messages that may be acked. The Faust agent in
 :mod:`argus.streams.app` only decodes, calls the router, sends and acks; the at-least-once rules live here and
-are unit-tested without a broker:
-
-- a message is acked only once every window holding one of its events was summarized and its summaries
-  delivered (:meth:`CompressionRouter.delivered`), and never before its dead letters were sent;
-- a job-end marker read on a kernel partition closes the windows of the ranks arriving there (and of ranks
-  with no partition left), and is passed on to every summaries partition only after every summary sent
-  before it was delivered;
-- events of a window already summarized become a further *piece* of it; a copy of a batch is acked, not
-  summarized again; events too far ahead of their rank's watermark are dead-lettered;
-- a message whose processing raises is dead-lettered whole, its events leave the open windows, and it is
-  acked: no single record stops the partition;
-- on a rebalance (:meth:`CompressionRouter.revoked`) all state goes and nothing is acked: the messages held are
-  re-delivered from the committed offsets and summarized again into the same pieces.
-
-Messages are opaque *handles* (a Faust event in the worker, anything in a test).
+are unit-tested without a broker: see docs/internals/streams.md.
 """
 
 from __future__ import annotations

@@ -10,10 +10,7 @@ window at the job's end.
 Findings carry deterministic ids, so repeated runs over growing data emit each finding once; a regression
 whose onset estimate moves by less than ``L1Params.min_segment`` steps counts as the same finding.
 
-Every finding carries its impact (:mod:`argus.detectors.impact`: GPU time the job lost) and is raised only when
-its delay is at least ``DiagnosisParams.min_impact_fraction`` of the job's median step time.
-:class:`RankDiagnosis` pools a job's kernel summaries per rank across kernels (:mod:`argus.detectors.l3_ranks`)
-and judges them once, when the job's summaries have all arrived.
+Details and reasoning: docs/internals/streams.md.
 """
 
 from __future__ import annotations

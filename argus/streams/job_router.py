@@ -6,34 +6,7 @@ taken, the jobs finished here, the DIAGNOSED parts known, the jobs' last activit
 the L3 agent judges with (topology, collective groups, stragglers, step clocks, the ids of the findings
 published). It answers every record, and every timer tick, with a :class:`JobStep`: an ordered tuple of
 effects that the Faust agent in :mod:`argus.streams.diagnosis_agents` carries out in that order (see
-:data:`Effect`). The rules, unit-tested without a broker:
-
-- a message is acked only after what it caused was delivered (its effects come before its :class:`Ack`); a
-  job's records are held until the job is finished here *and* every L3 part of it is DIAGNOSED (so a restart
-  before then recomputes the final L3 with the job's steps), or, past ``max_pending`` held messages, the oldest
-  half is acked (their state is in findings already);
-- a copy of a Step or PhaseBatch already taken is acked, not added; a record of a job finished here is acked;
-  a job whose L1/L2 part was DIAGNOSED before a restart is not judged live again (only its final diagnosis
-  is recomputed, under the same finding ids, which are published once);
-- a record of a rank outside its job is dead-lettered (:class:`Reject`) and acked; records read before their
-  job's topology are held, and once it arrives those of ranks outside it are dead-lettered and the job rebuilt
-  without them;
-- a record whose processing raises has its job rebuilt from the held records, first with it, then without it
-  (dead-lettered and acked), and, if that still fails, the job is given up here (its records acked);
-- a job with no record for ``job_idle_timeout_s``, or the longest idle beyond ``max_open_jobs``, gets an
-  ABANDONED record to write (:meth:`JobRouter.idle_jobs`); read back, it closes the job like an END;
-- heartbeats (acked at once) and steps feed each job's liveness, judged for hangs by
-  :meth:`JobRouter.judge_hangs`;
-- on a rebalance (:meth:`JobRouter.revoked`) every running job is forgotten and nothing is acked: the held
-  messages are re-delivered from the committed offsets and give the same findings, which are not published
-  twice.
-
-Time is passed in: ``now`` is the worker's monotonic clock in seconds (idle jobs, hangs, latencies, holding),
-``now_ns`` its wall clock where an ABANDONED record of a job without event time needs one. Messages are opaque
-*handles* (a Faust event in the worker, anything in a test); ``decode`` gives a held handle's record back
-when a job is rebuilt. The effects are in :mod:`argus.streams.job_effects`; the jobs' context, the findings
-published and the DIAGNOSED parts in the router's :class:`~argus.streams.job_ledger.JobLedger`, which is the L3
-agent's :class:`~argus.streams.summary_router.JobView`.
+:data:`Effect`). The rules, unit-tested without a broker: see docs/internals/streams.md.
 """
 
 from __future__ import annotations

@@ -9,16 +9,7 @@ replay gives the same judgement). That elapsed time runs at the pace the job's s
 (a simulator) does not look stalled between steps; and the agents pass a :class:`argus.streams.idle.QuietClock`,
 so a worker busy elsewhere does not make a job look stalled either.
 
-The job's topics are read at different paces (a backlog, a restart), so ranks are compared on one stream:
-a rank's silence is measured on the heartbeats' clock (one job's heartbeats share one partition and are read
-in the order sent), not against steps of other ranks read ahead; a heartbeat that began a step after one not
-yet seen completed means the steps are late, not stalled (judged after twice the stall bound: a Step lost);
-and a stall needs a heartbeat sent after the last completed step (a stuck job heartbeats on).
-
-:class:`JobLiveness` is fed every Step, PhaseBatch and Heartbeat of a job (:meth:`JobLiveness.observe`) and
-judged on a worker timer (:meth:`JobLiveness.judge`). It keeps the open hang episode: the first
-``job_stalled`` opens it, the next completed step closes it with a ``job_resumed`` result (returned by
-:meth:`observe`). Memory: one entry per rank seen.
+Details and reasoning: docs/internals/streams.md.
 """
 
 from __future__ import annotations

@@ -5,35 +5,7 @@
 the hot path pays nothing for them. The page is on ``metrics_host:worker_web_port`` (default
 ``127.0.0.1:16066``) next to ``/health`` and ``/stats`` (the same counters as JSON).
 
-Exported (all ``argus_worker_``; counters are per worker process, since its start):
-
-* compression: ``kernel_batches_total``, ``kernel_events_total`` (events in), ``kernel_events_summarized_total``,
-  ``late_events_total``, ``skewed_events_total``, ``folded_events_total``, ``duplicate_batches_total``,
-  ``windows_closed_total``, ``summaries_total`` and ``summary_bytes_total`` (out), ``failed_messages_total``,
-  ``failed_windows_total``, ``compress_busy_seconds_total``; gauges ``open_windows``, ``pending_messages``
-  (kernel messages held until their windows' summaries are delivered);
-* ``dead_letters_total{stage}``: ``compress`` (the compressor) or ``diagnose`` (the diagnosis agents);
-* diagnosis: ``diagnosis_records_total``, ``heartbeats_total``, ``undecodable_records_total``,
-  ``duplicate_records_total``, ``replayed_records_total``, ``jobs_diagnosed_total``,
-  ``l3_parts_diagnosed_total``, ``jobs_abandoned_total{by}`` (``compressor``: kernels only; ``diagnosis``),
-  ``jobs_closed_abandoned_total``, ``states_repaired_total``, ``states_discarded_total``,
-  ``l3_rows_ignored_total``, ``finals_deferred_total``, ``finals_without_steps_total``; gauges ``open_jobs``,
-  ``held_messages``, ``context_jobs``, ``stalled_jobs`` (open jobs whose ``job_stalled`` has no step after it;
-  all refreshed on the idle-jobs timer, every ``job_idle_timeout_s / 4`` clamped to [0.05, 10] s);
-* ``findings_total{level,kind}``: findings published; ``last_finding_timestamp_seconds``;
-* ``finding_impact_seconds_per_step{level,kind}`` (histogram, buckets :data:`argus.metrics.IMPACT_BUCKETS_S`):
-  each finding published, by its impact in GPU-seconds lost per affected step; every kind is exported from the
-  start with zero counts, so an alert on ``increase()`` sees a kind's first finding;
-* ``diagnosis_latency_seconds{scope}`` (histogram): from a job's END record read by this worker to its
-  DIAGNOSED ``l1l2`` written (``scope="l1l2"``), and to every part of the job DIAGNOSED (``scope="job"``:
-  when ``argus findings --wait`` returns);
-* ``finding_delay_seconds`` (histogram): a finding's publication (worker clock) minus its event time (the
-  ranks' clocks): how far behind the job a live finding comes; replayed or imported jobs add large values;
-* ``consumer_lag_messages{topic,partition}``: per assigned partition, its high-water offset (the last fetch's)
-  minus this worker's committed offset (0 while nothing is committed): messages not yet committed, i.e.
-  unread, being processed, or held un-acked for jobs still open (a running job's steps are held until it is
-  diagnosed, so lag on the job topics grows with open jobs and is not only backlog); partitions not fetched
-  yet are left out. ``assigned_partitions``.
+Exported (all ``argus_worker_``; counters are per worker process, since its start): see docs/internals/streams.md.
 """
 
 from __future__ import annotations

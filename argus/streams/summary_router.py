@@ -7,21 +7,7 @@ agent in :mod:`argus.streams.diagnosis_agents` carries it out (dead letters, the
 when a part has ended, runs its final L3 (:meth:`SummaryRouter.final`) and closes it
 (:meth:`SummaryRouter.close`). What the router needs of the job (its topology, collective groups, stragglers,
 steps, which parts are DIAGNOSED) it asks a :class:`JobView`, which the agent backs with the job agent's state
-and the shared job context. The rules, unit-tested without a broker:
-
-- a part's messages are held until the part is closed (after its DIAGNOSED record), except that beyond
-  ``max_pending`` held messages the oldest half is acked (their state is in findings already);
-- a part ends when it holds the end markers of every compressor partition;
-- a copy of a piece already taken is acked, not added (:class:`~argus.streams.summary_pieces.PieceLedger`); a
-  later piece of a judged window has it judged again; a summary of a part DIAGNOSED before a restart feeds only
-  the rank totals, and one of a job whose every part is DIAGNOSED is acked at once;
-- rows of ranks outside the job are dead-lettered, the others kept;
-- a summary whose processing raises has its (kernel, stream) state rebuilt from the held summaries, first with
-  it, then without it (dead-lettered and acked);
-- on a rebalance (:meth:`SummaryRouter.revoked`) every part is forgotten and nothing is acked.
-
-Messages are opaque *handles* (a Faust event in the worker, anything in a test); ``decode`` gives a held
-handle's summary back when a state is rebuilt.
+and the shared job context. The rules, unit-tested without a broker: see docs/internals/streams.md.
 """
 
 from __future__ import annotations

@@ -10,32 +10,7 @@ A window closes when the rank's watermark (its newest kernel start) passes ``win
 when the rank sends ``end_of_stream``, or when the job ends (:meth:`WindowBuffer.flush_job`). Events for a
 window that already closed are returned as *late* so the caller can dead-letter them (never silently lost).
 
-Two bounds keep one bad producer from taking the worker down (both optional, set from
-:class:`argus.core.settings.Settings` by the agent):
-
-* **Skew.** An event more than ``max_skew_ns`` ahead of the rank's watermark (:func:`beyond_skew`) is returned
-  as *skewed* and does not move the watermark: one bogus timestamp far in the future would otherwise close
-  every window of the rank and turn all of its later events late. A rank's first batch is judged against
-  its job's newest watermark. A batch skewed as a whole does not take its ``seq`` either (a bogus seq would
-  make the rank's real batches look like copies).
-* **Kernel names.** A window keeps at most ``max_names`` distinct kernel names (:class:`KernelNames`); events
-  of further names are folded into one :data:`OTHER_KERNEL` bucket whose summary carries their count, so
-  the cost of compressing a window (one KDE per name) stays bounded.
-
-A token stays referenced while any open or in-flight window holds one of its events; :meth:`release` returns
-the tokens whose windows have all been emitted, i.e. the Kafka messages that are safe to commit.
-
-**Pieces.** Each closed window carries a ``piece``: the position (the Kafka offset, given to :meth:`add`)
-of the last message whose events it holds. That identity survives restarts: a replay from a committed offset
-re-reads a rank's messages in the same order, so a window re-closes on the same message and its re-summary
-is the same piece (possibly with fewer events, when the replay began inside the window: the stored, complete
-copy wins). With ``late_pieces=True`` (the worker) events for a window that already closed, including events
-that arrive after the rank's ``end_of_stream`` or the job's end, are not returned as late but closed at once
-as a further piece of that window, identified by their own message's position: pieces of one (rank, window)
-hold different events and add up. A batch whose (rank, ``seq``) was already taken (a producer re-send, a
-re-import) is a copy: returned as ``duplicate`` and not added. (A replay that begins after a window closed
-cannot know it did, and may gather two late messages of one window into one piece; that needs a window
-whose late message holds no event past the lateness, and a restart between the two.)
+Details and reasoning: docs/internals/streams.md.
 """
 
 from __future__ import annotations
