@@ -5,7 +5,7 @@ The broker must run an authorizer (KRaft: ``authorizer.class.name=
 org.apache.kafka.metadata.authorizer.StandardAuthorizer``) with ``allow.everyone.if.no.acl.found=false``, so that
 a principal may do only what an ALLOW binding grants, and a super user (``super.users``) that applies them.
 
-Details and reasoning: docs/security.md.
+Details and reasoning: docs/internals/application.md (the threat model: docs/security.md).
 """
 
 from __future__ import annotations

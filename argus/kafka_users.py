@@ -6,7 +6,7 @@ topics, users and ACLs, and answers ``argus status``), ``rank`` (training proces
 ``worker`` (the stream worker), ``sink`` (the ClickHouse sink) and ``reader`` (findings readers, and the query
 service, which touches no topic). What each may do is the table of :mod:`argus.kafka_acls`.
 
-Details and reasoning: docs/security.md.
+Details and reasoning: docs/internals/application.md (the threat model: docs/security.md).
 """
 
 from __future__ import annotations
