@@ -4,10 +4,5 @@ FROM python:3.11-slim
 WORKDIR /app
 COPY pyproject.toml README.md constraints.txt ./
 COPY argus ./argus
-COPY producers ./producers
-COPY streams ./streams
-COPY sinks ./sinks
-COPY detectors ./detectors
-COPY schemas ./schemas
 RUN pip install --no-cache-dir -c constraints.txt ".[server]"
 ENTRYPOINT ["argus"]

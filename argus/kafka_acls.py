@@ -5,35 +5,7 @@ The broker must run an authorizer (KRaft: ``authorizer.class.name=
 org.apache.kafka.metadata.authorizer.StandardAuthorizer``) with ``allow.everyone.if.no.acl.found=false``, so that
 a principal may do only what an ALLOW binding grants, and a super user (``super.users``) that applies them.
 
-===========  ============================================================  ==================================
-role         writes (WRITE, with DESCRIBE)                                 reads (READ, with DESCRIBE)
-===========  ============================================================  ==================================
-``rank``     kernels, steps, phases, topology, lifecycle (START/END),      findings (``argus stacks``), control
-             heartbeats, stacks                                            (``argus control``'s commands, read
-                                                                           by assignment: no group), groups
-                                                                           ``<app_id>-stacks-*``
-``worker``   summaries, findings, findings.json, lifecycle (DIAGNOSED/     kernels, steps, phases, topology,
-             ABANDONED), deadletter, context, kernels (a job's end         lifecycle, heartbeats, summaries,
-             marker in each partition), its own ``<app_id>-*`` topics      context, ``<app_id>-*`` topics;
-                                                                           groups ``<app_id>``,
-                                                                           ``<app_id>-scan``,
-                                                                           ``<app_id>-context-*``
-``sink``     deadletter                                                    every topic it stores (steps,
-                                                                           phases, summaries, topology,
-                                                                           lifecycle, findings, deadletter,
-                                                                           stacks, heartbeats); group
-                                                                           ``<sink_group>``
-``reader``   nothing                                                       findings, findings.json; groups
-                                                                           ``<app_id>-follow-*``
-===========  ============================================================  ==================================
-
-Topic names carry ``topic_prefix`` (LITERAL bindings on the full names); the worker's own topics (Faust's
-leader topic ``<app_id>-__assignor-__leader``, changelogs) and the consumer groups marked ``*`` are PREFIXED
-bindings. Nobody but the admin (a super user) may create, delete or alter topics, or read and write other
-topics. The control topic is written by the admin only (``argus control``). An idempotent producer needs no
-``IdempotentWrite`` on the cluster: since Kafka 3.0 (KIP-679) WRITE on a
-topic lets it obtain a producer id, which ``tests/integration/test_kafka_acls.py`` shows for the rank's
-publisher.
+Details and reasoning: docs/internals/application.md (the threat model: docs/security.md).
 """
 
 from __future__ import annotations

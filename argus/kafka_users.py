@@ -6,15 +6,7 @@ topics, users and ACLs, and answers ``argus status``), ``rank`` (training proces
 ``worker`` (the stream worker), ``sink`` (the ClickHouse sink) and ``reader`` (findings readers, and the query
 service, which touches no topic). What each may do is the table of :mod:`argus.kafka_acls`.
 
-Passwords are 48 random hex digits in ``<home>/secrets/kafka-<role>.password`` (the file 0600, the directory
-and the home 0700), written once and kept: a restarted stack and its broker's storage go on with them. The
-local broker is formatted with the admin's SCRAM credential (:mod:`argus.local_kafka`); the other users are
-created (or given their file's password again) through the admin client each time ``argus up`` starts the stack,
-so a password file replaced by hand takes effect at the next ``argus up``.
-
-The processes of the stack get their role's user as ``ARGUS_KAFKA_SASL_USERNAME`` and the password as
-``ARGUS_KAFKA_SASL_PASSWORD_FILE`` (:func:`role_env`), never the password itself; commands run by hand against a
-secure home take the role their command needs (:func:`role_settings`).
+Details and reasoning: docs/internals/application.md (the threat model: docs/security.md).
 """
 
 from __future__ import annotations

@@ -8,21 +8,7 @@ under ``Settings.home/"kafka"`` (a cluster node's under ``Settings.home/"kafka"/
 The single broker listens on the host and port of the first ``Settings.bootstrap_servers`` entry, node ``i`` of
 a cluster on the ``i``-th; each node's KRaft controller listens on the next port.
 
-Security follows the ``kafka_*`` settings the clients use (:mod:`argus.core.kafka_security`): ``PLAINTEXT``, or
-``SASL_PLAINTEXT`` with the configured mechanism and user. For SCRAM the user's credential is written into
-the metadata when the storage is formatted (``kafka-storage format --add-scram`` with a salted password, the
-arguments in a 0600 Java argument file so that no command line shows them); ``scram.json`` remembers which
-user (a hash of the salted password, never the password), so a storage formatted for another user or
-password is refused with what to do. For PLAIN the user is declared in the listener's JAAS entry. The
-controller listener then takes SASL/PLAIN with a random per-launch secret, so no listener is left open.
-``server.properties`` holds the credentials and is written 0600. TLS listeners are not offered locally, and a
-local cluster serves PLAINTEXT only.
-
-With ``kafka_secure`` (``argus up --secure``) the single broker is its home's admin (:mod:`argus.kafka_users`):
-SASL/SCRAM-SHA-512 as user ``admin``, password from ``<home>/secrets/``, whatever the ``kafka_sasl_*`` settings
-say, and runs the KRaft ``StandardAuthorizer`` with ``allow.everyone.if.no.acl.found=false`` and the admin and
-the controller listener's user as super users: every other user may do what the ACLs of
-:mod:`argus.kafka_acls` allow, nothing else.
+Details and reasoning: docs/internals/application.md.
 """
 
 from __future__ import annotations

@@ -2,22 +2,7 @@
 
 A postmortem asks "what would argus say about that job now?" (after a detector change, with other settings, or
 just to check). :func:`replay_job` answers it with the same code that ran live, not a re-implementation:
-
-1. The job's input records (kernels, steps, phases, topology, the START/END lifecycle records the job wrote,
-   heartbeats) are read from the retained input topics -- optionally only those published between two times --
-   and copied, byte for byte with their keys and timestamps, into the namespace's topics
-   (``<prefix><namespace>.kernels`` ...). The worker's own records (summaries, DIAGNOSED/ABANDONED, the job
-   context) are not copied: the replay makes its own.
-2. Then a stream worker and a sink for the namespace start (:class:`~argus.stack.Stack` on the namespace's settings,
-   using the running broker): their own consumer groups, their own ClickHouse database named after the
-   namespace (for the embedded chDB, in a directory of its own under ``<home>/replay/<namespace>``), so the
-   live tables are never touched.
-3. Once the replayed job is diagnosed through to the namespace's tables, its findings are compared with the
-   stored live ones (:func:`diff_findings`) and the namespace's worker and sink stop (its topics and tables stay
-   for inspection).
-
-Findings carry ``detector_version``: a replay with unchanged detectors finds what the live run found, and the
-same version; a changed one shows up in the version and in the diff.
+see docs/internals/application.md.
 """
 
 from __future__ import annotations

@@ -1,23 +1,11 @@
 """The supervisor of the local stack: one background process per ``ARGUS_HOME`` that keeps the stream worker,
 the ClickHouse sink and the local Kafka broker (or each node of the local cluster) running.
 
-``argus up`` starts the broker, then this process (``python -m argus.supervisor``, a session of its own, log
-``<home>/run/supervisor.log``). It runs the worker, the sink and the query service as its children and restarts
-whichever exits, for whatever reason (a crash, ``kill -9``, the OOM killer), after a backoff that doubles with
-each crash in a row (``ARGUS_SUPERVISOR_BACKOFF_S`` up to ``ARGUS_SUPERVISOR_BACKOFF_MAX_S``). The broker this
-home started (each node of a cluster, ``ARGUS_BROKERS`` > 1, on its own: ``kafka-1`` .. ``kafka-N``) is watched
-through its pid file and relaunched the same way; a broker that someone else runs on the port is left alone.
-On a secure stack (``ARGUS_KAFKA_SECURE=1``) each service runs as its
-role's Kafka user (:data:`ROLE_OF`, :func:`argus.kafka_users.role_env`). What it did is in
-``<home>/run/supervisor.json`` (per process: pid, state, restarts, last exit, up since),
-which ``argus status`` shows. A worker or sink that runs but stops answering its health check
-(``/health``) for ``ARGUS_SUPERVISOR_HANG_S`` (after it answered once) is hung: it is killed and restarted like
-a crashed one (counted in ``hang_kills``).
+``argus up`` starts it (``python -m argus.supervisor``, log ``<home>/run/supervisor.log``). It restarts a child
+that exits or stops answering ``/health`` after a backoff that doubles per crash in a row, writes what it did to
+``<home>/run/supervisor.json`` (shown by ``argus status``) and leaves no orphans; ``argus down`` stops it.
 
-No orphans: the supervisor holds ``supervisor.lock`` for its whole life, so a second one for the same home exits
-at once; its children get SIGTERM from the kernel if it dies (``PR_SET_PDEATHSIG``), and on SIGTERM
-(``argus down``) it stops the query service, the sink, then the worker, and exits. The broker outlives it on
-purpose: ``argus down --keep-kafka`` keeps it, ``argus down`` stops it.
+Details and reasoning: docs/internals/application.md.
 """
 
 from __future__ import annotations

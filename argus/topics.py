@@ -1,31 +1,10 @@
 """Kafka topics of argus: names, keys, record types and idempotent creation.
 
-=================  ==============================  ======================  ===============================
-logical topic      key                             record                  why that key
-=================  ==============================  ======================  ===============================
-``kernels``        ``<job>/<rank>``                KernelBatch             one rank ordered in one partition
-``steps``          ``<job>``                       Step                    all ranks of a job meet (L1/L2)
-``phases``         ``<job>``                       PhaseBatch              same
-``summaries``      ``<job>/<kernel>/<stream>``     KernelSummary           all ranks of a kernel meet (L3)
-``topology``       ``<job>``                       JobTopology             compacted per job
-``lifecycle``      ``<job>``                       JobLifecycle            start/end of a job
-``findings``       ``<job>``                       Finding                 the diagnosis output
-``findings.json``  ``<job>``                       JSON object             the same, for any Kafka tool
-``stacks``         ``<job>/<rank>``                CpuStack                py-spy dumps for findings
-``heartbeats``     ``<job>``                       Heartbeat               all ranks of a job meet (hangs)
-``deadletter``     the rejected message's key      DeadLetter              nothing is lost silently
-``context``        ``<job>/<part>``                JobContext              compacted; every worker reads it all
-``control``        ``<job>/<slot>/<ranks>``        ControlCommand          compacted; partition of ``<job>``
-=================  ==============================  ======================  ===============================
+:class:`Topic` names each logical topic (full names carry ``Settings.topic_prefix``, default ``argus.``); the key
+functions put the records that must meet in one partition (a rank's kernels, a job's steps, a kernel's
+summaries); :func:`ensure_topics` creates every topic up front.
 
-Full names carry :attr:`Settings.topic_prefix` (default ``argus.``). Every topic is created up front with
-the same partition count (Faust's changelogs require it), :attr:`Settings.retention_ms`,
-:attr:`Settings.replication_factor` replicas and ``min.insync.replicas`` = :attr:`Settings.min_insync_replicas`.
-
-Every argus producer partitions keys as Kafka's Java client does (murmur2, :func:`key_partition`): the rank
-side's confluent-kafka producers (``partitioner=murmur2_random``) and the workers' Faust (aiokafka) producers
-put one job's records on the same partition number of every job-keyed topic, so the worker holding a job's
-steps also reads the lifecycle records workers write about it, and can tell which jobs it holds.
+The table of topics, keys and records, and why each key: docs/internals/application.md.
 """
 
 from __future__ import annotations

@@ -2,29 +2,7 @@
 
 The output is Chrome Trace Event Format JSON (``{"traceEvents": [...], "displayTimeUnit": "ns", ...}``, gzip when
 the path ends in ``.gz``), for ui.perfetto.dev, Perfetto's trace_processor or ``chrome://tracing``:
-
-* one process per rank (``pid`` = rank + 1: pid 0 is the idle process in Perfetto's model), named
-  ``rank R (host)``, with one thread (track) for its steps, one for its compute phases, one per parallel group
-  for its collectives (``collectives DP``, ...) and one per CUDA stream for its kernels (``stream S``); slices
-  nest on a track (a phase within a phase), and one that partly overlaps another goes to a further lane
-  (``phases #2``), since Perfetto drops slices that do not nest;
-* steps, phases and kernels as complete slices (``"ph": "X"``, categories ``step``, ``phase``,
-  ``collective``, ``kernel``); collectives carry their parallel group in ``args.group``;
-* kernels from the raw batches while the Kafka kernels topic still retains them (only the chosen ranks' and
-  only kernels that start within the chosen steps' time span); for a rank without them, the per-window
-  kernel summaries of ClickHouse as counter tracks (``"ph": "C"``, category ``kernel_summary``): per stream its
-  busy share of each window (``busy_pct``) and kernel count, and the mean duration (µs) of its top kernels;
-* the job's findings touching the chosen ranks (or job-wide) as instant events (``"ph": "i"``, category
-  ``finding``; process-scoped on each chosen rank they name, global when job-wide) at their ``time_ns``; when
-  that lies outside the exported span, a finding about steps goes to the start of its first step within the
-  range (none there: left out), one about no step (a straggler rank, a degraded kernel over the analysed
-  window) to the span's edge nearest its time (``args.clamped``).
-
-Times in the file are microseconds (floats that keep every nanosecond) since ``otherData.origin_ns``, the
-earliest exported step start (Unix epoch ns); steps carry their absolute ``start_ns`` in args. ClickHouse is
-read through :func:`argus.sinks.query_server.run_query` (whether or not the sink owns the embedded chDB), in pages;
-the JSON is streamed to ``<out>.part``, renamed to ``out`` when complete. Memory holds the chosen ranks' steps,
-one rank's phases at a time and the raw kernels of the range (``max_kernel_events`` at most, ~30 bytes each).
+see docs/internals/application.md.
 """
 
 from __future__ import annotations

@@ -48,7 +48,7 @@ RANK_MODULES = ("argus", "argus.producers.attach", "argus.producers.tracer", "ar
 #: What a training image already has: not counted in the rank side's footprint.
 IMAGE_DISTRIBUTIONS = ("numpy",)
 #: The checkout's files a wheel is built from (the Dockerfile copies the same).
-_SOURCES = ("pyproject.toml", "README.md", "argus", "producers", "streams", "sinks", "detectors", "schemas")
+_SOURCES = ("pyproject.toml", "README.md", "argus")
 
 
 @dataclass(frozen=True)
@@ -125,8 +125,7 @@ def build_wheel(dest: Path) -> Path:
     for name in _SOURCES:
         path = ROOT / name
         if path.is_dir():
-            shutil.copytree(path, src / name, symlinks=True,
-                            ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info"))
+            shutil.copytree(path, src / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info"))
         else:
             src.mkdir(parents=True, exist_ok=True)
             shutil.copy2(path, src / name)

@@ -4,17 +4,7 @@ The callback subclasses the ``Callback`` of ``lightning.pytorch`` when that impo
 ``pytorch_lightning`` (a Trainer accepts only its own package's callbacks).
 
 What it does, on every rank (nothing here raises into training; failures are warnings, counted by the tracer):
-
-* ``setup("fit")``: :func:`argus.attach` (the process's tracer, from the environment Lightning's launcher set);
-* ``on_fit_start`` (the strategy has wrapped the model and made the optimizers): times DDP's gradient buckets
-  / FSDP2's collectives on ``trainer.strategy.model``, the LightningModule's ``training_step`` as FORWARD
-  ``forward`` (an instance-level wrapper, removed at teardown), and registers each optimizer's step post-hook;
-* ``on_train_batch_start`` / ``on_train_batch_end``: the iteration boundaries (``"external"`` mode);
-* ``on_before_backward``: times the backward pass from the loss (BACKWARD ``backward``, ending when autograd
-  has computed every gradient, before DDP's final wait for its buckets);
-* ``on_before_optimizer_step`` until the optimizer's step post-hook: OPTIMIZER ``optimizer`` (Lightning runs
-  the training step and backward *inside* ``optimizer.step(closure)``, so the whole step is not timed);
-* ``teardown("fit")``: closes the tracer (on every rank: the job's record counts are summed for END).
+see docs/internals/application.md.
 """
 
 from __future__ import annotations

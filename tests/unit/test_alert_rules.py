@@ -90,7 +90,7 @@ def test_every_metric_a_rule_reads_is_exported() -> None:
     ``probe_success`` of the query job."""
     config = yaml.safe_load((ROOT / "deploy/prometheus/prometheus.yml").read_text())
     jobs = {j["job_name"] for j in config["scrape_configs"]}
-    sink_names = set(re.findall(r"_PREFIX \+ \"(\w+)\"", (ROOT / "sinks/metrics.py").read_text()))
+    sink_names = set(re.findall(r"_PREFIX \+ \"(\w+)\"", (ROOT / "argus/sinks/metrics.py").read_text()))
     worker = exposition(worker_registry(WorkerCollector(CompressionStats(), DiagnosisStats(),
                                                         consumer=lambda: None)))
     exported = {s.name for fam in text_string_to_metric_families(worker.decode()) for s in fam.samples} | {

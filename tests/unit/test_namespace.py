@@ -17,26 +17,43 @@ _BARE = re.compile(rf"^\s*(?:from|import)\s+({'|'.join(STAGES)})(?:[.\s]|$)", re
 
 
 def _sources() -> list[Path]:
-    files = {p.resolve() for top in ("argus", *STAGES, "tests", "load_tests", "examples", "scripts")
-             for p in (ROOT / top).rglob("*.py")}
-    return sorted(files)
+    return sorted(p for top in ("argus", "tests", "load_tests", "examples", "scripts")
+                  for p in (ROOT / top).rglob("*.py"))
 
 
 def test_no_module_imports_a_bare_stage() -> None:
-    bad = [f"{p.relative_to(ROOT.resolve())}: {m.group(0).strip()}" for p in _sources()
+    bad = [f"{p.relative_to(ROOT)}: {m.group(0).strip()}" for p in _sources()
            for m in _BARE.finditer(p.read_text(encoding="utf-8"))]
     assert not bad, bad
 
 
 def test_stages_are_subpackages_of_argus() -> None:
+    """Real folders inside ``argus/``, no symlinks: every tool that reads paths sees the package as it imports."""
     import argus.detectors.l3_kernels as l3
     import argus.producers.tracer as tracer
 
-    assert Path(tracer.__file__).parent.name == "producers"
+    assert Path(tracer.__file__).resolve() == ROOT / "argus" / "producers" / "tracer.py"
     assert l3.__name__ == "argus.detectors.l3_kernels"
     for stage in STAGES:
-        link = ROOT / "argus" / stage
-        assert link.is_symlink() and link.resolve() == (ROOT / stage).resolve(), stage
+        assert (ROOT / "argus" / stage / "__init__.py").is_file(), stage
+        assert not (ROOT / stage).exists(), f"{stage}/ at the top level: the stages live in argus/"
+    links = [str(p.relative_to(ROOT)) for p in (ROOT / "argus").rglob("*") if p.is_symlink()]
+    assert not links, links
+
+
+def test_star_import_of_every_package() -> None:
+    """``from argus.<package> import *`` works: every name of each ``__all__`` is defined."""
+    packages = ["argus", "argus.core", "argus.integrations", *(f"argus.{stage}" for stage in STAGES)]
+    code = ("import importlib, sys\n"
+            f"for name in {packages!r}:\n"
+            "    namespace = {}\n"
+            "    exec(f'from {name} import *', namespace)\n"
+            "    module = importlib.import_module(name)\n"
+            "    missing = sorted(set(module.__all__) - set(namespace))\n"
+            "    assert not missing, (name, missing)\n"
+            "print('ok')")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
 
 
 def _loaded_after(statement: str) -> list[str]:
@@ -59,13 +76,16 @@ def test_wheel_holds_argus_only(tmp_path: Path) -> None:
     src.mkdir()
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, src / name)
-    for top in ("argus", *STAGES):
-        shutil.copytree(ROOT / top, src / top, symlinks=True, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(ROOT / "argus", src / "argus", ignore=shutil.ignore_patterns("__pycache__"))
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
                     str(tmp_path / "dist"), str(src)], check=True, capture_output=True, cwd=tmp_path)
     (wheel,) = (tmp_path / "dist").glob("*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     assert {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")} == {"argus"}
+    assert len(names) == len(set(names)), "a file twice in the wheel"
+    shipped = {p.relative_to(src).as_posix() for p in (src / "argus").rglob("*")
+               if p.suffix in (".py", ".avsc", ".xml") or p.name == "py.typed"}
+    assert shipped - set(names) == set(), "every module, schema and data file of argus/ ships"
     for stage in STAGES:
         assert f"argus/{stage}/__init__.py" in names, stage
     assert "argus/schemas/finding.v4.avsc" in names

@@ -1,0 +1,212 @@
+"""L3 per (rank, kernel): one kernel slower on a rank than the rank's own speed predicts.
+
+A fault often hits one shape of one kernel on one rank (a GEMM whose tile config fell back, a throttled
+unit used by one op): the kernel name runs several shapes, so the slowed shape is one mode of a multimodal
+kernel, and when its durations lie close to another shape's the KDE merges both into one cluster and the
+shift is diluted (one shape x1.4 of three gives the cluster x1.1). Per-kernel W1 on one window does not see
+a tenth; summed over the job's windows it is plain, once two things are taken out: see docs/internals/detectors.md.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+from scipy.special import ndtri
+
+from argus.core.kinds import FindingKind
+from argus.detectors.experts import ep_group_ids, group_means, is_grouped_gemm, per_token_scale
+from argus.detectors.l2_groups import loo_median_rows
+from argus.detectors.l3_kernels import L3Result, is_collective
+from argus.detectors.l3_ranks import KernelTotals, RankExcessParams, comparison_sets, totals_matrix
+from argus.schemas.records import JobTopology
+
+__all__ = ["detect_kernel_excess"]
+
+F64 = npt.NDArray[np.float64]
+I64 = npt.NDArray[np.int64]
+
+_MAD_SCALE = 1.4826
+#: Least noise of a kernel's log time per call (1e-3: 0.1 %), so identical ranks give no infinite z.
+_SCALE_FLOOR = 1e-3
+#: Most spread of a kernel's calls over the set's ranks that still counts as the same work.
+_SAME_CALLS = 0.02
+#: Fewest ranks whose spread in one kernel is a noise scale of its own.
+_SPREAD_RANKS = 5
+
+
+def detect_kernel_excess(totals: Iterable[KernelTotals], topology: JobTopology | None = None,
+                         params: RankExcessParams | None = None, exclude: Iterable[int] = (),
+                         expert_tokens: Mapping[int, int] | None = None) -> list[L3Result]:
+    """Ranks with kernels slower than their own speed predicts (see the module docstring).
+
+    ``totals``: one :class:`KernelTotals` per (kernel, stream) of the job, with ``median_ns`` (ranks
+    without it are left out of a kernel). ``topology``: ranks are compared within their pipeline stage
+    (small stages job-wide in the kernels every rank shares) when given, else across the job.
+    ``exclude``: ranks not to name (already named slow across kernels). ``expert_tokens``: per rank, the
+    tokens routed to its experts over the same steps (grouped GEMMs are then compared per token). One result
+    per named rank.
+    """
+    p = params if params is not None else RankExcessParams()
+    usable = [t for t in totals if t.calls and not is_collective(t.kernel, p.collective_markers)]
+    if not usable:
+        return []
+    ranks, total, calls, part, median = totals_matrix(usable, topology)
+    keys = [(t.kernel, t.stream) for t in usable]
+    skip = set(exclude)
+    out: dict[int, L3Result] = {}
+    routed = np.array([is_grouped_gemm(k) for k, _ in keys], dtype=bool)
+    groups = ep_group_ids(topology, ranks)
+    for label, rows, cols, judged in comparison_sets(part, calls, p):
+        moe = _Experts(routed[cols], per_token_scale(ranks[rows], expert_tokens),
+                       None if groups is None else groups[rows])
+        for res in _judge(ranks[rows], total[np.ix_(rows, cols)], median[np.ix_(rows, cols)],
+                          calls[np.ix_(rows, cols)], [keys[j] for j in cols.tolist()], label, p, moe):
+            r = res.ranks[0]
+            if r in skip or r in out or not judged[int(np.searchsorted(ranks[rows], r))]:
+                continue
+            out[r] = res
+    return [out[r] for r in sorted(out)]
+
+
+@dataclass(frozen=True)
+class _Experts:
+    """How one comparison set's grouped GEMMs are read: ``routed`` per kernel column; ``scale`` per rank (time
+    to time per token, :func:`~argus.detectors.experts.per_token_scale`; None: tokens unknown); ``group`` per
+    rank (its EP group; None without expert parallelism)."""
+
+    routed: npt.NDArray[np.bool_]
+    scale: F64 | None
+    group: I64 | None
+
+    def per_token(self, values: F64, cols: I64) -> F64:
+        """``values`` (ranks x ``cols``) with the routed columns per token where the tokens are known."""
+        if self.scale is None or not self.routed[cols].any():
+            return values
+        out = values.copy()
+        out[:, self.routed[cols]] *= self.scale[:, None]
+        return out
+
+    def conserved(self, cols: I64) -> npt.NDArray[np.bool_]:
+        """Per column of ``cols``: judged on EP-group means (routed, tokens unknown, expert parallelism)."""
+        if self.scale is not None or self.group is None:
+            return np.zeros(cols.size, dtype=bool)
+        return np.asarray(self.routed[cols], dtype=bool)
+
+
+def _residuals(per_call: F64, calls: F64, pooled_only: npt.NDArray[np.bool_] | None = None
+               ) -> tuple[F64, F64, F64]:
+    """The two-way model's residuals, their z-scores and the ranks' speeds (log), for ranks x kernels;
+    ``pooled_only``: kernels whose noise is the pooled scale alone (EP-group means: a few distinct values,
+    whose own spread is the difference being judged)."""
+    x = np.log(per_call)
+    n = x.shape[0]
+    ref = loo_median_rows(x.T).T  # each rank against its peers' median, kernel by kernel
+    y = x - ref
+    speed = np.median(y, axis=1, keepdims=True)
+    e = y - speed
+    c = np.median(calls, axis=0)
+    widen = np.sqrt(np.maximum(np.median(c) / c, 1.0))  # fewer calls than the median kernel: a noisier mean
+    pooled = _MAD_SCALE * float(np.median(np.abs(e) / widen))
+    scale = np.maximum(pooled * widen, _SCALE_FLOOR)
+    if n >= _SPREAD_RANKS:
+        own = _MAD_SCALE * np.median(np.abs(e - np.median(e, axis=0)), axis=0)
+        if pooled_only is not None:
+            own = np.where(pooled_only, 0.0, own)
+        scale = np.maximum(scale, own)
+    return e, e / scale, speed[:, 0]
+
+
+def _judge(ranks: I64, total: F64, median: F64, calls: F64, keys: Sequence[tuple[str, int]], part: int,
+           p: RankExcessParams, moe: _Experts) -> list[L3Result]:
+    n = ranks.size
+    same = ((calls >= p.kernel_min_calls).all(axis=0) & (calls.max(axis=0) <= (1.0 + _SAME_CALLS) * calls.min(axis=0))
+            & (total > 0).all(axis=0) & (np.nan_to_num(median) > 0).all(axis=0))
+    if n < p.min_ranks or int(same.sum()) < p.kernel_min_kernels:
+        return []
+    cols = np.flatnonzero(same)
+    c = calls[:, cols]
+    tot, med = moe.per_token(total[:, cols], cols), moe.per_token(median[:, cols], cols)
+    e_plain, z_plain, speed = _residuals(tot / c, c)
+    _, z_median, _ = _residuals(med / c, c)
+    conserved = moe.conserved(cols)
+    if conserved.any():
+        z_plain, z_median, keep = _group_scores(tot, med, c, conserved, speed, moe.group)
+    else:
+        keep = np.ones_like(z_plain, dtype=bool)
+    z = z_plain
+    bound = max(p.kernel_min_z if n >= 3 else p.min_z_two_ranks, float(ndtri(1.0 - p.alpha / (n * cols.size))))
+    # The size and its significance are the plain total's; the median total corroborates (module docstring).
+    e = e_plain
+    # Of two ranks each one's residuals mirror the other's (a slow GEMM on one reads as the other's slower
+    # everything else once its speed is taken out): there both totals are held to the bound.
+    corroborate = float(ndtri(1.0 - p.alpha)) if n >= 3 else bound
+    hit = (z >= bound) & (z_median >= corroborate) & (e >= math.log(p.kernel_min_ratio)) & keep
+    hit[:, 2 * hit.sum(axis=0) > n] = False  # slower on most ranks: the kernel's work changed, not a rank
+    if not hit.any():
+        return []
+    per_call = tot / c
+    expected = per_call / np.exp(e_plain)
+    extra = np.where(hit, c * expected * np.expm1(e), 0.0)
+    out = []
+    for i in np.flatnonzero(hit.any(axis=1)).tolist():
+        order = [j for j in np.argsort(-extra[i], kind="stable").tolist() if hit[i, j]][: p.top_kernels]
+        top = order[0]
+        kernel, stream = keys[int(cols[top])]
+        named = {f"{keys[int(cols[j])][0]}@{keys[int(cols[j])][1]}": j for j in order}
+        out.append(L3Result(FindingKind.KERNEL_DEGRADED, (int(ranks[i]),), kernel, stream, float(np.expm1(e[i, top])), {
+            "detector": "kernel_excess", "partition": part, "n_ranks": n, "kernels_compared": int(cols.size),
+            "kernels_slower": int(hit[i].sum()), "rank_speed_ratio": float(math.exp(speed[i])),
+            "excess_ms": float(extra[i].sum()) / 1e6, "z_bound": bound,
+            "top_kernels_ratio": {k: float(math.exp(e[i, j])) for k, j in named.items()},
+            "top_kernels_z": {k: float(z[i, j]) for k, j in named.items()},
+            "top_kernels_median_z": {k: float(z_median[i, j]) for k, j in named.items()},
+            "top_kernels_excess_ms": {k: float(extra[i, j]) / 1e6 for k, j in named.items()},
+            "top_kernels_calls": {k: float(c[i, j]) for k, j in named.items()},
+        }, excess_ns=float(extra[i].sum())))
+    return out
+
+
+def _group_scores(tot: F64, med: F64, c: F64, conserved: npt.NDArray[np.bool_], speed: F64,
+                  group: I64 | None) -> tuple[F64, F64, npt.NDArray[np.bool_]]:
+    """The plain and median z-scores with the ``conserved`` columns read as each rank's EP-group mean (the
+    router conserves a group's tokens), and where a rank may be named: in those columns only the member of its
+    group slowest against its position's median over the groups, and none where fewer than two groups compare
+    (module docstring). ``speed``: each rank's speed (log), taken out of the values a group's mean is made of
+    and put back into each member's (a mean over members mixes their speeds, which the model takes out per rank:
+    left in, two members' ordinary few-percent difference reads as their group's excess)."""
+    assert group is not None
+    own = np.exp(speed)[:, None]
+    g_tot, enough = group_means(tot[:, conserved] / own, group)
+    g_med, _ = group_means(med[:, conserved] / own, group)
+    t2, m2 = tot.copy(), med.copy()
+    t2[:, conserved], m2[:, conserved] = g_tot * own, g_med * own
+    _, z_plain, _ = _residuals(t2 / c, c, conserved)
+    _, z_median, _ = _residuals(m2 / c, c, conserved)
+    keep = np.ones_like(z_plain, dtype=bool)
+    if not bool(enough):
+        keep[:, conserved] = False
+        return z_plain, z_median, keep
+    # Within a group the member named is the one slowest against the same position of the other groups (the
+    # same expert: a hot expert is hot in every group), not the one with the most time (which may be the hot
+    # expert, its group's slow member being a cold one).
+    ids = np.unique(group[group >= 0])
+    position = np.full(group.size, -1, dtype=np.int64)
+    for g in ids.tolist():
+        rows = np.flatnonzero(group == g)
+        position[rows] = np.arange(rows.size)
+    for j in np.flatnonzero(conserved).tolist():
+        per_call = tot[:, j] / c[:, j] / own[:, 0]
+        against = np.ones(group.size)
+        for q in np.unique(position[position >= 0]).tolist():
+            at = position == q
+            against[at] = per_call[at] / np.median(per_call[at])
+        for g in ids.tolist():
+            rows = np.flatnonzero(group == g)
+            top = rows[int(np.argmax(against[rows]))]
+            keep[rows, j] = False
+            keep[top, j] = True
+    return z_plain, z_median, keep

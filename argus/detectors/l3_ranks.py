@@ -1,0 +1,506 @@
+"""L3 per rank: a rank slower than its peers across many kernels, each with too few calls to judge alone.
+
+A real trace is often one or two steps long, so each kernel name runs 1-3 times per rank: no single-kernel
+test has samples enough, yet a rank whose every GEMM runs 30 % slower is plain when the kernels are taken
+together. :func:`detect_rank_excess` pools the evidence of every compute kernel of the job per rank:
+see docs/internals/detectors.md.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import numpy.typing as npt
+from scipy.special import ndtri
+from scipy.stats import rankdata
+
+from argus.core.errors import DetectorError
+from argus.core.kinds import FindingKind
+from argus.detectors.l2_groups import loo_median
+from argus.detectors.l2_phases import L2Result
+from argus.detectors.l3_kernels import L3Result, is_collective
+from argus.schemas.records import JobTopology, KernelSummary
+
+_MAD_SCALE = 1.4826
+#: Least spread of the ranks' excess fractions (a set of identical ranks has none).
+_FRACTION_FLOOR = 0.01
+#: Fewest ranks whose excess fractions have a spread to judge a rank's against.
+_SPREAD_RANKS = 5
+#: Kernels that must run slower on a stage for it to be slow (a name or two may run another shape there).
+_STAGE_MIN_SLOWER_KERNELS = 3
+#: Least z-score (over the kernels' noise) of the excess of a stage slow in one phase only.
+_STAGE_MIN_Z = 4.0
+#: Calls per rank a kernel needs to count in the stage comparison (a one-step trace is no stage verdict).
+_STAGE_MIN_CALLS = 4
+
+__all__ = ["KernelTotals", "RankExcessParams", "comparison_sets", "detect_rank_excess", "detect_stage_excess",
+           "kernel_family", "totals_matrix", "trimmed_sum"]
+
+F64 = npt.NDArray[np.float64]
+I64 = npt.NDArray[np.int64]
+
+
+#: Calls a cluster needs for its longest one to be counted as its second longest (:func:`trimmed_sum`); up to
+#: 101 calls the summary's p99 (numpy's linear quantile) lies between the two longest, which gives the second.
+_TRIM_CALLS = (10, 101)
+
+
+def trimmed_sum(count: int, sum_ns: float, p99_ns: float, max_ns: float) -> float:
+    """A cluster's total time (ns) with its longest call counted as its second longest, for clusters of 10 to
+    101 calls (others: ``sum_ns``). One hiccup (a preemption, a retry) makes a call far longer than its
+    cluster's others and moves a kernel's total on one rank by a few percent, which in a large job is many of
+    the set's noise; a slow rank slows all of its calls, and loses only the gap between its two longest.
+    The second longest is read from the p99: ``p99 = x[n-2] + (1 - 0.01 (n - 1)) (x[n-1] - x[n-2])``."""
+    lo, hi = _TRIM_CALLS
+    if not lo <= count <= hi or max_ns <= p99_ns:
+        return float(sum_ns)
+    second = max_ns - (max_ns - p99_ns) / (0.01 * (count - 1))
+    return float(sum_ns) - (max_ns - max(second, 0.0))
+
+
+@dataclass
+class KernelTotals:
+    """Per rank: total time (ns) and calls of one (kernel, stream) over a job, accumulated from summaries,
+    each cluster's longest call counted as its second longest (:func:`trimmed_sum`).
+
+    ``median_ns``: the time as the clusters' medians give it (``sum(count * p50)``), which a few outlier calls
+    do not move; absent for a rank whose totals came from a context without it (schema v1)."""
+
+    kernel: str
+    stream: int
+    total_ns: dict[int, float] = field(default_factory=dict)
+    calls: dict[int, float] = field(default_factory=dict)
+    median_ns: dict[int, float] = field(default_factory=dict)
+
+    def add(self, summary: KernelSummary) -> None:
+        """Add the rows of one summary of this (kernel, stream). Raises :class:`DetectorError` for another key
+        or inconsistent cluster columns."""
+        if (summary.kernel, summary.stream) != (self.kernel, self.stream):
+            raise DetectorError(f"summary of {summary.kernel}/{summary.stream} added to {self.kernel}/{self.stream}")
+        if len(summary.n_clusters) != len(summary.rank) or sum(summary.n_clusters) != len(summary.cluster_count):
+            raise DetectorError(f"kernel summary {summary.job_id}/{summary.kernel}: cluster columns do not match")
+        at = 0
+        for rank, k in zip(summary.rank, summary.n_clusters, strict=True):
+            self.total_ns[rank] = self.total_ns.get(rank, 0.0) + sum(
+                trimmed_sum(c, t, p99, top) for c, t, p99, top in zip(
+                    summary.cluster_count[at:at + k], summary.cluster_sum_ns[at:at + k],
+                    summary.cluster_p99_ns[at:at + k], summary.cluster_max_ns[at:at + k], strict=True))
+            self.calls[rank] = self.calls.get(rank, 0.0) + float(sum(summary.cluster_count[at:at + k]))
+            self.median_ns[rank] = self.median_ns.get(rank, 0.0) + float(sum(
+                c * p for c, p in zip(summary.cluster_count[at:at + k], summary.cluster_p50_ns[at:at + k],
+                                      strict=True)))
+            at += k
+
+    def merge(self, other: KernelTotals) -> None:
+        """Add another part's totals of this (kernel, stream). A rank's ``median_ns`` stays known only while
+        every part that added to it knew it. Raises :class:`DetectorError` for another key."""
+        if (other.kernel, other.stream) != (self.kernel, self.stream):
+            raise DetectorError(f"totals of {other.kernel}/{other.stream} merged into {self.kernel}/{self.stream}")
+        for r, v in other.total_ns.items():
+            if r in other.median_ns and (r not in self.total_ns or r in self.median_ns):
+                self.median_ns[r] = self.median_ns.get(r, 0.0) + other.median_ns[r]
+            else:
+                self.median_ns.pop(r, None)
+            self.total_ns[r] = self.total_ns.get(r, 0.0) + v
+            self.calls[r] = self.calls.get(r, 0.0) + other.calls.get(r, 0.0)
+
+
+@dataclass(frozen=True)
+class RankExcessParams:
+    """Thresholds of :func:`detect_rank_excess` (defaults in brackets).
+
+    ``slower_ratio``: a rank's mean time per call of a kernel over the set's median that counts it slower
+    in that kernel [1.1]. Significance: the z-score of the rank's summed normal scores (the kernels agree
+    in direction) at least ``min_order_z`` [2.0], and either the z-score of its time-weighted shift over its
+    kernels (against the kernels' spread over the set's ranks) or, in some kernel subset (all, or one
+    family), both the summed normal scores' z-score and the subset's median kernel ``typical_ratio`` [1.15]
+    slower reach the Bonferroni bound of ``alpha`` [0.01] over the tests of its set (its ranks x kernel
+    subsets: 3.5 for 8 ranks, 4.4 for 256) and at least ``min_z`` [3.0] (``min_z_two_ranks`` [4.5] in a
+    set of two, whose time test reads its GEMM, attention and norm kernels only).
+    ``min_excess_fraction``: least share of its expected compute time it spends beyond its peers in
+    those kernels [0.1]. ``min_ranks``: fewest ranks of a comparison set [2]. ``min_kernels``: fewest kernels
+    a rank must share with its set [3]. ``top_kernels``: kernels named in the evidence [5].
+    ``collective_markers``: lower-case substrings of collective kernels, left out [("nccl",)].
+    ``stage_min_excess``: least excess of a pipeline stage over the others, as a share of its expected time,
+    in :func:`detect_stage_excess` [0.1].
+    :func:`~argus.detectors.kernel_excess.detect_kernel_excess`: a kernel's time over what its rank's speed
+    predicts must be at least ``kernel_min_ratio`` [1.05] with a z-score of at least ``kernel_min_z`` [4.0]
+    (and the Bonferroni bound of ``alpha``), in kernels of at least ``kernel_min_calls`` [8] calls per rank,
+    with at least ``kernel_min_kernels`` [5] such kernels to tell the rank's speed.
+    """
+
+    min_z: float = 3.0
+    min_z_two_ranks: float = 4.5
+    alpha: float = 0.01
+    min_order_z: float = 2.0
+    typical_ratio: float = 1.15
+    stage_min_excess: float = 0.1
+    min_excess_fraction: float = 0.1
+    slower_ratio: float = 1.1
+    min_ranks: int = 2
+    min_kernels: int = 3
+    top_kernels: int = 5
+    collective_markers: tuple[str, ...] = ("nccl",)
+    kernel_min_ratio: float = 1.05
+    kernel_min_z: float = 4.0
+    kernel_min_calls: int = 8
+    kernel_min_kernels: int = 5
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.min_z) and self.min_z >= 0.0 and 0.0 <= self.min_excess_fraction < 1.0
+                and self.slower_ratio > 1.0 and 0.0 < self.alpha < 1.0):
+            raise DetectorError("need min_z >= 0, alpha in (0, 1), min_excess_fraction in [0, 1) and "
+                                "slower_ratio > 1")
+        if self.min_ranks < 2 or self.min_kernels < 1 or self.top_kernels < 1:
+            raise DetectorError("need min_ranks >= 2, min_kernels >= 1 and top_kernels >= 1")
+        if not (self.kernel_min_ratio >= 1.0 and self.kernel_min_z >= 0.0 and self.kernel_min_calls >= 1
+                and self.kernel_min_kernels >= 3):
+            raise DetectorError("need kernel_min_ratio >= 1, kernel_min_z >= 0, kernel_min_calls >= 1 and "
+                                "kernel_min_kernels >= 3")
+
+
+def detect_rank_excess(totals: Iterable[KernelTotals], topology: JobTopology | None = None,
+                       params: RankExcessParams | None = None) -> list[L3Result]:
+    """Ranks slower than their peers across the job's compute kernels (see the module docstring).
+
+    ``totals``: one :class:`KernelTotals` per (kernel, stream) of the job. ``topology``: ranks are compared
+    within their pipeline stage when given, else across the job. One result per flagged rank, with
+    ``kernel`` = the kernel carrying most of its excess and ``excess_ns`` = its total excess time.
+    """
+    p = params if params is not None else RankExcessParams()
+    usable = [t for t in totals if t.calls and not is_collective(t.kernel, p.collective_markers)]
+    if not usable:
+        return []
+    ranks, total, calls, part, _ = totals_matrix(usable, topology)
+    keys = [(t.kernel, t.stream) for t in usable]
+    out: list[L3Result] = []
+    for label, rows, cols, judged in comparison_sets(part, calls, p):
+        named = {r.ranks[0] for r in out}
+        found = _judge_peeling(ranks[rows], total[np.ix_(rows, cols)], calls[np.ix_(rows, cols)],
+                               [keys[j] for j in cols.tolist()], label, p)
+        out += [r for r in found if judged[int(np.searchsorted(ranks[rows], r.ranks[0]))] and r.ranks[0] not in named]
+    return out
+
+
+def totals_matrix(totals: Sequence[KernelTotals], topology: JobTopology | None) -> tuple[I64, F64, F64, I64, F64]:
+    """The job's ranks (ascending), their total time and calls per kernel (ranks x kernels, NaN time and 0
+    calls where a rank does not run it), each rank's comparison part (its pipeline stage with a
+    topology, -1 for a rank outside it; all 0 without) and their median time per kernel (NaN where a rank
+    does not run it or its median time is unknown)."""
+    ranks = np.array(sorted({r for t in totals for r in t.calls}), dtype=np.int64)
+    pos = {r: i for i, r in enumerate(ranks.tolist())}
+    total = np.full((ranks.size, len(totals)), np.nan)
+    median = np.full((ranks.size, len(totals)), np.nan)
+    calls = np.zeros((ranks.size, len(totals)))
+    for k, t in enumerate(totals):
+        for r, c in t.calls.items():
+            if c > 0:
+                total[pos[r], k], calls[pos[r], k] = t.total_ns.get(r, 0.0), c
+                median[pos[r], k] = t.median_ns.get(r, math.nan)
+    if topology is not None:
+        stage_of = dict(zip(topology.rank, topology.pp_stage, strict=True))
+        part = np.array([stage_of.get(r, -1) for r in ranks.tolist()], dtype=np.int64)
+    else:
+        part = np.zeros(ranks.size, dtype=np.int64)
+    return ranks, total, calls, part, median
+
+
+def comparison_sets(part: I64, calls: F64, p: RankExcessParams) -> list[tuple[int, I64, I64, npt.NDArray[np.bool_]]]:
+    """The sets of ranks compared with each other, as ``(label, rows, kernel columns, judged)``: each part
+    (pipeline stage) of at least ``min_ranks`` ranks over every kernel, labelled by the part; and, when
+    some part has fewer than five ranks, every rank over the kernels all ranks run with the same calls,
+    labelled -1, where only the small parts' ranks (``judged``, per row of the set) are judged."""
+    every = np.arange(calls.shape[1], dtype=np.int64)
+    out = []
+    stages, sizes = np.unique(part, return_counts=True)
+    for g in stages.tolist():
+        rows = np.flatnonzero(part == g)
+        if rows.size >= p.min_ranks:
+            out.append((int(g), rows, every, np.ones(rows.size, dtype=bool)))
+    small = stages[sizes < _SPREAD_RANKS]
+    if small.size and stages.size >= 2:
+        # Stages of a few ranks have little to compare with, but their transformer layers run the same
+        # kernels as every other stage's: the kernels every rank runs, with the same calls, compare job-wide.
+        shared = (calls > 0).all(axis=0) & (calls.min(axis=0) == calls.max(axis=0))
+        if int(shared.sum()) >= p.min_kernels:
+            out.append((-1, np.arange(part.size, dtype=np.int64), np.flatnonzero(shared), np.isin(part, small)))
+    return out
+
+
+#: Families whose kernels' work is fixed by their shapes, alike on every rank of a data-parallel set.
+_SHAPE_FAMILIES = ("gemm", "attention", "norm")
+#: Kernel families by name (lower case, first match): a fault often slows one family, e.g. the GEMMs.
+_FAMILIES = (("gemm", ("gemm", "xmma", "cutlass", "cublas", "matmul", "wgmma", "nvjet")),
+             ("attention", ("flash", "attn", "fmha", "softmax")),
+             ("norm", ("norm",)),
+             ("embedding", ("embedding", "embed")),
+             ("elementwise", ("elementwise", "vectorized", "unrolled")),
+             ("reduce", ("reduce",)))
+
+
+def kernel_family(kernel: str) -> str:
+    """The family of a kernel name: gemm, attention, norm, embedding, elementwise, reduce or other."""
+    # FBGEMM's kernels (embedding tables, index permutes, quantization) carry "fbgemm" in their names and
+    # template arguments, and are no GEMMs.
+    low = kernel.lower().replace("fbgemm", "")
+    # The function's own name first: its template arguments name what it is built of (FlashAttention's
+    # kernels take cutlass types, a reduction its norm functor), not what it does.
+    base = _family_of(low.split("<", 1)[0])
+    return base if base != "other" else _family_of(low)
+
+
+def _family_of(low: str) -> str:
+    return next((fam for fam, needles in _FAMILIES if any(n in low for n in needles)), "other")
+
+
+def _time_z(d: F64, weight: F64, present: npt.NDArray[np.bool_], family: I64) -> F64:
+    """Per row of ``d`` (ranks x kernels: log time per call over the reference, 0 where absent): the
+    ``weight``-ed (expected time) mean of its deviations over the noise of that mean, with each kernel's noise
+    the spread of its deviations over the ranks (1.4826 MAD, floored at 0.02). Of a pair, whose deviations
+    mirror each other (the spread over the ranks is the shift itself), the spread of the row's deviations
+    around the median of their kernel ``family`` (a fault may shift one family and spare the others)."""
+    w = np.where(present, weight, 0.0)
+    if d.shape[0] >= 3:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # a kernel no rank runs: no spread, no weight
+            masked = np.where(present, d, np.nan)
+            centre = np.nanmedian(masked, axis=0)
+            sigma = np.nan_to_num(1.4826 * np.nanmedian(np.abs(masked - centre), axis=0))[None, :]
+    else:
+        sigma = np.zeros((d.shape[0], 1))
+        for i in range(d.shape[0]):
+            row, fam = d[i][present[i]], family[present[i]]
+            if row.size:
+                labels, at = np.unique(fam, return_inverse=True)
+                centre = np.array([np.median(row[at == j]) for j in range(labels.size)])[at]
+                sigma[i, 0] = 1.4826 * float(np.median(np.abs(row - centre)))
+    sigma = np.maximum(sigma, 0.02)
+    total = w.sum(axis=1)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        out: F64 = (w * d).sum(axis=1) / np.sqrt(((w * sigma) ** 2).sum(axis=1))
+    return np.where(total > 0, np.nan_to_num(out), 0.0)
+
+
+def _rank_scores_z(d: F64) -> F64:
+    """Per row of ``d`` (ranks x kernels, NaN where absent): the z-score of its summed normal scores.
+
+    In each kernel the ranks are ranked by ``d`` (ties share their mean rank) and a rank's score is
+    ``Phi^-1((rank - 0.5) / n)``; if no rank differed, which rank holds which score would be a random
+    permutation, independently per kernel, so a row's centred sum has variance the sum of each kernel's
+    permutation variance. Rank-based: calibrated whatever the durations' noise, skew or quantization."""
+    present = ~np.isnan(d)
+    n = present.sum(axis=0)
+    ranks = rankdata(np.where(present, d, np.inf), axis=0)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        score = np.where(present, ndtri((ranks - 0.5) / np.maximum(n, 1)), 0.0)
+        centre = score.sum(axis=0) / np.maximum(n, 1)
+        dev = np.where(present, score - centre, 0.0)
+        var = (dev * dev).sum(axis=0) / np.maximum(n, 1)
+        out: F64 = dev.sum(axis=1) / np.sqrt(np.where(present, var, 0.0).sum(axis=1))
+    return np.nan_to_num(out, nan=0.0)
+
+
+def _judge_peeling(ranks: I64, total: F64, calls: F64, keys: Sequence[tuple[str, int]], part: int,
+                   p: RankExcessParams) -> list[L3Result]:
+    """:func:`_judge` on the set, then again on the ranks it did not flag, until a round flags none.
+
+    A slow rank masks another: two ranks equally slow in a set of four take the top two places of every
+    kernel, and the second place scores well under the first (its order z ~1.6 where the first's is ~8),
+    while the pair lifts its peers' median. Judged again without the ranks already flagged (as the
+    generalized ESD test removes an outlier and tests the next), the second is the first of the rest. Each
+    round holds its ranks to the bar of the whole set's tests. If most of the set is flagged it is the
+    set's work that changed, not a rank: nothing is named."""
+    out: list[L3Result] = []
+    rows = np.arange(ranks.size)
+    while rows.size >= p.min_ranks:
+        found = _judge(ranks[rows], total[rows], calls[rows], keys, part, p, ranks.size)
+        if not found:
+            break
+        out += found
+        if 2 * len(out) > ranks.size:
+            return []
+        rows = rows[~np.isin(ranks[rows], [r.ranks[0] for r in found])]
+    return out
+
+
+def _judge(ranks: I64, total: F64, calls: F64, keys: Sequence[tuple[str, int]], part: int,
+           p: RankExcessParams, n_tests: int) -> list[L3Result]:
+    present = calls > 0
+    enough = present.sum(axis=0) >= p.min_ranks
+    total, calls, present = total[:, enough], calls[:, enough], present[:, enough]
+    keys = [k for k, ok in zip(keys, enough.tolist(), strict=True) if ok]
+    if not keys:
+        return []
+    with np.errstate(invalid="ignore", divide="ignore"):
+        mean = np.where(present, total / np.where(present, calls, 1.0), np.nan)
+        positive = present & (mean > 0)
+        logm = np.where(positive, np.log(np.where(positive, mean, 1.0)), np.nan)
+    # Each rank against its peers' median (leave-one-out: with two ranks, the other one).
+    ref_log = np.full(logm.shape, np.nan)
+    for k in range(logm.shape[1]):
+        rows = np.flatnonzero(positive[:, k])
+        if rows.size >= 2:
+            ref_log[rows, k] = loo_median(logm[rows, k])
+    positive &= ~np.isnan(ref_log)
+    d = np.where(positive, logm - np.nan_to_num(ref_log), 0.0)
+    ref = np.where(positive, np.exp(np.nan_to_num(ref_log)), 0.0)
+    slower = positive & (d > math.log(p.slower_ratio))
+    masked = np.where(positive, d, np.nan)
+    fams = [kernel_family(k) for k, _ in keys]
+    subsets, labels = [np.ones(len(fams), dtype=bool)], ["all"]
+    for fam in sorted(set(fams)):  # a fault often hits one family (the GEMMs): test it undiluted by the rest too
+        cols = np.array([f == fam for f in fams])
+        if p.min_kernels <= int(cols.sum()) < len(fams):
+            subsets.append(cols)
+            labels.append(fam)
+    orders = np.array([_rank_scores_z(masked[:, c]) for c in subsets])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # a rank without kernels in a subset: no shift
+        typical = np.nan_to_num(np.array([np.nanmedian(masked[:, c], axis=1) for c in subsets]), nan=0.0)
+    pooled = orders.max(axis=0)
+    # Every rank is tested in every subset: the z a rank needs grows with the tests (Bonferroni), so a set of
+    # eight ranks is not held to the bar of a thousand, nor a thousand to that of eight.
+    min_z = max(p.min_z if ranks.size >= 3 else p.min_z_two_ranks,
+                float(ndtri(1.0 - p.alpha / (n_tests * len(subsets)))))
+    # Significance (see the module docstring): the order with the typical kernel's shift, or the shift in time.
+    # Of two ranks only the kernels whose shapes fix their work compare; the slower one is then named (GPUs
+    # of one job are alike, and the excess share below keeps a few percent apart silent).
+    pair = ranks.size < 3
+    counted = np.array([not pair or fam in _SHAPE_FAMILIES for fam in labels])
+    timed_cols = np.isin(fams, _SHAPE_FAMILIES) if pair else np.ones(len(fams), dtype=bool)
+    timed = _time_z(d, ref * calls, positive & timed_cols[None, :], np.unique(fams, return_inverse=True)[1]) >= min_z
+    significant = (((orders >= min_z) | ((orders >= p.min_order_z) & timed[None, :]))
+                   & (typical >= math.log(p.typical_ratio)) & counted[:, None]).any(axis=0)
+    w = np.where(positive, ref * calls, 0.0)
+    share = (w * slower).sum(axis=1) / np.maximum(w.sum(axis=1), 1e-300)
+    per_call = np.where(positive, total / np.where(positive, calls, 1.0), 0.0)
+    expected = np.where(positive, calls * ref, 0.0).sum(axis=1)
+    extra = np.where(slower, calls * (per_call - ref), 0.0)
+    excess = extra.sum(axis=1)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        fraction = excess / expected
+    # The excess must also stand out of its peers' excesses: in a short trace a few long kernels carry the
+    # time, and their noise alone gives some healthy rank of a large set a tenth or more. (A few ranks have
+    # no spread to judge by: there the rank-based z stands alone.)
+    apart = np.ones(ranks.size, dtype=bool)
+    if ranks.size >= _SPREAD_RANKS:
+        spread = max(_MAD_SCALE * float(np.median(np.abs(fraction - np.median(fraction)))), _FRACTION_FLOOR)
+        apart = (fraction - np.median(fraction)) / spread >= float(ndtri(1.0 - p.alpha / ranks.size))
+    hit = (significant & (fraction >= p.min_excess_fraction) & apart
+           & (positive.sum(axis=1) >= p.min_kernels))
+    if not hit.any() or 2 * int(hit.sum()) > ranks.size:
+        return []
+    out = []
+    for i in np.flatnonzero(hit).tolist():
+        order = np.argsort(-extra[i], kind="stable")[: p.top_kernels]
+        top = [j for j in order.tolist() if extra[i, j] > 0]
+        kernel, stream = keys[top[0]] if top else keys[0]
+        out.append(L3Result(FindingKind.RANK_DEGRADED, (int(ranks[i]),), kernel, stream, float(fraction[i]), {
+            "rank_score_z": float(pooled[i]), "kernels_slower": int(slower[i].sum()),
+            "excess_fraction": float(fraction[i]), "excess_ms": float(excess[i]) / 1e6,
+            "expected_ms": float(expected[i]) / 1e6, "kernels_compared": int(positive[i].sum()),
+            "slower_time_share": float(share[i]), "partition": part,
+            "n_ranks": int(ranks.size),
+            "top_kernels_excess_ms": {f"{keys[j][0]}@{keys[j][1]}": float(extra[i, j]) / 1e6 for j in top},
+            "top_kernels_ratio": {f"{keys[j][0]}@{keys[j][1]}": float(math.exp(d[i, j])) for j in top},
+        }, excess_ns=float(excess[i])))
+    return out
+
+
+def detect_stage_excess(totals: Iterable[KernelTotals], topology: JobTopology,
+                        params: RankExcessParams | None = None, exclude: Iterable[int] = ()) -> list[L2Result]:
+    """Pipeline stages slower than the others in the compute kernels they share.
+
+    The pipeline's own schedule hides a slow stage from per-rank comparisons (all of its ranks are slow
+    alike) and its waiting spreads to the other stages, but compute kernels do not wait: per kernel that every
+    stage runs with the same calls per rank (the layers' kernels; the first and last stages' embedding and
+    output layer differ and are left out), each stage's time per call on its fastest rank (a slow stage slows
+    all of its ranks, a straggler only itself) is compared with the other stages' median of that. A stage
+    whose excess over the others, ``sum(calls * (m - ref))`` over its kernels, is at least
+    ``stage_min_excess`` of its expected time (or a quarter of that and four times its noise, where the
+    kernels it runs ``slower_ratio`` slower hold ``stage_min_excess`` of its expected time: a stage slow in
+    one phase only) is an :attr:`~argus.detectors.l2_phases.FindingKind.PP_STAGE_SLOW` finding
+    naming its ranks (score: 1 + that share), with phase ``gpu_kernels``; ``delay_ns_per_step`` is
+    left to the caller (totals have no steps; evidence ``stage_delay_ms``: the stage's median compute time
+    with the excess share taken out, times that share -- what the slow stage adds to the pipeline over the
+    totals) and ``steps_affected`` 0. The excess must not rest on a couple
+    of kernels (a name that runs another shape on one stage): at least 3 kernels run ``slower_ratio`` slower.
+    ``exclude``: ranks left out of the stage medians (the slow ranks found by :func:`detect_rank_excess`: one
+    slow rank of a small stage is no slow stage).
+    """
+    p = params if params is not None else RankExcessParams()
+    skip = set(exclude)
+    stage_of = {r: st for r, st in zip(topology.rank, topology.pp_stage, strict=True) if r not in skip}
+    stages = sorted(set(topology.pp_stage))
+    if len(stages) < 2:
+        return []
+    rows: list[tuple[str, F64, F64]] = []  # kernel, per-stage median per-call time, per-stage median calls
+    compute: dict[int, float] = {}  # rank -> its time in every compute kernel
+    for t in totals:
+        if is_collective(t.kernel, p.collective_markers):
+            continue
+        for r, v in t.total_ns.items():
+            if r in stage_of:
+                compute[r] = compute.get(r, 0.0) + v
+        per_call: dict[int, list[float]] = {s: [] for s in stages}
+        calls: dict[int, list[float]] = {s: [] for s in stages}
+        for r, c in t.calls.items():
+            if c > 0 and r in stage_of:
+                per_call[stage_of[r]].append(t.total_ns.get(r, 0.0) / c)
+                calls[stage_of[r]].append(c)
+        if any(not calls[s] for s in stages):
+            continue
+        med_calls = np.array([float(np.median(calls[s])) for s in stages])
+        if med_calls.max() > 1.02 * med_calls.min() or med_calls.min() < _STAGE_MIN_CALLS:
+            continue  # not the same work on every stage, or too few calls for a stage-wide verdict
+        # A stage's fastest rank: a slow stage slows every one of its ranks, a straggler only itself.
+        rows.append((t.kernel, np.array([float(np.min(per_call[s])) for s in stages]), med_calls))
+    if len(rows) < p.min_kernels:
+        return []
+    m = np.stack([r[1] for r in rows])  # kernels x stages
+    n = np.stack([r[2] for r in rows])
+    out = []
+    for j, stage in enumerate(stages):
+        others = np.median(np.delete(m, j, axis=1), axis=1)
+        ratio = m[:, j] / others
+        expected = float((n[:, j] * others).sum())
+        parts = n[:, j] * (m[:, j] - others)
+        excess = float(parts.sum())  # signed: noise of few calls cancels
+        slow = ratio >= p.slower_ratio
+        slower = int(np.sum(slow))
+        # A stage slow in one phase (its backward) slows that phase's kernels only: over every kernel its
+        # excess is diluted by its other phases'. It counts too where its slower kernels hold a phase's worth
+        # of its expected time (``stage_min_excess`` of it) and the excess over all is still a quarter of that,
+        # well beyond noise: the kernels' spread over the expected-time weighted mean's effective number of
+        # kernels, the spread read below their median log ratio (noise spreads both ways; a slow phase moves
+        # its kernels up and leaves the lower half as it was).
+        weight = n[:, j] * others
+        d = np.log(ratio)
+        below = d[d <= np.median(d)]
+        spread = max(_MAD_SCALE * float(np.median(np.median(d) - below)), 0.005)
+        noise = spread * float(np.sqrt((weight ** 2).sum())) / max(expected, 1e-300)
+        phase_wide = (float(weight[slow].sum()) >= p.stage_min_excess * expected
+                      and excess >= max(p.stage_min_excess / 4, _STAGE_MIN_Z * noise) * expected)
+        if (expected > 0 and (excess / expected >= p.stage_min_excess or phase_wide)
+                and slower >= _STAGE_MIN_SLOWER_KERNELS):
+            median_ratio = 1.0 + excess / expected
+            ranks = tuple(int(r) for r, st in zip(topology.rank, topology.pp_stage, strict=True) if st == stage)
+            # The kernels compared are the layers' share of the stage's work; the rest of it (kernels other
+            # stages do not run alike) is taken to run as much slower: the stage's delay on the pipeline.
+            own = [compute[r] for r in ranks if r in compute]
+            stage_ns = float(np.median(own)) if own else expected + excess
+            delay = max(stage_ns, expected + excess) * (excess / expected) / median_ratio
+            top = np.argsort(-(n[:, j] * (m[:, j] - others)))[: p.top_kernels]
+            out.append(L2Result(FindingKind.PP_STAGE_SLOW, ranks, "gpu_kernels", median_ratio, {
+                "stage": int(stage), "phase_kind": "gpu_kernels", "stage_over_other_stages_ratio": median_ratio,
+                "excess_fraction": excess / expected, "excess_ms": excess / 1e6, "kernels_compared": len(rows),
+                "stage_compute_ms": stage_ns / 1e6, "stage_delay_ms": delay / 1e6,
+                "top_kernels_ratio": {rows[k][0]: float(ratio[k]) for k in top.tolist()},
+            }, delay_ns_per_step=0.0, steps_affected=0))
+    if 2 * len(out) > len(stages):
+        return []  # most stages "slow": no stage stands out
+    return out
