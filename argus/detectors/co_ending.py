@@ -145,6 +145,14 @@ def _co_ends(spreads: tuple[float, float], p: CoEndParams) -> bool:
     return spreads[1] > 0.0 and spreads[0] <= p.ratio * spreads[1]
 
 
+def _resolves(spreads: tuple[float, float] | None, p: CoEndParams) -> bool:
+    """Whether a pair's start offsets spread enough for co-ending to show: its ends must spread under
+    ``p.ratio`` of its starts, which below the traces' resolution (``p.resolution_ns``) no timestamp can
+    show. Pairs that arrive together (a data-parallel pair after the same layers) tell nothing either way.
+    Pairs that cannot be compared (None) are kept: they count against a kind."""
+    return spreads is None or p.ratio * spreads[1] >= p.resolution_ns
+
+
 def pair_ratio(a: StreamCalls, b: StreamCalls, p: CoEndParams) -> float | None:
     """Of :func:`pair_spreads`, the end offsets' spread over the start offsets' (a small ratio: the pair
     co-ends); None where they cannot be compared or the start offsets do not spread at all."""
@@ -237,12 +245,15 @@ def stream_kind(calls: Mapping[int, StreamCalls], pairs: Sequence[KindPairs], p:
 
     found: list[KindPairs] = []
     for kp in pairs:
-        inside = [spreads(pair) for pair in kp.inside]
+        # Pairs whose starts spread under the resolution are left out of both counts (_resolves); at least
+        # half the sampled pairs must be judged.
+        inside = [x for x in (spreads(pair) for pair in kp.inside) if _resolves(x, p)]
         ends = [x[0] for x in inside if x is not None and _co_ends(x, p)]
-        if not inside or len(ends) < p.inside * len(inside):
+        if not inside or len(inside) < len(kp.inside) / 2 or len(ends) < p.inside * len(inside):
             continue  # pairs that cannot be compared count against: the stream need not run this kind at all
         level = p.beyond * max(float(np.median(ends)), p.resolution_ns)
-        outside = [_co_ends(x, p) and x[0] <= level for x in (spreads(pair) for pair in kp.outside) if x is not None]
+        outside = [_co_ends(x, p) and x[0] <= level for x in (spreads(pair) for pair in kp.outside)
+                   if x is not None and _resolves(x, p)]
         if sum(outside) > p.outside * len(outside):
             continue  # the group reaches beyond this kind's: a larger one that contains it
         found.append(kp)

@@ -17,8 +17,8 @@ import numpy.typing as npt
 
 from argus.schemas.records import JobTopology
 
-__all__ = ["GROUPED_GEMM_MARKERS", "ep_group_ids", "every_groups_expert", "group_means", "is_grouped_gemm",
-           "per_token_scale"]
+__all__ = ["GROUPED_GEMM_MARKERS", "ep_group_ids", "every_groups_expert", "group_means", "hot_experts",
+           "is_grouped_gemm", "per_token_scale"]
 
 F64 = npt.NDArray[np.float64]
 I64 = npt.NDArray[np.int64]
@@ -88,4 +88,28 @@ def every_groups_expert(ranks: Iterable[int], topology: JobTopology | None) -> s
         at = {r for r in named if where[r][1] == pos}
         if {where[r][0] for r in at} == set(members):
             out |= at
+    return out
+
+
+def hot_experts(ranks: Iterable[int], topology: JobTopology | None, tokens: Mapping[int, int] | None,
+                ratio: float) -> set[int]:
+    """The ranks of ``ranks`` whose routed tokens (``tokens``: per rank, counted over the same steps) are at
+    least ``ratio`` times their expert-parallel group's median: a hot expert's rank, whose phases run longer
+    by the work routed to it. Its own speed is judged per token on its grouped GEMMs
+    (:func:`per_token_scale`), so its phase timings are not evidence of a fault. Empty without expert
+    parallelism or token counts; ranks without a count are never hot."""
+    if not tokens or topology is None or topology.ep_size < 2:
+        return set()
+    members: dict[int, list[int]] = {}
+    for r, g in zip(topology.rank, topology.ep_group, strict=True):
+        members.setdefault(g, []).append(r)
+    group_of = {r: g for g, rs in members.items() for r in rs}
+    out: set[int] = set()
+    for r in ranks:
+        g = group_of.get(r)
+        if g is None or tokens.get(r, 0) <= 0:
+            continue
+        counts = [tokens[m] for m in members[g] if tokens.get(m, 0) > 0]
+        if len(counts) >= 2 and tokens[r] >= ratio * float(np.median(counts)):
+            out.add(r)
     return out

@@ -91,15 +91,17 @@ def rank_onsets(own_ns: npt.ArrayLike, phase: npt.ArrayLike | None = None,
     k = splits[best]
     rows = np.arange(n_rows)
     # The noise about the chosen split's two segments, robustly (one outlier step moves no onset).
-    resid = np.where(np.arange(n)[None, :] < k[:, None], x - _seg_median(x, k, lower=True)[:, None],
-                     x - _seg_median(x, k, lower=False)[:, None])
+    lo, hi = _seg_median(x, k, lower=True), _seg_median(x, k, lower=False)
+    resid = np.where(np.arange(n)[None, :] < k[:, None], x - lo[:, None], x - hi[:, None])
     own_noise = _MAD_SCALE * np.median(np.abs(resid), axis=1)
     # A row's few steps may happen to lie close together: its noise is at least its phase's typical one.
     typical = np.zeros(n_rows)
     for g in np.unique(ph).tolist():
         typical[ph == g] = np.nanmedian(own_noise[ph == g])
     noise = np.maximum(np.maximum(own_noise, typical), _NOISE_FLOOR)
-    d = shift[rows, best]
+    # The shift judged is the segments' medians': one outlier step (a host stall, a pause) in a short segment
+    # moves the means, not a level.
+    d = np.minimum(shift[rows, best], hi - lo)
     t = d / (noise * np.sqrt(1.0 / k + 1.0 / (n - k)))
     bound = max(p.min_t, float(ndtri(1.0 - p.alpha / (n_rows * splits.size))))
     # A best split at the first one allowed may stand for an earlier onset the segments cannot resolve: taken

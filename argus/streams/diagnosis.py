@@ -30,9 +30,10 @@ from pathlib import Path
 
 import numpy as np
 
+from argus.core.errors import DetectorError
 from argus.core.kinds import FindingKind
 from argus.core.settings import Settings
-from argus.detectors.experts import every_groups_expert
+from argus.detectors.experts import every_groups_expert, hot_experts
 from argus.detectors.findings import DetectorResult, to_finding
 from argus.detectors.impact import StepClock, impact_of, worth_raising
 from argus.detectors.incidents import IncidentParams
@@ -81,6 +82,19 @@ class DiagnosisParams:
     #: When findings form one incident (a slow host: docs/incidents.md).
     incidents: IncidentParams = field(default_factory=IncidentParams)
     onsets: OnsetParams = field(default_factory=OnsetParams)
+    #: A rank routed at least this multiple of its expert-parallel group's median tokens is a hot expert's:
+    #: its longer phases are routing, not a fault (:func:`~argus.detectors.experts.hot_experts`).
+    hot_expert_tokens_ratio: float = 1.1
+
+    def __post_init__(self) -> None:
+        if self.detect_every < 1 or self.history_steps < 1:
+            raise DetectorError(f"detect_every and history_steps must be >= 1, got {self.detect_every}, "
+                                f"{self.history_steps}")
+        if not (0.0 <= self.min_impact_fraction < 1.0 and self.live_impact_margin >= 1.0):
+            raise DetectorError(f"need 0 <= min_impact_fraction < 1 and live_impact_margin >= 1, got "
+                                f"{self.min_impact_fraction}, {self.live_impact_margin}")
+        if not (math.isfinite(self.hot_expert_tokens_ratio) and self.hot_expert_tokens_ratio > 1.0):
+            raise DetectorError(f"hot_expert_tokens_ratio must be finite and > 1, got {self.hot_expert_tokens_ratio}")
 
 
 #: Settings that change what the compressor and the detectors find (they enter :func:`detector_version`).
@@ -320,9 +334,13 @@ class JobDiagnosis:
             results.append(r)
         if self.topology is not None and self._complete:
             l2 = self._history.detect(self.topology, self.params.l2, onset_step=onset)
-            # A popular MoE expert's rank runs longer phases in every expert group: routing, not a fault.
-            routed = every_groups_expert({r for res in l2 if res.kind in _RANK_PHASE_KINDS for r in res.ranks},
-                                         self.topology)
+            # A popular MoE expert's rank runs longer phases in every expert group, and where tokens are
+            # counted a hot expert's rank is known by them: routing, not a fault (its speed per token is judged
+            # on its grouped GEMMs).
+            named = {r for res in l2 if res.kind in _RANK_PHASE_KINDS for r in res.ranks}
+            tokens = {r: tok for r, (tok, steps) in self._tokens.items() if steps == len(self._series)}
+            routed = every_groups_expert(named, self.topology) | hot_experts(
+                named, self.topology, tokens, self.params.hot_expert_tokens_ratio)
             results.extend(res for res in l2 if not (res.kind in _RANK_PHASE_KINDS and routed.issuperset(res.ranks)))
         new = []
         world = self.world_size or (len(self.topology.rank) if self.topology else 1)

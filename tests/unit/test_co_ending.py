@@ -77,6 +77,15 @@ def test_the_kind_whose_members_end_together_is_recovered(dp: int, tp: int, pp: 
     assert stream_kind(calls, kind_pairs(topo, P), P) is _expected(topo, kind)
 
 
+@pytest.mark.parametrize("seed", range(5))
+def test_pairs_that_arrive_together_tell_nothing_and_are_left_out(seed: int) -> None:
+    # DP2 x TP4: the data-parallel pairs {0, 4} and {1, 5} arrive within 1 µs (the same layers before the
+    # collective), so no timestamp shows their ends spreading less than their starts; {2, 6} and {3, 7} do.
+    topo = build_topology("j", 2, 4)
+    calls = _calls(topo.array("dp_group"), np.random.default_rng(seed), arrive_with=np.array([0, 1, 2, 3, 0, 1, 6, 7]))
+    assert stream_kind(calls, kind_pairs(topo, P), P) is ParallelGroup.DP
+
+
 @pytest.mark.parametrize("dims", [(2, 2, 2), (4, 2, 2), (2, 4, 2), (2, 1, 4)])
 def test_a_group_larger_than_every_kind_is_named_none(dims: tuple[int, int, int]) -> None:
     dp, tp, pp = dims

@@ -8,11 +8,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from argus.core.errors import DetectorError
 from argus.core.kinds import FindingKind
-from argus.detectors.experts import ep_group_ids, group_means, is_grouped_gemm, per_token_scale
+from argus.detectors.experts import ep_group_ids, group_means, hot_experts, is_grouped_gemm, per_token_scale
 from argus.detectors.kernel_excess import detect_kernel_excess
 from argus.detectors.l3_ranks import KernelTotals
 from argus.producers.topology import build_topology
+from argus.streams.diagnosis import DiagnosisParams
 
 GROUPED = ("void cutlass::device_kernel<cutlass::gemm::kernel::GemmUniversal<cutlass::gemm::GroupProblemShape"
            "<cute::tuple<int, int, int> > > >(...)")
@@ -130,3 +132,20 @@ def test_ranks_at_one_expert_in_every_group_are_routing_not_faults() -> None:
     assert every_groups_expert({6, 14, 3}, topo) == {6, 14}
     assert every_groups_expert({1, 2}, build_topology("j", 8, ep=8)) == set()  # one group: nothing to say
     assert every_groups_expert({6, 14}, build_topology("j", 16)) == set() and every_groups_expert({1}, None) == set()
+
+
+def test_a_rank_routed_more_than_its_group_is_a_hot_expert() -> None:
+    topo = build_topology("j", 16, ep=4)  # groups 0-3, 4-7, ...
+    tokens = {r: 1000 for r in range(16)}
+    tokens[5], tokens[6] = 2100, 1050  # a hot expert; routing noise
+    assert hot_experts({5, 6, 9}, topo, tokens, 1.1) == {5}
+    # Without counts, or without expert parallelism, nothing is hot.
+    for counts in (None, {}, {5: 2000}):
+        assert hot_experts({5}, topo, counts, 1.1) == set()
+    assert hot_experts({5}, build_topology("j", 16), tokens, 1.1) == set()
+
+
+@pytest.mark.parametrize("ratio", [1.0, 0.5, float("nan")])
+def test_the_hot_expert_ratio_is_validated(ratio: float) -> None:
+    with pytest.raises(DetectorError):
+        DiagnosisParams(hot_expert_tokens_ratio=ratio)

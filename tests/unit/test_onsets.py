@@ -56,6 +56,15 @@ def test_no_onset_in_noise_or_a_rank_slow_from_the_start(seed: int) -> None:
     assert (rank_onsets(own) == -1).all()
 
 
+@pytest.mark.parametrize("seed", range(20))
+def test_one_outlier_step_near_the_end_is_no_onset(seed: int) -> None:
+    # A host stall or a pause lengthens a few ranks' phases in one step; in a short last segment it would
+    # move the mean, not the level.
+    own = _own(32, 30, seed)
+    own[[4, 9], 25] *= 3.0
+    assert (rank_onsets(own) == -1).all()
+
+
 def test_phases_are_compared_with_their_own_kind_and_gaps_are_skipped() -> None:
     fwd, bwd = _own(8, 16, 1), 2.0 * _own(8, 16, 2)
     own = np.vstack([fwd, bwd])
