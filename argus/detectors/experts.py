@@ -106,10 +106,10 @@ def hot_experts(ranks: Iterable[int], topology: JobTopology | None, tokens: Mapp
     group_of = {r: g for g, rs in members.items() for r in rs}
     out: set[int] = set()
     for r in ranks:
-        g = group_of.get(r)
-        if g is None or tokens.get(r, 0) <= 0:
+        group = group_of.get(r)
+        if group is None or tokens.get(r, 0) <= 0:
             continue
-        counts = [tokens[m] for m in members[g] if tokens.get(m, 0) > 0]
+        counts = [tokens[m] for m in members[group] if tokens.get(m, 0) > 0]
         if len(counts) >= 2 and tokens[r] >= ratio * float(np.median(counts)):
             out.add(r)
     return out
