@@ -4,8 +4,8 @@
 the messages not yet acked, which partition each rank arrives on, the jobs' last activity) and answers every
 input with a :class:`Routed`: the dead letters to send, the summaries of the windows that closed (an
 :class:`Emission`), a job-end marker to pass on, and the messages that may be acked. The Faust agent in
-:mod:`argus.streams.app` only decodes, calls the router, sends and acks; the at-least-once rules live here and
-are unit-tested without a broker: see docs/internals/streams.md.
+:mod:`argus.streams.compression_agent` only decodes, calls the router, sends and acks; the at-least-once rules
+live here and are unit-tested without a broker: see docs/internals/streams.md.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The compression agent's router without a broker: ack ordering, end markers, rebalance, late events,
-copies, skew and failures (what :mod:`argus.streams.app` only carries out)."""
+copies, skew and failures (what :mod:`argus.streams.compression_agent` only carries out)."""
 
 from __future__ import annotations
 

@@ -7,8 +7,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 MAX_LINES = 15
-#: Modules another change is still trimming (issue 38); remove each once it is within the limit.
-PENDING = {"argus/streams/diagnosis_agents.py", "argus/streams/app.py"}
 
 
 def _docstring_lines(path: Path) -> int | None:
@@ -32,10 +30,4 @@ def test_every_module_has_a_short_docstring() -> None:
     long = {str(p.relative_to(ROOT)): n for p in _modules()
             if (n := _docstring_lines(p)) is not None and n > MAX_LINES}
     assert not missing, f"modules without a docstring: {missing}"
-    assert set(long) <= PENDING, f"module docstrings over {MAX_LINES} lines (move the reasoning to docs/): {long}"
-
-
-def test_pending_list_is_current() -> None:
-    for rel in PENDING:
-        path = ROOT / rel
-        assert path.is_file() and (_docstring_lines(path) or 0) > MAX_LINES, f"{rel} is within the limit: unlist it"
+    assert not long, f"module docstrings over {MAX_LINES} lines (move the reasoning to docs/): {long}"
