@@ -13,6 +13,7 @@ import enum
 import json
 import logging
 import os
+import select
 import sys
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -32,7 +33,7 @@ KAFKA_REACH_S = 10.0
 
 
 class Exit(enum.IntEnum):
-    """The exit codes of ``argus`` (the README lists them)."""
+    """The exit codes of ``argus`` (docs/cli.md lists them)."""
 
     OK = 0
     #: An operation failed (the message says what); also a demo whose job was not fully processed.
@@ -48,6 +49,9 @@ class Exit(enum.IntEnum):
     #: The Kafka brokers did not answer within :data:`KAFKA_REACH_S`.
     KAFKA_UNREACHABLE = 6
     INTERRUPTED = 130
+    #: The reader of stdout went away (``argus ddl | head``): 128 + SIGPIPE, as a shell reports a program
+    #: that SIGPIPE ended.
+    BROKEN_PIPE = 141
 
 
 def _out(text: str = "") -> None:
@@ -708,6 +712,38 @@ def _as_role(settings: Settings, command: str) -> Settings:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command ``argv`` (default ``sys.argv[1:]``); returns its exit code (:class:`Exit`)."""
+    try:
+        try:
+            return _run(argv)
+        finally:
+            sys.stdout.flush()  # here, not at the interpreter's exit, where a broken pipe is only a warning
+    except BrokenPipeError:
+        if not _stdout_reader_gone():
+            raise
+        # Python's advice (the SIGPIPE note of the signal module): what is left in stdout's buffer goes to
+        # devnull, else the interpreter's own flush at exit fails again and prints a traceback.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return Exit.BROKEN_PIPE
+
+
+def _stdout_reader_gone() -> bool:
+    """Whether stdout is a pipe whose reader has closed it: a BrokenPipeError may also come from a socket,
+    which is a failure to report, not a reader that had enough. True where poll() is missing (Windows)."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # not a file (replaced in-process): not the pipe that broke
+        return False
+    if not hasattr(select, "poll"):
+        return True
+    poller = select.poll()
+    poller.register(fd, select.POLLOUT)
+    return any(events & select.POLLERR for _fd, events in poller.poll(0))
+
+
+def _run(argv: Sequence[str] | None) -> int:
     args = _parser().parse_args(argv)
     try:
         # up --brokers N: explicit > ARGUS_BROKERS > 1 (the bootstrap servers and replication follow).

@@ -21,7 +21,7 @@ from argus.sinks.findings_query import fetch_findings, wait_diagnosed
 from argus.sinks.query_server import run_query
 from argus.topics import Topic
 
-__all__ = ["FAULTS", "build_spec", "run_demo", "simulate_job", "wait_processed"]
+__all__ = ["FAULTS", "build_spec", "compression_text", "run_demo", "simulate_job", "wait_processed", "worker_counter"]
 
 #: CLI names of the faults: the paper's five cases (argus.producers.seed_cases), then the liveness faults.
 FAULTS: dict[str, Fault] = {
@@ -134,6 +134,35 @@ def wait_processed(settings: Settings, job_id: str, kernel_events: int, steps: i
         time.sleep(0.5)
 
 
+def worker_counter(read: Callable[[], dict[str, Any] | None], name: str, timeout_s: float,
+                   poll_s: float = 0.5) -> int | None:
+    """The worker's counter ``name`` (a field of its ``/stats``, e.g. ``summary_bytes_out``) as ``read`` returns
+    it, asked again every ``poll_s`` seconds until ``timeout_s``: the web server shares the worker's event loop
+    with the agents, which a diagnosis keeps busy for seconds, so a request that times out says nothing about
+    the counter. None if the worker never answered, or answered without that counter."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = read()
+        if stats is not None:
+            value = stats.get(name)
+            return value if isinstance(value, int) else None
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(poll_s)
+
+
+def compression_text(kernel_bytes: int, summary_bytes: int | None) -> str:
+    """The demo's compression line: the kernel batches' bytes against the summaries' (both Avro, before the
+    Kafka compression); ``summary_bytes`` None where the worker's counter could not be read."""
+    if summary_bytes is None:
+        return (f"{kernel_bytes:,} B of kernel batches -> summaries' size unknown (the worker's /stats did not "
+                f"answer, or the worker restarted during the demo)")
+    if summary_bytes == 0:
+        return f"{kernel_bytes:,} B of kernel batches -> no summaries sent"
+    return (f"{kernel_bytes:,} B of kernel batches -> {summary_bytes:,} B of summaries "
+            f"= {kernel_bytes / summary_bytes:.1f}x")
+
+
 def run_demo(settings: Settings, fault: str = "case1", steps: int = 40, progress: Progress | None = None,
              timeout_s: float = 300.0, advance: Callable[[int, int | None], None] | None = None) -> dict[str, Any]:
     """Start the stack, publish a 32-rank job (DP 8 × TP 2 × PP 2) with ``fault``, wait, report.
@@ -144,13 +173,15 @@ def run_demo(settings: Settings, fault: str = "case1", steps: int = 40, progress
     t0 = time.monotonic()
     stack = Stack(settings)
     stack.up(progress=say)
-    before = (stack.worker_stats() or {}).get("summary_bytes_out", 0)
+    before = worker_counter(stack.worker_stats, "summary_bytes_out", timeout_s)
     job_id = f"demo-{fault}-{time.strftime('%Y%m%d-%H%M%S')}"
     spec = build_spec(job_id, 8, 2, 2, steps, fault)
     say(f"publishing {job_id}: {spec.world_size} ranks x {steps} steps, fault {fault} ({FAULTS[fault].name})")
     stats, sizes = _publish(settings, spec, say, advance)
     counts = wait_processed(settings, job_id, stats.kernel_events, stats.steps, timeout_s, say)
-    summary_bytes = (stack.worker_stats() or {}).get("summary_bytes_out", 0) - before
+    after = worker_counter(stack.worker_stats, "summary_bytes_out", timeout_s)
+    # The counter is the worker process's, since its start: a restart between the two readings resets it.
+    summary_bytes = after - before if before is not None and after is not None and after >= before else None
     say("waiting for the diagnosis (L1 iteration time, L2 phases per parallel group, L3 kernels)")
     diagnosed = wait_diagnosed(settings, job_id, timeout_s)
     findings = fetch_findings(settings, job_id)
@@ -180,8 +211,7 @@ def run_demo(settings: Settings, fault: str = "case1", steps: int = 40, progress
         f"  summarized        {counts['summarized_events']:,} kernel events "
         f"(+ {counts['dead_lettered_events']:,} dead-lettered) -> {tables['kernel_summaries']:,} summary rows",
         f"  bytes on the wire {report['bytes_per_kernel_event']} B per kernel event (Avro, before zstd)",
-        f"  compression       {kernel_bytes:,} B of kernel batches -> {summary_bytes:,} B of summaries "
-        f"= {report['compression_ratio']}x",
+        f"  compression       {compression_text(kernel_bytes, summary_bytes)}",
         "  tables filled     " + ", ".join(f"{t} {n:,}" for t, n in tables.items()),
         f"  diagnosis         {len(findings)} finding(s){'' if diagnosed else ' (incomplete: timed out)'}:",
         *(f"    {f['level']} {f['kind']:<18} ranks={f['ranks'] or '-'} "
