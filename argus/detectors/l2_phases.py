@@ -324,7 +324,7 @@ def judge_l2(stats: PhaseStats, topology: JobTopology, p: L2Params) -> list[L2Re
     phase_of = {name: k for k, name in enumerate(stats.names)}
     results, stragglers = _stragglers(compute_flags, short_flags, host_flags, topology, p,
                                       lambda phase: elevation[:, phase_of[phase]])
-    results += _slow_stages(per_step, occ, n_steps, stats, topology, stragglers, p)
+    results += _slow_stages(per_step, occ, n_steps, stats, topology, stragglers, p, in_blocking > 0)
     return [dataclasses.replace(r, steps_affected=stats.n_analysed) for r in results]
 
 
@@ -432,12 +432,27 @@ def _waited_together(elevation: dict[int, float], topology: JobTopology,
     return out
 
 
+def _one_waiting_set(ranks: I64, topology: JobTopology) -> bool:
+    """Whether the blocking groups inside a stage (TP, EP) join all of ``ranks`` (two or more): one slow rank
+    among them holds up every other one, so their fastest rank no longer tells the stage's speed."""
+    rest = set(ranks[1:].tolist())
+    return ranks.size >= 2 and waiting_victims({int(ranks[0])}, rest, topology, _WAIT_TOGETHER) == rest
+
+
 def _slow_stages(per_step: F64, occ: F64, n_steps: I64, phases: PhaseStats, topology: JobTopology,
-                 stragglers: set[int], p: L2Params) -> list[L2Result]:
+                 stragglers: set[int], p: L2Params, waits_known: npt.NDArray[np.bool_]) -> list[L2Result]:
+    """Pipeline stages slow as a whole (see the module docstring). ``waits_known``: per rank, whether its
+    phases nest blocking collective records (its waiting is out of its own time). A stage none of whose
+    ranks' waiting is known, and whose ranks one slow member holds up together (:func:`_one_waiting_set`),
+    is only a baseline: its phases cannot tell a slow stage from a straggler nobody named (the kernel-level
+    stage comparison, :func:`~argus.detectors.l3_ranks.detect_stage_excess`, can)."""
     stage = topology.array("pp_stage")
     stages = np.unique(stage)
     if stages.size < 2:
         return []
+    ranks = topology.array("rank")
+    blind = {s for s in stages.tolist()
+             if not waits_known[stage == s].any() and _one_waiting_set(ranks[stage == s], topology)}
     # A straggler's TP and EP peers wait for it inside the layer (where no collective record tells the waiting
     # from the work, it is in their phase times), and their peers in turn: those ranks say nothing of their
     # stage's speed. A stage all of whose ranks are stragglers or such victims is a baseline, never a finding.
@@ -464,7 +479,7 @@ def _slow_stages(per_step: F64, occ: F64, n_steps: I64, phases: PhaseStats, topo
             continue
         for s, v in values.items():
             others = float(np.median([u for t, u in values.items() if t != s]))
-            if s not in explained and others > 0 and v / others >= p.stage_ratio:
+            if s not in explained and s not in blind and others > 0 and v / others >= p.stage_ratio:
                 rate = float(np.nanmedian(occ[has & (stage == s), k]))
                 found.setdefault(s, {})[(phases.names[k], kind.value)] = (
                     v / others, {str(t): u / _MS for t, u in sorted(values.items())}, (v - others) * rate)

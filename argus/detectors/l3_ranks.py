@@ -20,6 +20,7 @@ from scipy.stats import rankdata
 
 from argus.core.errors import DetectorError
 from argus.core.kinds import FindingKind
+from argus.detectors.experts import is_grouped_gemm
 from argus.detectors.l2_groups import loo_median
 from argus.detectors.l2_phases import L2Result
 from argus.detectors.l3_kernels import L3Result, is_collective
@@ -172,7 +173,12 @@ def detect_rank_excess(totals: Iterable[KernelTotals], topology: JobTopology | N
     ``kernel`` = the kernel carrying most of its excess and ``excess_ns`` = its total excess time.
     """
     p = params if params is not None else RankExcessParams()
-    usable = [t for t in totals if t.calls and not is_collective(t.kernel, p.collective_markers)]
+    # An expert-parallel job's grouped GEMMs run each rank's routed tokens: a hot expert's rank spends longer
+    # in them without being slow. Its speed is read on the dense kernels; its grouped GEMMs are judged per
+    # token or per EP group (argus.detectors.kernel_excess).
+    routed = topology is not None and topology.ep_size >= 2
+    usable = [t for t in totals if t.calls and not is_collective(t.kernel, p.collective_markers)
+              and not (routed and is_grouped_gemm(t.kernel))]
     if not usable:
         return []
     ranks, total, calls, part, _ = totals_matrix(usable, topology)

@@ -12,7 +12,7 @@ from argus.core.errors import DetectorError
 from argus.core.kinds import FindingKind
 from argus.detectors.experts import ep_group_ids, group_means, hot_experts, is_grouped_gemm, per_token_scale
 from argus.detectors.kernel_excess import detect_kernel_excess
-from argus.detectors.l3_ranks import KernelTotals
+from argus.detectors.l3_ranks import KernelTotals, detect_rank_excess
 from argus.producers.topology import build_topology
 from argus.streams.diagnosis import DiagnosisParams
 
@@ -111,6 +111,17 @@ def test_one_expert_group_without_tokens_is_not_judged() -> None:
     assert detect_kernel_excess(hot, topo) == [] and detect_kernel_excess(slow, topo) == []
     # Without a topology (no EP known), grouped GEMMs compare as any kernel: the slow one is named.
     assert [r.ranks for r in detect_kernel_excess(slow)] == [(3,)]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_hot_experts_rank_is_no_slow_rank_but_a_slow_gpu_is(seed: int) -> None:
+    # One EP group of eight (tokens unknown): the hot expert's grouped GEMM runs 2.3x, which says nothing of
+    # its GPU; the rank comparison across kernels reads the dense ones. A GPU slow in everything is named.
+    topo = build_topology("j", 8, ep=8)
+    hot, _ = _job(_conserved(8, 1, 2.3), seed=seed)
+    assert detect_rank_excess(hot, topo) == []
+    slow, _ = _job(_conserved(8, 1, 2.3), seed=seed, speed={5: 1.4})
+    assert [r.ranks for r in detect_rank_excess(slow, topo)] == [(5,)]
 
 
 @pytest.mark.parametrize("seed", range(4))

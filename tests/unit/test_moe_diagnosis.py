@@ -40,3 +40,12 @@ def test_an_ep_straggler_is_named_with_its_grouped_gemm(tmp_path: Path, counts: 
              for r in f["ranks"]}  # type: ignore[attr-defined]
     assert named == {6}
     assert any("GroupProblemShape" in str(f["kernel"]) for f in found if f["ranks"] == [6])
+
+
+def test_a_hot_expert_in_a_stage_of_one_expert_group_is_no_slow_rank(tmp_path: Path) -> None:
+    # The evaluation's scenario that found this (DP4 x PP2 x EP4, each stage one expert group of four, no
+    # token counts, no phases): the hot expert's grouped GEMMs (2.3x an even share) hold most of its compute
+    # time while its dense kernels run as its peers'. The rank comparison across kernels reads the dense ones.
+    scn = Scenario.from_seed(2035106344, "token_imbalance", 256)
+    assert (scn.dp, scn.pp, scn.ep, scn.token_counts, scn.annotate_phases) == (4, 2, 4, False, False)
+    assert _findings(scn, tmp_path) == []
