@@ -1396,7 +1396,8 @@ def expected_findings(scn: Scenario, iteration_us: Sequence[float] | None = None
     must be within ``onset_tolerance`` steps; for ``iteration_spike`` every listed step must be within
     ``step_tolerance`` of a finding's step and no finding step may be farther from all of them.
     ``optional``: findings that may be there (not required, not false), among them a job regression whose
-    iteration time grew by less than 5 %. ``tolerated``: rank-level findings of
+    iteration time grew by less than 5 %, and a step regression at the onset of any fault that slowed the
+    job. ``tolerated``: rank-level findings of
     these kinds naming only these ranks are not false. Anything else is a false finding. ``max_incidents``: the
     most incidents (findings grouped by ``incident_id``, see ``docs/incidents.md``) the findings may form (a slow
     host: 1), None for no limit; an entry's ``hosts``: the hosts its finding must name. ``delay_fraction``
@@ -1447,8 +1448,10 @@ def expected_findings(scn: Scenario, iteration_us: Sequence[float] | None = None
     elif f == "host_stall":
         exp.append({"kinds": ["iteration_spike"], "ranks": [], "steps": [scn.step_number(s) for s in scn.stall_steps],
                     "onset": None})
-    if regression_ok and f in ("compute_straggler", "one_mode", "stage_slow", "slow_host", "ep_straggler",
-                                *LINK_FAULTS):
+    # The fault slows the job from its onset on: a step regression there names a real slowdown, whether or not
+    # it reaches the 5 % that job_regression requires (as a smaller job_regression, it may be raised).
+    if growth is not None and growth > 0.0 and f in ("compute_straggler", "one_mode", "stage_slow", "slow_host",
+                                                        "ep_straggler", *LINK_FAULTS):
         opt.append({"kinds": ["step_regression"], "ranks": [], "steps": None, "onset": onset_step})
     return {"expected": exp, "optional": opt, "tolerated": tol, "onset_tolerance": 2, "step_tolerance": 1,
             "iteration_growth": growth, "fault_delay_fraction": delay_fraction, "max_incidents": incidents}
