@@ -35,6 +35,7 @@ from argus.core.kinds import FindingKind
 from argus.core.settings import Settings
 from argus.detectors.experts import every_groups_expert, hot_experts
 from argus.detectors.findings import DetectorResult, to_finding
+from argus.detectors.hosts import HostParams, detect_host_excess
 from argus.detectors.impact import StepClock, impact_of, worth_raising
 from argus.detectors.incidents import IncidentParams
 from argus.detectors.kernel_excess import detect_kernel_excess
@@ -82,6 +83,8 @@ class DiagnosisParams:
     #: When findings form one incident (a slow host: docs/incidents.md).
     incidents: IncidentParams = field(default_factory=IncidentParams)
     onsets: OnsetParams = field(default_factory=OnsetParams)
+    #: When a host's ranks are slow together (:func:`~argus.detectors.hosts.detect_host_excess`).
+    hosts: HostParams = field(default_factory=HostParams)
     #: A rank routed at least this multiple of its expert-parallel group's median tokens is a hot expert's:
     #: its longer phases are routing, not a fault (:func:`~argus.detectors.experts.hot_experts`).
     hot_expert_tokens_ratio: float = 1.1
@@ -539,6 +542,9 @@ class RankDiagnosis:
         finds it."""
         world = topology.world_size if topology is not None else len(self._ranks)
         slow = detect_rank_excess(self._totals.values(), topology, self.params.ranks)
+        named = {r for res in slow for r in res.ranks}
+        # A host's GPUs slow together, each under the per-rank gates (a power cap, a late onset).
+        slow += detect_host_excess(self._totals.values(), topology, self.params.hosts, exclude=named)
         results: list[DetectorResult] = list(slow)
         named = {r for res in slow for r in res.ranks}
         tokens = dict(clock.expert_tokens) if clock is not None else None
