@@ -450,9 +450,9 @@ def _slow_stages(per_step: F64, occ: F64, n_steps: I64, phases: PhaseStats, topo
     stages = np.unique(stage)
     if stages.size < 2:
         return []
-    ranks = topology.array("rank")
+    rank_ids = topology.array("rank")
     blind = {s for s in stages.tolist()
-             if not waits_known[stage == s].any() and _one_waiting_set(ranks[stage == s], topology)}
+             if not waits_known[stage == s].any() and _one_waiting_set(rank_ids[stage == s], topology)}
     # A straggler's TP and EP peers wait for it inside the layer (where no collective record tells the waiting
     # from the work, it is in their phase times), and their peers in turn: those ranks say nothing of their
     # stage's speed. A stage all of whose ranks are stragglers or such victims is a baseline, never a finding.
