@@ -1,5 +1,5 @@
-"""Integration fixtures: one real Kafka broker and one chDB per test session; per-test topics, groups,
-databases and a real Faust worker process.
+"""Integration fixtures: one real Kafka broker and one chDB per test session (per pytest-xdist worker), started
+by the first test that asks for them; per-test topics, groups, databases and a real Faust worker process.
 
 The broker is the project's own local Apache Kafka (started here, on its own port, from the jar cache);
 chDB allows one directory per process, so the session shares one store and each test gets a database.
@@ -26,7 +26,17 @@ from argus.sinks.clickhouse import ClickHouseStore
 from argus.sinks.writer import SinkWriter
 from argus.topics import ensure_topics
 
-TEST_BOOTSTRAP = os.environ.get("ARGUS_TEST_BOOTSTRAP", "127.0.0.1:39092")
+
+def _test_bootstrap() -> str:
+    """Where this session's broker listens: ``ARGUS_TEST_BOOTSTRAP`` (default 127.0.0.1:39092); under
+    pytest-xdist, worker ``gwN`` has a broker of its own ``2 * N`` ports above (a broker takes its port and the
+    next, its KRaft controller's)."""
+    host, _, port = os.environ.get("ARGUS_TEST_BOOTSTRAP", "127.0.0.1:39092").rpartition(":")
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
+    return f"{host}:{int(port) + 2 * worker}"
+
+
+TEST_BOOTSTRAP = _test_bootstrap()
 
 
 def _free_port() -> int:

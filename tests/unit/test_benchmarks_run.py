@@ -9,6 +9,8 @@ import pytest
 
 from load_tests import scale_diagnosis
 
+pytestmark = pytest.mark.slow
+
 
 def test_scale_diagnosis_runs_and_finds_its_slow_rank(capsys: pytest.CaptureFixture[str]) -> None:
     scale_diagnosis.main(["--ranks", "64", "--repeats", "1", "--l2-steps", "3", "--l1-steps", "20"])

@@ -88,6 +88,7 @@ def _closed_port() -> int:
         return int(s.getsockname()[1])
 
 
+@pytest.mark.slow
 def test_unreachable_broker_is_one_line_then_the_error(tmp_path: Path) -> None:
     """With nothing listening, each Kafka command says so once and exits 6 within the 10 s it allows (run side
     by side; librdkafka's own lines, which it writes to stderr unless given a logger, would start with %)."""
@@ -136,6 +137,7 @@ def test_readme_points_to_every_setting() -> None:
     assert "docs/settings.md" in readme
 
 
+@pytest.mark.slow
 def test_the_embedded_store_and_home_are_private(tmp_path: Path) -> None:
     """The home and chdb directories were created 0755 and the files 0644: other local users could read every
     table without the token."""

@@ -249,6 +249,7 @@ print(json.dumps(report))
 """
 
 
+@pytest.mark.slow
 def test_chdb_accepts_the_cluster_ddl_as_one_replica_runs_it(tmp_path: Path) -> None:
     root = Path(__file__).resolve().parents[2]
     proc = subprocess.run([sys.executable, "-c", _CHDB_CHECK, str(tmp_path / "chdb"), DB, CLUSTER],

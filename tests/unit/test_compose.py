@@ -265,6 +265,7 @@ def test_grafana_admin_password_is_a_secret() -> None:
     assert "admin/admin" not in (ROOT / "docker-compose.yml").read_text()
 
 
+@pytest.mark.slow
 def test_make_secrets_writes_every_compose_secret(tmp_path: Path) -> None:
     out = tmp_path / "secrets"
     made = subprocess.run([str(ROOT / "deploy/make-secrets"), "--dir", str(out), "ranks.example.org"],

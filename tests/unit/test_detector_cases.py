@@ -166,6 +166,7 @@ def test_case5_compute_straggler_with_short_collectives() -> None:
 # -- no false alarms ---------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("dp", "tp", "pp", "sync"), HEALTHY_LAYOUTS)
 def test_healthy_jobs_give_no_findings(dp: int, tp: int, pp: int, sync: GradSync) -> None:
     # Through the stream layer's rules (impact threshold, links corroborated by two collectives), as a user sees.

@@ -20,6 +20,8 @@ from argus.producers.sim_workload import K_ALL_REDUCE, TP_STREAM, GradSync
 from argus.producers.simulator import JobSpec
 from tests.unit.test_detector_cases import Diagnosis, _findings, diagnose
 
+pytestmark = pytest.mark.slow
+
 HEALTHY_SEEDS = range(12)
 STAGE_1 = tuple(range(16, 32))
 

@@ -11,6 +11,8 @@ import threading
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 
+import pytest
+
 from argus.core.endpoints import announce, listens, verified_port, withdraw
 
 
@@ -54,6 +56,7 @@ def test_a_port_held_by_another_process_is_not_this_homes(tmp_path: Path) -> Non
         squatter.wait()
 
 
+@pytest.mark.slow
 def test_the_cli_sends_no_token_to_a_process_squatting_the_query_ports(tmp_path: Path) -> None:
     """Another user's process listens on the query service's and the backend's ports: argus sql in a home
     whose services are not running queries its own store and tells the squatter nothing."""

@@ -36,6 +36,7 @@ def phase_kinds(batch: PhaseBatch) -> dict[str, PhaseKind]:
     return dict(zip(batch.names, batch.kinds, strict=True))
 
 
+@pytest.mark.slow
 def test_lightning_callback(tmp_path: Path) -> None:
     integration = pytest.importorskip("argus.integrations.lightning")  # lightning.pytorch or pytorch_lightning
     pl, ArgusCallback = integration.pl, integration.ArgusCallback  # noqa: N806
@@ -71,6 +72,7 @@ def test_lightning_callback(tmp_path: Path) -> None:
     assert attach_mod.current_tracer() is None  # closed at teardown
 
 
+@pytest.mark.slow
 def test_hf_trainer_callback(tmp_path: Path) -> None:
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("accelerate")

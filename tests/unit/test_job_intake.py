@@ -4,6 +4,7 @@ whatever the topics are interleaved with and however many messages a list holds.
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -26,6 +27,7 @@ def _record_wise(topic: Topic, payload: bytes) -> object:
         return type(exc)
 
 
+@pytest.mark.slow
 @settings(max_examples=150, deadline=None)
 @given(phase_messages, step_messages, phase_messages, lifecycle_messages, st.randoms(use_true_random=False))
 def test_bulk_intake_equals_the_record_wise_decode(phases: list[bytes], steps: list[bytes], more: list[bytes],

@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from argus.sinks.kernel_pauses import PauseSpan, format_pauses
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -44,6 +46,7 @@ print(json.dumps([s.__dict__ for s in kernel_pauses(settings, "job-p", query=sto
 """
 
 
+@pytest.mark.slow
 def test_pause_spans_from_heartbeats(tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, "-c", _CHILD, str(tmp_path), str(T0)], cwd=ROOT, capture_output=True,
                           text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})

@@ -443,6 +443,7 @@ def test_a_bad_file_aborts_before_anything_is_published(tmp_path: Path) -> None:
     assert out.records == []
 
 
+@pytest.mark.slow
 def test_memory_stays_bounded_on_a_large_trace(tmp_path: Path) -> None:
     n = 60_000
     path = tmp_path / "rank0.json"
@@ -518,6 +519,7 @@ def test_real_hta_sampled_2_ranks() -> None:
     assert all(p.kinds for p in out.of(PhaseBatch))
 
 
+@pytest.mark.slow
 @needs_real
 def test_real_hta_single_ranks_parse_and_mixed_jobs_are_refused() -> None:
     with parse_rank(REAL / "hta_single_rank/nccl_parser_config/nccl_data.json.gz") as t:

@@ -267,6 +267,7 @@ def _gz_trace(path: Path, events: Any, world: int = 1) -> int:
     return len(body)
 
 
+@pytest.mark.slow
 def test_annotations_and_process_groups_keep_memory_in_proportion_to_the_input(tmp_path: Path) -> None:
     """1.07 MB gzipped of annotations took 2 GB, 138 KB gzipped of process-group rank lists 1.1 GB: kept
     memory is now a small multiple of the decompressed input (the budget: 20x, plus a fixed allowance)."""
@@ -298,6 +299,7 @@ def test_an_import_over_its_memory_setting_is_refused_naming_the_file(tmp_path: 
     assert out.records
 
 
+@pytest.mark.slow
 def test_a_world_whose_topology_exceeds_a_message_is_refused_before_publishing(tmp_path: Path) -> None:
     """A 200-byte file declaring rank 2^20 - 1 took 59.5 s and 1.66 GB and made a 25 MB topology record."""
     info = {"rank": MAX_WORLD_SIZE - 1, "world_size": MAX_WORLD_SIZE}

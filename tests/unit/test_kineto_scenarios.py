@@ -32,6 +32,8 @@ from load_tests.kineto_scenarios import (
     write_scenario,
 )
 
+pytestmark = pytest.mark.slow
+
 SMALL = Scenario(seed=3, fault="healthy", dp=2, tp=2, pp=2, steps=8, microbatches=2, layers=1, hidden=4096,
                  tokens=4096, noise=0.05, name_style="sm90", nccl_stream_base=20)
 TP_STREAM = SMALL.nccl_stream_base

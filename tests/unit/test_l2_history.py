@@ -64,6 +64,7 @@ def _same(got: list[L2Result], want: list[L2Result]) -> None:
     assert repr(got) == repr(want)
 
 
+@pytest.mark.slow
 @PROPERTY
 @given(seed=st.integers(0, 2**32 - 1), cap=st.integers(3, 8), onset=st.sampled_from([None, 2, 5]),
        shape=st.sampled_from([(2, 2, 2), (4, 2, 1), (3, 1, 2), (2, 4, 2)]))

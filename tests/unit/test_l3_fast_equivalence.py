@@ -402,6 +402,7 @@ def test_detect_l3_finds_the_same_as_the_reference(seed: int, monkeypatch: pytes
     _same_results(fast, slow)
 
 
+@pytest.mark.slow
 def test_detect_l3_cases_with_findings_are_covered(monkeypatch: pytest.MonkeyPatch) -> None:
     """The random cases above include findings of every kind (else they would compare empty lists)."""
     kinds = set()

@@ -24,6 +24,7 @@ def _findings(scn: Scenario, tmp_path: Path) -> list[dict[str, object]]:
     return diagnose_traces(traces, "moe")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("counts", [True, False])
 @pytest.mark.parametrize("style", ["sm90", "sm80"])
 def test_token_imbalance_is_no_finding(tmp_path: Path, counts: bool, style: str) -> None:

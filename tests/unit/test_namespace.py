@@ -63,6 +63,7 @@ def _loaded_after(statement: str) -> list[str]:
     return list(eval(out.stdout.strip()))
 
 
+@pytest.mark.slow
 def test_entry_points_are_lazy() -> None:
     assert _loaded_after("import argus; argus.Settings; argus.ArgusError") == []
     heavy = _loaded_after("from argus import Tracer, attach")
@@ -70,6 +71,7 @@ def test_entry_points_are_lazy() -> None:
     assert "clickhouse_connect" in _loaded_after("from argus import fetch_findings")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_wheel_holds_argus_only(tmp_path: Path) -> None:
     src = tmp_path / "src"  # a copy: building writes build/ and egg-info next to the sources

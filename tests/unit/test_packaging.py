@@ -102,6 +102,7 @@ def test_pins_satisfy_each_others_requirements() -> None:
     assert not broken, broken
 
 
+@pytest.mark.slow
 def test_rank_side_imports_nothing_of_the_server() -> None:
     """In this (full) environment: what the rank side loads beyond torch holds no module of the server extra
     (torch may load some on its own, e.g. tqdm; those are not argus's)."""

@@ -23,6 +23,8 @@ from argus.core.errors import SinkError
 from argus.core.settings import Settings
 from argus.sinks.query_server import check_statement, post_query, read_token, token_path
 
+pytestmark = pytest.mark.slow
+
 _SERVER = r"""
 import sys, threading, time
 from pathlib import Path

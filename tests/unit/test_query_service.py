@@ -29,6 +29,8 @@ from argus.sinks.query_server import service_credentials, service_query
 from argus.sinks.query_service import QueryService
 from tests.unit.test_query_server import _SERVER
 
+pytestmark = pytest.mark.slow
+
 
 @dataclass
 class Stack:

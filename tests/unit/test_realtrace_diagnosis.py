@@ -59,6 +59,7 @@ def test_unmodified_real_traces_raise_nothing(dlrm: dict[str, dict[str, Any]], t
     assert diagnose_traces(_write(_load(HTA), tmp_path / "hta"), "hta") == []
 
 
+@pytest.mark.slow
 @needs_real
 @pytest.mark.parametrize(("rank", "factor"), [(0, 1.3), (3, 1.5), (5, 2.0), (7, 1.3)])
 def test_a_slowed_rank_of_the_dlrm_job_is_named_alone(dlrm: dict[str, dict[str, Any]], tmp_path: Path,

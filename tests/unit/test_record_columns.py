@@ -75,6 +75,7 @@ def _record_wise(decode: object, payload: bytes) -> object:
         return exc
 
 
+@pytest.mark.slow
 @settings(max_examples=200, deadline=None)
 @given(phase_messages)
 def test_columnar_phase_batches_equal_the_record_wise_decode(payloads: list[bytes]) -> None:

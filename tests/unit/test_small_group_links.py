@@ -17,6 +17,8 @@ from argus.schemas.records import ParallelGroup
 from argus.streams.offline import diagnose_traces
 from load_tests.kineto_scenarios import NCCL_STREAMS, Scenario, score_findings, topology_flag, write_scenario
 
+pytestmark = pytest.mark.slow
+
 BASE = Scenario(seed=3, fault="healthy", steps=12, microbatches=2, layers=2, hidden=4096, tokens=4096, noise=0.05,
                 name_style="sm90", nccl_stream_base=20, sequence_parallel=False, coend_jitter_us=2.0)
 
