@@ -43,6 +43,7 @@ def test_an_ep_straggler_is_named_with_its_grouped_gemm(tmp_path: Path, counts: 
     assert any("GroupProblemShape" in str(f["kernel"]) for f in found if f["ranks"] == [6])
 
 
+@pytest.mark.slow
 def test_a_hot_expert_in_a_stage_of_one_expert_group_is_no_slow_rank(tmp_path: Path) -> None:
     # The evaluation's scenario that found this (DP4 x PP2 x EP4, each stage one expert group of four, no
     # token counts, no phases): the hot expert's grouped GEMMs (2.3x an even share) hold most of its compute
