@@ -199,6 +199,7 @@ class JobDiagnosis:
         self._series: list[tuple[int, float, float]] = []
         self._starts: list[int] = []
         self._last_run = 0
+        self._l1_cut = 0  # complete steps L1 last read
         self._emitted: set[str] = set()
         self._onsets: list[int] = []
         self._onset_cache: tuple[int, tuple[tuple[int, int], ...]] | None = None
@@ -323,18 +324,22 @@ class JobDiagnosis:
         """Run L1 and L2 on the complete steps; returns the findings not emitted before."""
         self._last_run = self.complete_steps
         results: list[L1Result | L2Result] = []
-        series = IterationSeries.from_arrays(*map(np.array, zip(*self._series, strict=True))) \
-            if self._series else IterationSeries.from_steps([])
-        l1 = detect_l1(series, params=self.params.l1) if len(series) else []
         onset = None
-        for r in l1:
-            if r.kind is FindingKind.STEP_REGRESSION:
-                step = r.steps[0]
-                onset = step if onset is None else onset
-                if any(abs(step - o) < self.params.l1.min_segment for o in self._onsets):
-                    continue
-                self._onsets.append(step)
-            results.append(r)
+        # L1 reads the first k * detect_every complete steps for every k reached since its last run (and all of
+        # them at the job's end): a finding is first judged on the same steps however the steps arrived (one
+        # at a time live, in bursts under load or in a replay), so it carries the same evidence.
+        for cut in self._l1_cuts():
+            part = sorted(self._series[:cut])
+            series = IterationSeries.from_arrays(*map(np.array, zip(*part, strict=True)))
+            onset = None
+            for r in detect_l1(series, params=self.params.l1):
+                if r.kind is FindingKind.STEP_REGRESSION:
+                    step = r.steps[0]
+                    onset = step if onset is None else onset
+                    if any(abs(step - o) < self.params.l1.min_segment for o in self._onsets):
+                        continue
+                    self._onsets.append(step)
+                results.append(r)
         if self.topology is not None and self._complete:
             l2 = self._history.detect(self.topology, self.params.l2, onset_step=onset)
             # A popular MoE expert's rank runs longer phases in every expert group, and where tokens are
@@ -353,6 +358,15 @@ class JobDiagnosis:
                 self._emitted.add(finding.finding_id)
                 new.append(finding)
         return new
+
+    def _l1_cuts(self) -> list[int]:
+        """The numbers of complete steps L1 reads this run (see :meth:`diagnose`)."""
+        n, every = len(self._series), self.params.detect_every
+        cuts = list(range(self._l1_cut - self._l1_cut % every + every, n + 1, every))
+        if n and (not cuts or (self.finished() and cuts[-1] != n)):
+            cuts.append(n)
+        self._l1_cut = max(self._l1_cut, n if not cuts else cuts[-1])
+        return cuts
 
     def _maybe_complete(self, step: int) -> None:
         n = self.world_size

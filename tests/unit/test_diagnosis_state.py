@@ -4,6 +4,9 @@ window is judged, and that each finding is emitted once."""
 from __future__ import annotations
 
 import functools
+import json
+
+import pytest
 
 from argus.detectors.impact import StepClock
 from argus.producers.faults import Fault
@@ -44,6 +47,31 @@ def test_job_diagnosis_waits_for_all_records_and_emits_each_finding_once() -> No
     assert {r for f in emitted if f.level.value == "L2" for r in f.ranks} == {5}
     assert job.collective_groups == {13: ParallelGroup.DP}
     assert job.diagnose() == []  # nothing new
+
+
+@pytest.mark.parametrize("burst", [1, 3, 7, 30])
+def test_l1_findings_are_the_same_however_the_steps_arrive(burst: int) -> None:
+    # Live, steps complete one at a time; under load, or in a replay, in bursts: L1 reads the same steps first
+    # (every detect_every of them), so a step regression carries the same evidence either way.
+    def run(burst: int) -> list[tuple[str, tuple[int, ...], str]]:
+        job = JobDiagnosis("c1", DiagnosisParams(detect_every=5))
+        out, end, seen = [], None, 0
+        for rec in case1():
+            if rec.topic is Topic.LIFECYCLE and rec.record.event is LifecycleEvent.END:
+                end = rec.record
+                continue
+            if rec.topic in (Topic.STEPS, Topic.PHASES, Topic.TOPOLOGY, Topic.LIFECYCLE):
+                job.add(rec.record)
+                if job.complete_steps - seen >= burst and job.due():
+                    seen = job.complete_steps
+                    out += job.diagnose()
+        assert end is not None
+        job.add(end)
+        out += job.diagnose()
+        return sorted((f.kind, f.steps, json.dumps(f.evidence, sort_keys=True)) for f in out if f.level.value == "L1")
+
+    one = run(1)
+    assert one and run(burst) == one
 
 
 def test_steps_complete_only_when_every_rank_reported() -> None:
