@@ -199,7 +199,7 @@ def test_invalid_events_are_skipped_and_counted(tmp_path: Path) -> None:
     (b'{"traceEvents": {"a": 1}}', "traceEvents is not an array"),
     (b'{"traceEvents": [{"ph": "X", "cat": "kernel", "name": "k", "ts": 1, "dur": 1', "invalid JSON"),
     (b"42", "the top level is not a JSON object"),
-    (gzip.compress(b'{"traceEvents": [')[:-6], "invalid JSON or compression"),
+    (gzip.compress(b'{"traceEvents": [', mtime=0)[:-6], "invalid JSON or compression"),
 ])
 def test_a_file_that_is_not_a_trace_raises_producer_error_naming_it(tmp_path: Path, content: bytes,
                                                                        reason: str) -> None:
