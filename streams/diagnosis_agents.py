@@ -86,7 +86,7 @@ from argus.schemas.records import Finding, JobLifecycle, KernelSummary
 from argus.streams.dead_letters import DeadLetters
 from argus.streams.diagnosis import DiagnosisParams, RankDiagnosis, detector_version
 from argus.streams.diagnosis_stats import DiagnosisStats
-from argus.streams.job_context import ContextTable, context_key, context_totals, totals_context
+from argus.streams.job_context import ContextTable, context_messages, context_totals, totals_context
 from argus.streams.job_intake import JobIntake
 from argus.streams.job_router import (
     Abandon,
@@ -141,7 +141,7 @@ def install_diagnosis(app: faust.App, settings: Settings, params: DiagnosisParam
         dead = DeadLetters(app.topic(Topic.DEAD_LETTER.full(settings), key_type=bytes, value_type=bytes))
     # What other workers know of their jobs (and this one of its own, read back): topology, groups,
     # stragglers, steps, and every L3 part's totals (see argus.streams.job_context).
-    shared = ContextTable(settings, max_jobs)
+    shared = ContextTable(settings, max_jobs, stats)
 
     def decode_job_record(event: EventT) -> JobRecord:
         return cast(JobRecord, RECORD_OF[names[event.message.topic]].decode(event.value))
@@ -208,9 +208,16 @@ def install_diagnosis(app: faust.App, settings: Settings, params: DiagnosisParam
             log.info("finding %s %s job=%s ranks=%s phase=%s kernel=%s steps=%s score=%.2f", f.level.value,
                      f.kind.value, f.job_id, list(f.ranks), f.phase, f.kernel, list(f.steps), f.score)
 
-    async def send(topic: Any, key: bytes, value: bytes) -> None:
-        fut = await topic.send(key=key, value=value, force=True)
+    async def send(topic: Any, key: bytes, value: bytes, partition: int | None = None) -> None:
+        fut = await topic.send(key=key, value=value, partition=partition, force=True)
         await fut
+
+    async def share(ctx: JobContext) -> None:
+        """Write a part of a job's context in pieces of at most ``context_max_bytes``; then it is known here."""
+        ctx, pieces = context_messages(ctx, settings.context_max_bytes, settings.partitions)
+        for key, value, partition in pieces:
+            await send(context_topic, key, value, partition)
+        shared.put(ctx)
 
     async def reject(event: EventT, stage: str, reason: str, job_id: str, rank: int | None = None) -> None:
         await dead.send(event, stage, reason, job=job_id, rank=rank)
@@ -218,10 +225,12 @@ def install_diagnosis(app: faust.App, settings: Settings, params: DiagnosisParam
 
     def forget_context(job_id: str) -> None:
         """Tombstones for the job's context parts: a diagnosed job leaves nothing on the compacted topic."""
-        for part in (CONTEXT_JOB_PART, *(f"l3/{p}" for p in range(settings.partitions))):
-            task = asyncio.ensure_future(context_topic.send(key=context_key(job_id, part), value=None, force=True))
+        parts = (CONTEXT_JOB_PART, *(f"l3/{p}" for p in range(settings.partitions)))
+        for key, partition in shared.tombstones(job_id, parts):
+            task = asyncio.ensure_future(context_topic.send(key=key, value=None, partition=partition, force=True))
             tombstones.add(task)
             task.add_done_callback(tombstones.discard)
+        for part in parts:
             shared.forget(job_id, part)
 
     async def carry_out(step: JobStep[EventT]) -> None:
@@ -230,8 +239,7 @@ def install_diagnosis(app: faust.App, settings: Settings, params: DiagnosisParam
             if isinstance(e, Publish):
                 await publish(e.findings, e.hangs)
             elif isinstance(e, Share):
-                await send(context_topic, context_key(e.context.job_id, CONTEXT_JOB_PART), e.context.encode())
-                shared.put(e.context)
+                await share(e.context)
             elif isinstance(e, Mark):
                 await mark(e.record, e.release)
             elif isinstance(e, Abandon):
@@ -354,8 +362,7 @@ def install_diagnosis(app: faust.App, settings: Settings, params: DiagnosisParam
             await publish(known.publishable(findings))
         known.part_done(s.job_id, part[1])
         totals = totals_context(s.job_id, part[1], *router.rank_totals(s.job_id, part[1]))
-        await send(context_topic, context_key(s.job_id, totals.part), totals.encode())
-        shared.put(totals)
+        await share(totals)
         if part[1] == 0 and not await judge_ranks(s.job_id, failures, final=False):
             # Part 0 judges the job's rank aggregate once every part's totals are in (other parts may run on
             # other workers): its DIAGNOSED waits, so `findings --wait` includes the aggregate's findings.
@@ -373,7 +380,8 @@ def install_diagnosis(app: faust.App, settings: Settings, params: DiagnosisParam
         if missing and not final:
             return False
         if missing:
-            log.warning("job %s: rank aggregate without the totals of L3 parts %s", job_id, missing)
+            log.warning("job %s: rank aggregate without the totals of L3 parts %s (pieces read, of: %s)", job_id,
+                        missing, shared.incomplete(job_id))
         merged = RankDiagnosis(job_id, params)
         for p in range(settings.partitions):
             ctx = parts.get(f"l3/{p}")

@@ -17,9 +17,11 @@ Exported (all ``argus_worker_``; counters are per worker process, since its star
   ``duplicate_records_total``, ``replayed_records_total``, ``jobs_diagnosed_total``,
   ``l3_parts_diagnosed_total``, ``jobs_abandoned_total{by}`` (``compressor``: kernels only; ``diagnosis``),
   ``jobs_closed_abandoned_total``, ``states_repaired_total``, ``states_discarded_total``,
-  ``l3_rows_ignored_total``, ``finals_deferred_total``, ``finals_without_steps_total``; gauges ``open_jobs``,
-  ``held_messages``, ``context_jobs``, ``stalled_jobs`` (open jobs whose ``job_stalled`` has no step after it;
-  all refreshed on the idle-jobs timer, every ``job_idle_timeout_s / 4`` clamped to [0.05, 10] s);
+  ``l3_rows_ignored_total``, ``finals_deferred_total``, ``finals_without_steps_total``,
+  ``context_generations_dropped_total`` (job-context writes dropped before all their pieces were read); gauges
+  ``open_jobs``, ``held_messages``, ``context_jobs``, ``stalled_jobs`` (open jobs whose ``job_stalled`` has no
+  step after it; all refreshed on the idle-jobs timer, every ``job_idle_timeout_s / 4`` clamped to
+  [0.05, 10] s), ``context_parts_incomplete`` (job-context parts whose newest write is still being read);
 * ``findings_total{level,kind}``: findings published; ``last_finding_timestamp_seconds``;
 * ``finding_impact_seconds_per_step{level,kind}`` (histogram, buckets :data:`argus.metrics.IMPACT_BUCKETS_S`):
   each finding published, by its impact in GPU-seconds lost per affected step; every kind is exported from the
@@ -84,6 +86,8 @@ _DIAGNOSIS_COUNTERS = {
     "l3_rows_ignored": ("l3_rows_ignored", "Summary rows ignored: their window had left the bounded L3 state."),
     "finals_deferred": ("finals_deferred", "Final L3 parts that waited for their job's final steps."),
     "finals_without_steps": ("finals_without_steps", "Final L3 parts judged without their job's final steps."),
+    "context_generations_dropped": ("context_generations_dropped", "Job-context writes dropped before all their "
+                                    "pieces were read (superseded, or pieces that did not join)."),
 }
 _DIAGNOSIS_GAUGES = {
     "open_jobs": ("open_jobs", "Jobs open in the L1/L2 agent (refreshed on the idle-jobs timer)."),
@@ -91,6 +95,8 @@ _DIAGNOSIS_GAUGES = {
     "context_jobs": ("context_jobs", "Jobs with diagnosis context kept here (refreshed on the idle-jobs timer)."),
     "stalled_jobs": ("stalled_jobs", "Open jobs stalled: job_stalled raised and no step completed since (refreshed "
                      "on the idle-jobs timer)."),
+    "context_parts_incomplete": ("context_parts_incomplete", "Job-context parts whose newest write is not all "
+                                 "read yet (their readers use the previous write, or wait)."),
 }
 _PREFIX = "argus_worker_"
 
