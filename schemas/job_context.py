@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from argus.core.errors import SchemaError
 from argus.schemas.records import ParallelGroup, Record, _bounded, _same_length, _times
@@ -124,7 +124,7 @@ class _Pieces:
 
     def __init__(self, room: int, what: str) -> None:
         self.room, self.what = room, what
-        self.parts: list[dict[str, list[object]]] = []
+        self.parts: list[dict[str, list[Any]]] = []
         self.topology: list[bytes | None] = []
         self.continued: list[bool] = []
         self.left = 0
@@ -188,10 +188,14 @@ def split_context(ctx: JobContext, max_bytes: int, generation: int) -> list[JobC
     if len(out.parts) > MAX_PIECES:
         raise SchemaError(f"{what}: {len(out.parts)} pieces of {max_bytes} bytes, more than {MAX_PIECES}")
     return [replace(ctx, generation=generation, piece=i, pieces=len(out.parts), topology=out.topology[i],
-                    totals_continued=out.continued[i],
-                    **{f: tuple(out.parts[i].get(f, ())) for names, _ in _SECTIONS for f in names},
-                    **{f: tuple(out.parts[i].get(f, ())) for f in (*_ENTRY_FIELDS, *_ROW_FIELDS)})
+                    totals_continued=out.continued[i], **_columns(out.parts[i]))
             for i in range(len(out.parts))]
+
+
+def _columns(slices: dict[str, list[Any]]) -> dict[str, Any]:
+    """Every sequence field's value from ``slices`` (absent: empty)."""
+    return {f: tuple(slices.get(f, ())) for f in (*(f for names, _ in _SECTIONS for f in names), *_ENTRY_FIELDS,
+                                                   *_ROW_FIELDS)}
 
 
 def _split_totals(ctx: JobContext, out: _Pieces) -> None:
@@ -238,7 +242,7 @@ def merge_context(pieces: Sequence[JobContext]) -> JobContext:
     if head.pieces == 1:
         return head
     chunks = [p.topology for p in ordered if p.topology is not None]
-    joined: dict[str, list[object]] = {f: [] for names, _ in _SECTIONS for f in names}
+    joined: dict[str, list[Any]] = {f: [] for names, _ in _SECTIONS for f in names}
     joined.update({f: [] for f in (*_ENTRY_FIELDS, *_ROW_FIELDS)})
     for p in ordered:
         skip = 0
@@ -246,9 +250,9 @@ def merge_context(pieces: Sequence[JobContext]) -> JobContext:
             if not joined["totals_kernel"] or (joined["totals_kernel"][-1], joined["totals_stream"][-1]) != (
                     p.totals_kernel[0], p.totals_stream[0]):
                 raise SchemaError(f"{what}: piece {p.piece} continues another kernel's totals")
-            joined["totals_rows"][-1] = int(joined["totals_rows"][-1]) + p.totals_rows[0]  # type: ignore[call-overload]
+            joined["totals_rows"][-1] += p.totals_rows[0]
             skip = 1
         for f, values in joined.items():
             values.extend(getattr(p, f)[skip:] if f in _ENTRY_FIELDS else getattr(p, f))
     return replace(head, piece=0, pieces=1, totals_continued=False,
-                   topology=b"".join(chunks) if chunks else None, **{f: tuple(v) for f, v in joined.items()})
+                   topology=b"".join(chunks) if chunks else None, **_columns(joined))
