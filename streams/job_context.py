@@ -191,11 +191,16 @@ class ContextPieces:
         self._seq += 1
         part = self._jobs.setdefault(piece.job_id, {}).setdefault(piece.part, _Part())
         part.most_pieces = max(part.most_pieces, piece.pieces)
-        if piece.generation == 0 and piece.pieces == 1:
-            part.complete, part.complete_seq = piece, self._seq
-            return piece
         if piece.generation in part.taken:
             return None  # a duplicate of a generation already taken, or this writer's own read back
+        if piece.pieces == 1:  # a whole part: a one-message write, or the writer's own (then its pieces read
+            # so far are the same write) -- taken as it is; a generation 0 (before v4) is taken every time
+            if part.building.pop(piece.generation, None) is not None:
+                self._count()
+            if piece.generation:
+                self._taken(part, piece.generation)
+            part.complete, part.complete_seq = piece, self._seq
+            return piece
         seq, got = part.building.setdefault(piece.generation, (self._seq, {}))
         got[piece.piece] = piece
         if len(got) < piece.pieces:
@@ -203,9 +208,7 @@ class ContextPieces:
             self._count()
             return None
         del part.building[piece.generation]
-        part.taken[piece.generation] = None
-        while len(part.taken) > _TAKEN:
-            part.taken.popitem(last=False)
+        self._taken(part, piece.generation)
         # Generations begun before this one are superseded (a write that never completed).
         for g in [g for g, (s, _) in part.building.items() if s < seq]:
             self._drop(piece, part, g, "superseded")
@@ -246,6 +249,12 @@ class ContextPieces:
             if not parts:
                 del self._jobs[job_id]
         self._count()
+
+    @staticmethod
+    def _taken(part: _Part, generation: int) -> None:
+        part.taken[generation] = None
+        while len(part.taken) > _TAKEN:
+            part.taken.popitem(last=False)
 
     def _bound(self, piece: JobContext, part: _Part) -> None:
         while len(part.building) > _BUILDING:

@@ -185,6 +185,20 @@ def test_the_writers_own_part_is_known_at_once_and_its_read_back_changes_nothing
     for p in pieces_old:  # the older write read back after the newer was put here: still the newer
         table.put(p)
     assert table.get("j")["job"] == whole_new
+    # The writer keeps its part as soon as its pieces are sent, while its reader may have read some of them
+    # already: the whole is that same write, and the pieces read before or after it change nothing.
+    stats = DiagnosisStats()
+    racing = ContextTable(Settings(), max_jobs=4, stats=stats)
+    big = totals_context("j", 1, 5, [KernelTotals("gemm", 7, {r: 1.0 for r in range(3000)}, {})])
+    whole, msgs = context_messages(big, 16_384, 4)
+    assert len(msgs) > 2
+    racing.put(JobContext.decode(msgs[1][1]))
+    assert racing.incomplete("j") == {"l3/1": (1, len(msgs))} and stats.context_parts_incomplete == 1
+    racing.put(whole)
+    for _, value, _ in msgs:
+        racing.put(JobContext.decode(value))
+    assert racing.get("j")["l3/1"] == whole and racing.incomplete("j") == {}
+    assert (stats.context_parts_incomplete, stats.context_generations_dropped) == (0, 0)
     # Parts written before v4 (generation 0, one message) are taken whenever read, as before.
     table.put(old)
     table.put(new)
