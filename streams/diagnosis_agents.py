@@ -86,7 +86,7 @@ from argus.schemas.records import Finding, JobLifecycle, KernelSummary
 from argus.streams.dead_letters import DeadLetters
 from argus.streams.diagnosis import DiagnosisParams, RankDiagnosis, detector_version
 from argus.streams.diagnosis_stats import DiagnosisStats
-from argus.streams.job_context import ContextTable, context_messages, context_totals, totals_context
+from argus.streams.job_context import ContextTable, context_totals, send_context, totals_context
 from argus.streams.job_intake import JobIntake
 from argus.streams.job_router import (
     Abandon,
@@ -208,16 +208,13 @@ def install_diagnosis(app: faust.App, settings: Settings, params: DiagnosisParam
             log.info("finding %s %s job=%s ranks=%s phase=%s kernel=%s steps=%s score=%.2f", f.level.value,
                      f.kind.value, f.job_id, list(f.ranks), f.phase, f.kernel, list(f.steps), f.score)
 
-    async def send(topic: Any, key: bytes, value: bytes, partition: int | None = None) -> None:
-        fut = await topic.send(key=key, value=value, partition=partition, force=True)
+    async def send(topic: Any, key: bytes, value: bytes) -> None:
+        fut = await topic.send(key=key, value=value, force=True)
         await fut
 
     async def share(ctx: JobContext) -> None:
         """Write a part of a job's context in pieces of at most ``context_max_bytes``; then it is known here."""
-        ctx, pieces = context_messages(ctx, settings.context_max_bytes, settings.partitions)
-        for key, value, partition in pieces:
-            await send(context_topic, key, value, partition)
-        shared.put(ctx)
+        shared.put(await send_context(context_topic, ctx, settings.context_max_bytes, settings.partitions))
 
     async def reject(event: EventT, stage: str, reason: str, job_id: str, rank: int | None = None) -> None:
         await dead.send(event, stage, reason, job=job_id, rank=rank)

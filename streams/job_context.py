@@ -34,6 +34,7 @@ import uuid
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaException, TopicPartition
 
@@ -48,7 +49,8 @@ from argus.streams.diagnosis_stats import DiagnosisStats
 from argus.topics import Topic, key_partition
 
 __all__ = ["ContextPieces", "ContextTable", "context_clock", "context_groups", "context_key", "context_messages",
-           "context_tombstones", "context_topology", "context_totals", "job_context", "totals_context"]
+           "context_tombstones", "context_topology", "context_totals", "job_context", "send_context",
+           "totals_context"]
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +85,16 @@ def context_messages(ctx: JobContext, max_bytes: int,
                               f"over {max_bytes}")
         out.append((context_key(ctx.job_id, ctx.part, p.piece), value, partition))
     return ctx, out
+
+
+async def send_context(topic: Any, ctx: JobContext, max_bytes: int, partitions: int) -> JobContext:
+    """Send ``ctx`` on the Faust context ``topic`` in pieces of at most ``max_bytes`` (:func:`context_messages`),
+    each delivered before the next; returns it as stamped (what the writer's own table should keep)."""
+    ctx, pieces = context_messages(ctx, max_bytes, partitions)
+    for key, value, partition in pieces:
+        fut = await topic.send(key=key, value=value, partition=partition, force=True)
+        await fut
+    return ctx
 
 
 def context_tombstones(job_id: str, part: str, pieces: int, partitions: int) -> list[tuple[bytes, int]]:
