@@ -21,9 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -31,17 +29,14 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from confluent_kafka import Consumer, TopicPartition
-from detection_eval import PrivateStack
-from soak import RssSampler
+from scale_stack import load_average, running_stack, topic_times
 
-from argus.core.kafka_security import client_config
 from argus.core.settings import Settings
 from argus.producers.faults import Fault, FaultSpec
 from argus.producers.publisher import Publisher
 from argus.producers.simulator import JobSimulator, JobSpec
 from argus.schemas.records import JobLifecycle, KernelBatch, LifecycleEvent, PhaseBatch, Step
-from argus.topics import RECORD_OF, Topic
+from argus.topics import Topic
 
 #: Most seconds from the job's END to its diagnosis stored (1,024 ranks, this 2-core machine; issue 37).
 BUDGET_END_TO_DIAGNOSED_S = 5.0
@@ -54,46 +49,6 @@ BUDGET_WORKER_PEAK_MB = 1500.0
 def _say(msg: str) -> None:
     sys.stderr.write(f"[e2e {time.strftime('%H:%M:%S')}] {msg}\n")
     sys.stderr.flush()
-
-
-def topic_times(settings: Settings, topic: Topic, job: str, decode: bool = False) -> list[tuple[int, Any]]:
-    """The (broker-stamped creation time in ms, record or None) of every message of ``job`` (keys ``job`` or
-    ``job/...``) on ``topic``, read from its start to its end now; records decoded where ``decode``."""
-    name = topic.full(settings)
-    consumer = Consumer(client_config(settings.kafka, {"group.id": f"{settings.app_id}-e2e-times",
-                                                       "enable.auto.commit": False}))
-    out: list[tuple[int, Any]] = []
-    try:
-        parts = consumer.list_topics(name, timeout=30).topics[name].partitions
-        ends = {}
-        for p in parts:
-            lo, hi = consumer.get_watermark_offsets(TopicPartition(name, p), timeout=30)
-            if hi > lo:
-                ends[p] = (lo, hi)
-        consumer.assign([TopicPartition(name, p, lo) for p, (lo, _) in ends.items()])
-        left = {p: hi for p, (_, hi) in ends.items()}
-        deadline = time.monotonic() + 300
-        prefix = f"{job}/".encode()
-        while left and time.monotonic() < deadline:
-            for msg in consumer.consume(10_000, 1.0):
-                if msg.error() is not None:
-                    continue
-                key = msg.key() or b""
-                if key == job.encode() or key.startswith(prefix):
-                    rec = topic_record(topic, msg.value()) if decode else None
-                    out.append((msg.timestamp()[1], rec))
-                if (msg.offset() or 0) >= left.get(msg.partition() or 0, 0) - 1:
-                    left.pop(msg.partition() or 0, None)
-    finally:
-        consumer.close()
-    return out
-
-
-def topic_record(topic: Topic, value: bytes | None) -> Any:
-    try:
-        return RECORD_OF[topic].decode(value or b"")
-    except Exception:  # a stage breakdown only: an undecodable message is not a stage's end
-        return None
 
 
 def stages(settings: Settings, job: str, end_ms: float, stored_ms: float) -> dict[str, Any]:
@@ -122,20 +77,13 @@ def stages(settings: Settings, job: str, end_ms: float, stored_ms: float) -> dic
 
 
 def run(dp: int, tp: int, pp: int, steps: int, sample_s: float) -> dict[str, Any]:
-    work = Path(tempfile.mkdtemp(prefix="argus-e2e-"))
-    stack = PrivateStack(work / "home", partitions=4)
-    stack.up()
-    os.environ.update({k: v for k, v in stack.env.items() if k.startswith("ARGUS_")})
-    settings = Settings.load()
     job = f"e2e-{dp * tp * pp}"
     spec = JobSpec(job, dp=dp, tp=tp, pp=pp, steps=steps, layers=1, microbatches=4,
                    fault=FaultSpec(Fault.COMPUTE_STRAGGLER, ranks=(5,), onset_step=steps // 2,
                                     attention_factor=1.5, mlp_factor=1.5))
-    t0 = time.monotonic()
-    sampler = RssSampler(stack.home, "worker", sample_s)
-    sampler.__enter__()
     counts = {"kernel_events": 0, "step_records": 0, "phase_batches": 0}
-    try:
+    with running_stack("argus-e2e-", sample_s) as (stack, settings, sampler):
+        t0 = time.monotonic()
         _say(f"publishing {job}: {spec.world_size} ranks x {steps} steps")
         with Publisher(settings, lossless=True) as pub:
             for rec in JobSimulator(spec, batch_events=settings.publisher_batch_events).records():
@@ -155,9 +103,6 @@ def run(dp: int, tp: int, pp: int, steps: int, sample_s: float) -> dict[str, Any
         ok, findings = stack.wait_findings(job, 900)
         diagnosed_at, stored_ms = time.monotonic(), time.time() * 1e3
         breakdown = stages(settings, job, end_ms, stored_ms)
-    finally:
-        sampler.__exit__(None, None, None)
-        stack.down()
     peak = sampler.peak_mb()
     out: dict[str, Any] = {
         "benchmark": "e2e_scale", "ranks": spec.world_size, "topology": f"DP {dp} x TP {tp} x PP {pp}", "steps": steps,
@@ -170,7 +115,7 @@ def run(dp: int, tp: int, pp: int, steps: int, sample_s: float) -> dict[str, Any
         "named_slow_rank": any(5 in f["ranks"] for f in findings if f["level"] in ("L2", "L3")),
         "budgets": {"end_to_diagnosed_s": BUDGET_END_TO_DIAGNOSED_S, "e2e_events_per_s": BUDGET_E2E_EVENTS_PER_S,
                     "worker_peak_mb": BUDGET_WORKER_PEAK_MB},
-        "load_average": [round(x, 2) for x in os.getloadavg()],
+        "load_average": load_average(),
     }
     out["within_budget"] = (ok and out["end_to_diagnosed_s"] <= BUDGET_END_TO_DIAGNOSED_S
                             and out["e2e_events_per_s"] >= BUDGET_E2E_EVENTS_PER_S

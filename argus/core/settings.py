@@ -277,6 +277,12 @@ class Settings:
     #: Ranks the stream worker keeps state for per job (default 65536); records of higher ranks are
     #: dead-lettered. At least 1.
     max_ranks_per_job: int = 65_536
+    #: Most bytes of one job-context message (default 1000000, under Kafka's default ``message.max.bytes`` of
+    #: 1048588): a job's shared context larger than this (a 102,400-rank job's L3 totals are ~11 MB) is sent
+    #: as several pieces that every worker joins before using it. In [16384, 8000000]: the worker's producer
+    #: sends requests of at most 8,000,000 bytes; the brokers' ``message.max.bytes`` (or the context topic's
+    #: ``max.message.bytes``) must be at least this.
+    context_max_bytes: int = 1_000_000
     #: KDE grid resolution (points) on log-durations.
     kde_grid_points: int = 512
     #: Minimum samples on each side of a KDE valley for it to split clusters.
@@ -402,6 +408,8 @@ class Settings:
             raise ConfigError(f"l3_max_windows must be >= 3, got {self.l3_max_windows!r}")
         if not 0 < self.job_idle_timeout_s <= 604_800:
             raise ConfigError(f"job_idle_timeout_s must be in (0, 604800], got {self.job_idle_timeout_s!r}")
+        if not 16_384 <= self.context_max_bytes <= 8_000_000:
+            raise ConfigError(f"context_max_bytes must be in [16384, 8000000], got {self.context_max_bytes!r}")
         for name in ("max_open_jobs", "max_ranks_per_job"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)!r}")

@@ -69,7 +69,7 @@ def install_diagnosis(app: faust.App, settings: Settings, params: DiagnosisParam
         dead = DeadLetters(app.topic(Topic.DEAD_LETTER.full(settings), key_type=bytes, value_type=bytes))
     # What other workers know of their jobs (and this one of its own, read back): topology, groups,
     # stragglers, steps, and every L3 part's totals (see argus.streams.job_context).
-    shared = ContextTable(settings, max_jobs)
+    shared = ContextTable(settings, max_jobs, stats)
 
     def decode_job_record(event: EventT) -> JobRecord:
         return cast(JobRecord, RECORD_OF[names[event.message.topic]].decode(event.value))

@@ -22,12 +22,11 @@ from faust.types import EventT
 from argus.core.errors import DeadLetterError, SchemaError, failure_reason
 from argus.core.settings import Settings
 from argus.detectors.findings import finding_json
-from argus.schemas.job_context import CONTEXT_JOB_PART
 from argus.schemas.records import Finding, KernelSummary
 from argus.streams.dead_letters import DeadLetters
 from argus.streams.diagnosis_stats import DiagnosisStats
 from argus.streams.final_router import Discard, FinalEffect, FinalRouter, ShareTotals, Tombstone
-from argus.streams.job_context import ContextTable, context_key
+from argus.streams.job_context import ContextTable, send_context
 from argus.streams.job_effects import (
     Abandon,
     Ack,
@@ -87,7 +86,8 @@ class DiagnosisShell:
     def __init__(self, app: faust.App, settings: Settings, names: Mapping[str, Topic], jobs: JobRouter[EventT],
                  summaries: SummaryRouter[EventT], finals: FinalRouter[EventT], shared: ContextTable,
                  stats: DiagnosisStats, dead: DeadLetters) -> None:
-        self.app, self.names, self.jobs, self.summaries, self.finals = app, names, jobs, summaries, finals
+        self.app, self.settings, self.names, self.jobs, self.summaries = app, settings, names, jobs, summaries
+        self.finals = finals
         self.known, self.shared, self.stats, self.dead = jobs.ledger, shared, stats, dead
         topic = {t: app.topic(t.full(settings), key_type=bytes, value_type=bytes)
                  for t in (Topic.FINDINGS, Topic.FINDINGS_JSON, Topic.LIFECYCLE, Topic.CONTEXT)}
@@ -165,11 +165,11 @@ class DiagnosisShell:
         for e in effects:
             if isinstance(e, Publish):
                 await self.publish(e.findings, e.hangs)
-            elif isinstance(e, Share):
-                await self._send(self._context, context_key(e.context.job_id, CONTEXT_JOB_PART), e.context.encode())
-                self.shared.put(e.context)
+            elif isinstance(e, Share):  # in pieces of at most context_max_bytes; then it is known here
+                self.shared.put(await send_context(self._context, e.context, self.settings.context_max_bytes,
+                                                   self.settings.partitions))
             elif isinstance(e, ShareTotals):  # the final router has put them in the table already
-                await self._send(self._context, context_key(e.context.job_id, e.context.part), e.context.encode())
+                await send_context(self._context, e.context, self.settings.context_max_bytes, self.settings.partitions)
             elif isinstance(e, Mark):
                 await self._send(self._lifecycle, job_key(e.record.job_id), e.record.encode())
                 await self.carry_out(self.jobs.marked(e.record, time.monotonic(), e.release).effects)
@@ -238,9 +238,10 @@ class DiagnosisShell:
 
     def _tombstone(self, e: Tombstone) -> None:
         """Written without waiting: nothing waits for a diagnosed job's context to go."""
-        task = asyncio.ensure_future(self._context.send(key=context_key(e.job_id, e.part), value=None, force=True))
-        self._tombstones.add(task)
-        task.add_done_callback(self._tombstones.discard)
+        for key, partition in self.shared.tombstones(e.job_id, [e.part]):  # every piece written
+            task = asyncio.ensure_future(self._context.send(key=key, value=None, partition=partition, force=True))
+            self._tombstones.add(task)
+            task.add_done_callback(self._tombstones.discard)
 
     def _count(self, findings: Sequence[Finding], hangs: bool) -> None:
         st = self.stats

@@ -49,6 +49,11 @@ class DiagnosisStats:
     jobs: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     #: Jobs with diagnosis context here (topology, steps, stragglers, ...): running or not fully diagnosed.
     context_jobs: int = 0
+    #: Job-context parts whose newest write is not all read yet (its pieces still coming: the part's readers
+    #: go on with its previous write, or wait), and writes dropped before they were complete (superseded by a
+    #: newer write, or pieces that did not join).
+    context_parts_incomplete: int = 0
+    context_generations_dropped: int = 0
     #: Open jobs whose hang episode is open (``job_stalled`` raised, no step completed since).
     stalled_jobs: int = 0
     #: Findings published, per level and kind: ``{level: {kind: count}}`` (for ``/metrics``).

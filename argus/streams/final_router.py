@@ -49,6 +49,8 @@ class SharedContext(Protocol):
 
     def forget(self, job_id: str, part: str) -> None: ...
 
+    def incomplete(self, job_id: str) -> dict[str, tuple[int, int]]: ...
+
 
 @dataclass(frozen=True)
 class ShareTotals:
@@ -225,7 +227,8 @@ class FinalRouter(Generic[H]):
         if missing and not final:
             return False
         if missing:
-            log.warning("job %s: rank aggregate without the totals of L3 parts %s", job_id, missing)
+            log.warning("job %s: rank aggregate without the totals of L3 parts %s (pieces read, of: %s)", job_id,
+                        missing, self.shared.incomplete(job_id))
         merged = RankDiagnosis(job_id, self.params)
         try:
             for p in range(self.partitions):

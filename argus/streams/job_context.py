@@ -11,6 +11,15 @@ per-rank kernel totals. Both travel as :class:`~argus.schemas.job_context.JobCon
 * part ``l3/<p>``, written by L3 part ``p`` at its end: its kernels' per-rank totals, merged by part 0 into
   the job's rank aggregate (:meth:`argus.streams.diagnosis.RankDiagnosis.add_totals`).
 
+A write of a part is one *generation*: :func:`context_messages` splits it into pieces of at most
+``ARGUS_CONTEXT_MAX_BYTES`` (:func:`argus.schemas.job_context.split_context`; a 102,400-rank job's L3 totals
+are ~11 MB, its topology ~2.3 MB), keyed ``<job>/<part>`` and ``<job>/<part>#<i>``, all on the partition of
+``<job>/<part>`` so that they are read in the order written. :class:`ContextPieces` joins them at-least-once:
+duplicates are taken once, pieces of one generation in any order; a part is known only once every piece of
+a generation is in (until then its previous complete generation stays, or the part is missing and its
+readers wait, as for a part not written yet), and the newest generation read wins, as a single message
+would. Generations superseded before they were complete are dropped and counted.
+
 The conversions here are pure; the table is the only thread.
 """
 
@@ -18,11 +27,14 @@ from __future__ import annotations
 
 import logging
 import math
+import secrets
 import threading
 import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaException, TopicPartition
 
@@ -31,18 +43,65 @@ from argus.core.kafka_security import client_config
 from argus.core.settings import Settings
 from argus.detectors.impact import StepClock
 from argus.detectors.l3_ranks import KernelTotals
-from argus.schemas.job_context import CONTEXT_JOB_PART, JobContext
+from argus.schemas.job_context import CONTEXT_JOB_PART, JobContext, merge_context, split_context
 from argus.schemas.records import JobTopology, ParallelGroup
-from argus.topics import Topic
+from argus.streams.diagnosis_stats import DiagnosisStats
+from argus.topics import Topic, key_partition
 
-__all__ = ["ContextTable", "context_clock", "context_groups", "context_key",
-           "context_topology", "context_totals", "job_context", "totals_context"]
+__all__ = ["ContextPieces", "ContextTable", "context_clock", "context_groups", "context_key", "context_messages",
+           "context_tombstones", "context_topology", "context_totals", "job_context", "send_context",
+           "totals_context"]
 
 log = logging.getLogger(__name__)
 
 
-def context_key(job_id: str, part: str) -> bytes:
-    return f"{job_id}/{part}".encode()
+#: Generations of one part kept while incomplete (older ones are dropped: a write that never completed).
+_BUILDING = 4
+#: Generations of one part remembered as taken: their pieces read again (the writer's own, read back) are ignored.
+_TAKEN = 256
+
+
+def context_key(job_id: str, part: str, piece: int = 0) -> bytes:
+    """The Kafka key of ``piece`` of a part (piece 0's is the part's own: ``<job>/<part>``)."""
+    return f"{job_id}/{part}".encode() if piece == 0 else f"{job_id}/{part}#{piece}".encode()
+
+
+def context_messages(ctx: JobContext, max_bytes: int,
+                     partitions: int) -> tuple[JobContext, list[tuple[bytes, bytes, int]]]:
+    """``ctx`` stamped with a new generation, and its pieces as (key, value, partition) messages of at most
+    ``max_bytes`` bytes each, all on the partition (of ``partitions``) of the part's key.
+
+    Raises:
+        SchemaError: ``max_bytes`` too small for one piece.
+    """
+    ctx = replace(ctx, generation=secrets.randbits(63), piece=0, pieces=1, totals_continued=False)
+    partition = key_partition(context_key(ctx.job_id, ctx.part), partitions)
+    pieces = split_context(ctx, max_bytes, ctx.generation)
+    out = []
+    for p in pieces:
+        value = p.encode()
+        if len(value) > max_bytes:  # split_context bounds the encoding from above: a bug if seen
+            raise SchemaError(f"job context {ctx.job_id}/{ctx.part}: piece {p.piece} is {len(value)} bytes, "
+                              f"over {max_bytes}")
+        out.append((context_key(ctx.job_id, ctx.part, p.piece), value, partition))
+    return ctx, out
+
+
+async def send_context(topic: Any, ctx: JobContext, max_bytes: int, partitions: int) -> JobContext:
+    """Send ``ctx`` on the Faust context ``topic`` in pieces of at most ``max_bytes`` (:func:`context_messages`),
+    each delivered before the next; returns it as stamped (what the writer's own table should keep)."""
+    ctx, pieces = context_messages(ctx, max_bytes, partitions)
+    for key, value, partition in pieces:
+        fut = await topic.send(key=key, value=value, partition=partition, force=True)
+        await fut
+    return ctx
+
+
+def context_tombstones(job_id: str, part: str, pieces: int, partitions: int) -> list[tuple[bytes, int]]:
+    """The (key, partition) of every piece of a part that ``pieces`` pieces were written of: tombstones there
+    leave nothing of the part on the compacted topic."""
+    partition = key_partition(context_key(job_id, part), partitions)
+    return [(context_key(job_id, part, i), partition) for i in range(max(pieces, 1))]
 
 
 def job_context(job_id: str, time_ns: int, topology: JobTopology | None, groups: dict[int, ParallelGroup],
@@ -115,15 +174,127 @@ def context_totals(ctx: JobContext) -> list[KernelTotals]:
     return out
 
 
+@dataclass
+class _Part:
+    """One part's generations: the newest complete one, those being assembled, those already taken."""
+
+    complete: JobContext | None = None
+    complete_seq: int = -1
+    #: generation -> (sequence number of its first piece read, pieces read by index)
+    building: dict[int, tuple[int, dict[int, JobContext]]] = field(default_factory=dict)
+    taken: OrderedDict[int, None] = field(default_factory=OrderedDict)
+    most_pieces: int = 1
+
+
+class ContextPieces:
+    """Joins the pieces of every job's parts (not thread-safe: :class:`ContextTable` locks around it).
+
+    ``stats``: where the gauge of parts being assembled and the count of generations dropped incomplete go
+    (``context_parts_incomplete``, ``context_generations_dropped``)."""
+
+    def __init__(self, stats: DiagnosisStats | None = None) -> None:
+        self.stats = stats or DiagnosisStats()
+        self._jobs: dict[str, dict[str, _Part]] = {}
+        self._seq = 0
+
+    def take(self, piece: JobContext) -> JobContext | None:
+        """Take one piece (or a whole part); the part, when this completes a generation newer than the one
+        it has, else ``None``. A part of generation 0 (written before v4) is whole and always taken."""
+        self._seq += 1
+        part = self._jobs.setdefault(piece.job_id, {}).setdefault(piece.part, _Part())
+        part.most_pieces = max(part.most_pieces, piece.pieces)
+        if piece.generation in part.taken:
+            return None  # a duplicate of a generation already taken, or this writer's own read back
+        if piece.pieces == 1:  # a whole part: a one-message write, or the writer's own (then its pieces read
+            # so far are the same write) -- taken as it is; a generation 0 (before v4) is taken every time
+            if part.building.pop(piece.generation, None) is not None:
+                self._count()
+            if piece.generation:
+                self._taken(part, piece.generation)
+            part.complete, part.complete_seq = piece, self._seq
+            return piece
+        seq, got = part.building.setdefault(piece.generation, (self._seq, {}))
+        got[piece.piece] = piece
+        if len(got) < piece.pieces:
+            self._bound(piece, part)
+            self._count()
+            return None
+        del part.building[piece.generation]
+        self._taken(part, piece.generation)
+        # Generations begun before this one are superseded (a write that never completed).
+        for g in [g for g, (s, _) in part.building.items() if s < seq]:
+            self._drop(piece, part, g, "superseded")
+        try:
+            whole = merge_context(list(got.values()))
+        except SchemaError as exc:  # pieces that claim one generation but do not join: a corrupt write
+            log.warning("job %s part %s: generation %d dropped: %s", piece.job_id, piece.part, piece.generation, exc)
+            self.stats.context_generations_dropped += 1
+            whole = None
+        self._count()
+        if whole is None or seq < part.complete_seq:
+            return None  # (or an older write completed after a newer one: the newer stays)
+        part.complete, part.complete_seq = whole, seq
+        return whole
+
+    def incomplete(self, job_id: str) -> dict[str, tuple[int, int]]:
+        """The parts of ``job_id`` being assembled: part -> (pieces read, pieces) of its newest generation."""
+        out = {}
+        for name, part in self._jobs.get(job_id, {}).items():
+            if part.building:
+                _, got = max(part.building.values(), key=lambda b: b[0])
+                out[name] = (len(got), next(iter(got.values())).pieces)
+        return out
+
+    def most_pieces(self, job_id: str, part: str) -> int:
+        """The most pieces a generation of the part was written in (1 when none was read)."""
+        found = self._jobs.get(job_id, {}).get(part)
+        return found.most_pieces if found is not None else 1
+
+    def forget(self, job_id: str, part: str | None = None) -> None:
+        """Drop what is held of a part (every part of the job when ``part`` is None)."""
+        parts = self._jobs.get(job_id)
+        if parts is not None:
+            if part is None:
+                parts.clear()
+            else:
+                parts.pop(part, None)
+            if not parts:
+                del self._jobs[job_id]
+        self._count()
+
+    @staticmethod
+    def _taken(part: _Part, generation: int) -> None:
+        part.taken[generation] = None
+        while len(part.taken) > _TAKEN:
+            part.taken.popitem(last=False)
+
+    def _bound(self, piece: JobContext, part: _Part) -> None:
+        while len(part.building) > _BUILDING:
+            oldest = min(part.building, key=lambda g: part.building[g][0])
+            self._drop(piece, part, oldest, f"more than {_BUILDING} generations open")
+
+    def _drop(self, piece: JobContext, part: _Part, generation: int, why: str) -> None:
+        _, got = part.building.pop(generation)
+        log.warning("job %s part %s: generation %d dropped with %d of %d pieces (%s)", piece.job_id, piece.part,
+                    generation, len(got), next(iter(got.values())).pieces, why)
+        self.stats.context_generations_dropped += 1
+
+    def _count(self) -> None:
+        self.stats.context_parts_incomplete = sum(1 for parts in self._jobs.values() for p in parts.values()
+                                                  if p.building)
+
+
 class ContextTable:
     """Every :class:`JobContext` on the context topic, per job and part, read in full by a daemon thread from
-    the topic's start (no consumer group commits: each worker has the whole table). At most ``max_jobs``
-    jobs are kept (the least recently updated go first); a tombstone forgets a job's part."""
+    the topic's start (no consumer group commits: each worker has the whole table) and joined from its pieces
+    (:class:`ContextPieces`). At most ``max_jobs`` jobs are kept (the least recently updated go first); a
+    tombstone forgets a job's part. ``stats``: where the pieces' gauge and counter go."""
 
-    def __init__(self, settings: Settings, max_jobs: int) -> None:
+    def __init__(self, settings: Settings, max_jobs: int, stats: DiagnosisStats | None = None) -> None:
         self.settings = settings
         self.max_jobs = max_jobs
         self._jobs: OrderedDict[str, dict[str, JobContext]] = OrderedDict()
+        self._pieces = ContextPieces(stats)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -138,22 +309,38 @@ class ContextTable:
         self._stop.set()
 
     def get(self, job_id: str) -> dict[str, JobContext]:
-        """The parts known of ``job_id`` (a copy)."""
+        """The parts known of ``job_id`` (a copy): complete ones only."""
         with self._lock:
             return dict(self._jobs.get(job_id, {}))
 
+    def incomplete(self, job_id: str) -> dict[str, tuple[int, int]]:
+        """The parts of ``job_id`` being assembled: part -> (pieces read, pieces)."""
+        with self._lock:
+            return self._pieces.incomplete(job_id)
+
+    def tombstones(self, job_id: str, parts: Iterable[str]) -> list[tuple[bytes, int]]:
+        """(key, partition) of every piece of ``parts`` of the job written as far as this table read."""
+        with self._lock:
+            return [t for part in parts for t in context_tombstones(
+                job_id, part, self._pieces.most_pieces(job_id, part), self.settings.partitions)]
+
     def put(self, ctx: JobContext) -> None:
-        """Take ``ctx`` (as read from the topic; also what this worker wrote, before it is read back)."""
+        """Take ``ctx``, a whole part or one piece of one (as read from the topic; also what this worker wrote,
+        stamped by :func:`context_messages`, before it is read back)."""
         with self._lock:
             parts = self._jobs.setdefault(ctx.job_id, {})
-            parts[ctx.part] = ctx
+            whole = self._pieces.take(ctx)
+            if whole is not None:
+                parts[ctx.part] = whole
             self._jobs.move_to_end(ctx.job_id)
             while len(self._jobs) > self.max_jobs:
-                self._jobs.popitem(last=False)
+                gone, _ = self._jobs.popitem(last=False)
+                self._pieces.forget(gone)
             self.updates += 1
 
     def forget(self, job_id: str, part: str) -> None:
         with self._lock:
+            self._pieces.forget(job_id, part)
             parts = self._jobs.get(job_id)
             if parts is not None:
                 parts.pop(part, None)
@@ -187,7 +374,11 @@ class ContextTable:
             consumer.close()
 
     def _take(self, key: bytes, value: bytes | None) -> None:
-        job_id, _, part = key.decode("utf-8", "replace").rpartition("/")
+        text = key.decode("utf-8", "replace")
+        base, hash_, piece = text.rpartition("#")
+        if hash_ and piece.isdigit():  # a piece's key: '<job>/<part>#<i>'
+            text = base
+        job_id, _, part = text.rpartition("/")
         if part.isdigit() and job_id.endswith("/l3"):  # 'job/l3/<p>'
             job_id, part = job_id[: -len("/l3")], f"l3/{part}"
         if not value:  # a tombstone

@@ -56,6 +56,8 @@ _DIAGNOSIS_COUNTERS = {
     "l3_rows_ignored": ("l3_rows_ignored", "Summary rows ignored: their window had left the bounded L3 state."),
     "finals_deferred": ("finals_deferred", "Final L3 parts that waited for their job's final steps."),
     "finals_without_steps": ("finals_without_steps", "Final L3 parts judged without their job's final steps."),
+    "context_generations_dropped": ("context_generations_dropped", "Job-context writes dropped before all their "
+                                    "pieces were read (superseded, or pieces that did not join)."),
 }
 _DIAGNOSIS_GAUGES = {
     "open_jobs": ("open_jobs", "Jobs open in the L1/L2 agent (refreshed on the idle-jobs timer)."),
@@ -63,6 +65,8 @@ _DIAGNOSIS_GAUGES = {
     "context_jobs": ("context_jobs", "Jobs with diagnosis context kept here (refreshed on the idle-jobs timer)."),
     "stalled_jobs": ("stalled_jobs", "Open jobs stalled: job_stalled raised and no step completed since (refreshed "
                      "on the idle-jobs timer)."),
+    "context_parts_incomplete": ("context_parts_incomplete", "Job-context parts whose newest write is not all "
+                                 "read yet (their readers use the previous write, or wait)."),
 }
 _PREFIX = "argus_worker_"
 

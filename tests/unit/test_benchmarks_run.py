@@ -43,3 +43,26 @@ def test_fuzz_runs_every_target_and_reports_a_failure_with_its_seed(capsys: pyte
     [failure] = out["failures"]
     assert failure["case_seed"] == 42 and failure["outcome"] == "escape" and "KeyError" in failure["what"]
     assert failure["repro"].endswith("--target codec --case-seed 42 --cases 1")
+
+
+def test_realtime_messages_are_the_records_own_encoding_every_step() -> None:
+    """``load_tests/realtime.py`` publishes joined pre-encoded pieces (no broker here: its run through the stack
+    is ``tests/integration/test_realtime_benchmark.py``): every step's messages decode to the job's records and
+    equal their own encoding, the straggler's phases slow down at its onset, and its kernels are in the sample."""
+    from argus.schemas.records import PhaseBatch
+    from load_tests import realtime
+    from load_tests.wire_templates import WireTemplate, avro_long
+
+    p = realtime.plan(64, 0.5, 6.0, 32, 0.5, realtime.KERNEL_BATCH_EVENTS)
+    assert p.steps == 12 and p.onset_step == 6 and p.slow_rank in p.sample and len(p.sample) == 32
+    seqs: dict[int, int] = {}
+    for s in range(p.steps):
+        realtime.check(p, s)
+        msgs = realtime.step_messages(p, s, seqs)
+        assert sum(1 for t, _, _ in msgs if t.value == "phases") == 64
+        assert sum(1 for t, _, _ in msgs if t.value == "heartbeats") == 16  # every rank once per 2 s
+    slow = [PhaseBatch.decode(realtime.step_messages(p, s, {})[p.slow_rank][2]) for s in (5, 6)]
+    assert sum(slow[1].duration_ns) > 1.2 * sum(slow[0].duration_ns)
+    step = WireTemplate(realtime.Step("j", 0, 0, 5, 5, 5), ("rank", "step", "start_ns", "wall_ns", "gpu_ns"))
+    step.check(rank=7, step=2**40, start_ns=-3, wall_ns=0, gpu_ns=1)
+    assert avro_long(-1) == b"\x01" and avro_long(64) == b"\x80\x01"
