@@ -87,6 +87,8 @@ def detect_host_excess(totals: Iterable[KernelTotals], topology: JobTopology | N
     out: list[L3Result] = []
     for g in np.unique(part[part >= 0]).tolist():
         rows = np.flatnonzero((part == g) & free)
+        if rows.size < p.min_host_ranks + p.min_other_ranks:
+            continue
         out += _judge_set(ranks[rows], hosts[rows], total[rows], calls[rows], usable, int(g), p)
     return out
 

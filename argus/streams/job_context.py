@@ -1,26 +1,12 @@
 """A job's context shared between stream workers: one answer whatever the number of workers.
 
-The worker holding a job's steps (its partition of the job topics) knows the job's topology, the parallel
-group of each collective stream, the ranks named stragglers and the job's steps; the L3 parts of the job
-(one per summaries partition) may run on other workers, and the job's rank aggregate needs every part's
-per-rank kernel totals. Both travel as :class:`~argus.schemas.job_context.JobContext` records on the compacted
-``context`` topic, which every worker reads in full from its start (:class:`ContextTable`, a global table):
-
-* part ``job``, written by the job's holder whenever what it knows changes (and ``final`` once the job
-  ended), read by the L3 parts elsewhere;
-* part ``l3/<p>``, written by L3 part ``p`` at its end: its kernels' per-rank totals, merged by part 0 into
-  the job's rank aggregate (:meth:`argus.streams.diagnosis.RankDiagnosis.add_totals`).
-
-A write of a part is one *generation*: :func:`context_messages` splits it into pieces of at most
-``ARGUS_CONTEXT_MAX_BYTES`` (:func:`argus.schemas.job_context.split_context`; a 102,400-rank job's L3 totals
-are ~11 MB, its topology ~2.3 MB), keyed ``<job>/<part>`` and ``<job>/<part>#<i>``, all on the partition of
-``<job>/<part>`` so that they are read in the order written. :class:`ContextPieces` joins them at-least-once:
-duplicates are taken once, pieces of one generation in any order; a part is known only once every piece of
-a generation is in (until then its previous complete generation stays, or the part is missing and its
-readers wait, as for a part not written yet), and the newest generation read wins, as a single message
-would. Generations superseded before they were complete are dropped and counted.
-
-The conversions here are pure; the table is the only thread.
+The job's holder writes part ``job`` (topology, collective groups, stragglers, steps); each L3 part ``l3/<p>``
+writes its per-rank kernel totals at its end, merged by part 0 into the job's rank aggregate. Both travel as
+:class:`~argus.schemas.job_context.JobContext` records on the compacted ``context`` topic, which every worker
+reads in full (:class:`ContextTable`). A write is one *generation* in pieces of at most
+``ARGUS_CONTEXT_MAX_BYTES`` (:func:`context_messages`), joined at-least-once by :class:`ContextPieces`: a part
+is known only once every piece of a generation is in, the newest generation wins. The conversions here are
+pure; the table is the only thread. Details: docs/internals/streams.md.
 """
 
 from __future__ import annotations

@@ -67,6 +67,10 @@ def test_a_host_that_is_the_whole_set_or_unknown_hosts_are_not_tested() -> None:
     slow = {r: 1.3 for r in range(8)}
     assert detect_host_excess(_totals(8, slow, 1), build_topology("j", 8)) == []  # one host: the stage's matter
     assert detect_host_excess(_totals(16, slow, 1), None) == []
+    # Every rank of a set already named, or too few left: nothing to compare.
+    topo = build_topology("j", 16)
+    assert detect_host_excess(_totals(16, slow, 1), topo, exclude=range(16)) == []
+    assert detect_host_excess(_totals(16, slow, 1), topo, exclude=range(11)) == []
 
 
 @pytest.mark.parametrize("bad", [{"min_ratio": 1.0}, {"alpha": 0.0}, {"min_share": 0.0}, {"min_host_ranks": 1},
