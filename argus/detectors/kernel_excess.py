@@ -30,12 +30,6 @@ F64 = npt.NDArray[np.float64]
 I64 = npt.NDArray[np.int64]
 
 _MAD_SCALE = 1.4826
-#: Least noise of a kernel's log time per call (1e-3: 0.1 %), so identical ranks give no infinite z.
-_SCALE_FLOOR = 1e-3
-#: Most spread of a kernel's calls over the set's ranks that still counts as the same work.
-_SAME_CALLS = 0.02
-#: Fewest ranks whose spread in one kernel is a noise scale of its own.
-_SPREAD_RANKS = 5
 
 
 def detect_kernel_excess(totals: Iterable[KernelTotals], topology: JobTopology | None = None,
@@ -97,9 +91,10 @@ class _Experts:
         return np.asarray(self.routed[cols], dtype=bool)
 
 
-def _residuals(per_call: F64, calls: F64, pooled_only: npt.NDArray[np.bool_] | None = None
+def _residuals(per_call: F64, calls: F64, p: RankExcessParams, pooled_only: npt.NDArray[np.bool_] | None = None
                ) -> tuple[F64, F64, F64]:
-    """The two-way model's residuals, their z-scores and the ranks' speeds (log), for ranks x kernels;
+    """The two-way model's residuals, their z-scores and the ranks' speeds (log), for ranks x kernels (the
+    noise floored at ``p.kernel_scale_floor``, a kernel's own spread read from ``p.spread_ranks`` ranks on);
     ``pooled_only``: kernels whose noise is the pooled scale alone (EP-group means: a few distinct values,
     whose own spread is the difference being judged)."""
     x = np.log(per_call)
@@ -111,8 +106,8 @@ def _residuals(per_call: F64, calls: F64, pooled_only: npt.NDArray[np.bool_] | N
     c = np.median(calls, axis=0)
     widen = np.sqrt(np.maximum(np.median(c) / c, 1.0))  # fewer calls than the median kernel: a noisier mean
     pooled = _MAD_SCALE * float(np.median(np.abs(e) / widen))
-    scale = np.maximum(pooled * widen, _SCALE_FLOOR)
-    if n >= _SPREAD_RANKS:
+    scale = np.maximum(pooled * widen, p.kernel_scale_floor)
+    if n >= p.spread_ranks:
         own = _MAD_SCALE * np.median(np.abs(e - np.median(e, axis=0)), axis=0)
         if pooled_only is not None:
             own = np.where(pooled_only, 0.0, own)
@@ -123,18 +118,19 @@ def _residuals(per_call: F64, calls: F64, pooled_only: npt.NDArray[np.bool_] | N
 def _judge(ranks: I64, total: F64, median: F64, calls: F64, keys: Sequence[tuple[str, int]], part: int,
            p: RankExcessParams, moe: _Experts) -> list[L3Result]:
     n = ranks.size
-    same = ((calls >= p.kernel_min_calls).all(axis=0) & (calls.max(axis=0) <= (1.0 + _SAME_CALLS) * calls.min(axis=0))
+    same = ((calls >= p.kernel_min_calls).all(axis=0)
+            & (calls.max(axis=0) <= (1.0 + p.kernel_same_calls) * calls.min(axis=0))
             & (total > 0).all(axis=0) & (np.nan_to_num(median) > 0).all(axis=0))
     if n < p.min_ranks or int(same.sum()) < p.kernel_min_kernels:
         return []
     cols = np.flatnonzero(same)
     c = calls[:, cols]
     tot, med = moe.per_token(total[:, cols], cols), moe.per_token(median[:, cols], cols)
-    e_plain, z_plain, speed = _residuals(tot / c, c)
-    _, z_median, _ = _residuals(med / c, c)
+    e_plain, z_plain, speed = _residuals(tot / c, c, p)
+    _, z_median, _ = _residuals(med / c, c, p)
     conserved = moe.conserved(cols)
     if conserved.any():
-        z_plain, z_median, keep = _group_scores(tot, med, c, conserved, speed, moe.group)
+        z_plain, z_median, keep = _group_scores(tot, med, c, conserved, speed, moe.group, p)
     else:
         keep = np.ones_like(z_plain, dtype=bool)
     z = z_plain
@@ -171,7 +167,7 @@ def _judge(ranks: I64, total: F64, median: F64, calls: F64, keys: Sequence[tuple
 
 
 def _group_scores(tot: F64, med: F64, c: F64, conserved: npt.NDArray[np.bool_], speed: F64,
-                  group: I64 | None) -> tuple[F64, F64, npt.NDArray[np.bool_]]:
+                  group: I64 | None, p: RankExcessParams) -> tuple[F64, F64, npt.NDArray[np.bool_]]:
     """The plain and median z-scores with the ``conserved`` columns read as each rank's EP-group mean (the
     router conserves a group's tokens), and where a rank may be named: in those columns only the member of its
     group slowest against its position's median over the groups, and none where fewer than two groups compare
@@ -184,8 +180,8 @@ def _group_scores(tot: F64, med: F64, c: F64, conserved: npt.NDArray[np.bool_], 
     g_med, _ = group_means(med[:, conserved] / own, group)
     t2, m2 = tot.copy(), med.copy()
     t2[:, conserved], m2[:, conserved] = g_tot * own, g_med * own
-    _, z_plain, _ = _residuals(t2 / c, c, conserved)
-    _, z_median, _ = _residuals(m2 / c, c, conserved)
+    _, z_plain, _ = _residuals(t2 / c, c, p, conserved)
+    _, z_median, _ = _residuals(m2 / c, c, p, conserved)
     keep = np.ones_like(z_plain, dtype=bool)
     if not bool(enough):
         keep[:, conserved] = False

@@ -18,7 +18,6 @@ import numpy as np
 import numpy.typing as npt
 
 from argus.detectors.l2_groups import loo_median_rows, row_spreads
-from argus.detectors.victims import LATE_ARRIVAL_RATIO
 from argus.schemas.records import PhaseKind
 
 if TYPE_CHECKING:
@@ -32,40 +31,28 @@ _MAD_SCALE = 1.4826
 #: Times are integer nanoseconds: a phase's time per step below one is no time measured, and a ratio to it
 #: is no ratio (a member whose collective took "0 ns" arrived last, by at most its peers' time).
 _RESOLUTION_NS = 1.0
-#: Of a compute phase's own excess over its peers, the least share its duration (waiting included) must
-#: exceed theirs by: a rank whose wall time is not longer made nobody wait (its peers' own time is short).
-_WALL_SHARE = 0.5
-#: Two-member groups of a phase needed to judge one pair's difference against the others'.
-_MIN_PAIRS = 3
-#: Least z of a pair's difference against the other pairs'. Healthy pairs' differences are the absolute
-#: values of a normal, but their scale is read from a median of a few dozen: of 400 jobs of 32 pairs of GPUs
-#: 2.5 % apart, a bar of 4.5 named a pair in 2, 5.5 in none, and still finds a member 1.3x slower (~40 % of
-#: the time for 1.2x, which is L3's to find per kernel).
-_PAIR_MIN_Z = 5.5
-#: Family-wise false-alarm rate over a phase's pairs: the bar grows with them (Bonferroni) past 4.5.
-_PAIRS_ALPHA = 0.01
 
 
-def pair_outliers(value: F64, mad_floor: float) -> tuple[F64, npt.NDArray[np.bool_]]:
+def pair_outliers(value: F64, p: L2Params) -> tuple[F64, npt.NDArray[np.bool_]]:
     """Of two-member groups (``value``: one row per group, per-occurrence times), each pair's difference as a
     robust z against the other pairs' (``|a - b|`` over 1.4826 times the median of the others', floored at
-    ``mad_floor`` of the row's median time), and which pairs stand out: z at least ``_PAIR_MIN_Z`` and the
-    Bonferroni bar of a two-sided normal test at ``_PAIRS_ALPHA`` over the rows.
+    ``p.mad_floor`` of the row's median time), and which pairs stand out: z at least ``p.pair_min_z`` and the
+    Bonferroni bar of a two-sided normal test at ``p.pairs_alpha`` over the rows.
 
     Within a pair there is no peer to score a member against: persistent speed differences of a few percent
     between GPUs make one member of some pair arrive last every step, its collective several times shorter
     than its partner's when the transfer is short. Only a pair whose difference stands out among the phase's
-    pairs holds a straggler. With fewer than ``_MIN_PAIRS`` rows every pair stands out (z is NaN).
+    pairs holds a straggler. With fewer than ``p.min_pairs`` rows every pair stands out (z is NaN).
     """
     rows = value.shape[0]
-    if rows < _MIN_PAIRS:
+    if rows < p.min_pairs:
         return np.full(rows, np.nan), np.ones(rows, dtype=bool)
     diff = np.abs(value[:, 0] - value[:, 1])
     with np.errstate(invalid="ignore", divide="ignore"):
         others = loo_median_rows(diff[None, :])[0]  # a straggler's own pair does not widen its scale
-        scale = np.maximum(_MAD_SCALE * others, mad_floor * np.nanmedian(value, axis=1))
+        scale = np.maximum(_MAD_SCALE * others, p.mad_floor * np.nanmedian(value, axis=1))
         z = diff / scale
-    bar = max(_PAIR_MIN_Z, NormalDist().inv_cdf(1.0 - _PAIRS_ALPHA / (2 * rows)))
+    bar = max(p.pair_min_z, NormalDist().inv_cdf(1.0 - p.pairs_alpha / (2 * rows)))
     return z, np.nan_to_num(z, nan=0.0) >= bar
 
 
@@ -100,7 +87,7 @@ def compare_rows(value: F64, p: L2Params, collective: bool) -> tuple[F64, F64, F
         cv = np.where(mean > 0, value.std(axis=1) / mean, 0.0)
     use_z = value.shape[1] >= 3
     if collective:  # only short members (late arrivals); long ones waited or arrived early
-        hit = (ratio <= 1.0 / LATE_ARRIVAL_RATIO) & ((z <= -p.min_z) if use_z else True)
+        hit = (ratio <= 1.0 / p.late_arrival_ratio) & ((z <= -p.min_z) if use_z else True)
     else:
         hit = (ratio >= p.min_elevation) & ((z >= p.min_z) if use_z else True)
     return ratio, z, peers, cv, hit
@@ -135,7 +122,7 @@ def phase_flags(name: str, kind: PhaseKind, label: str, column: I64, has: npt.ND
             value = np.where(per_occurrence, value / rate, value)
         ratio, z, peers, cv, hit = compare_rows(value, p, collective)
         if collective and n == 2:
-            pair_z, stands_out = pair_outliers(value, p.mad_floor)
+            pair_z, stands_out = pair_outliers(value, p)
             z = -np.repeat(pair_z[:, None], 2, axis=1)  # a late member's z is negative, as in larger groups
             hit &= stands_out[:, None]
         if ratios is not None:
@@ -146,7 +133,7 @@ def phase_flags(name: str, kind: PhaseKind, label: str, column: I64, has: npt.ND
             with np.errstate(invalid="ignore", divide="ignore"):
                 durations = raw(members[at])
                 wall = np.where(per_occurrence[at], durations / rate[at], durations)
-            hit[at] &= (wall - loo_median_rows(wall)) >= _WALL_SHARE * (value[at] - peers[at])
+            hit[at] &= (wall - loo_median_rows(wall)) >= p.wall_share * (value[at] - peers[at])
         # What a flag tells beyond its ratio, for the groups with a flagged member only (row by row as for all).
         at = np.flatnonzero(hit.any(axis=1))
         if not at.size:

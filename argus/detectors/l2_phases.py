@@ -39,13 +39,6 @@ _MS = 1e6
 #: members are stages, which wait for each other across the step and are judged as stages).
 _WAIT_TOGETHER = tuple(sorted(BLOCKING_GROUPS - {ParallelGroup.PP}, key=lambda g: g.value))
 _COMPUTE = COMPUTE_KINDS
-# A late arrival that spent this fraction of its lateness in its own blocking collectives (more than its peers
-# did) waited there, for a degraded link or a late TP partner: it is no straggler.
-_WAITED_EXPLAINS = 0.5
-# A late arrival that spent under this fraction of its lateness waiting in blocking collectives is late of itself.
-_WAITED_OWN = 0.2
-# Among members of one blocking group flagged alike, one this much more elevated than the next is the cause.
-_STANDS_OUT = 1.3
 
 
 #: A stage's phase flagged slow: its ratio to the other stages, per-occurrence ms of every stage, ns per step.
@@ -78,9 +71,33 @@ class L2Params:
     stage_ratio: float = 1.5
     stage_kinds: tuple[PhaseKind, ...] = (PhaseKind.BACKWARD,)
     min_steps: int = 3
+    #: A member's collective time this many times shorter than its group peers' flags it as the late arrival
+    #: (the last to arrive waits for nobody; its peers waited for it) [2.0].
+    late_arrival_ratio: float = 2.0
+    #: Of a compute phase's own excess over its peers, the least share by which its duration (waiting included)
+    #: must exceed theirs: a rank whose wall time is not longer made nobody wait [0.5].
+    wall_share: float = 0.5
+    #: Two-member groups of a phase needed to judge one pair's difference against the others' [3].
+    min_pairs: int = 3
+    #: Least z of a pair's difference against the other pairs'. Healthy pairs' differences are the absolute
+    #: values of a normal, but their scale is read from a median of a few dozen: of 400 jobs of 32 pairs of GPUs
+    #: 2.5 % apart, a bar of 4.5 named a pair in 2, 5.5 in none, and still finds a member 1.3x slower (~40 % of
+    #: the time for 1.2x, which is L3's to find per kernel) [5.5].
+    pair_min_z: float = 5.5
+    #: Family-wise false-alarm rate over a phase's pairs: the pairs' bar grows with them (Bonferroni) [0.01].
+    pairs_alpha: float = 0.01
+    #: A late arrival that spent this share of its lateness in its own blocking collectives (more than its peers
+    #: did) waited there, for a degraded link or a late TP partner: no straggler [0.5].
+    waited_explains: float = 0.5
+    #: A late arrival that spent under this share of its lateness waiting in blocking collectives is late of
+    #: itself [0.2].
+    waited_own: float = 0.2
+    #: Among members of one blocking group flagged alike, one this much more elevated than the next is the
+    #: cause [1.3].
+    stands_out: float = 1.3
 
     def __post_init__(self) -> None:
-        for name in ("min_elevation", "collective_ratio", "stage_ratio"):
+        for name in ("min_elevation", "collective_ratio", "stage_ratio", "late_arrival_ratio", "stands_out"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 1.0):
                 raise DetectorError(f"{name} must be finite and > 1, got {value}")
@@ -90,6 +107,14 @@ class L2Params:
             raise DetectorError(f"min_late_fraction must be finite and >= 0, got {self.min_late_fraction}")
         if self.min_steps < 1:
             raise DetectorError(f"min_steps must be >= 1, got {self.min_steps}")
+        if self.min_pairs < 2 or not (math.isfinite(self.pair_min_z) and self.pair_min_z >= 0.0):
+            raise DetectorError(f"need min_pairs >= 2 and pair_min_z >= 0, got {self.min_pairs}, {self.pair_min_z}")
+        if not 0.0 < self.pairs_alpha < 1.0:
+            raise DetectorError(f"pairs_alpha must be in (0, 1), got {self.pairs_alpha}")
+        for name in ("wall_share", "waited_explains", "waited_own"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0.0):
+                raise DetectorError(f"{name} must be finite and >= 0, got {value}")
 
 
 @dataclass(frozen=True)
@@ -351,17 +376,18 @@ def _stragglers(compute: list[Flag], short: list[Flag], host: list[Flag], topolo
 
     def named_late(fs: list[Flag]) -> bool:
         return any(1.0 / f.ratio >= p.collective_ratio and f.late_fraction >= p.min_late_fraction
-                   and f.waited_fraction < _WAITED_EXPLAINS for f in fs)
+                   and f.waited_fraction < p.waited_explains for f in fs)
 
     late = {r for r, fs in shorts.items() if r in slow or (r not in victims and named_late(fs))}
     # A late arrival whose lateness is its own (it hardly waited in blocking collectives) held up the ranks
     # it shares a blocking group with: those that arrived late *because* they waited there are its victims
     # (a pipeline neighbour of a straggler reaches its DP all-reduce late too).
-    own = {r for r in late - slow if min(f.waited_fraction for f in shorts[r]) < _WAITED_OWN}
+    own = {r for r in late - slow if min(f.waited_fraction for f in shorts[r]) < p.waited_own}
     late -= waiting_victims(slow | own, {r for r in late - slow - own}, topology)
-    together = _waited_together({r: fs[0].ratio for r, fs in by_rank.items()}, topology,
+    together = _waited_together({r: fs[0].ratio for r, fs in by_rank.items()}, topology, p.stands_out,
                                 None if elevation is None else {r: elevation(fs[0].phase) for r, fs in by_rank.items()})
-    together |= _waited_together({r: 1.0 / fs[0].ratio for r, fs in shorts.items() if r not in by_rank}, topology)
+    together |= _waited_together({r: 1.0 / fs[0].ratio for r, fs in shorts.items() if r not in by_rank}, topology,
+                                 p.stands_out)
     slow -= together
     late -= together
     results: list[L2Result] = []
@@ -399,13 +425,13 @@ def _causes(found: dict[int, dict[tuple[str, str], _StageHit]]) -> dict[int, dic
     return keep
 
 
-def _waited_together(elevation: dict[int, float], topology: JobTopology,
+def _waited_together(elevation: dict[int, float], topology: JobTopology, stands_out: float,
                      peers: dict[int, F64] | None = None) -> set[int]:
     """Compute stragglers that are members of one blocking group (TP, EP) flagged alike: the members of a
     group that waited in its blocking collectives for one of them (or for a degraded link) all look slow in
     the phase around it, when the phase cannot be told from the waiting (phases without nested collective
     records, e.g. imported traces). None of them is named here unless one stands out (its elevation
-    ``_STANDS_OUT`` x the next member's); the compute kernels find the cause. The same holds for members
+    ``stands_out`` x the next member's); the compute kernels find the cause. The same holds for members
     that reached a later collective late together. ``elevation``: per flagged rank, its top ratio (> 1).
     ``peers``: per flagged rank, every rank's ratio in that rank's top phase (NaN where not compared, by
     position in ``topology``): members elevated alike but just under the flagging ratio count as the next
@@ -427,7 +453,7 @@ def _waited_together(elevation: dict[int, float], topology: JobTopology,
                 others = (column == g) & (np.arange(column.size) != pos[top])
                 with np.errstate(invalid="ignore"):
                     nxt = max(nxt, float(np.nanmax(peers[top][others], initial=0.0)))
-            if top_ratio < _STANDS_OUT * nxt:
+            if top_ratio < stands_out * nxt:
                 out.add(top)
     return out
 

@@ -47,19 +47,6 @@ __all__ = ["CORROBORATES_ONLY", "PIPELINE_SIDE", "L3Params", "L3Result", "RankSc
 
 F64 = npt.NDArray[np.float64]
 I64 = npt.NDArray[np.int64]
-#: The u grid (share of a rank's calls) on which quantile functions are compared for an unseparated mode.
-_SCAN_STEP = 0.05
-_SCAN_U = np.arange(0.1, 0.9 + 1e-9, _SCAN_STEP)
-#: Calls a cluster needs for its p99 to describe a tail rather than its slowest call or two.
-_TAIL_CALLS = 100
-#: Two or three ranks have no spread to judge by: a mode must be this much slower than the others'.
-_SMALL_SET_RATIO = 1.3
-#: Fewest ranks of a comparison set with a spread to judge by (robust z over the set).
-_SPREAD_SET = 4
-#: Ranks whose calls of a kernel differ from the set's median by more than this share are not judged by mode.
-_SAME_CALLS = 0.02
-#: How far up each mode of a collective its members' fast calls are read (their transfers, with less waiting).
-_LOW_PART = 0.25
 
 
 class Scope(enum.Enum):
@@ -110,6 +97,27 @@ class L3Params:
     mode_z: float = 5.0
     mode_mad_floor: float = 0.02
     links: LinkParams = field(default_factory=LinkParams)
+    #: Step (share of a rank's calls) of the u grid from 0.1 to 0.9 on which compute kernels' quantile functions
+    #: are compared for an unseparated mode [0.05].
+    scan_step: float = 0.05
+    #: Calls a cluster needs for its p99 to describe a tail rather than its slowest call or two [100].
+    tail_calls: int = 100
+    #: Two or three ranks have no spread to judge by: a mode must be this much slower than the others' [1.3].
+    small_set_ratio: float = 1.3
+    #: Fewest ranks of a comparison set with a spread to judge by (robust z over the set); stages with fewer
+    #: compare kernels that every rank runs alike job-wide [4].
+    spread_set: int = 4
+    #: Ranks whose calls of a kernel differ from the set's median by more than this share are not judged by
+    #: mode [0.02].
+    same_calls: float = 0.02
+    #: How far up each mode of a collective its members' fast calls are read (their transfers, with less
+    #: waiting), as a share of the mode's width [0.25].
+    low_part: float = 0.25
+
+    @property
+    def scan_levels(self) -> F64:
+        """The u grid of ``scan_step`` (0.1 to 0.9, both included)."""
+        return np.arange(0.1, 0.9 + 1e-9, self.scan_step)
 
     def __post_init__(self) -> None:
         for name in ("iqr_k", "min_score", "collective_min_score"):
@@ -126,6 +134,13 @@ class L3Params:
             raise DetectorError("mode_log_gap must be finite and > 0, collective_markers non-empty")
         if not (self.mode_z >= 0.0 and 0.0 < self.mode_mad_floor < 1.0):
             raise DetectorError("mode_z must be >= 0, mode_mad_floor in (0, 1)")
+        if not (0.0 < self.scan_step <= 0.4 and 0.0 < self.low_part < 1.0 and 0.0 <= self.same_calls < 1.0):
+            raise DetectorError(f"need scan_step in (0, 0.4], low_part in (0, 1) and same_calls in [0, 1), got "
+                                f"{self.scan_step}, {self.low_part}, {self.same_calls}")
+        if not (math.isfinite(self.small_set_ratio) and self.small_set_ratio > 1.0):
+            raise DetectorError(f"small_set_ratio must be finite and > 1, got {self.small_set_ratio}")
+        if self.tail_calls < 2 or self.spread_set < 2:
+            raise DetectorError(f"need tail_calls >= 2 and spread_set >= 2, got {self.tail_calls}, {self.spread_set}")
 
 
 @dataclass(frozen=True)
@@ -288,9 +303,9 @@ def _slow_ranks(sc: RankScores, min_score: float, gate: float, p: L3Params) -> t
     return slow, p50_ratio, healthy
 
 
-def _trusted_levels(batch: MixtureBatch) -> npt.NDArray[np.bool_]:
-    """Per rank and level of ``_SCAN_U``: whether the level lies among the calls of a cluster with the calls
-    for a modelled tail (``_TAIL_CALLS``; clusters ordered by p50, each holding its share of the rank's
+def _trusted_levels(batch: MixtureBatch, p: L3Params) -> npt.NDArray[np.bool_]:
+    """Per rank and level of ``p.scan_levels``: whether the level lies among the calls of a cluster with the
+    calls for a modelled tail (``p.tail_calls``; clusters ordered by p50, each holding its share of the rank's
     calls). In a smaller cluster the p99 is its slowest call or two: one stray call would stretch its
     modelled tail, and the levels read there."""
     order = np.argsort(np.where(batch.counts > 0, batch.p50_ns, np.inf), axis=1, kind="stable")
@@ -299,11 +314,12 @@ def _trusted_levels(batch: MixtureBatch) -> npt.NDArray[np.bool_]:
         share = np.cumsum(counts, axis=1) / counts.sum(axis=1, keepdims=True)
     # Per level, the clusters wholly below it: a pass per cluster (a rank has a few; a sum over a last axis of
     # that length costs several times more).
-    below = np.zeros((share.shape[0], _SCAN_U.size), dtype=np.int64)
+    levels = p.scan_levels
+    below = np.zeros((share.shape[0], levels.size), dtype=np.int64)
     for k in range(share.shape[1]):
-        below += share[:, k, None] <= _SCAN_U[None, :]
+        below += share[:, k, None] <= levels[None, :]
     at = np.minimum(below, counts.shape[1] - 1)
-    out: npt.NDArray[np.bool_] = np.take_along_axis(counts >= _TAIL_CALLS, at, axis=1)
+    out: npt.NDArray[np.bool_] = np.take_along_axis(counts >= p.tail_calls, at, axis=1)
     return out
 
 
@@ -313,7 +329,7 @@ def _mode_outliers(sc: RankScores, p: L3Params, trusted: npt.NDArray[np.bool_], 
     rank's largest mode ratio, and the share of calls of that mode. ``trusted``: per rank and level of the
     fixed u grid, whether the level is read in a modelled tail that holds (:func:`_trusted_levels`; the upper
     levels of a cluster lie in its tail). ``modes``: the reference's; ``mode_q`` and ``scan_q``: each rank's
-    quantiles (ns) at the modes' middles and at ``_SCAN_U``. ``floors``: at the same levels, modes' then
+    quantiles (ns) at the modes' middles and at ``p.scan_levels``. ``floors``: at the same levels, modes' then
     scan's, each rank's shortest call of the cluster in whose lower part the level lies, NaN elsewhere
     (:func:`~argus.detectors.kernel_rows.lower_part_floors`): a level there is slow only where that call is
     slower than the other ranks' quantile too."""
@@ -330,7 +346,7 @@ def _mode_outliers(sc: RankScores, p: L3Params, trusted: npt.NDArray[np.bool_], 
     else:  # two or three ranks: against the others' median, and a wider gate
         others = np.stack([loo_median(col) for col in logq.T], axis=1)
         lr = logq - others
-        hit = (lr >= math.log(max(p.mode_ratio, _SMALL_SET_RATIO))) & ~(log_floor[:, :lr.shape[1]] <= others)
+        hit = (lr >= math.log(max(p.mode_ratio, p.small_set_ratio))) & ~(log_floor[:, :lr.shape[1]] <= others)
     best = np.argmax(np.where(hit, lr, -np.inf), axis=1)
     rows = np.arange(n)
     found, ratio, share = hit.any(axis=1), np.exp(lr[rows, best]), modes.width[best]
@@ -349,7 +365,7 @@ def _mode_outliers(sc: RankScores, p: L3Params, trusted: npt.NDArray[np.bool_], 
         if scan.any():
             top = np.argmax(np.where(level, lq, -np.inf), axis=1)
             ratio = np.where(scan, np.exp(lq[rows, top]), ratio)
-            share = np.where(scan, float(run.sum(axis=1).max() + 1) * _SCAN_STEP, share)
+            share = np.where(scan, float(run.sum(axis=1).max() + 1) * p.scan_step, share)
             found = found | scan
     return found, ratio, share
 
@@ -361,8 +377,8 @@ def _compute(cols: SummaryColumns, ranks: I64, batch: MixtureBatch, total: F64,
     if topology is not None and p.compute_scope is Scope.STAGE:
         part = topology.array("pp_stage")[rank_positions(topology, ranks)]
         calls = batch.counts.sum(axis=1)
-        if (np.unique(part, return_counts=True)[1].min() < _SPREAD_SET and ranks.size >= _SPREAD_SET
-                and bool(np.all(np.abs(calls / np.median(calls) - 1.0) <= _SAME_CALLS))):
+        if (np.unique(part, return_counts=True)[1].min() < p.spread_set and ranks.size >= p.spread_set
+                and bool(np.all(np.abs(calls / np.median(calls) - 1.0) <= p.same_calls))):
             # Stages of a few ranks have no spread to judge by; a kernel every rank of the job runs equally
             # often runs the same shapes in every stage (the transformer layers): compare it job-wide. A
             # stage slow as a whole is left to the stage detectors (below).
@@ -376,18 +392,18 @@ def _compute(cols: SummaryColumns, ranks: I64, batch: MixtureBatch, total: F64,
             continue
         sub = MixtureBatch(batch.counts[rows], batch.p50_ns[rows], batch.p99_ns[rows])
         # Every level read at once (one search per rank): the modes' middles, the scan grid, the 90th.
-        sc = score_ranks(sub, p.grid_points, p.mode_log_gap, _compute_levels)
+        sc = score_ranks(sub, p.grid_points, p.mode_log_gap, functools.partial(_compute_levels, scan=p.scan_levels))
         slow, p50_ratio, healthy = _slow_ranks(sc, p.min_score, p.p50_ratio, p)
-        tails = ((sub.counts == 0.0) | (sub.counts >= _TAIL_CALLS)).all(axis=1)
+        tails = ((sub.counts == 0.0) | (sub.counts >= p.tail_calls)).all(axis=1)
         modes = reference_modes(sc.reference, sc.grid)
         q = sc.quantiles_ns
-        floors = lower_part_floors(cols, ranks[rows], np.concatenate([modes.mid, _SCAN_U]))
-        by_mode, mode_ratio, mode_share = _mode_outliers(sc, p, _trusted_levels(sub), modes, q[:, :len(modes)],
+        floors = lower_part_floors(cols, ranks[rows], np.concatenate([modes.mid, p.scan_levels]))
+        by_mode, mode_ratio, mode_share = _mode_outliers(sc, p, _trusted_levels(sub, p), modes, q[:, :len(modes)],
                                                          q[:, len(modes):-1], floors)
         # Modes are matched by position among a rank's calls: only ranks with the set's calls (a window cut
         # between the ranks' calls of one step shifts every position) are judged by mode.
         calls = batch.counts[rows].sum(axis=1)
-        by_mode &= np.abs(calls / np.median(calls) - 1.0) <= _SAME_CALLS
+        by_mode &= np.abs(calls / np.median(calls) - 1.0) <= p.same_calls
         excess = total[rows] - np.median(total[rows])
         # A distance grown by a few stray calls (under a tenth of them) is no slow kernel: the W1 and p50
         # paths need the rank's 90th percentile raised too. The modelled tail holds only where every
@@ -418,16 +434,16 @@ def _compute(cols: SummaryColumns, ranks: I64, batch: MixtureBatch, total: F64,
                      excess_ns=v["excess_ns"]) for r, v in sorted(flagged.items())]
 
 
-def _compute_levels(reference: F64, grid: F64) -> F64:
-    """A compute kernel's quantile levels: its reference modes' middles, the scan grid and the 90th."""
-    return np.concatenate([reference_modes(reference, grid).mid, _SCAN_U, [0.9]])
+def _compute_levels(reference: F64, grid: F64, scan: F64) -> F64:
+    """A compute kernel's quantile levels: its reference modes' middles, the ``scan`` grid and the 90th."""
+    return np.concatenate([reference_modes(reference, grid).mid, scan, [0.9]])
 
 
-def _collective_levels(reference: F64, grid: F64) -> F64:
-    """A collective's quantile levels: its reference modes' middles, then their lower parts (``_LOW_PART``
+def _collective_levels(reference: F64, grid: F64, low_part: float) -> F64:
+    """A collective's quantile levels: its reference modes' middles, then their lower parts (``low_part``
     of the way up each mode)."""
     modes = reference_modes(reference, grid)
-    return np.concatenate([modes.mid, modes.lo + _LOW_PART * modes.width])
+    return np.concatenate([modes.mid, modes.lo + low_part * modes.width])
 
 
 def cluster_median_quantile(batch: MixtureBatch, q: float) -> F64:
@@ -446,7 +462,7 @@ def _collective(cols: SummaryColumns, ranks: I64, batch: MixtureBatch, total: F6
                 topology: JobTopology | None, p: L3Params, base: dict[str, Any],
                 group_kind: ParallelGroup | None = None) -> list[L3Result]:
     s = cols.summaries[0]
-    sc = score_ranks(batch, p.grid_points, p.mode_log_gap, _collective_levels)
+    sc = score_ranks(batch, p.grid_points, p.mode_log_gap, functools.partial(_collective_levels, low_part=p.low_part))
     slow, p50_ratio, healthy = _slow_ranks(sc, p.collective_min_score, p.collective_p50_ratio, p)
     # A late arrival is judged by each member's typical call (the median call, at its cluster's median): a
     # waiting member's calls spread over several modes, the most populous of which may be its few fast ones.
@@ -468,7 +484,7 @@ def _collective(cols: SummaryColumns, ranks: I64, batch: MixtureBatch, total: F6
     whole = [grp for grp in groups if grp[0] is not PseudoGroup.PP_SIDE]  # a rank alone has no peers to be late for
     for size in sorted({rows.size for _, _, rows in whole}, reverse=True):  # larger groups explain first
         same = [grp for grp in whole if grp[2].size == size]
-        for ratio, kind, g, row, rows, peers_p50 in _late_candidates(same, p50):
+        for ratio, kind, g, row, rows, peers_p50 in _late_candidates(same, p50, p.links.late_arrival_ratio):
             if not (explained[row] or explained[rows[rows != row]].all()):
                 explained[rows] = True
                 late.append((ratio, kind, g, row, rows, peers_p50))

@@ -27,16 +27,6 @@ from argus.detectors.l3_kernels import L3Result, is_collective
 from argus.schemas.records import JobTopology, KernelSummary
 
 _MAD_SCALE = 1.4826
-#: Least spread of the ranks' excess fractions (a set of identical ranks has none).
-_FRACTION_FLOOR = 0.01
-#: Fewest ranks whose excess fractions have a spread to judge a rank's against.
-_SPREAD_RANKS = 5
-#: Kernels that must run slower on a stage for it to be slow (a name or two may run another shape there).
-_STAGE_MIN_SLOWER_KERNELS = 3
-#: Least z-score (over the kernels' noise) of the excess of a stage slow in one phase only.
-_STAGE_MIN_Z = 4.0
-#: Calls per rank a kernel needs to count in the stage comparison (a one-step trace is no stage verdict).
-_STAGE_MIN_CALLS = 4
 
 __all__ = ["KernelTotals", "RankExcessParams", "comparison_sets", "detect_rank_excess", "detect_stage_excess",
            "kernel_family", "totals_matrix", "trimmed_sum"]
@@ -150,6 +140,25 @@ class RankExcessParams:
     kernel_min_z: float = 4.0
     kernel_min_calls: int = 8
     kernel_min_kernels: int = 5
+    #: Least spread of the ranks' excess fractions (a set of identical ranks has none) [0.01].
+    fraction_floor: float = 0.01
+    #: Fewest ranks of a set whose excess fractions, or whose times in one kernel, have a spread of their own to
+    #: judge a rank's against; a stage with fewer is also compared job-wide [5].
+    spread_ranks: int = 5
+    #: Kernels that must run slower on a stage for it to be slow (a name or two may run another shape there)
+    #: [3].
+    stage_min_slower_kernels: int = 3
+    #: Least z-score (over the kernels' noise) of the excess of a stage slow in one phase only [4.0].
+    stage_min_z: float = 4.0
+    #: Calls per rank a kernel needs to count in the stage comparison (a one-step trace is no stage verdict)
+    #: [4].
+    stage_min_calls: int = 4
+    #: :func:`~argus.detectors.kernel_excess.detect_kernel_excess`: least noise of a kernel's log time per call
+    #: (0.1 %), so identical ranks give no infinite z [1e-3].
+    kernel_scale_floor: float = 1e-3
+    #: :func:`~argus.detectors.kernel_excess.detect_kernel_excess`: most spread of a kernel's calls over the
+    #: set's ranks that still counts as the same work [0.02].
+    kernel_same_calls: float = 0.02
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.min_z) and self.min_z >= 0.0 and 0.0 <= self.min_excess_fraction < 1.0
@@ -158,6 +167,12 @@ class RankExcessParams:
                                 "slower_ratio > 1")
         if self.min_ranks < 2 or self.min_kernels < 1 or self.top_kernels < 1:
             raise DetectorError("need min_ranks >= 2, min_kernels >= 1 and top_kernels >= 1")
+        if self.spread_ranks < 2 or self.stage_min_slower_kernels < 1 or self.stage_min_calls < 1:
+            raise DetectorError("need spread_ranks >= 2, stage_min_slower_kernels >= 1 and stage_min_calls >= 1")
+        if not (self.fraction_floor > 0.0 and self.kernel_scale_floor > 0.0 and math.isfinite(self.stage_min_z)
+                and self.stage_min_z >= 0.0 and 0.0 <= self.kernel_same_calls < 1.0):
+            raise DetectorError("need fraction_floor > 0, kernel_scale_floor > 0, stage_min_z >= 0 and "
+                                "kernel_same_calls in [0, 1)")
         if not (self.kernel_min_ratio >= 1.0 and self.kernel_min_z >= 0.0 and self.kernel_min_calls >= 1
                 and self.kernel_min_kernels >= 3):
             raise DetectorError("need kernel_min_ratio >= 1, kernel_min_z >= 0, kernel_min_calls >= 1 and "
@@ -227,7 +242,7 @@ def comparison_sets(part: I64, calls: F64, p: RankExcessParams) -> list[tuple[in
         rows = np.flatnonzero(part == g)
         if rows.size >= p.min_ranks:
             out.append((int(g), rows, every, np.ones(rows.size, dtype=bool)))
-    small = stages[sizes < _SPREAD_RANKS]
+    small = stages[sizes < p.spread_ranks]
     if small.size and stages.size >= 2:
         # Stages of a few ranks have little to compare with, but their transformer layers run the same
         # kernels as every other stage's: the kernels every rank runs, with the same calls, compare job-wide.
@@ -393,8 +408,8 @@ def _judge(ranks: I64, total: F64, calls: F64, keys: Sequence[tuple[str, int]], 
     # time, and their noise alone gives some healthy rank of a large set a tenth or more. (A few ranks have
     # no spread to judge by: there the rank-based z stands alone.)
     apart = np.ones(ranks.size, dtype=bool)
-    if ranks.size >= _SPREAD_RANKS:
-        spread = max(_MAD_SCALE * float(np.median(np.abs(fraction - np.median(fraction)))), _FRACTION_FLOOR)
+    if ranks.size >= p.spread_ranks:
+        spread = max(_MAD_SCALE * float(np.median(np.abs(fraction - np.median(fraction)))), p.fraction_floor)
         apart = (fraction - np.median(fraction)) / spread >= float(ndtri(1.0 - p.alpha / ranks.size))
     hit = (significant & (fraction >= p.min_excess_fraction) & apart
            & (positive.sum(axis=1) >= p.min_kernels))
@@ -461,7 +476,7 @@ def detect_stage_excess(totals: Iterable[KernelTotals], topology: JobTopology,
         if any(not calls[s] for s in stages):
             continue
         med_calls = np.array([float(np.median(calls[s])) for s in stages])
-        if med_calls.max() > 1.02 * med_calls.min() or med_calls.min() < _STAGE_MIN_CALLS:
+        if med_calls.max() > 1.02 * med_calls.min() or med_calls.min() < p.stage_min_calls:
             continue  # not the same work on every stage, or too few calls for a stage-wide verdict
         # A stage's fastest rank: a slow stage slows every one of its ranks, a straggler only itself.
         rows.append((t.kernel, np.array([float(np.min(per_call[s])) for s in stages]), med_calls))
@@ -490,9 +505,9 @@ def detect_stage_excess(totals: Iterable[KernelTotals], topology: JobTopology,
         spread = max(_MAD_SCALE * float(np.median(np.median(d) - below)), 0.005)
         noise = spread * float(np.sqrt((weight ** 2).sum())) / max(expected, 1e-300)
         phase_wide = (float(weight[slow].sum()) >= p.stage_min_excess * expected
-                      and excess >= max(p.stage_min_excess / 4, _STAGE_MIN_Z * noise) * expected)
+                      and excess >= max(p.stage_min_excess / 4, p.stage_min_z * noise) * expected)
         if (expected > 0 and (excess / expected >= p.stage_min_excess or phase_wide)
-                and slower >= _STAGE_MIN_SLOWER_KERNELS):
+                and slower >= p.stage_min_slower_kernels):
             median_ratio = 1.0 + excess / expected
             ranks = tuple(int(r) for r, st in zip(topology.rank, topology.pp_stage, strict=True) if st == stage)
             # The kernels compared are the layers' share of the stage's work; the rest of it (kernels other

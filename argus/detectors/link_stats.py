@@ -19,7 +19,6 @@ import numpy.typing as npt
 from argus.detectors.cdf_grid import median_sample, pointwise_median
 from argus.detectors.l2_groups import loo_median_rows
 from argus.detectors.mixture import MixtureBatch, mixture_cdf
-from argus.detectors.victims import LATE_ARRIVAL_RATIO
 
 if TYPE_CHECKING:
     from argus.detectors.l3_kernels import RankScores
@@ -32,8 +31,6 @@ I64 = npt.NDArray[np.int64]
 Bools = npt.NDArray[np.bool_]
 K = TypeVar("K")
 MAD_SCALE = 1.4826
-#: Smallest W1 (as a fraction of the reference mean) the inter/intra ratio divides by.
-_W1_RESOLUTION = 1e-4
 
 
 class FloorGates(Protocol):
@@ -51,20 +48,21 @@ class FloorGates(Protocol):
     def spread_set(self) -> int: ...
 
 
-def late_candidates(groups: Sequence[tuple[K, int, I64]], p50: F64) -> list[tuple[float, K, int, int, I64, float]]:
-    """(ratio, kind, index, row, rows, peers' p50) of members 2x shorter than their group peers (late
-    arrivals), strongest first; a group with over a quarter of short members has none (only the last
+def late_candidates(groups: Sequence[tuple[K, int, I64]], p50: F64, late_ratio: float
+                    ) -> list[tuple[float, K, int, int, I64, float]]:
+    """(ratio, kind, index, row, rows, peers' p50) of members ``late_ratio`` x shorter than their group peers
+    (late arrivals), strongest first; a group with over a quarter of short members has none (only the last
     arrival of a call is short). ``groups``: all of one size (judged at once, as a groups x members array)."""
     if not groups:
         return []
     members = np.stack([rows for _, _, rows in groups])
     v = p50[members]
     size = members.shape[1]
-    calm = np.sum(LATE_ARRIVAL_RATIO * v <= np.median(v, axis=1, keepdims=True), axis=1) <= max(1, size // 4)
+    calm = np.sum(late_ratio * v <= np.median(v, axis=1, keepdims=True), axis=1) <= max(1, size // 4)
     peers = loo_median_rows(v)
     ratio = peers / v
     out = [(float(ratio[i, j]), groups[i][0], groups[i][1], int(members[i, j]), groups[i][2], float(peers[i, j]))
-           for i, j in zip(*np.nonzero(calm[:, None] & (ratio >= LATE_ARRIVAL_RATIO)), strict=True)]
+           for i, j in zip(*np.nonzero(calm[:, None] & (ratio >= late_ratio)), strict=True)]
     out.sort(key=lambda c: (-c[0], c[3]))
     return out
 
@@ -126,10 +124,11 @@ def faster_half(lg: F64) -> F64:
     return out
 
 
-def inter_intra(batch: MixtureBatch, sc: RankScores, group: I64, normal: I64) -> float | None:
+def inter_intra(batch: MixtureBatch, sc: RankScores, group: I64, normal: I64, resolution: float) -> float | None:
     """W1 between the group's and the normal ranks' median CDFs over the mean W1 of ranks to their side's
     (each side's CDFs evaluated again on ``sc.grid``; of more than :data:`~argus.detectors.cdf_grid.
-    MEDIAN_SAMPLE` normal ranks, a fixed sample's)."""
+    MEDIAN_SAMPLE` normal ranks, a fixed sample's); the mean W1 floored at ``resolution`` x the reference's mean
+    call."""
     if normal.size == 0:
         return None
     sides = []
@@ -140,4 +139,4 @@ def inter_intra(batch: MixtureBatch, sc: RankScores, group: I64, normal: I64) ->
     inter = float(np.abs(med_g - med_n) @ sc.weights)
     intra = float(np.concatenate([np.abs(cdf_g - med_g) @ sc.weights, np.abs(cdf_n - med_n) @ sc.weights]).mean())
     # Identical ranks on each side give intra = 0; the floor is the grid's resolution of a W1 score.
-    return inter / max(intra, _W1_RESOLUTION * sc.reference_mean_ns)
+    return inter / max(intra, resolution * sc.reference_mean_ns)

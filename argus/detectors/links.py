@@ -107,9 +107,15 @@ class LinkParams:
     #: LinkLedger: this many slow groups of a kind in one collective are ranks of one position waiting, no
     #: strong evidence of one group's link [3].
     several_slow: int = 3
+    #: A member whose typical call is this many times shorter than its group peers' is the late arrival (the
+    #: last to post waits for nobody); a group with one is no reference for transfer times [2.0].
+    late_arrival_ratio: float = 2.0
+    #: Floor of the W1 spread within the sides of ``w1_inter_over_intra_ratio``, as a share of the reference's
+    #: mean call (identical ranks on each side have none): the grid's resolution of a W1 score [1e-4].
+    w1_resolution: float = 1e-4
 
     def __post_init__(self) -> None:
-        for name in ("ratio", "max_ratio", "small_ratio", "side_floor_ratio", "strong_ratio"):
+        for name in ("ratio", "max_ratio", "small_ratio", "side_floor_ratio", "strong_ratio", "late_arrival_ratio"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 1.0):
                 raise DetectorError(f"{name} must be finite and > 1, got {value}")
@@ -119,6 +125,8 @@ class LinkParams:
             raise DetectorError(f"max_ratio must exceed ratio, got {self.max_ratio} <= {self.ratio}")
         if self.spread_set < 2 or self.strong_groups < 2 or self.several_slow < 2:
             raise DetectorError("need spread_set, strong_groups and several_slow >= 2")
+        if not (math.isfinite(self.w1_resolution) and self.w1_resolution > 0.0):
+            raise DetectorError(f"w1_resolution must be finite and > 0, got {self.w1_resolution}")
 
 
 @dataclass(frozen=True)
@@ -296,7 +304,7 @@ def detect_links(ranks: I64, batch: MixtureBatch, sc: RankScores, groups: list[G
         base = dataclasses.replace(_EVIDENCE_BASE, window_end_ns=window_end_ns, n_ranks=int(ranks.size),
                                    group_known=group_known, kind_groups=of_kind[role.kind][0],
                                    kind_slow_groups=of_kind[role.kind][1], kind_comparisons=of_kind[role.kind][2])
-        out += _role_links(role, ranks, batch, sc, modes.width, inputs.calls, explained, base)
+        out += _role_links(role, ranks, batch, sc, modes.width, inputs.calls, explained, base, p)
     return out
 
 
@@ -309,7 +317,7 @@ _EVIDENCE_BASE = LinkEvidence(
 
 
 def _role_links(role: _Role, ranks: I64, batch: MixtureBatch, sc: RankScores, widths: F64, calls: float,
-                explained: Bools, base: LinkEvidence) -> list[DegradedLink]:
+                explained: Bools, base: LinkEvidence, p: LinkParams) -> list[DegradedLink]:
     """The slow groups of one role not already explained (``explained`` updated in place), each read at its
     slowest hit mode (``widths``: each mode's share of the calls); ``base``: the evidence they share."""
     out = []
@@ -328,7 +336,7 @@ def _role_links(role: _Role, ranks: I64, batch: MixtureBatch, sc: RankScores, wi
             transfer_ratio=ratio, group_min_ns=float(np.exp(role.lg[i, j])),
             low_transfer_ratio=float(np.exp(role.lr_low[i, j])), healthy_min_ns=float(np.exp(role.ref[j])),
             mode_share_of_calls=float(widths[j]), groups_compared=role.lg.shape[0],
-            w1_inter_over_intra_ratio=inter_intra(batch, sc, rows, np.flatnonzero(~explained)),
+            w1_inter_over_intra_ratio=inter_intra(batch, sc, rows, np.flatnonzero(~explained), p.w1_resolution),
             pp_group=g // 65536 if side else None, pp_stage=g % 65536 if side else None,
             corroborates_only=bool(role.weak[i]))
         out.append(DegradedLink(tuple(sorted(int(r) for r in ranks[rows])), evidence, extra))
@@ -374,7 +382,7 @@ def _judge_role(kind: GroupKind, role_stage: int, same: list[tuple[int, I64]], i
     # A group with a late arrival is no reference: its fastest member (the late one) never waits, while
     # another group's fastest member waits in the calls where a peer posted last.
     # Without two such groups nothing is named, but the slow groups still count as the kind's (_tally).
-    late = _with_late_arrival(kind, same, inputs.typical)
+    late = _with_late_arrival(kind, same, inputs.typical, p.late_arrival_ratio)
     no_reference = late.any() and int((~late).sum()) < 2
     ref_rows = ~late if not no_reference else np.ones(late.size, dtype=bool)
     lg = np.log(group_minima(inputs.q, [rows for _, rows in same]))
@@ -463,14 +471,15 @@ def _side_gates(hit: Bools, lr: F64, floors: F64, within: F64, p: LinkParams) ->
     return hit, weak
 
 
-def _with_late_arrival(kind: GroupKind, same: list[tuple[int, I64]], typical: F64) -> Bools:
+def _with_late_arrival(kind: GroupKind, same: list[tuple[int, I64]], typical: F64, ratio: float) -> Bools:
     """Per group of ``same`` (index, rows), whether a member is a late arrival by :func:`late_candidates`
-    (``typical``: each row's typical call, ns); a pipeline side (one rank) never has one."""
+    (``typical``: each row's typical call, ns; ``ratio``: the late arrival's); a pipeline side (one rank) never
+    has one."""
     late = np.zeros(len(same), dtype=bool)
     if kind is PseudoGroup.PP_SIDE:
         return late
     at = {g: i for i, (g, _) in enumerate(same)}
     for size in {rows.size for _, rows in same}:
-        for c in late_candidates([(kind, g, rows) for g, rows in same if rows.size == size], typical):
+        for c in late_candidates([(kind, g, rows) for g, rows in same if rows.size == size], typical, ratio):
             late[at[c[2]]] = True
     return late

@@ -1,9 +1,9 @@
 """Causes and victims: the rules by which a late or slow rank is told from the ranks that waited for it.
 
 In a synchronous job one slow rank makes others wait, and waiting looks like slowness: a member that
-reaches a collective last is late, a member that waited is long in it. These rules, used by L2, L3 and the
-stream layer alike, live here once: when a collective call is short enough to mark its member as the late
-arrival (:data:`LATE_ARRIVAL_RATIO`), which late ranks only waited for a straggler
+reaches a collective last is late, a member that waited is long in it (how much shorter a late arrival's
+collective is: ``late_arrival_ratio`` of L2's and the links' Params). These rules, used by L2, L3 and the
+stream layer alike, live here once: which late ranks only waited for a straggler
 (:func:`waiting_victims`), which ranks the findings name stragglers (:func:`straggler_ranks`), and which
 findings are then a straggler's victims or its own evidence (:func:`drop_victims`).
 """
@@ -18,12 +18,7 @@ from argus.core.kinds import FindingKind
 from argus.detectors.phase_layout import BLOCKING_GROUPS
 from argus.schemas.records import Finding, JobTopology, ParallelGroup
 
-__all__ = ["LATE_ARRIVAL_RATIO", "drop_victims", "straggler_ranks", "waiting_victims"]
-
-#: A member's collective time this many times shorter than its group peers' marks it the late arrival (the
-#: last to arrive waits for nobody; its peers waited for it). Also the least ratio by which a late member
-#: explains its peers' waiting.
-LATE_ARRIVAL_RATIO = 2.0
+__all__ = ["drop_victims", "straggler_ranks", "waiting_victims"]
 
 #: Findings that name a rank slow by its own work.
 _STRAGGLER_KINDS = frozenset({FindingKind.COMPUTE_STRAGGLER, FindingKind.RANK_DEGRADED})

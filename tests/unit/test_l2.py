@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import numpy as np
@@ -370,7 +371,9 @@ def test_bad_input_raises() -> None:
     with pytest.raises(DetectorError):
         detect_l2(table, topo)
     for bad in ({"min_elevation": 1.0}, {"min_z": -1.0}, {"mad_floor": 0.0}, {"collective_ratio": float("inf")},
-                {"stage_ratio": 0.5}, {"min_steps": 0}, {"min_late_fraction": -0.1}):
+                {"stage_ratio": 0.5}, {"min_steps": 0}, {"min_late_fraction": -0.1}, {"late_arrival_ratio": 1.0},
+                {"stands_out": math.nan}, {"min_pairs": 1}, {"pair_min_z": -1.0}, {"pairs_alpha": 0.0},
+                {"pairs_alpha": 1.0}, {"wall_share": -0.1}, {"waited_explains": math.inf}, {"waited_own": -1.0}):
         with pytest.raises(DetectorError):
             L2Params(**bad)  # type: ignore[arg-type]
 

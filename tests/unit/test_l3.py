@@ -389,7 +389,8 @@ def test_bad_input_raises() -> None:
         detect_l3([KernelSummary(**{**broken.__dict__, "n_clusters": (2, 1, 1, 1)})])
     for bad in ({"iqr_k": -1.0}, {"min_score": float("nan")}, {"p50_ratio": 1.0}, {"short_ratio": 0.5},
                 {"min_events": 0}, {"min_ranks": 1}, {"grid_points": 8}, {"mode_log_gap": 0.0},
-                {"collective_markers": ()}):
+                {"collective_markers": ()}, {"scan_step": 0.0}, {"scan_step": 0.5}, {"tail_calls": 1},
+                {"small_set_ratio": 1.0}, {"spread_set": 1}, {"same_calls": 1.0}, {"low_part": 0.0}):
         with pytest.raises(DetectorError):
             L3Params(**bad)  # type: ignore[arg-type]
 

@@ -113,15 +113,16 @@ def ref_merge(summaries: list[KernelSummary] | kernel_rows.SummaryColumns,
     return np.array(kept, dtype=np.int64), batch, np.array([sum(c[3] for c in per_rank[r]) for r in kept])
 
 
-def ref_late_candidates(groups: list[tuple[str, int, np.ndarray]], p50: np.ndarray) -> list[Any]:
+def ref_late_candidates(groups: list[tuple[str, int, np.ndarray]], p50: np.ndarray, late_ratio: float = 2.0
+                        ) -> list[Any]:
     out = []
     for kind, g, rows in groups:
-        if int(np.sum(2.0 * p50[rows] <= np.median(p50[rows]))) > max(1, rows.size // 4):
+        if int(np.sum(late_ratio * p50[rows] <= np.median(p50[rows]))) > max(1, rows.size // 4):
             continue
         peers = ref_loo_median(p50[rows])
         ratio = peers / p50[rows]
         out += [(float(ratio[i]), kind, g, int(rows[i]), rows, float(peers[i]))
-                for i in np.flatnonzero(ratio >= 2.0).tolist()]
+                for i in np.flatnonzero(ratio >= late_ratio).tolist()]
     out.sort(key=lambda c: (-c[0], c[3]))
     return out
 
@@ -346,10 +347,10 @@ def test_late_candidates_match_the_per_group_loop(seed: int) -> None:
     p50[rng.random(p50.size) < 0.15] /= rng.choice([1.5, 2.0, 3.0, 8.0])  # some short, ties at exactly 2x
     perm = rng.permutation(p50.size)
     groups = [(str(rng.choice(["DP", "TP"])), int(i), perm[i * size:(i + 1) * size]) for i in range(n_groups)]
-    fast, want = l3_kernels._late_candidates(groups, p50), ref_late_candidates(groups, p50)
+    fast, want = l3_kernels._late_candidates(groups, p50, 2.0), ref_late_candidates(groups, p50)
     assert [(c[0], c[1], c[2], c[3], c[5]) for c in fast] == [(c[0], c[1], c[2], c[3], c[5]) for c in want]
     assert all(f[4] is w[4] for f, w in zip(fast, want, strict=True))
-    assert l3_kernels._late_candidates([], p50) == []
+    assert l3_kernels._late_candidates([], p50, 2.0) == []
 
 
 @PROPERTY

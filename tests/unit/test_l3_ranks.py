@@ -91,6 +91,11 @@ def test_collectives_are_left_out_and_keys_checked() -> None:
         t.add(s)
     with pytest.raises(DetectorError):
         RankExcessParams(min_ranks=1)
+    for bad in ({"spread_ranks": 1}, {"stage_min_slower_kernels": 0}, {"stage_min_calls": 0},
+                {"fraction_floor": 0.0}, {"kernel_scale_floor": -1.0}, {"stage_min_z": math.nan},
+                {"kernel_same_calls": 1.0}):
+        with pytest.raises(DetectorError):
+            RankExcessParams(**bad)  # type: ignore[arg-type]
 
 
 def test_step_clock_and_impacts() -> None:

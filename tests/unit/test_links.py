@@ -51,6 +51,7 @@ def test_link_params_defaults_are_the_rules_thresholds() -> None:
     {"ratio": 1.0}, {"ratio": math.nan}, {"max_ratio": math.inf}, {"small_ratio": 0.5}, {"side_floor_ratio": 1.0},
     {"strong_ratio": -2.0}, {"z": -1.0}, {"z": math.nan}, {"mad_floor": 0.0}, {"mad_floor": 1.0},
     {"ratio": 3.0, "max_ratio": 2.0}, {"spread_set": 1}, {"strong_groups": 0}, {"several_slow": 1},
+    {"late_arrival_ratio": 1.0}, {"w1_resolution": 0.0}, {"w1_resolution": math.inf},
 ])
 def test_link_params_reject_out_of_range_values(bad: dict[str, Any]) -> None:
     with pytest.raises(DetectorError):
