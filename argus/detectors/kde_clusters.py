@@ -21,19 +21,9 @@ import numpy as np
 import numpy.typing as npt
 
 from argus.core.errors import DetectorError
-from argus.detectors.kde_valleys import (
-    GRID_MARGIN,
-    ISOLATED_GAP,
-    KERNEL_SUPPORT,
-    MIN_BANDWIDTH,
-    dense_codes,
-    radix_sort,
-    valley_cuts,
-)
+from argus.detectors.kde_valleys import KERNEL_SUPPORT, dense_codes, radix_sort, valley_cuts
 
 __all__ = [
-    "ISOLATED_GAP",
-    "MIN_BANDWIDTH",
     "ClusterSet",
     "ClusterSummary",
     "KdeParams",
@@ -74,6 +64,15 @@ class KdeParams:
     min_log_gap: float = 0.15
     max_clusters: int = 8
     min_valley_z: float = 2.5
+    #: Floor of the KDE bandwidth, in ``ln(ns)`` (1e-3 is 0.1 %): nearly-equal durations would otherwise give a
+    #: zero bandwidth and a division by zero [1e-3].
+    min_bandwidth: float = 1e-3
+    #: Gap, in bandwidths, beyond which fewer than ``min_samples`` values at either end of a group are left out
+    #: of its bandwidth (not out of its clusters) [4.0].
+    isolated_gap: float = 4.0
+    #: Margin of the KDE grid beyond the smallest and largest value, in bandwidths (the density is ~0 past it)
+    #: [3.0].
+    grid_margin: float = 3.0
 
     def __post_init__(self) -> None:
         if self.grid_points < 16:
@@ -86,6 +85,10 @@ class KdeParams:
             raise DetectorError(f"max_clusters must be >= 1, got {self.max_clusters}")
         if not (math.isfinite(self.min_valley_z) and self.min_valley_z >= 0.0):
             raise DetectorError(f"min_valley_z must be finite and >= 0, got {self.min_valley_z}")
+        for name in ("min_bandwidth", "isolated_gap", "grid_margin"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0.0):
+                raise DetectorError(f"{name} must be finite and > 0, got {value}")
 
 
 @dataclass(frozen=True)
@@ -143,16 +146,18 @@ class ClusterSet:
         return int(self.count.sum())
 
 
-def binned_kde(log_values: npt.ArrayLike, bandwidth: float, grid_points: int = 512) -> tuple[F64, F64]:
+def binned_kde(log_values: npt.ArrayLike, bandwidth: float, grid_points: int = 512,
+               grid_margin: float = KdeParams.grid_margin) -> tuple[F64, F64]:
     """Gaussian KDE of ``log_values`` on an evenly spaced grid, by linear binning and convolution.
 
-    The grid spans ``[min - 3h, max + 3h]`` with ``grid_points`` points (``h`` = ``bandwidth``, in the
-    units of ``log_values``). Cost is O(n + grid_points * support): ~0.15 ms for 10k samples, against
-    ~80 ms for evaluating ``scipy.stats.gaussian_kde`` on the same grid, which it matches to ~1e-4 of
-    the peak density. Returns ``(grid, density)`` with the density integrating to 1.
+    The grid spans ``[min - g h, max + g h]`` with ``grid_points`` points (``h`` = ``bandwidth``, in the
+    units of ``log_values``; ``g`` = ``grid_margin``, default :attr:`KdeParams.grid_margin`). Cost is
+    O(n + grid_points * support): ~0.15 ms for 10k samples, against ~80 ms for evaluating
+    ``scipy.stats.gaussian_kde`` on the same grid, which it matches to ~1e-4 of the peak density. Returns
+    ``(grid, density)`` with the density integrating to 1.
 
-    Raises :class:`DetectorError` for empty or non-finite values, a non-positive bandwidth or fewer
-    than 3 grid points.
+    Raises :class:`DetectorError` for empty or non-finite values, a non-positive bandwidth or grid margin,
+    or fewer than 3 grid points.
     """
     y = np.asarray(log_values, dtype=np.float64)
     if y.ndim != 1 or y.size == 0:
@@ -161,16 +166,18 @@ def binned_kde(log_values: npt.ArrayLike, bandwidth: float, grid_points: int = 5
         raise DetectorError("binned_kde got NaN or infinite values")
     if not (math.isfinite(bandwidth) and bandwidth > 0.0):
         raise DetectorError(f"bandwidth must be finite and > 0, got {bandwidth}")
+    if not (math.isfinite(grid_margin) and grid_margin > 0.0):
+        raise DetectorError(f"grid_margin must be finite and > 0, got {grid_margin}")
     if grid_points < 3:
         raise DetectorError(f"grid_points must be >= 3, got {grid_points}")
-    return _binned_kde(y, float(np.min(y)), float(np.max(y)), bandwidth, grid_points)
+    return _binned_kde(y, float(np.min(y)), float(np.max(y)), bandwidth, grid_points, grid_margin)
 
 
 def cluster_durations(durations_ns: npt.ArrayLike, params: KdeParams | None = None) -> ClusterSet:
     """Cluster one group's kernel durations (ns) at the valleys of the KDE of ``ln(duration)``.
 
-    The bandwidth is Scott's rule, ``std(ln d) * n ** (-1/5)``, floored at :data:`MIN_BANDWIDTH`; fewer than
-    ``params.min_samples`` values at either end beyond a gap of :data:`ISOLATED_GAP` such bandwidths are left
+    The bandwidth is Scott's rule, ``std(ln d) * n ** (-1/5)``, floored at ``params.min_bandwidth``; fewer than
+    ``params.min_samples`` values at either end beyond a gap of ``params.isolated_gap`` such bandwidths are left
     out of it (a stray call widens it enough to merge two modes x3 apart), not out of the clusters. Each
     cluster found is clustered again with its own bandwidth (a mode far from the others widens the group's
     past the valleys between near ones), within ``params.max_clusters`` in all. A
@@ -186,7 +193,8 @@ def cluster_durations(durations_ns: npt.ArrayLike, params: KdeParams | None = No
     p = params if params is not None else KdeParams()
     xs = np.sort(_as_durations(durations_ns))
     edges, _ = valley_cuts(xs, np.array([0, xs.size], dtype=np.int64), p.grid_points, p.min_samples,
-                           p.min_log_gap, p.max_clusters, p.min_valley_z)
+                           p.min_log_gap, p.max_clusters, p.min_valley_z, p.min_bandwidth, p.isolated_gap,
+                           p.grid_margin)
     return _summarize(xs, edges)
 
 
@@ -217,7 +225,7 @@ def cluster_by_group(
     starts = np.zeros(uniq.size + 1, dtype=np.int64)
     np.cumsum(np.bincount(codes, minlength=uniq.size), out=starts[1:])
     edges, first_cluster = valley_cuts(xs, starts, p.grid_points, p.min_samples, p.min_log_gap, p.max_clusters,
-                                       p.min_valley_z)
+                                       p.min_valley_z, p.min_bandwidth, p.isolated_gap, p.grid_margin)
     t = _summarize(xs, edges)
     cols = (t.count, t.p50_ns, t.p99_ns, t.min_ns, t.max_ns, t.sum_ns)
     bounds = first_cluster.tolist()
@@ -267,9 +275,10 @@ def _as_durations(durations_ns: npt.ArrayLike) -> I64:
     return np.maximum(x, 1)
 
 
-def _binned_kde(y: F64, ymin: float, ymax: float, h: float, grid_points: int) -> tuple[F64, F64]:
-    lo = ymin - GRID_MARGIN * h
-    hi = ymax + GRID_MARGIN * h
+def _binned_kde(y: F64, ymin: float, ymax: float, h: float, grid_points: int,
+                grid_margin: float) -> tuple[F64, F64]:
+    lo = ymin - grid_margin * h
+    hi = ymax + grid_margin * h
     grid = np.linspace(lo, hi, grid_points)
     dx = (hi - lo) / (grid_points - 1)
     # Linear binning splits each sample between its two grid neighbours: error O(dx^2), not O(dx).

@@ -16,25 +16,24 @@ import numba
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["GRID_MARGIN", "ISOLATED_GAP", "KERNEL_SUPPORT", "MIN_BANDWIDTH", "dense_codes", "radix_sort", "valley_cuts"]
+__all__ = ["KERNEL_SUPPORT", "dense_codes", "radix_sort", "valley_cuts"]
 
 I64 = npt.NDArray[np.int64]
 F64 = npt.NDArray[np.float64]
 
-#: Floor of the KDE bandwidth in natural-log units (0.1 %): nearly-equal durations would otherwise
-#: give a zero bandwidth and a division by zero.
-MIN_BANDWIDTH = 1e-3
-#: Gap (in bandwidths) beyond which a few values at either end of a group are left out of its bandwidth.
-ISOLATED_GAP = 4.0
-#: Kernel support in bandwidths; exp(-12.5) ~ 4e-6 of the peak is far below what moves a valley.
+# The thresholds (bandwidth floor, isolated gap, grid margin) are fields of KdeParams, passed in as arguments;
+# the constants below fix the numerics (truncation, discretisation, hashing), not what counts as a cluster.
+
+#: Kernel support in bandwidths, a numerical constant (where the Gaussian is truncated): exp(-12.5) ~ 4e-6 of
+#: the peak is far below what moves a valley.
 KERNEL_SUPPORT = 5.0
-#: Grid margin beyond the data, in bandwidths (the density is ~0 past it).
-GRID_MARGIN = 3.0
-#: Grid points per bandwidth: enough to resolve the density; small groups (wide h) need few points.
+#: Grid points per bandwidth, a numerical constant (the discretisation): enough to resolve the density; small
+#: groups (wide h) need few points.
 _POINTS_PER_BANDWIDTH = 10.0
-#: Integral of the squared standard Gaussian kernel; sets the KDE's pointwise variance.
+#: Integral of the squared standard Gaussian kernel, a mathematical constant: sets the KDE's pointwise variance.
 _KERNEL_ROUGHNESS = 1.0 / (2.0 * math.sqrt(math.pi))
-#: Fibonacci hashing multiplier (2^64 / golden ratio), for the open-addressing table of dense_codes.
+#: Fibonacci hashing multiplier (2^64 / golden ratio), a hashing constant for the open-addressing table of
+#: dense_codes.
 _FIB = np.uint64(0x9E3779B97F4A7C15)
 
 
@@ -112,8 +111,8 @@ def radix_sort(keys: I64, bits: int) -> I64:
 
 
 @numba.njit(cache=True, nogil=True)
-def _scott(y: F64, s: int, e: int) -> float:  # pragma: no cover - compiled
-    """Scott's rule on ``y[s:e]`` (2 or more values): ``std * n ** (-1/5)``, floored at MIN_BANDWIDTH."""
+def _scott(y: F64, s: int, e: int, min_bandwidth: float) -> float:  # pragma: no cover - compiled
+    """Scott's rule on ``y[s:e]`` (2 or more values): ``std * n ** (-1/5)``, floored at ``min_bandwidth``."""
     n = e - s
     mean = 0.0
     for i in range(s, e):
@@ -123,34 +122,35 @@ def _scott(y: F64, s: int, e: int) -> float:  # pragma: no cover - compiled
     for i in range(s, e):
         d = y[i] - mean
         ss += d * d
-    return max(math.sqrt(ss / (n - 1)) * float(n) ** (-0.2), MIN_BANDWIDTH)
+    return max(math.sqrt(ss / (n - 1)) * float(n) ** (-0.2), min_bandwidth)
 
 
 @numba.njit(cache=True, nogil=True)
 def _group_cuts(xs: I64, y: F64, s: int, e: int, grid_points: int, min_samples: int, min_log_gap: float,
-                max_clusters: int, min_valley_z: float, out: I64, m: int) -> int:  # pragma: no cover
+                max_clusters: int, min_valley_z: float, min_bandwidth: float, isolated_gap: float,
+                grid_margin: float, out: I64, m: int) -> int:  # pragma: no cover
     """Append to ``out`` (from ``m``) the absolute indices where a new cluster of sorted ``xs[s:e]`` starts,
     in ascending order; returns the new end of ``out``."""
     n = e - s
     if n < 2 * min_samples or xs[s] == xs[e - 1] or max_clusters == 1:
         return m
-    h = _scott(y, s, e)
-    # A few values (fewer than a cluster holds) beyond a gap of ISOLATED_GAP bandwidths at either end are
+    h = _scott(y, s, e, min_bandwidth)
+    # A few values (fewer than a cluster holds) beyond a gap of isolated_gap bandwidths at either end are
     # bumps of their own, not the spread of the rest: one stray call would widen the bandwidth enough to
     # merge two modes x3 apart. The bandwidth is the rest's.
     lo_k, hi_k = 0, 0
     for i in range(1, min(min_samples, n)):
-        if y[s + i] - y[s + i - 1] > ISOLATED_GAP * h:
+        if y[s + i] - y[s + i - 1] > isolated_gap * h:
             lo_k = i
-        if y[e - i] - y[e - i - 1] > ISOLATED_GAP * h:
+        if y[e - i] - y[e - i - 1] > isolated_gap * h:
             hi_k = i
     if lo_k + hi_k > 0 and n - lo_k - hi_k >= 2:
-        h = _scott(y, s + lo_k, e - hi_k)
+        h = _scott(y, s + lo_k, e - hi_k, min_bandwidth)
     ymin, ymax = y[s], y[e - 1]
-    span = (ymax - ymin) / h + 2.0 * GRID_MARGIN
+    span = (ymax - ymin) / h + 2.0 * grid_margin
     points = min(grid_points, max(16, math.ceil(span * _POINTS_PER_BANDWIDTH) + 1))
-    lo = ymin - GRID_MARGIN * h
-    hi = ymax + GRID_MARGIN * h
+    lo = ymin - grid_margin * h
+    hi = ymax + grid_margin * h
     dx = (hi - lo) / (points - 1)
     # Linear binning, as two bincounts added (the order numpy adds them in).
     m1 = np.zeros(points)
@@ -251,14 +251,16 @@ def _group_cuts(xs: I64, y: F64, s: int, e: int, grid_points: int, min_samples: 
 
 @numba.njit(cache=True, nogil=True)
 def _refined_cuts(xs: I64, y: F64, s: int, e: int, grid_points: int, min_samples: int, min_log_gap: float,
-                  max_clusters: int, min_valley_z: float, out: I64, m: int) -> int:  # pragma: no cover
+                  max_clusters: int, min_valley_z: float, min_bandwidth: float, isolated_gap: float,
+                  grid_margin: float, out: I64, m: int) -> int:  # pragma: no cover
     """:func:`_group_cuts` of ``xs[s:e]``, then again inside each cluster found, with the cluster's own
     bandwidth, until none splits or the group has ``max_clusters``; the cuts appended in ascending order.
     A mode far from the others (a collective's waiting calls, 10x its transfers) widens the whole group's
     bandwidth past the valleys between the modes near each other (the transfers before and after a
     slowdown, x2 apart)."""
     m0 = m
-    m = _group_cuts(xs, y, s, e, grid_points, min_samples, min_log_gap, max_clusters, min_valley_z, out, m)
+    m = _group_cuts(xs, y, s, e, grid_points, min_samples, min_log_gap, max_clusters, min_valley_z, min_bandwidth,
+                    isolated_gap, grid_margin, out, m)
     if m == m0:
         return m
     lo = np.empty(2 * max_clusters + 2, dtype=np.int64)
@@ -276,7 +278,7 @@ def _refined_cuts(xs: I64, y: F64, s: int, e: int, grid_points: int, min_samples
         a, b = lo[top], hi[top]
         k = m
         m = _group_cuts(xs, y, a, b, grid_points, min_samples, min_log_gap, max_clusters - (m - m0),
-                        min_valley_z, out, m)
+                        min_valley_z, min_bandwidth, isolated_gap, grid_margin, out, m)
         prev = a
         for j in range(k, m):
             lo[top], hi[top] = prev, out[j]
@@ -292,7 +294,8 @@ def _refined_cuts(xs: I64, y: F64, s: int, e: int, grid_points: int, min_samples
 
 @numba.njit(cache=True, nogil=True)
 def _valley_cuts(xs: I64, y: F64, starts: I64, grid_points: int, min_samples: int, min_log_gap: float,
-                 max_clusters: int, min_valley_z: float) -> tuple[I64, I64]:  # pragma: no cover - compiled
+                 max_clusters: int, min_valley_z: float, min_bandwidth: float, isolated_gap: float,
+                 grid_margin: float) -> tuple[I64, I64]:  # pragma: no cover - compiled
     n_groups = starts.size - 1
     # At most max_clusters - 1 cuts per group, and never more than one per event.
     cap = min(xs.size, n_groups * max(max_clusters - 1, 0))
@@ -305,7 +308,7 @@ def _valley_cuts(xs: I64, y: F64, starts: I64, grid_points: int, min_samples: in
         edges[m] = starts[g]
         m += 1
         c = _refined_cuts(xs, y, starts[g], starts[g + 1], grid_points, min_samples, min_log_gap, max_clusters,
-                        min_valley_z, cuts, 0)
+                          min_valley_z, min_bandwidth, isolated_gap, grid_margin, cuts, 0)
         for j in range(c):
             edges[m] = cuts[j]
             m += 1
@@ -315,7 +318,8 @@ def _valley_cuts(xs: I64, y: F64, starts: I64, grid_points: int, min_samples: in
 
 
 def valley_cuts(xs: I64, starts: I64, grid_points: int, min_samples: int, min_log_gap: float, max_clusters: int,
-                min_valley_z: float) -> tuple[I64, I64]:
+                min_valley_z: float, min_bandwidth: float, isolated_gap: float,
+                grid_margin: float) -> tuple[I64, I64]:
     """The cluster edges of every group of ``xs`` (durations in ns, >= 1, sorted within each group; group
     ``g`` is ``xs[starts[g]:starts[g + 1]]``, ``starts[-1] == xs.size``).
 
@@ -324,5 +328,6 @@ def valley_cuts(xs: I64, starts: I64, grid_points: int, min_samples: int, min_lo
     :class:`~argus.detectors.kde_clusters.KdeParams`.
     """
     y = np.log(xs.astype(np.float64))  # numpy's log, as the numpy statement takes it
-    return _valley_cuts(xs, y, starts, grid_points, min_samples, min_log_gap,
-                        max_clusters, min_valley_z)
+    # float(): one compiled signature, whatever number type a KdeParams field was given.
+    return _valley_cuts(xs, y, starts, grid_points, min_samples, float(min_log_gap), max_clusters,
+                        float(min_valley_z), float(min_bandwidth), float(isolated_gap), float(grid_margin))

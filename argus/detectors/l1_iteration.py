@@ -28,8 +28,6 @@ __all__ = ["IterationSeries", "L1Params", "L1Result", "detect_l1"]
 F64 = npt.NDArray[np.float64]
 I64 = npt.NDArray[np.int64]
 _MS = 1e6
-_SIGMA_FLOOR = 1e-3  # 0.1 %: below it, noise is no longer what limits the test (timer resolution, rounding)
-_MAX_LOOKS = 64  # bound on the segments examined by one binary segmentation
 #: Critical value of the standardized mean-shift statistic: _Z_A + _Z_B * ln(ln(steps)), calibrated by simulation.
 _Z_A, _Z_B = 3.25, 0.42
 
@@ -72,6 +70,11 @@ class L1Params:
     warmup: int = 3
     outlier_sigmas: float = 4.0
     max_drift: float = 0.05
+    #: Least noise level of ``ln(iteration time)`` (natural-log units; 1e-3 is 0.1 %): below it, noise is no
+    #: longer what limits the test (timer resolution, rounding) [1e-3].
+    sigma_floor: float = 1e-3
+    #: Most segments one binary segmentation examines (a count; it bounds the search's cost) [64].
+    max_looks: int = 64
 
     def __post_init__(self) -> None:
         if self.window < 2 or not 1 <= self.min_context <= self.window // 2:
@@ -97,6 +100,10 @@ class L1Params:
             raise DetectorError(f"max_drift must be finite and >= 0, got {self.max_drift}")
         if not (math.isfinite(self.outlier_sigmas) and self.outlier_sigmas > 0.0):
             raise DetectorError(f"outlier_sigmas must be finite and > 0, got {self.outlier_sigmas}")
+        if not (math.isfinite(self.sigma_floor) and self.sigma_floor > 0.0):
+            raise DetectorError(f"sigma_floor must be finite and > 0, got {self.sigma_floor}")
+        if self.max_looks < 1:
+            raise DetectorError(f"max_looks must be >= 1, got {self.max_looks}")
 
 
 @dataclass(frozen=True)
@@ -293,14 +300,15 @@ def _mad_sigma(y: F64) -> float:
     return 1.4826 * float(np.median(np.abs(np.diff(y)))) / math.sqrt(2.0)
 
 
-def _test_sigma(z: F64, mad_sigma: float) -> float:
+def _test_sigma(z: F64, mad_sigma: float, p: L1Params) -> float:
     """Noise level for the test: RMS of first differences / sqrt(2), each difference winsorized at four of
-    its robust standard deviations (so level shifts count little, moderately heavy tails fully), floored."""
+    its robust standard deviations (so level shifts count little, moderately heavy tails fully), floored at
+    ``p.sigma_floor``."""
     if z.size < 3:
-        return _SIGMA_FLOOR
+        return p.sigma_floor
     d = np.diff(z)
-    lim = 4.0 * math.sqrt(2.0) * max(mad_sigma, _SIGMA_FLOOR)
-    return max(math.sqrt(float(np.mean(np.clip(d, -lim, lim) ** 2)) / 2.0), _SIGMA_FLOOR)
+    lim = 4.0 * math.sqrt(2.0) * max(mad_sigma, p.sigma_floor)
+    return max(math.sqrt(float(np.mean(np.clip(d, -lim, lim) ** 2)) / 2.0), p.sigma_floor)
 
 
 def threshold_z(n: int) -> float:
@@ -347,7 +355,7 @@ def _change_points(y: F64, keep: I64, test: _Test, p: L1Params) -> list[int]:
     found: list[int] = []
     stack = [(0, n, 0, y.size)]  # kept steps [a, b), series steps [ra, rb)
     looks = 0
-    while stack and len(found) < p.max_change_points and looks < _MAX_LOOKS:
+    while stack and len(found) < p.max_change_points and looks < p.max_looks:
         a, b, ra, rb = stack.pop()
         if b - a < 4 or rb - ra < 2 * m:
             continue
@@ -414,11 +422,11 @@ def _regressions(step: I64, wall: F64, gpu: F64, p: L1Params) -> list[L1Result]:
         return []
     y = np.log(wall)
     mad = _mad_sigma(y)
-    keep = np.flatnonzero(~_outliers(y, max(mad, _SIGMA_FLOOR), p))
+    keep = np.flatnonzero(~_outliers(y, max(mad, p.sigma_floor), p))
     z = y[keep]
     if z.size < 4:  # min_segment counts series steps (already checked); a mean and a noise need >= 2 each
         return []
-    test = _Test(sigma=_test_sigma(z, mad), z_crit=threshold_z(z.size) * math.sqrt(p.penalty),
+    test = _Test(sigma=_test_sigma(z, mad, p), z_crit=threshold_z(z.size) * math.sqrt(p.penalty),
                  gate=math.log(p.min_shift), drift_per_step=math.log1p(p.max_drift) / (2.0 * z.size))
     cps = _change_points(y, keep, test, p)
     if not cps:

@@ -27,8 +27,6 @@ __all__ = ["OnsetParams", "rank_onsets"]
 F64 = npt.NDArray[np.float64]
 I64 = npt.NDArray[np.int64]
 _MAD_SCALE = 1.4826
-#: Least noise of a log time ratio (0.2 %): identical steps give no infinite t.
-_NOISE_FLOOR = 2e-3
 
 
 @dataclass(frozen=True)
@@ -47,6 +45,9 @@ class OnsetParams:
     min_shift: float = 0.01
     min_segment: int = 4
     max_steps: int = 64
+    #: Least noise of a log time ratio (natural-log units; 2e-3 is 0.2 %): identical steps give no infinite t
+    #: [2e-3].
+    noise_floor: float = 2e-3
 
     def __post_init__(self) -> None:
         if not 0.0 < self.alpha < 1.0:
@@ -56,6 +57,8 @@ class OnsetParams:
         if self.min_segment < 2 or self.max_steps < 2 * self.min_segment + 1:
             raise DetectorError(f"need min_segment >= 2 and max_steps > 2 * min_segment, got {self.min_segment}, "
                                 f"{self.max_steps}")
+        if not (math.isfinite(self.noise_floor) and self.noise_floor > 0.0):
+            raise DetectorError(f"noise_floor must be finite and > 0, got {self.noise_floor}")
 
 
 def rank_onsets(own_ns: npt.ArrayLike, phase: npt.ArrayLike | None = None,
@@ -98,7 +101,7 @@ def rank_onsets(own_ns: npt.ArrayLike, phase: npt.ArrayLike | None = None,
     typical = np.zeros(n_rows)
     for g in np.unique(ph).tolist():
         typical[ph == g] = np.nanmedian(own_noise[ph == g])
-    noise = np.maximum(np.maximum(own_noise, typical), _NOISE_FLOOR)
+    noise = np.maximum(np.maximum(own_noise, typical), p.noise_floor)
     # The shift judged is the segments' medians': one outlier step (a host stall, a pause) in a short segment
     # moves the means, not a level.
     d = np.minimum(shift[rows, best], hi - lo)

@@ -30,7 +30,7 @@ from argus.core.settings import Settings
 from argus.demo import build_spec
 from argus.detectors import ClusterSet, KdeParams, cluster_by_group, cluster_durations
 from argus.detectors.kde_clusters import _binned_kde, _summarize
-from argus.detectors.kde_valleys import GRID_MARGIN, ISOLATED_GAP, MIN_BANDWIDTH, dense_codes, radix_sort
+from argus.detectors.kde_valleys import dense_codes, radix_sort
 from argus.producers.simulator import JobSimulator
 from argus.schemas import column_packing
 from argus.schemas.records import KernelBatch
@@ -48,17 +48,17 @@ def ref_cuts_sorted(xs: np.ndarray, p: KdeParams) -> np.ndarray:
     if n < 2 * p.min_samples or xs[0] == xs[-1] or p.max_clusters == 1:
         return np.empty(0, dtype=np.int64)
     y = np.log(xs.astype(np.float64))
-    h = max(float(np.std(y, ddof=1)) * n ** (-0.2), MIN_BANDWIDTH)
-    gaps = np.diff(y) > ISOLATED_GAP * h
+    h = max(float(np.std(y, ddof=1)) * n ** (-0.2), p.min_bandwidth)
+    gaps = np.diff(y) > p.isolated_gap * h
     lo_k = max((i for i in range(1, min(p.min_samples, n)) if gaps[i - 1]), default=0)
     hi_k = max((i for i in range(1, min(p.min_samples, n)) if gaps[n - i - 1]), default=0)
     if lo_k + hi_k > 0 and n - lo_k - hi_k >= 2:
         bulk = y[lo_k:n - hi_k]
-        h = max(float(np.std(bulk, ddof=1)) * bulk.size ** (-0.2), MIN_BANDWIDTH)
+        h = max(float(np.std(bulk, ddof=1)) * bulk.size ** (-0.2), p.min_bandwidth)
     ymin, ymax = float(y[0]), float(y[-1])
-    span = (ymax - ymin) / h + 2.0 * GRID_MARGIN
+    span = (ymax - ymin) / h + 2.0 * p.grid_margin
     points = min(p.grid_points, max(16, math.ceil(span * 10.0) + 1))
-    grid, dens = _binned_kde(y, ymin, ymax, h, points)
+    grid, dens = _binned_kde(y, ymin, ymax, h, points, p.grid_margin)
     idx, _ = find_peaks(-dens)
     if idx.size == 0:
         return np.empty(0, dtype=np.int64)

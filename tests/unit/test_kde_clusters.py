@@ -171,6 +171,21 @@ def test_bad_params_raise(kwargs: dict[str, float]) -> None:
         KdeParams(**kwargs)  # type: ignore[arg-type]
 
 
+def test_min_bandwidth_is_used() -> None:
+    """Two modes x3 apart split, unless the bandwidth floor (2 in ln ns) is wider than their distance."""
+    rng = np.random.default_rng(3)
+    x = np.concatenate([_lognormal(rng, 1000, 0.05, 500), _lognormal(rng, 3000, 0.05, 500)])
+    assert len(cluster_durations(x)) == 2
+    assert len(cluster_durations(x, KdeParams(min_bandwidth=2.0))) == 1
+
+
+@pytest.mark.parametrize("name", ["min_bandwidth", "isolated_gap", "grid_margin"])
+@pytest.mark.parametrize("bad", [0.0, -1.0, float("nan"), float("inf")])
+def test_bad_bandwidth_floor_gap_or_margin_raises(name: str, bad: float) -> None:
+    with pytest.raises(DetectorError, match=name):
+        KdeParams(**{name: bad})  # type: ignore[arg-type]
+
+
 def test_cluster_set_is_read_only_columnar() -> None:
     cs = cluster_durations(np.arange(1, 100))
     assert len(cs) == 1 and cs.total_count == 99
@@ -202,6 +217,7 @@ def test_binned_kde_matches_scipy_gaussian_kde(seed: int) -> None:
     grid, dens = binned_kde(y, bandwidth, 512)
     assert grid[0] == pytest.approx(y.min() - 3 * bandwidth)
     assert grid[-1] == pytest.approx(y.max() + 3 * bandwidth)
+    assert binned_kde(y, bandwidth, 512, grid_margin=5.0)[0][0] == pytest.approx(y.min() - 5 * bandwidth)
     exact = ref(grid)
     assert np.max(np.abs(dens - exact)) < 1e-3 * exact.max()
     assert np.trapezoid(dens, grid) == pytest.approx(1.0, abs=1e-4)
@@ -214,6 +230,8 @@ def test_binned_kde_rejects_bad_input() -> None:
         binned_kde([1.0, 2.0], 0.0)
     with pytest.raises(DetectorError):
         binned_kde([1.0, np.nan], 0.1)
+    with pytest.raises(DetectorError):
+        binned_kde([1.0, 2.0], 0.1, grid_margin=0.0)
 
 
 # --- many groups at once --------------------------------------------------------------------------

@@ -208,3 +208,20 @@ def test_bad_input_and_params_raise() -> None:
                 {"outlier_sigmas": 0.0}):
         with pytest.raises(DetectorError):
             L1Params(**bad)  # type: ignore[arg-type]
+
+
+def test_sigma_floor_and_max_looks_are_used() -> None:
+    """Two 20 % steps: one look finds one of them; a noise floor of 50 % hides both."""
+    wall = _noise(120, 0.01, 3)
+    wall[40:] *= 1.2
+    wall[80:] *= 1.2
+    assert [r.steps for r in detect_l1(np.arange(120), wall)] == [(40,), (80,)]
+    assert len(detect_l1(np.arange(120), wall, params=L1Params(max_looks=1))) == 1
+    assert detect_l1(np.arange(120), wall, params=L1Params(sigma_floor=0.5)) == []
+
+
+@pytest.mark.parametrize("bad", [{"sigma_floor": 0.0}, {"sigma_floor": -1e-3}, {"sigma_floor": float("nan")},
+                                 {"sigma_floor": float("inf")}, {"max_looks": 0}])
+def test_bad_sigma_floor_or_max_looks_raises(bad: dict[str, float]) -> None:
+    with pytest.raises(DetectorError, match=next(iter(bad))):
+        L1Params(**bad)  # type: ignore[arg-type]

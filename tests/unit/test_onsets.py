@@ -80,6 +80,12 @@ def test_phases_are_compared_with_their_own_kind_and_gaps_are_skipped() -> None:
         OnsetParams(min_segment=1)
 
 
+@pytest.mark.parametrize("bad", [0.0, -2e-3, float("nan"), float("inf")])
+def test_bad_noise_floor_raises(bad: float) -> None:
+    with pytest.raises(DetectorError, match="noise_floor"):
+        OnsetParams(noise_floor=bad)
+
+
 def _result(ranks: tuple[int, ...], excess_ms: float) -> L3Result:
     return L3Result(FindingKind.KERNEL_DEGRADED, ranks, "gemm", 7, 0.2, {}, excess_ns=excess_ms * 1e6)
 
