@@ -133,6 +133,7 @@ class WorkerSettings:
     max_open_jobs: int
     max_ranks_per_job: int
     l3_max_windows: int
+    context_max_bytes: int
     heartbeat_interval_s: float
     metrics_host: str
     web_port: int = field(metadata={"from": "worker_web_port"})

@@ -23,6 +23,7 @@ from scipy.special import ndtri
 from argus.core.errors import DetectorError
 from argus.core.kinds import FindingKind
 from argus.detectors.experts import is_grouped_gemm
+from argus.detectors.l2_groups import MAD_SCALE
 from argus.detectors.l3_kernels import L3Result, is_collective
 from argus.detectors.l3_ranks import KernelTotals, totals_matrix
 from argus.schemas.records import JobTopology
@@ -30,7 +31,6 @@ from argus.schemas.records import JobTopology
 __all__ = ["HostParams", "detect_host_excess"]
 
 F64 = npt.NDArray[np.float64]
-_MAD_SCALE = 1.4826
 
 
 @dataclass(frozen=True)
@@ -112,7 +112,7 @@ def _judge_set(ranks: npt.NDArray[np.int64], hosts: npt.NDArray[np.str_], total:
         mine = hosts == h
         others = speed[~mine]
         ref = float(np.median(others))
-        spread = max(_MAD_SCALE * float(np.median(np.abs(others - ref))), p.spread_floor)
+        spread = max(MAD_SCALE * float(np.median(np.abs(others - ref))), p.spread_floor)
         shift = float(np.mean(speed[mine])) - ref
         z = shift / (spread / math.sqrt(int(mine.sum())))
         slower = mine & (speed > ref)

@@ -19,7 +19,7 @@ from scipy.special import ndtri
 
 from argus.core.kinds import FindingKind
 from argus.detectors.experts import ep_group_ids, group_means, is_grouped_gemm, per_token_scale
-from argus.detectors.l2_groups import loo_median_rows
+from argus.detectors.l2_groups import MAD_SCALE, loo_median_rows
 from argus.detectors.l3_kernels import L3Result, is_collective
 from argus.detectors.l3_ranks import KernelTotals, RankExcessParams, comparison_sets, totals_matrix
 from argus.schemas.records import JobTopology
@@ -29,7 +29,6 @@ __all__ = ["detect_kernel_excess"]
 F64 = npt.NDArray[np.float64]
 I64 = npt.NDArray[np.int64]
 
-_MAD_SCALE = 1.4826
 
 
 def detect_kernel_excess(totals: Iterable[KernelTotals], topology: JobTopology | None = None,
@@ -105,10 +104,10 @@ def _residuals(per_call: F64, calls: F64, p: RankExcessParams, pooled_only: npt.
     e = y - speed
     c = np.median(calls, axis=0)
     widen = np.sqrt(np.maximum(np.median(c) / c, 1.0))  # fewer calls than the median kernel: a noisier mean
-    pooled = _MAD_SCALE * float(np.median(np.abs(e) / widen))
+    pooled = MAD_SCALE * float(np.median(np.abs(e) / widen))
     scale = np.maximum(pooled * widen, p.kernel_scale_floor)
     if n >= p.spread_ranks:
-        own = _MAD_SCALE * np.median(np.abs(e - np.median(e, axis=0)), axis=0)
+        own = MAD_SCALE * np.median(np.abs(e - np.median(e, axis=0)), axis=0)
         if pooled_only is not None:
             own = np.where(pooled_only, 0.0, own)
         scale = np.maximum(scale, own)

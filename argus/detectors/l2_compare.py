@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import numpy.typing as npt
 
-from argus.detectors.l2_groups import loo_median_rows, row_spreads
+from argus.detectors.l2_groups import MAD_SCALE, loo_median_rows, row_spreads
 from argus.schemas.records import PhaseKind
 
 if TYPE_CHECKING:
@@ -27,7 +27,6 @@ __all__ = ["Flag", "compare_rows", "pair_outliers", "phase_flags"]
 
 F64 = npt.NDArray[np.float64]
 I64 = npt.NDArray[np.int64]
-_MAD_SCALE = 1.4826
 #: Times are integer nanoseconds: a phase's time per step below one is no time measured, and a ratio to it
 #: is no ratio (a member whose collective took "0 ns" arrived last, by at most its peers' time).
 _RESOLUTION_NS = 1.0
@@ -50,7 +49,7 @@ def pair_outliers(value: F64, p: L2Params) -> tuple[F64, npt.NDArray[np.bool_]]:
     diff = np.abs(value[:, 0] - value[:, 1])
     with np.errstate(invalid="ignore", divide="ignore"):
         others = loo_median_rows(diff[None, :])[0]  # a straggler's own pair does not widen its scale
-        scale = np.maximum(_MAD_SCALE * others, p.mad_floor * np.nanmedian(value, axis=1))
+        scale = np.maximum(MAD_SCALE * others, p.mad_floor * np.nanmedian(value, axis=1))
         z = diff / scale
     bar = max(p.pair_min_z, NormalDist().inv_cdf(1.0 - p.pairs_alpha / (2 * rows)))
     return z, np.nan_to_num(z, nan=0.0) >= bar
@@ -79,7 +78,7 @@ def compare_rows(value: F64, p: L2Params, collective: bool) -> tuple[F64, F64, F
     """Each row of ``value`` one group's members: ratio to and z against the peers' median, that median, the
     group's CV (one per row) and the hits (see :func:`argus.detectors.l2_phases.detect_l2`)."""
     peers, _, mad = row_spreads(value)
-    scale = np.maximum(mad * _MAD_SCALE, p.mad_floor * peers)
+    scale = np.maximum(mad * MAD_SCALE, p.mad_floor * peers)
     with np.errstate(invalid="ignore", divide="ignore"):
         z = (value - peers) / scale
         ratio = np.maximum(value, _RESOLUTION_NS) / np.maximum(peers, _RESOLUTION_NS)

@@ -9,10 +9,12 @@ import numpy.typing as npt
 
 from argus.core.errors import DetectorError
 
-__all__ = ["cell_median", "loo_median", "loo_median_rows", "row_spreads"]
+__all__ = ["MAD_SCALE", "cell_median", "loo_median", "loo_median_rows", "row_spreads"]
 
 F64 = npt.NDArray[np.float64]
 I64 = npt.NDArray[np.int64]
+#: The median absolute deviation's consistency constant for a normal (1 / Phi^-1(3/4)): MAD x it estimates sigma.
+MAD_SCALE = 1.4826
 #: Longest row row_spreads sorts by insertion (beyond, numpy's partitions along the rows cost less).
 _SHORT_ROW = 48
 

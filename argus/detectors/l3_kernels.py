@@ -27,9 +27,9 @@ from argus.detectors.collective_groups import collective_groups, collective_kind
 from argus.detectors.experts import is_grouped_gemm
 from argus.detectors.kernel_modes import ReferenceModes, reference_modes
 from argus.detectors.kernel_rows import SummaryColumns, lower_part_floors, merge_rows, one_key, row_floors, window_end
-from argus.detectors.l2_groups import loo_median
+from argus.detectors.l2_groups import MAD_SCALE, loo_median
 from argus.detectors.l2_phases import rank_positions
-from argus.detectors.link_stats import MAD_SCALE, faster_half
+from argus.detectors.link_stats import faster_half
 from argus.detectors.link_stats import late_candidates as _late_candidates
 from argus.detectors.links import (
     CORROBORATES_ONLY,

@@ -21,12 +21,10 @@ from scipy.stats import rankdata
 from argus.core.errors import DetectorError
 from argus.core.kinds import FindingKind
 from argus.detectors.experts import is_grouped_gemm
-from argus.detectors.l2_groups import loo_median
+from argus.detectors.l2_groups import MAD_SCALE, loo_median
 from argus.detectors.l2_phases import L2Result
 from argus.detectors.l3_kernels import L3Result, is_collective
 from argus.schemas.records import JobTopology, KernelSummary
-
-_MAD_SCALE = 1.4826
 
 __all__ = ["KernelTotals", "RankExcessParams", "comparison_sets", "detect_rank_excess", "detect_stage_excess",
            "kernel_family", "totals_matrix", "trimmed_sum"]
@@ -409,7 +407,7 @@ def _judge(ranks: I64, total: F64, calls: F64, keys: Sequence[tuple[str, int]], 
     # no spread to judge by: there the rank-based z stands alone.)
     apart = np.ones(ranks.size, dtype=bool)
     if ranks.size >= p.spread_ranks:
-        spread = max(_MAD_SCALE * float(np.median(np.abs(fraction - np.median(fraction)))), p.fraction_floor)
+        spread = max(MAD_SCALE * float(np.median(np.abs(fraction - np.median(fraction)))), p.fraction_floor)
         apart = (fraction - np.median(fraction)) / spread >= float(ndtri(1.0 - p.alpha / ranks.size))
     hit = (significant & (fraction >= p.min_excess_fraction) & apart
            & (positive.sum(axis=1) >= p.min_kernels))
@@ -502,7 +500,7 @@ def detect_stage_excess(totals: Iterable[KernelTotals], topology: JobTopology,
         weight = n[:, j] * others
         d = np.log(ratio)
         below = d[d <= np.median(d)]
-        spread = max(_MAD_SCALE * float(np.median(np.median(d) - below)), 0.005)
+        spread = max(MAD_SCALE * float(np.median(np.median(d) - below)), 0.005)
         noise = spread * float(np.sqrt((weight ** 2).sum())) / max(expected, 1e-300)
         phase_wide = (float(weight[slow].sum()) >= p.stage_min_excess * expected
                       and excess >= max(p.stage_min_excess / 4, p.stage_min_z * noise) * expected)

@@ -17,7 +17,7 @@ import numpy as np
 import numpy.typing as npt
 
 from argus.detectors.cdf_grid import median_sample, pointwise_median
-from argus.detectors.l2_groups import loo_median_rows
+from argus.detectors.l2_groups import MAD_SCALE, loo_median_rows
 from argus.detectors.mixture import MixtureBatch, mixture_cdf
 
 if TYPE_CHECKING:
@@ -30,7 +30,6 @@ F64 = npt.NDArray[np.float64]
 I64 = npt.NDArray[np.int64]
 Bools = npt.NDArray[np.bool_]
 K = TypeVar("K")
-MAD_SCALE = 1.4826
 
 
 class FloorGates(Protocol):

@@ -24,8 +24,8 @@ import numpy.typing as npt
 
 from argus.core.errors import DetectorError
 from argus.detectors.kernel_modes import reference_modes
+from argus.detectors.l2_groups import MAD_SCALE
 from argus.detectors.link_stats import (
-    MAD_SCALE,
     faster_half,
     floor_outliers,
     group_minima,

@@ -21,12 +21,12 @@ import numpy.typing as npt
 from scipy.special import ndtri
 
 from argus.core.errors import DetectorError
+from argus.detectors.l2_groups import MAD_SCALE
 
 __all__ = ["OnsetParams", "rank_onsets"]
 
 F64 = npt.NDArray[np.float64]
 I64 = npt.NDArray[np.int64]
-_MAD_SCALE = 1.4826
 
 
 @dataclass(frozen=True)
@@ -96,7 +96,7 @@ def rank_onsets(own_ns: npt.ArrayLike, phase: npt.ArrayLike | None = None,
     # The noise about the chosen split's two segments, robustly (one outlier step moves no onset).
     lo, hi = _seg_median(x, k, lower=True), _seg_median(x, k, lower=False)
     resid = np.where(np.arange(n)[None, :] < k[:, None], x - lo[:, None], x - hi[:, None])
-    own_noise = _MAD_SCALE * np.median(np.abs(resid), axis=1)
+    own_noise = MAD_SCALE * np.median(np.abs(resid), axis=1)
     # A row's few steps may happen to lie close together: its noise is at least its phase's typical one.
     typical = np.zeros(n_rows)
     for g in np.unique(ph).tolist():

@@ -162,14 +162,14 @@ class DiagnosisShell:
 
     async def carry_out(self, effects: Iterable[Effect[EventT] | FinalEffect[EventT]]) -> None:
         """Do what a router said, in its order, each effect delivered before the next."""
+        most = self.settings.worker.context_max_bytes  # each context goes in pieces of at most this many bytes
         for e in effects:
             if isinstance(e, Publish):
                 await self.publish(e.findings, e.hangs)
-            elif isinstance(e, Share):  # in pieces of at most context_max_bytes; then it is known here
-                self.shared.put(await send_context(self._context, e.context, self.settings.context_max_bytes,
-                                                   self.settings.partitions))
+            elif isinstance(e, Share):  # once sent, it is known here
+                self.shared.put(await send_context(self._context, e.context, most, self.settings.partitions))
             elif isinstance(e, ShareTotals):  # the final router has put them in the table already
-                await send_context(self._context, e.context, self.settings.context_max_bytes, self.settings.partitions)
+                await send_context(self._context, e.context, most, self.settings.partitions)
             elif isinstance(e, Mark):
                 await self._send(self._lifecycle, job_key(e.record.job_id), e.record.encode())
                 await self.carry_out(self.jobs.marked(e.record, time.monotonic(), e.release).effects)
