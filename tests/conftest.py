@@ -11,6 +11,9 @@ suite's files go as one unit: its private stack and its 3-broker cluster never r
 
 from __future__ import annotations
 
+import signal
+import threading
+from types import FrameType
 from typing import Any
 
 import pytest
@@ -21,6 +24,18 @@ settings.register_profile("explore", derandomize=False)
 settings.load_profile("deterministic")
 
 FAULTS = "tests/faults"
+
+
+def _interrupt(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """A run stopped by SIGTERM (a cancelled CI job, a ``timeout``) unwinds as Ctrl-C does: the session's fixtures
+    are torn down, so the brokers and servers they started (in sessions of their own) stop with it instead of
+    holding their ports for the next run. Each pytest-xdist worker does the same."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _interrupt)
 
 
 @pytest.hookimpl(optionalhook=True)
