@@ -378,6 +378,10 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.only_seed is not None and not args.fault:
         ap.error("--only-seed needs --fault (a seed is a scenario of one class)")
+    if args.scenarios < 1 or args.max_ranks < 1 or args.workers < 1:
+        ap.error("--scenarios, --max-ranks and --workers must be >= 1")
+    if args.workdir is not None and args.workdir.exists() and not args.workdir.is_dir():
+        ap.error(f"--workdir {args.workdir} is not a folder")
     jobs = [(args.only_seed, args.fault)] if args.only_seed is not None else plan(args.scenarios, args.seed,
                                                                                  args.fault)
     if args.mode == "inproc" and _inproc_diagnose() is None:
@@ -387,6 +391,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     signal.signal(signal.SIGTERM, _sigterm)
     signal.signal(signal.SIGINT, signal.default_int_handler)  # even where started with SIGINT ignored (nohup, &)
+    if args.workdir is not None:
+        args.workdir.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="argus-eval-", dir=args.workdir))
     tag = uuid.uuid4().hex[:6]
     details = args.details.open("w") if args.details else None
