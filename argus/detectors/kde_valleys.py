@@ -126,6 +126,106 @@ def _scott(y: F64, s: int, e: int, min_bandwidth: float) -> float:  # pragma: no
 
 
 @numba.njit(cache=True, nogil=True)
+def _neg_density(y: F64, s: int, e: int, h: float, lo: float, dx: float, points: int) -> F64:  # pragma: no cover
+    """Minus the Gaussian KDE (bandwidth ``h``) of sorted ``y[s:e]`` on the grid ``lo + i * dx`` of ``points``
+    points, from linear binning and a kernel cut at ``KERNEL_SUPPORT`` bandwidths."""
+    n = e - s
+    # Linear binning, as two bincounts added (the order numpy adds them in).
+    m1 = np.zeros(points)
+    m2 = np.zeros(points)
+    for i in range(s, e):
+        pos = (y[i] - lo) / dx
+        left = min(max(math.floor(pos), 0), points - 2)
+        frac = pos - left
+        m1[left] += 1.0 - frac
+        m2[left + 1] += frac
+    mass = m1 + m2
+    half = min(points - 1, math.ceil(KERNEL_SUPPORT * h / dx))
+    step = dx / h
+    kern = np.empty(2 * half + 1)
+    for j in range(2 * half + 1):
+        o = (j - half) * step
+        kern[j] = math.exp(-0.5 * o * o)
+    norm = n * h * math.sqrt(2.0 * math.pi)
+    neg = np.empty(points)
+    for i in range(points):
+        acc = 0.0
+        for j in range(max(0, i - half), min(points, i + half + 1)):
+            acc += mass[j] * kern[i - j + half]
+        neg[i] = -(acc / norm)
+    return neg
+
+
+@numba.njit(cache=True, nogil=True)
+def _peaks(neg: F64) -> tuple[I64, int]:  # pragma: no cover - compiled
+    """``scipy.signal.find_peaks(neg)`` without conditions: local maxima, a plateau at its middle (the first
+    ``k`` entries of the array returned, with ``k``)."""
+    points = neg.size
+    peaks = np.empty(points, dtype=np.int64)
+    k = 0
+    i = 1
+    while i < points - 1:
+        if neg[i - 1] < neg[i]:
+            ahead = i + 1
+            while ahead < points - 1 and neg[ahead] == neg[i]:
+                ahead += 1
+            if neg[ahead] < neg[i]:
+                peaks[k] = (i + ahead - 1) // 2
+                k += 1
+                i = ahead
+        i += 1
+    return peaks, k
+
+
+@numba.njit(cache=True, nogil=True)
+def _prominence(neg: F64, p: int) -> float:  # pragma: no cover - compiled
+    """``scipy.signal.peak_prominences`` of peak ``p``: its height over the higher of the lowest points on each
+    side before the curve rises above it."""
+    left_min = neg[p]
+    i = p
+    while i >= 0 and neg[i] <= neg[p]:
+        if neg[i] < left_min:
+            left_min = neg[i]
+        i -= 1
+    right_min = neg[p]
+    i = p
+    while i <= neg.size - 1 and neg[i] <= neg[p]:
+        if neg[i] < right_min:
+            right_min = neg[i]
+        i += 1
+    return float(neg[p] - max(left_min, right_min))
+
+
+@numba.njit(cache=True, nogil=True)
+def _spaced(order: I64, pos_v: F64, below: I64, n: int, min_log_gap: float, min_samples: int,
+            max_clusters: int) -> tuple[I64, int]:  # pragma: no cover - compiled
+    """Valleys taken in ``order`` (at ``pos_v``, ln ns, with ``below`` samples under each, of ``n``) while each
+    keeps ``min_log_gap`` and ``min_samples`` from the ones taken, up to ``max_clusters - 1``: the samples
+    below each taken valley, ascending (the first entries of the array returned, with their number)."""
+    acc_pos = np.empty(max_clusters)
+    acc_below = np.empty(max_clusters, dtype=np.int64)
+    na = 0
+    for v in order:
+        pv, c = pos_v[v], below[v]
+        at = np.searchsorted(acc_pos[:na], pv)  # bisect_left
+        left_pos, left_below = (acc_pos[at - 1], acc_below[at - 1]) if at > 0 else (-math.inf, 0)
+        right_pos, right_below = (acc_pos[at], acc_below[at]) if at < na else (math.inf, n)
+        if pv - left_pos < min_log_gap or right_pos - pv < min_log_gap:
+            continue
+        if c - left_below < min_samples or right_below - c < min_samples:
+            continue
+        for j in range(na, at, -1):
+            acc_pos[j] = acc_pos[j - 1]
+            acc_below[j] = acc_below[j - 1]
+        acc_pos[at] = pv
+        acc_below[at] = c
+        na += 1
+        if na == max_clusters - 1:
+            break
+    return acc_below, na
+
+
+@numba.njit(cache=True, nogil=True)
 def _group_cuts(xs: I64, y: F64, s: int, e: int, grid_points: int, min_samples: int, min_log_gap: float,
                 max_clusters: int, min_valley_z: float, min_bandwidth: float, isolated_gap: float,
                 grid_margin: float, out: I64, m: int) -> int:  # pragma: no cover
@@ -152,43 +252,8 @@ def _group_cuts(xs: I64, y: F64, s: int, e: int, grid_points: int, min_samples: 
     lo = ymin - grid_margin * h
     hi = ymax + grid_margin * h
     dx = (hi - lo) / (points - 1)
-    # Linear binning, as two bincounts added (the order numpy adds them in).
-    m1 = np.zeros(points)
-    m2 = np.zeros(points)
-    for i in range(s, e):
-        pos = (y[i] - lo) / dx
-        left = min(max(math.floor(pos), 0), points - 2)
-        frac = pos - left
-        m1[left] += 1.0 - frac
-        m2[left + 1] += frac
-    mass = m1 + m2
-    half = min(points - 1, math.ceil(KERNEL_SUPPORT * h / dx))
-    step = dx / h
-    kern = np.empty(2 * half + 1)
-    for j in range(2 * half + 1):
-        o = (j - half) * step
-        kern[j] = math.exp(-0.5 * o * o)
-    norm = n * h * math.sqrt(2.0 * math.pi)
-    neg = np.empty(points)  # -density: its peaks are the density's valleys
-    for i in range(points):
-        acc = 0.0
-        for j in range(max(0, i - half), min(points, i + half + 1)):
-            acc += mass[j] * kern[i - j + half]
-        neg[i] = -(acc / norm)
-    # scipy.signal.find_peaks(neg) without conditions: local maxima, a plateau at its middle.
-    peaks = np.empty(points, dtype=np.int64)
-    k = 0
-    i = 1
-    while i < points - 1:
-        if neg[i - 1] < neg[i]:
-            ahead = i + 1
-            while ahead < points - 1 and neg[ahead] == neg[i]:
-                ahead += 1
-            if neg[ahead] < neg[i]:
-                peaks[k] = (i + ahead - 1) // 2
-                k += 1
-                i = ahead
-        i += 1
+    neg = _neg_density(y, s, e, h, lo, dx, points)  # its peaks are the density's valleys
+    peaks, k = _peaks(neg)
     if k == 0:
         return m
     pos_v = np.empty(k)
@@ -198,20 +263,7 @@ def _group_cuts(xs: I64, y: F64, s: int, e: int, grid_points: int, min_samples: 
     tiny = np.finfo(np.float64).tiny
     for v in range(k):
         p = peaks[v]
-        # scipy.signal.peak_prominences: the lowest point on each side before the curve rises above the peak.
-        left_min = neg[p]
-        i = p
-        while i >= 0 and neg[i] <= neg[p]:
-            if neg[i] < left_min:
-                left_min = neg[i]
-            i -= 1
-        right_min = neg[p]
-        i = p
-        while i <= points - 1 and neg[i] <= neg[p]:
-            if neg[i] < right_min:
-                right_min = neg[i]
-            i += 1
-        dip = neg[p] - max(left_min, right_min)
+        dip = _prominence(neg, p)
         floor = -neg[p]
         noise = math.sqrt((2.0 * floor + dip) * _KERNEL_ROUGHNESS / (n * h))
         z[v] = dip / max(noise, tiny)
@@ -223,26 +275,7 @@ def _group_cuts(xs: I64, y: F64, s: int, e: int, grid_points: int, min_samples: 
     if cand.size == 0:
         return m
     order = cand[np.argsort(-z[cand], kind="mergesort")]  # most significant first; ties in position order
-    acc_pos = np.empty(max_clusters)
-    acc_below = np.empty(max_clusters, dtype=np.int64)
-    na = 0
-    for v in order:
-        pv, c = pos_v[v], below[v]
-        at = np.searchsorted(acc_pos[:na], pv)  # bisect_left
-        left_pos, left_below = (acc_pos[at - 1], acc_below[at - 1]) if at > 0 else (-math.inf, 0)
-        right_pos, right_below = (acc_pos[at], acc_below[at]) if at < na else (math.inf, n)
-        if pv - left_pos < min_log_gap or right_pos - pv < min_log_gap:
-            continue
-        if c - left_below < min_samples or right_below - c < min_samples:
-            continue
-        for j in range(na, at, -1):
-            acc_pos[j] = acc_pos[j - 1]
-            acc_below[j] = acc_below[j - 1]
-        acc_pos[at] = pv
-        acc_below[at] = c
-        na += 1
-        if na == max_clusters - 1:
-            break
+    acc_below, na = _spaced(order, pos_v, below, n, min_log_gap, min_samples, max_clusters)
     for j in range(na):
         out[m] = s + acc_below[j]
         m += 1

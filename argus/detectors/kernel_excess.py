@@ -118,7 +118,7 @@ def _judge(ranks: I64, total: F64, median: F64, calls: F64, keys: Sequence[tuple
            p: RankExcessParams, moe: _Experts) -> list[L3Result]:
     n = ranks.size
     same = ((calls >= p.kernel_min_calls).all(axis=0)
-            & (calls.max(axis=0) <= (1.0 + p.kernel_same_calls) * calls.min(axis=0))
+            & (calls.max(axis=0) <= (1.0 + p.same_calls) * calls.min(axis=0))
             & (total > 0).all(axis=0) & (np.nan_to_num(median) > 0).all(axis=0))
     if n < p.min_ranks or int(same.sum()) < p.kernel_min_kernels:
         return []

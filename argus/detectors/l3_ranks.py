@@ -154,9 +154,12 @@ class RankExcessParams:
     #: :func:`~argus.detectors.kernel_excess.detect_kernel_excess`: least noise of a kernel's log time per call
     #: (0.1 %), so identical ranks give no infinite z [1e-3].
     kernel_scale_floor: float = 1e-3
-    #: :func:`~argus.detectors.kernel_excess.detect_kernel_excess`: most spread of a kernel's calls over the
-    #: set's ranks that still counts as the same work [0.02].
-    kernel_same_calls: float = 0.02
+    #: Most spread of a kernel's calls over the compared ranks (in :func:`detect_stage_excess`, over the stages'
+    #: medians) that still counts as the same work [0.02].
+    same_calls: float = 0.02
+    #: Floor of the spread (log scale) of a stage's kernels' ratios to the other stages', which sets the noise
+    #: of a stage slow in one phase only [0.005].
+    stage_spread_floor: float = 0.005
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.min_z) and self.min_z >= 0.0 and 0.0 <= self.min_excess_fraction < 1.0
@@ -168,9 +171,9 @@ class RankExcessParams:
         if self.spread_ranks < 2 or self.stage_min_slower_kernels < 1 or self.stage_min_calls < 1:
             raise DetectorError("need spread_ranks >= 2, stage_min_slower_kernels >= 1 and stage_min_calls >= 1")
         if not (self.fraction_floor > 0.0 and self.kernel_scale_floor > 0.0 and math.isfinite(self.stage_min_z)
-                and self.stage_min_z >= 0.0 and 0.0 <= self.kernel_same_calls < 1.0):
-            raise DetectorError("need fraction_floor > 0, kernel_scale_floor > 0, stage_min_z >= 0 and "
-                                "kernel_same_calls in [0, 1)")
+                and self.stage_min_z >= 0.0 and 0.0 <= self.same_calls < 1.0 and self.stage_spread_floor > 0.0):
+            raise DetectorError("need fraction_floor > 0, kernel_scale_floor > 0, stage_spread_floor > 0, "
+                                "stage_min_z >= 0 and same_calls in [0, 1)")
         if not (self.kernel_min_ratio >= 1.0 and self.kernel_min_z >= 0.0 and self.kernel_min_calls >= 1
                 and self.kernel_min_kernels >= 3):
             raise DetectorError("need kernel_min_ratio >= 1, kernel_min_z >= 0, kernel_min_calls >= 1 and "
@@ -354,46 +357,9 @@ def _judge(ranks: I64, total: F64, calls: F64, keys: Sequence[tuple[str, int]], 
     keys = [k for k, ok in zip(keys, enough.tolist(), strict=True) if ok]
     if not keys:
         return []
-    with np.errstate(invalid="ignore", divide="ignore"):
-        mean = np.where(present, total / np.where(present, calls, 1.0), np.nan)
-        positive = present & (mean > 0)
-        logm = np.where(positive, np.log(np.where(positive, mean, 1.0)), np.nan)
-    # Each rank against its peers' median (leave-one-out: with two ranks, the other one).
-    ref_log = np.full(logm.shape, np.nan)
-    for k in range(logm.shape[1]):
-        rows = np.flatnonzero(positive[:, k])
-        if rows.size >= 2:
-            ref_log[rows, k] = loo_median(logm[rows, k])
-    positive &= ~np.isnan(ref_log)
-    d = np.where(positive, logm - np.nan_to_num(ref_log), 0.0)
-    ref = np.where(positive, np.exp(np.nan_to_num(ref_log)), 0.0)
+    d, ref, positive = _shifts(total, calls, present)
     slower = positive & (d > math.log(p.slower_ratio))
-    masked = np.where(positive, d, np.nan)
-    fams = [kernel_family(k) for k, _ in keys]
-    subsets, labels = [np.ones(len(fams), dtype=bool)], ["all"]
-    for fam in sorted(set(fams)):  # a fault often hits one family (the GEMMs): test it undiluted by the rest too
-        cols = np.array([f == fam for f in fams])
-        if p.min_kernels <= int(cols.sum()) < len(fams):
-            subsets.append(cols)
-            labels.append(fam)
-    orders = np.array([_rank_scores_z(masked[:, c]) for c in subsets])
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # a rank without kernels in a subset: no shift
-        typical = np.nan_to_num(np.array([np.nanmedian(masked[:, c], axis=1) for c in subsets]), nan=0.0)
-    pooled = orders.max(axis=0)
-    # Every rank is tested in every subset: the z a rank needs grows with the tests (Bonferroni), so a set of
-    # eight ranks is not held to the bar of a thousand, nor a thousand to that of eight.
-    min_z = max(p.min_z if ranks.size >= 3 else p.min_z_two_ranks,
-                float(ndtri(1.0 - p.alpha / (n_tests * len(subsets)))))
-    # Significance (see the module docstring): the order with the typical kernel's shift, or the shift in time.
-    # Of two ranks only the kernels whose shapes fix their work compare; the slower one is then named (GPUs
-    # of one job are alike, and the excess share below keeps a few percent apart silent).
-    pair = ranks.size < 3
-    counted = np.array([not pair or fam in _SHAPE_FAMILIES for fam in labels])
-    timed_cols = np.isin(fams, _SHAPE_FAMILIES) if pair else np.ones(len(fams), dtype=bool)
-    timed = _time_z(d, ref * calls, positive & timed_cols[None, :], np.unique(fams, return_inverse=True)[1]) >= min_z
-    significant = (((orders >= min_z) | ((orders >= p.min_order_z) & timed[None, :]))
-                   & (typical >= math.log(p.typical_ratio)) & counted[:, None]).any(axis=0)
+    significant, pooled = _significant(d, ref * calls, positive, [k for k, _ in keys], ranks.size, p, n_tests)
     w = np.where(positive, ref * calls, 0.0)
     share = (w * slower).sum(axis=1) / np.maximum(w.sum(axis=1), 1e-300)
     per_call = np.where(positive, total / np.where(positive, calls, 1.0), 0.0)
@@ -430,6 +396,57 @@ def _judge(ranks: I64, total: F64, calls: F64, keys: Sequence[tuple[str, int]], 
     return out
 
 
+def _shifts(total: F64, calls: F64, present: npt.NDArray[np.bool_]) -> tuple[F64, F64, npt.NDArray[np.bool_]]:
+    """Per rank and kernel (``present``: the rank runs it): ``ln`` of its time per call over its peers' median
+    (leave-one-out: with two ranks, the other one; 0 where unknown), that median (ns per call; 0 where unknown)
+    and where both are known."""
+    with np.errstate(invalid="ignore", divide="ignore"):
+        mean = np.where(present, total / np.where(present, calls, 1.0), np.nan)
+        positive = present & (mean > 0)
+        logm = np.where(positive, np.log(np.where(positive, mean, 1.0)), np.nan)
+    ref_log = np.full(logm.shape, np.nan)
+    for k in range(logm.shape[1]):
+        rows = np.flatnonzero(positive[:, k])
+        if rows.size >= 2:
+            ref_log[rows, k] = loo_median(logm[rows, k])
+    positive &= ~np.isnan(ref_log)
+    d = np.where(positive, logm - np.nan_to_num(ref_log), 0.0)
+    ref = np.where(positive, np.exp(np.nan_to_num(ref_log)), 0.0)
+    return d, ref, positive
+
+
+def _significant(d: F64, weight: F64, positive: npt.NDArray[np.bool_], kernels: list[str], n_ranks: int,
+                 p: RankExcessParams, n_tests: int) -> tuple[npt.NDArray[np.bool_], F64]:
+    """Per rank, whether its shifts ``d`` (``weight``: each kernel's expected time, ns) are significant (module
+    docstring), and its best rank-score z over the kernel subsets (all, and each family)."""
+    masked = np.where(positive, d, np.nan)
+    fams = [kernel_family(k) for k in kernels]
+    subsets, labels = [np.ones(len(fams), dtype=bool)], ["all"]
+    for fam in sorted(set(fams)):  # a fault often hits one family (the GEMMs): test it undiluted by the rest too
+        cols = np.array([f == fam for f in fams])
+        if p.min_kernels <= int(cols.sum()) < len(fams):
+            subsets.append(cols)
+            labels.append(fam)
+    orders = np.array([_rank_scores_z(masked[:, c]) for c in subsets])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # a rank without kernels in a subset: no shift
+        typical = np.nan_to_num(np.array([np.nanmedian(masked[:, c], axis=1) for c in subsets]), nan=0.0)
+    # Every rank is tested in every subset: the z a rank needs grows with the tests (Bonferroni), so a set of
+    # eight ranks is not held to the bar of a thousand, nor a thousand to that of eight.
+    min_z = max(p.min_z if n_ranks >= 3 else p.min_z_two_ranks,
+                float(ndtri(1.0 - p.alpha / (n_tests * len(subsets)))))
+    # Significance (see the module docstring): the order with the typical kernel's shift, or the shift in time.
+    # Of two ranks only the kernels whose shapes fix their work compare; the slower one is then named (GPUs
+    # of one job are alike, and the excess share below keeps a few percent apart silent).
+    pair = n_ranks < 3
+    counted = np.array([not pair or fam in _SHAPE_FAMILIES for fam in labels])
+    timed_cols = np.isin(fams, _SHAPE_FAMILIES) if pair else np.ones(len(fams), dtype=bool)
+    timed = _time_z(d, weight, positive & timed_cols[None, :], np.unique(fams, return_inverse=True)[1]) >= min_z
+    significant = (((orders >= min_z) | ((orders >= p.min_order_z) & timed[None, :]))
+                   & (typical >= math.log(p.typical_ratio)) & counted[:, None]).any(axis=0)
+    return significant, orders.max(axis=0)
+
+
 def detect_stage_excess(totals: Iterable[KernelTotals], topology: JobTopology,
                         params: RankExcessParams | None = None, exclude: Iterable[int] = ()) -> list[L2Result]:
     """Pipeline stages slower than the others in the compute kernels they share.
@@ -457,8 +474,44 @@ def detect_stage_excess(totals: Iterable[KernelTotals], topology: JobTopology,
     stages = sorted(set(topology.pp_stage))
     if len(stages) < 2:
         return []
-    rows: list[tuple[str, F64, F64]] = []  # kernel, per-stage median per-call time, per-stage median calls
-    compute: dict[int, float] = {}  # rank -> its time in every compute kernel
+    rows, compute = _stage_kernels(totals, stage_of, stages, p)
+    if len(rows) < p.min_kernels:
+        return []
+    m = np.stack([r[1] for r in rows])  # kernels x stages
+    n = np.stack([r[2] for r in rows])
+    out = []
+    for j, stage in enumerate(stages):
+        others = np.median(np.delete(m, j, axis=1), axis=1)
+        ratio = m[:, j] / others
+        expected = float((n[:, j] * others).sum())
+        excess = float((n[:, j] * (m[:, j] - others)).sum())  # signed: noise of few calls cancels
+        if not _stage_is_slow(ratio, n[:, j] * others, expected, excess, p):
+            continue
+        median_ratio = 1.0 + excess / expected
+        ranks = tuple(int(r) for r, st in zip(topology.rank, topology.pp_stage, strict=True) if st == stage)
+        # The kernels compared are the layers' share of the stage's work; the rest of it (kernels other
+        # stages do not run alike) is taken to run as much slower: the stage's delay on the pipeline.
+        own = [compute[r] for r in ranks if r in compute]
+        stage_ns = float(np.median(own)) if own else expected + excess
+        delay = max(stage_ns, expected + excess) * (excess / expected) / median_ratio
+        top = np.argsort(-(n[:, j] * (m[:, j] - others)))[: p.top_kernels]
+        out.append(L2Result(FindingKind.PP_STAGE_SLOW, ranks, "gpu_kernels", median_ratio, {
+            "stage": int(stage), "phase_kind": "gpu_kernels", "stage_over_other_stages_ratio": median_ratio,
+            "excess_fraction": excess / expected, "excess_ms": excess / 1e6, "kernels_compared": len(rows),
+            "stage_compute_ms": stage_ns / 1e6, "stage_delay_ms": delay / 1e6,
+            "top_kernels_ratio": {rows[k][0]: float(ratio[k]) for k in top.tolist()},
+        }, delay_ns_per_step=0.0, steps_affected=0))
+    if 2 * len(out) > len(stages):
+        return []  # most stages "slow": no stage stands out
+    return out
+
+
+def _stage_kernels(totals: Iterable[KernelTotals], stage_of: dict[int, int], stages: list[int], p: RankExcessParams
+                   ) -> tuple[list[tuple[str, F64, F64]], dict[int, float]]:
+    """The compute kernels every stage runs alike: (kernel, per stage its fastest rank's time per call (ns), per
+    stage its ranks' median calls), and per rank of ``stage_of`` its time (ns) in every compute kernel."""
+    rows: list[tuple[str, F64, F64]] = []
+    compute: dict[int, float] = {}
     for t in totals:
         if is_collective(t.kernel, p.collective_markers):
             continue
@@ -474,52 +527,28 @@ def detect_stage_excess(totals: Iterable[KernelTotals], topology: JobTopology,
         if any(not calls[s] for s in stages):
             continue
         med_calls = np.array([float(np.median(calls[s])) for s in stages])
-        if med_calls.max() > 1.02 * med_calls.min() or med_calls.min() < p.stage_min_calls:
+        if med_calls.max() > (1.0 + p.same_calls) * med_calls.min() or med_calls.min() < p.stage_min_calls:
             continue  # not the same work on every stage, or too few calls for a stage-wide verdict
         # A stage's fastest rank: a slow stage slows every one of its ranks, a straggler only itself.
         rows.append((t.kernel, np.array([float(np.min(per_call[s])) for s in stages]), med_calls))
-    if len(rows) < p.min_kernels:
-        return []
-    m = np.stack([r[1] for r in rows])  # kernels x stages
-    n = np.stack([r[2] for r in rows])
-    out = []
-    for j, stage in enumerate(stages):
-        others = np.median(np.delete(m, j, axis=1), axis=1)
-        ratio = m[:, j] / others
-        expected = float((n[:, j] * others).sum())
-        parts = n[:, j] * (m[:, j] - others)
-        excess = float(parts.sum())  # signed: noise of few calls cancels
-        slow = ratio >= p.slower_ratio
-        slower = int(np.sum(slow))
-        # A stage slow in one phase (its backward) slows that phase's kernels only: over every kernel its
-        # excess is diluted by its other phases'. It counts too where its slower kernels hold a phase's worth
-        # of its expected time (``stage_min_excess`` of it) and the excess over all is still a quarter of that,
-        # well beyond noise: the kernels' spread over the expected-time weighted mean's effective number of
-        # kernels, the spread read below their median log ratio (noise spreads both ways; a slow phase moves
-        # its kernels up and leaves the lower half as it was).
-        weight = n[:, j] * others
-        d = np.log(ratio)
-        below = d[d <= np.median(d)]
-        spread = max(MAD_SCALE * float(np.median(np.median(d) - below)), 0.005)
-        noise = spread * float(np.sqrt((weight ** 2).sum())) / max(expected, 1e-300)
-        phase_wide = (float(weight[slow].sum()) >= p.stage_min_excess * expected
-                      and excess >= max(p.stage_min_excess / 4, p.stage_min_z * noise) * expected)
-        if (expected > 0 and (excess / expected >= p.stage_min_excess or phase_wide)
-                and slower >= p.stage_min_slower_kernels):
-            median_ratio = 1.0 + excess / expected
-            ranks = tuple(int(r) for r, st in zip(topology.rank, topology.pp_stage, strict=True) if st == stage)
-            # The kernels compared are the layers' share of the stage's work; the rest of it (kernels other
-            # stages do not run alike) is taken to run as much slower: the stage's delay on the pipeline.
-            own = [compute[r] for r in ranks if r in compute]
-            stage_ns = float(np.median(own)) if own else expected + excess
-            delay = max(stage_ns, expected + excess) * (excess / expected) / median_ratio
-            top = np.argsort(-(n[:, j] * (m[:, j] - others)))[: p.top_kernels]
-            out.append(L2Result(FindingKind.PP_STAGE_SLOW, ranks, "gpu_kernels", median_ratio, {
-                "stage": int(stage), "phase_kind": "gpu_kernels", "stage_over_other_stages_ratio": median_ratio,
-                "excess_fraction": excess / expected, "excess_ms": excess / 1e6, "kernels_compared": len(rows),
-                "stage_compute_ms": stage_ns / 1e6, "stage_delay_ms": delay / 1e6,
-                "top_kernels_ratio": {rows[k][0]: float(ratio[k]) for k in top.tolist()},
-            }, delay_ns_per_step=0.0, steps_affected=0))
-    if 2 * len(out) > len(stages):
-        return []  # most stages "slow": no stage stands out
-    return out
+    return rows, compute
+
+
+def _stage_is_slow(ratio: F64, weight: F64, expected: float, excess: float, p: RankExcessParams) -> bool:
+    """Whether a stage whose kernels run ``ratio`` x the other stages' (``weight``: each kernel's expected time,
+    ns, summing to ``expected``) with ``excess`` ns beyond them is slow (see :func:`detect_stage_excess`)."""
+    slow = ratio >= p.slower_ratio
+    # A stage slow in one phase (its backward) slows that phase's kernels only: over every kernel its
+    # excess is diluted by its other phases'. It counts too where its slower kernels hold a phase's worth
+    # of its expected time (``stage_min_excess`` of it) and the excess over all is still a quarter of that,
+    # well beyond noise: the kernels' spread over the expected-time weighted mean's effective number of
+    # kernels, the spread read below their median log ratio (noise spreads both ways; a slow phase moves
+    # its kernels up and leaves the lower half as it was).
+    d = np.log(ratio)
+    below = d[d <= np.median(d)]
+    spread = max(MAD_SCALE * float(np.median(np.median(d) - below)), p.stage_spread_floor)
+    noise = spread * float(np.sqrt((weight ** 2).sum())) / max(expected, 1e-300)
+    phase_wide = (float(weight[slow].sum()) >= p.stage_min_excess * expected
+                  and excess >= max(p.stage_min_excess / 4, p.stage_min_z * noise) * expected)
+    return (expected > 0 and (excess / expected >= p.stage_min_excess or phase_wide)
+            and int(np.sum(slow)) >= p.stage_min_slower_kernels)

@@ -93,7 +93,7 @@ def test_collectives_are_left_out_and_keys_checked() -> None:
         RankExcessParams(min_ranks=1)
     for bad in ({"spread_ranks": 1}, {"stage_min_slower_kernels": 0}, {"stage_min_calls": 0},
                 {"fraction_floor": 0.0}, {"kernel_scale_floor": -1.0}, {"stage_min_z": math.nan},
-                {"kernel_same_calls": 1.0}):
+                {"same_calls": 1.0}):
         with pytest.raises(DetectorError):
             RankExcessParams(**bad)  # type: ignore[arg-type]
 
