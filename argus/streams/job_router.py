@@ -230,20 +230,8 @@ class JobRouter(Generic[H]):
 
     def _take(self, rec: JobRecord, handle: H, now: float, out: list[Effect[H]]) -> None:
         job_id = rec.job_id
-        if isinstance(rec, JobTopology):
-            # Fixed once set: another one is refused, a copy the running job holds already is acked.
-            known = self.ledger.topologies.get(job_id)
-            if known is not None and known != rec:
-                raise RejectedRecordError(f"job {job_id} has a topology already (world size {known.world_size}, "
-                                          f"dp {known.dp_size} x tp {known.tp_size} x pp {known.pp_size}); a "
-                                          f"job's topology is fixed once set, this different one (world size "
-                                          f"{rec.world_size}) is refused")
-            running = self._jobs.get(job_id)
-            if running is not None and running.topology == rec:
-                self.stats.duplicates += 1
-                out.append(Ack((handle,)))
-                return
-            self.ledger.topologies[job_id] = rec
+        if isinstance(rec, JobTopology) and self._held_already(rec, handle, out):
+            return
         if isinstance(rec, JobLifecycle) and rec.event is LifecycleEvent.DIAGNOSED:
             self.ledger.add_diagnosed(job_id, [rec.part])
             out.append(Ack((handle,)))
@@ -269,13 +257,7 @@ class JobRouter(Generic[H]):
             self.ledger.end_read[job_id] = now
         self._activity.touch(job_id, self._quiet.read(now))
         if isinstance(rec, Step | PhaseBatch):
-            self._last_steps[job_id] = max(self._last_steps.get(job_id, -1), rec.step)
-            if not self.ledger.is_diagnosed(job_id, "l1l2"):  # a replayed finished job is not judged live again
-                live = self._live(job_id)
-                resumed = live.observe(rec, self._quiet.read(now))
-                if resumed:
-                    self._publish_hangs(job_id, resumed, live.newest_ns,
-                                        (job.world_size if job else None) or len(live.ranks), out)
+            self._observe(rec, job, now, out)
         copy = (type(rec).__name__, rec.rank, rec.step) if isinstance(rec, Step | PhaseBatch) else None
         if copy is not None and copy in self._taken.get(job_id, ()):
             self.stats.duplicates += 1  # delivered twice (a re-send or a replay): counted once
@@ -290,15 +272,47 @@ class JobRouter(Generic[H]):
         if copy is not None:
             self._taken.setdefault(job_id, set()).add(copy)
         if isinstance(rec, JobTopology) and foreign_ranks({r for _, r, _ in self._taken.get(job_id, ())}, rec, None):
-            # Records of ranks outside the job read before its topology (the topics are read independently):
-            # rebuilt without them, each dead-lettered.
-            kept, ok = self._rebuild(job_id, self._held.pop(job_id, []), out)
-            members = set(rec.rank)
-            self._taken[job_id] = {t for t in self._taken.get(job_id, ()) if t[1] in members}
-            if not ok:  # repaired as any failing record: without the topology, or given up
-                self._held[job_id] = [h for h in kept if h is not handle]
-                raise RuntimeError(f"job {job_id}'s state fails with its topology")
+            self._drop_foreign(rec, handle, out)
         self._advance(job_id, now, out)
+
+    def _held_already(self, rec: JobTopology, handle: H, out: list[Effect[H]]) -> bool:
+        """Keep a job's topology, fixed once set: another one is refused (:class:`RejectedRecordError`), a copy
+        the running job holds already is acked (True)."""
+        known = self.ledger.topologies.get(rec.job_id)
+        if known is not None and known != rec:
+            raise RejectedRecordError(f"job {rec.job_id} has a topology already (world size {known.world_size}, "
+                                      f"dp {known.dp_size} x tp {known.tp_size} x pp {known.pp_size}); a "
+                                      f"job's topology is fixed once set, this different one (world size "
+                                      f"{rec.world_size}) is refused")
+        running = self._jobs.get(rec.job_id)
+        if running is not None and running.topology == rec:
+            self.stats.duplicates += 1
+            out.append(Ack((handle,)))
+            return True
+        self.ledger.topologies[rec.job_id] = rec
+        return False
+
+    def _observe(self, rec: Step | PhaseBatch, job: JobDiagnosis | None, now: float, out: list[Effect[H]]) -> None:
+        """A step's progress as the hang watch sees it: a job still judged live publishes the hangs it resumes."""
+        job_id = rec.job_id
+        self._last_steps[job_id] = max(self._last_steps.get(job_id, -1), rec.step)
+        if not self.ledger.is_diagnosed(job_id, "l1l2"):  # a replayed finished job is not judged live again
+            live = self._live(job_id)
+            resumed = live.observe(rec, self._quiet.read(now))
+            if resumed:
+                self._publish_hangs(job_id, resumed, live.newest_ns,
+                                    (job.world_size if job else None) or len(live.ranks), out)
+
+    def _drop_foreign(self, rec: JobTopology, handle: H, out: list[Effect[H]]) -> None:
+        """Records of ranks outside the job read before its topology (the topics are read independently): the
+        job's state rebuilt without them, each dead-lettered; ``RuntimeError`` where it still fails."""
+        job_id = rec.job_id
+        kept, ok = self._rebuild(job_id, self._held.pop(job_id, []), out)
+        members = set(rec.rank)
+        self._taken[job_id] = {t for t in self._taken.get(job_id, ()) if t[1] in members}
+        if not ok:  # repaired as any failing record: without the topology, or given up
+            self._held[job_id] = [h for h in kept if h is not handle]
+            raise RuntimeError(f"job {job_id}'s state fails with its topology")
 
     def _abandoned(self, rec: JobLifecycle, handle: H, job: JobDiagnosis | None, now: float,
                    out: list[Effect[H]]) -> None:

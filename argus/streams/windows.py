@@ -244,17 +244,7 @@ class WindowBuffer:
         pos = token if position is None else position
         ended = self.late_pieces and key in self._finished
         state = self._ranks.get(key)
-        if ended:
-            reference = self._finished[key]
-        elif state is not None and state.watermark_ns > _NO_WATERMARK:
-            reference = state.watermark_ns
-        else:  # the rank's first events: its job's newest watermark, when another rank of the job has one
-            reference = self._job_marks.get(batch.job_id, _NO_WATERMARK)
-        ahead = beyond_skew(batch.start_ns, reference, self.max_skew_ns)
-        if reference <= _NO_WATERMARK and now_ns is not None and self.max_skew_ns is not None:
-            # The job's very first events: nothing of the job to compare with, but no kernel can start
-            # more than the skew after the worker's clock (a replay's old events never trip this).
-            ahead |= batch.start_ns > now_ns + self.max_skew_ns
+        ahead = self._ahead(key, batch, state, ended, now_ns)
         skewed = _subset(batch, ahead) if ahead.any() else None
         if self.late_pieces:
             if skewed is not None and len(skewed) == len(batch) and not batch.end_of_stream:
@@ -285,27 +275,8 @@ class WindowBuffer:
                     late_closed = self._late_pieces(key, batch, is_late, pos)
                 else:
                     late = _subset(batch, is_late)
-            idx, stream, dur = batch.name_idx, batch.stream, batch.duration_ns
-            all_kept = bool(keep.all())
-            if not all_kept:  # the common batch keeps every event: no copies then
-                wstart, idx, stream, dur = wstart[keep], idx[keep], stream[keep], dur[keep]
-            if wstart.size:
-                for ws, mask in _by_window(wstart):
-                    win = state.windows.get(ws)
-                    if win is None:
-                        win = state.windows[ws] = _OpenWindow(KernelNames(self.max_names))
-                    win.kernel_id.append(win.names.map(batch.names, idx[mask]))
-                    win.stream.append(stream[mask])
-                    win.duration_ns.append(dur[mask])
-                    win.chunk_tokens.append(token)
-                    win.last_position = max(win.last_position, pos)
-                    if token not in win.tokens:
-                        win.tokens.add(token)
-                        self._refs[token] += 1
-                # Skewed events never move the watermark (late ones are behind it anyway).
-                kept = batch.start_ns if all_kept else batch.start_ns[keep]
-                state.watermark_ns = max(state.watermark_ns, int(kept.max()))
-                self._mark_job(batch.job_id, state.watermark_ns)
+            if keep.any():
+                self._file(state, batch, wstart, keep, token, pos)
         if batch.end_of_stream:
             closed = self._close(key, state, limit_ns=None)
             del self._ranks[key]
@@ -314,6 +285,48 @@ class WindowBuffer:
             closed = self._close(key, state, limit_ns=state.watermark_ns - self.lateness_ns)
         free = [] if self._refs.get(token, 0) else [token]
         return WindowUpdate(closed=late_closed + closed, late=late, free_tokens=free, skewed=skewed)
+
+    def _ahead(self, key: tuple[str, int], batch: KernelBatch, state: _RankState | None, ended: bool,
+               now_ns: int | None) -> npt.NDArray[np.bool_]:
+        """Which of ``batch``'s events start beyond the skew: past the rank's watermark (its last one where it
+        ended; for its first events its job's newest), or for a job's very first events past ``now_ns``."""
+        if ended:
+            reference = self._finished[key]
+        elif state is not None and state.watermark_ns > _NO_WATERMARK:
+            reference = state.watermark_ns
+        else:  # the rank's first events: its job's newest watermark, when another rank of the job has one
+            reference = self._job_marks.get(batch.job_id, _NO_WATERMARK)
+        ahead = beyond_skew(batch.start_ns, reference, self.max_skew_ns)
+        if reference <= _NO_WATERMARK and now_ns is not None and self.max_skew_ns is not None:
+            # The job's very first events: nothing of the job to compare with, but no kernel can start
+            # more than the skew after the worker's clock (a replay's old events never trip this).
+            ahead |= batch.start_ns > now_ns + self.max_skew_ns
+        return ahead
+
+    def _file(self, state: _RankState, batch: KernelBatch, wstart: npt.NDArray[np.int64],
+              keep: npt.NDArray[np.bool_], token: int, pos: int) -> None:
+        """File the ``keep`` events of ``batch`` (``wstart``: each event's window start, ns) into their open
+        windows, holding ``token`` until those close, and move the rank's watermark."""
+        idx, stream, dur = batch.name_idx, batch.stream, batch.duration_ns
+        all_kept = bool(keep.all())
+        if not all_kept:  # the common batch keeps every event: no copies then
+            wstart, idx, stream, dur = wstart[keep], idx[keep], stream[keep], dur[keep]
+        for ws, mask in _by_window(wstart):
+            win = state.windows.get(ws)
+            if win is None:
+                win = state.windows[ws] = _OpenWindow(KernelNames(self.max_names))
+            win.kernel_id.append(win.names.map(batch.names, idx[mask]))
+            win.stream.append(stream[mask])
+            win.duration_ns.append(dur[mask])
+            win.chunk_tokens.append(token)
+            win.last_position = max(win.last_position, pos)
+            if token not in win.tokens:
+                win.tokens.add(token)
+                self._refs[token] += 1
+        # Skewed events never move the watermark (late ones are behind it anyway).
+        kept = batch.start_ns if all_kept else batch.start_ns[keep]
+        state.watermark_ns = max(state.watermark_ns, int(kept.max()))
+        self._mark_job(batch.job_id, state.watermark_ns)
 
     def flush_job(self, job_id: str, ranks: set[int] | None = None) -> list[ClosedWindow]:
         """Close every open window of ``job_id`` (of ``ranks`` only, if given): the job ended."""
