@@ -98,11 +98,15 @@ class WorkerProcess:
 
         return _get_json(f"http://127.0.0.1:{self.settings.worker_web_port}/stats")
 
-    def wait_healthy(self, timeout_s: float = 60) -> None:
-        deadline = time.monotonic() + timeout_s
+    def wait_healthy(self, timeout_s: float = 240) -> None:
+        """Wait until the worker serves its stats. The bound is generous: the first worker of a fresh clone
+        compiles its bytecode and numba caches, and on a busy 2-core CI machine that took over 60 s."""
+        start = time.monotonic()
         while self.stats() is None:
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise AssertionError(f"worker did not start:\n{self.log_path.read_text()[-3000:]}")
+            exited = self.proc.poll()
+            if exited is not None or time.monotonic() - start > timeout_s:
+                state = f"exited with {exited}" if exited is not None else f"no stats after {timeout_s:.0f} s"
+                raise AssertionError(f"worker did not start ({state}):\n{self.log_path.read_text()[-3000:]}")
             time.sleep(0.2)
 
     def stop(self) -> None:
