@@ -312,16 +312,18 @@ class PhaseHistory:
         pid[np.array(order, dtype=np.int64)] = np.arange(len(order))
         return pid
 
-    def compute_own(self, last: int | None = None) -> tuple[list[int], I64, I64, F64]:
+    def compute_own(self, last: int | None = None, collective: bool = False) -> tuple[list[int], I64, I64, F64]:
         """The held steps (ascending; with ``last``, only the latest that many) and, per (rank, compute phase)
         seen in them, its rank, its phase id and its own time in each step (rows x steps, ns: the phase's time
         less its nested blocking collectives, summed over its occurrences; NaN where the rank did not run it
-        that step). Forward, backward and optimizer phases only. For :mod:`argus.detectors.onsets`."""
+        that step). Forward, backward and optimizer phases only; with ``collective``, the collective phases
+        instead (which nest nothing: their time). For :mod:`argus.detectors.onsets`."""
         steps = self.steps()
         if last is not None:
             steps = steps[-last:] if last > 0 else []
         n_ids = max(len(self.index.keys), 1)
-        compute = np.array([k[1] in COMPUTE_KINDS for k in self.index.keys], dtype=bool)
+        compute = np.array([k[1].is_collective if collective else k[1] in COMPUTE_KINDS for k in self.index.keys],
+                           dtype=bool)
         keys, values, cols = [], [], []
         for j, s in enumerate(steps):
             piece = self._pieces[s]

@@ -6,7 +6,9 @@ falls inside that data costs only the steps from the onset on: spread over every
 of each affected step reads as 1 % when it began half way, and falls under the impact bar. Kernel summaries
 hold no steps (a window's calls are pooled), but the phase records do: each rank's own compute time per step
 (:meth:`~argus.detectors.l2_history.PhaseHistory.compute_own`, forward, backward and optimizer phases less
-their nested blocking collectives), where the job annotates its phases.
+their nested blocking collectives), where the job annotates its phases, and its time in each collective phase:
+a degraded link slows its members' collectives from its onset on, while a rank slow in its own work arrives
+later and waits less in them (no upward shift).
 
 Details and reasoning: docs/internals/detectors.md.
 """
@@ -63,7 +65,7 @@ class OnsetParams:
 
 def rank_onsets(own_ns: npt.ArrayLike, phase: npt.ArrayLike | None = None,
                 params: OnsetParams | None = None) -> I64:
-    """Per row of ``own_ns`` (one rank's own time in one compute phase, rows x steps in step order, ns; NaN or
+    """Per row of ``own_ns`` (one rank's own time in one phase, rows x steps in step order, ns; NaN or
     <= 0 where unknown), the index of the step it shifted up at, -1 where there is no such onset (see the
     module docstring). ``phase``: each row's phase id (rows of one phase are compared with each other; None:
     all rows one phase). Steps some row lacks are left out; phases of fewer than two rows, or fewer than

@@ -298,14 +298,17 @@ class JobDiagnosis:
         held, n = self._onset_cache, len(self._complete)
         if held is not None and (held[0] == n or (n - held[0] < self.params.detect_every and not self.finished())):
             return held[1]
-        steps, ranks, phases, own = self._history.compute_own(self.params.onsets.max_steps)
-        at = rank_onsets(own, phases, self.params.onsets) if ranks.size else np.empty(0, np.int64)
         first: dict[int, int] = {}
-        for r, i in zip(ranks.tolist(), at.tolist(), strict=True):
-            if i >= 0:  # a rank's earliest onset over its phases
-                first[r] = min(first.get(r, i), i)
+        # Its compute phases, and its collective phases: a degraded link slows its members' collectives (not
+        # their compute) from its onset on, while a rank slow in its own work arrives later and waits less.
+        for collective in (False, True):
+            steps, ranks, phases, own = self._history.compute_own(self.params.onsets.max_steps, collective)
+            at = rank_onsets(own, phases, self.params.onsets) if ranks.size else np.empty(0, np.int64)
+            for r, i in zip(ranks.tolist(), at.tolist(), strict=True):
+                if i >= 0:  # a rank's earliest onset over its phases
+                    first[r] = min(first.get(r, steps[i]), steps[i])
         start = dict(zip((s for s, _, _ in self._series), self._starts, strict=True))
-        found = tuple((r, start[steps[i]]) for r, i in sorted(first.items()) if steps[i] in start)
+        found = tuple((r, start[step]) for r, step in sorted(first.items()) if step in start)
         self._onset_cache = (len(self._complete), found)
         return found
 

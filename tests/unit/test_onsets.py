@@ -133,3 +133,40 @@ def test_the_phase_history_gives_each_ranks_own_compute_time_per_step() -> None:
     for rank in range(2):
         assert by[(rank, fwd_id)].tolist() == [1000 * (rank + 1) + s - 100 for s in range(3)]
     assert len(by) == 4  # forward and backward of two ranks; collectives are not compute
+
+
+def _collective_job(n_steps: int, onset: int, seed: int) -> tuple[object, list[int]]:
+    """A DP4 x TP2 job that annotates its collectives only (no compute phases): from ``onset`` on, TP group
+    [4, 5]'s all-reduce runs x1.4 (a degraded link: both members' collective time grows), and rank 2 arrives
+    late (its own collectives shorten: it waits for nobody)."""
+    from argus.producers.topology import build_topology
+    from argus.schemas.records import ParallelGroup, PhaseBatch, PhaseKind, Step
+    from argus.streams.diagnosis import JobDiagnosis
+
+    rng = np.random.default_rng(seed)
+    topo = build_topology("j", 4, 2)
+    job = JobDiagnosis("j")
+    job.add(topo)
+    starts = [1_000 + 50_000_000 * s for s in range(n_steps)]
+    kinds = (PhaseKind.ALL_REDUCE, PhaseKind.REDUCE_SCATTER)
+    for s in range(n_steps):
+        shared = rng.lognormal(0.0, 0.03)
+        for r in topo.rank:
+            tp, dp = (1_000_000 * shared * rng.lognormal(0.0, 0.02, 2)).tolist()
+            if s >= onset and r in (4, 5):
+                tp *= 1.4
+            if s >= onset and r == 2:
+                tp, dp = 0.6 * tp, 0.6 * dp
+            job.add(Step("j", r, s, starts[s], 50_000_000, 45_000_000))
+            job.add(PhaseBatch("j", r, s, kinds, ("tp", "dp"), (ParallelGroup.TP, ParallelGroup.DP), (13, 17),
+                               (starts[s] + 10, starts[s] + 40_000_000), (round(tp), round(dp))))
+    return job, starts
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_a_degraded_links_onset_is_read_from_its_members_collective_phases(seed: int) -> None:
+    # A job without compute phases has no own compute time to read an onset from, while a degraded link shows
+    # in its members' collectives: their excess is spread over the steps from its onset, not every step. A
+    # late arrival's collectives shorten: no onset.
+    job, starts = _collective_job(24, 11, seed)
+    assert job.clock().onsets == ((4, starts[11]), (5, starts[11]))  # type: ignore[attr-defined]
