@@ -21,6 +21,7 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 from argus.core.errors import DetectorError
 from argus.core.kinds import FindingKind
+from argus.detectors.l2_groups import MAD_SCALE
 from argus.schemas.records import Level, Step
 
 __all__ = ["IterationSeries", "L1Params", "L1Result", "detect_l1"]
@@ -297,7 +298,7 @@ def _mad_sigma(y: F64) -> float:
     """Robust noise level of ``y``: MAD of first differences, scaled to a Gaussian sigma."""
     if y.size < 3:
         return 0.0
-    return 1.4826 * float(np.median(np.abs(np.diff(y)))) / math.sqrt(2.0)
+    return MAD_SCALE * float(np.median(np.abs(np.diff(y)))) / math.sqrt(2.0)
 
 
 def _test_sigma(z: F64, mad_sigma: float, p: L1Params) -> float:

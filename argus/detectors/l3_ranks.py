@@ -291,7 +291,7 @@ def _time_z(d: F64, weight: F64, present: npt.NDArray[np.bool_], family: I64) ->
             warnings.simplefilter("ignore", RuntimeWarning)  # a kernel no rank runs: no spread, no weight
             masked = np.where(present, d, np.nan)
             centre = np.nanmedian(masked, axis=0)
-            sigma = np.nan_to_num(1.4826 * np.nanmedian(np.abs(masked - centre), axis=0))[None, :]
+            sigma = np.nan_to_num(MAD_SCALE * np.nanmedian(np.abs(masked - centre), axis=0))[None, :]
     else:
         sigma = np.zeros((d.shape[0], 1))
         for i in range(d.shape[0]):
@@ -299,7 +299,7 @@ def _time_z(d: F64, weight: F64, present: npt.NDArray[np.bool_], family: I64) ->
             if row.size:
                 labels, at = np.unique(fam, return_inverse=True)
                 centre = np.array([np.median(row[at == j]) for j in range(labels.size)])[at]
-                sigma[i, 0] = 1.4826 * float(np.median(np.abs(row - centre)))
+                sigma[i, 0] = MAD_SCALE * float(np.median(np.abs(row - centre)))
     sigma = np.maximum(sigma, 0.02)
     total = w.sum(axis=1)
     with np.errstate(invalid="ignore", divide="ignore"):
