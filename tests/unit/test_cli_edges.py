@@ -144,7 +144,9 @@ def test_the_embedded_store_and_home_are_private(tmp_path: Path) -> None:
     home = tmp_path / "home"
     home.mkdir(mode=0o755)
     home.chmod(0o755)  # a home an older version created
-    env = {**os.environ, "ARGUS_HOME": str(home), "ARGUS_BOOTSTRAP_SERVERS": f"127.0.0.1:{_closed_port()}"}
+    # No ARGUS_* of the test process (another test may have set one): the child's store is the home's chDB.
+    inherited = {k: v for k, v in os.environ.items() if not k.startswith("ARGUS_")}
+    env = {**inherited, "ARGUS_HOME": str(home), "ARGUS_BOOTSTRAP_SERVERS": f"127.0.0.1:{_closed_port()}"}
     proc = subprocess.run([sys.executable, "-m", "argus", "findings", "--job", "j"], env=env, cwd=tmp_path,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == Exit.UNKNOWN_JOB, proc.stderr
