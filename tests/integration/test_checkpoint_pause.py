@@ -24,14 +24,18 @@ from __future__ import annotations
 
 import json
 import statistics
+import time
 from typing import Any, cast
 
 import pytest
 
 from argus.core.settings import Settings
+from argus.detectors.hangs import HangParams
 from argus.producers.publisher import Publisher
 from argus.producers.simulator import JobSimulator, JobSpec
+from argus.schemas.records import Heartbeat, Step
 from argus.sinks.findings_query import pending_reasons, wait_diagnosed
+from argus.topics import Topic
 from tests.integration.conftest import SinkThread, WorkerProcess
 
 pytestmark = pytest.mark.integration
@@ -59,17 +63,48 @@ def settings(settings: Settings, cadence: tuple[float, int]) -> Settings:
     return settings.replace(heartbeat_interval_s=cadence[0])
 
 
-def _publish(settings: Settings, job: str, step_ns: int, live: bool) -> JobSimulator:
+class _GapWatch:
+    """A publisher that notes where the simulator itself went quiet: the newest completed step published
+    before each wall-clock gap of at least ``gap_s`` between two records (heartbeats excepted, which wait for
+    their time on purpose)."""
+
+    def __init__(self, publisher: Publisher, gap_s: float) -> None:
+        self._pub, self._gap_s = publisher, gap_s
+        self._last_at: float | None = None
+        self._newest_step = -1
+        #: Completed steps after which the simulator's own publishing paused for ``gap_s`` or more.
+        self.quiet_after: set[int] = set()
+
+    def publish(self, topic: Topic, key: bytes, record: Any) -> bool:
+        now = time.monotonic()
+        if not isinstance(record, Heartbeat):
+            if self._last_at is not None and now - self._last_at >= self._gap_s:
+                self.quiet_after.add(self._newest_step)
+            self._last_at = now
+        if isinstance(record, Step):
+            self._newest_step = max(self._newest_step, record.step)
+        return self._pub.publish(topic, key, record)
+
+    def flush(self, timeout_s: float = 30.0) -> int:
+        return self._pub.flush(timeout_s)
+
+
+def _publish(settings: Settings, job: str, step_ns: int, live: bool) -> tuple[JobSimulator, set[int]]:
+    """Publish the job; returns its simulator and the steps after which the simulator itself went quiet
+    outside the pause for half the stall bound or more (a busy machine): the worker may see a stall there."""
     spec = JobSpec(job, 8, tp=2, pp=2, steps=STEPS, layers=2, microbatches=2, step_time_ns=step_ns,
                    heartbeat_interval_ns=round(settings.heartbeat_interval_s * 1e9), pause_step=PAUSE_STEP,
                    pause_ns=PAUSE_STEPS * step_ns)
     sim = JobSimulator(spec, batch_events=settings.publisher_batch_events)
+    # Live publishing waits a step time between steps by design; only the read-ahead one should never wait.
+    gap_s = HangParams().stall_bound_ns(step_ns) / 2e9 + (step_ns / 1e9 if live else 0.0)
     with Publisher(settings, lossless=True) as pub:
-        stats = sim.run(pub, realtime=live, realtime_heartbeats=True)
+        watch = _GapWatch(pub, gap_s)
+        stats = sim.run(watch, realtime=live, realtime_heartbeats=True)
         assert pub.flush(30) == 0
     assert stats.dropped == 0 and stats.steps == spec.world_size * STEPS
     assert sim.pause_start_ns is not None and not sim.stopped
-    return sim
+    return sim, watch.quiet_after
 
 
 def _stored_findings(sink: SinkThread, job: str) -> list[dict[str, Any]]:
@@ -82,7 +117,7 @@ def _stored_findings(sink: SinkThread, job: str) -> list[dict[str, Any]]:
 
 def _check_pause(settings: Settings, worker: WorkerProcess, sink: SinkThread, job: str, step_ns: int,
                  live: bool) -> None:
-    sim = _publish(settings, job, step_ns, live)
+    sim, hiccups = _publish(settings, job, step_ns, live)
     q = sink.store.query
     assert wait_diagnosed(settings, job, 240, query=q), pending_reasons(settings, job, query=q)
     stats = worker.stats() or {}
@@ -112,8 +147,10 @@ def _check_pause(settings: Settings, worker: WorkerProcess, sink: SinkThread, jo
     assert bool(resumed) == bool(stalled), f"job_stalled without job_resumed (or the reverse): {summary}"
     if stalled:
         # ... stalled at the pause (not at a step the job went through), and resumed after it.
+        # A stall where the simulator itself went quiet on a busy machine is what the worker saw, and allowed.
         steps = sorted(f["evidence"]["last_completed_step"] for f in stalled)
-        assert all(PAUSE_STEP - 2 <= s <= PAUSE_STEP + 1 for s in steps), f"stalled away from the pause: {summary}"
+        allowed = set(range(PAUSE_STEP - 2, PAUSE_STEP + 2)) | {h + d for h in hiccups for d in (-1, 0, 1)}
+        assert set(steps) <= allowed, f"stalled away from the pause (simulator quiet after {hiccups}): {summary}"
         assert max(f["evidence"]["resumed_step"] for f in resumed) >= steps[0], summary
 
 
