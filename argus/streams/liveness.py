@@ -93,6 +93,8 @@ class JobLiveness:
         if rec.step > self.last_completed_step:
             self.last_completed_step = rec.step
             self._arrivals.append((rec.step, now))
+            # The steps topic moves: while it catches up with heartbeats read ahead of it, it is late, not lost.
+            self._behind_since = None
         if end <= self.last_progress_ns:
             return []
         self.last_progress_ns = end
@@ -121,8 +123,8 @@ class JobLiveness:
             return []
         if self._hb_step > self.last_completed_step + 1:
             # A heartbeat says a rank began a step after one not seen completed: the steps topic is read behind
-            # the heartbeats (a backlog), the job is not stalled; judge once its steps are in -- unless that
-            # lasts twice the stall bound (worker time): then a Step record was lost, not late.
+            # the heartbeats (a backlog), the job is not stalled; judge once its steps are in -- unless no
+            # step arrives for twice the stall bound (worker time): then a Step record was lost, not late.
             if self._behind_since is None:
                 self._behind_since = now
             if now - self._behind_since < 2 * self.params.stall_bound_ns(median_step_ns) / 1e9:

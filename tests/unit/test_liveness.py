@@ -160,6 +160,30 @@ def test_heartbeats_ahead_of_the_steps_topic_are_no_stall() -> None:
     assert live.judge(topo, STEP, clock)  # the lag persisted: judged (stalled)
 
 
+def test_steps_catching_up_slowly_with_heartbeats_read_ahead_are_no_stall() -> None:
+    """A busy worker reads the heartbeats of step 9 while its steps topic is at 3 and catches up one step
+    per stall bound: each step that arrives shows the topic is late, not lost, so nothing is judged (no stall,
+    no silent rank) however long the catching up takes; once the steps stop coming, it is."""
+    topo = build_topology("j", 4, 2, 1)
+    live = JobLiveness("j", P)
+    clock = 10.0
+    for step in range(4):
+        _steps(live, range(8), step, clock)
+        clock += 0.1
+    for r in range(8):
+        live.observe(Heartbeat("j", r, T0 + 9 * STEP + 1, 9, "forward", PhaseKind.FORWARD), clock)
+    bound_s = P.stall_bound_ns(STEP) / 1e9
+    for step in range(4, 8):
+        assert live.judge(topo, STEP, clock) == []
+        clock += 1.5 * bound_s
+        assert live.judge(topo, STEP, clock) == []
+        _steps(live, range(5), step, clock)  # ranks 5-7's records of the step are read a moment later
+        assert live.judge(topo, STEP, clock) == [], step
+        _steps(live, range(5, 8), step, clock)
+    clock += 2 * bound_s + 0.01
+    assert live.judge(topo, STEP, clock)  # no step for twice the bound: judged
+
+
 def test_a_lull_after_the_last_heartbeat_is_no_stall() -> None:
     """Heartbeats came (a checkpoint pause), then steps again, then a lull in the records on their way:
     without a heartbeat sent after the last completed step nothing shows the ranks stuck."""
