@@ -1,5 +1,7 @@
 """Integration fixtures: one real Kafka broker and one chDB per test session (per pytest-xdist worker), started
 by the first test that asks for them; per-test topics, groups, databases and a real Faust worker process.
+A module whose tests only publish jobs of their own and read their findings may share one settings, worker
+and sink among its tests (:func:`running_worker`, :func:`running_sink`), as one deployment serves many jobs.
 
 The broker is the project's own local Apache Kafka (started here, on its own port, from the jar cache);
 chDB allows one directory per process, so the session shares one store and each test gets a database.
@@ -7,6 +9,7 @@ chDB allows one directory per process, so the session shares one store and each 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
@@ -119,14 +122,21 @@ class WorkerProcess:
         self._log.close()
 
 
-@pytest.fixture
-def worker(settings: Settings, tmp_path: Path) -> Iterator[WorkerProcess]:
-    w = WorkerProcess(settings, tmp_path / "worker.log")
+@contextlib.contextmanager
+def running_worker(settings: Settings, log_path: Path) -> Iterator[WorkerProcess]:
+    """A healthy worker process for the ``with`` block (stopped at its end, its output in ``log_path``)."""
+    w = WorkerProcess(settings, log_path)
     try:
         w.wait_healthy()
         yield w
     finally:
         w.stop()
+
+
+@pytest.fixture
+def worker(settings: Settings, tmp_path: Path) -> Iterator[WorkerProcess]:
+    with running_worker(settings, tmp_path / "worker.log") as w:
+        yield w
 
 
 class SinkThread:
@@ -158,8 +168,17 @@ class SinkThread:
         self.thread.join(30)
 
 
+@contextlib.contextmanager
+def running_sink(settings: Settings, store: ClickHouseStore) -> Iterator[SinkThread]:
+    """The sink loop in a thread for the ``with`` block."""
+    s = SinkThread(settings, store)
+    try:
+        yield s
+    finally:
+        s.stop()
+
+
 @pytest.fixture
 def sink(settings: Settings, chdb_store: ClickHouseStore) -> Iterator[SinkThread]:
-    s = SinkThread(settings, chdb_store)
-    yield s
-    s.stop()
+    with running_sink(settings, chdb_store) as s:
+        yield s

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -14,10 +15,29 @@ from argus.producers.publisher import Publisher
 from argus.producers.seed_cases import paper_case
 from argus.producers.simulator import JobSimulator, JobSpec
 from argus.producers.topology import build_topology
+from argus.sinks.clickhouse import ClickHouseStore
 from argus.sinks.findings_query import fetch_findings, wait_diagnosed
-from tests.integration.conftest import SinkThread, WorkerProcess
+from tests.integration.conftest import SinkThread, WorkerProcess, fresh_settings, running_sink, running_worker
 
 pytestmark = pytest.mark.integration
+
+
+# One deployment for the module, as in production: each test publishes a job of its own and reads its findings.
+@pytest.fixture(scope="module")
+def settings(kafka: str, tmp_path_factory: pytest.TempPathFactory) -> Settings:
+    return fresh_settings(kafka, tmp_path_factory.mktemp("cases"))
+
+
+@pytest.fixture(scope="module")
+def worker(settings: Settings, tmp_path_factory: pytest.TempPathFactory) -> Iterator[WorkerProcess]:
+    with running_worker(settings, tmp_path_factory.mktemp("cases-worker") / "worker.log") as w:
+        yield w
+
+
+@pytest.fixture(scope="module")
+def sink(settings: Settings, chdb_store: ClickHouseStore) -> Iterator[SinkThread]:
+    with running_sink(settings, chdb_store) as s:
+        yield s
 
 
 def run_job(settings: Settings, spec: JobSpec, sink: SinkThread) -> list[dict[str, Any]]:
