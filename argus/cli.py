@@ -18,7 +18,7 @@ import sys
 from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from argus.core.errors import ArgusError, SchemaError
 from argus.core.extras import Extra, missing_extra, require_extra
@@ -26,7 +26,10 @@ from argus.core.kafka_logs import LIBRDKAFKA_LOGGER, KafkaUnreachableError, requ
 from argus.core.settings import Settings
 from argus.kafka_users import Role, role_settings
 
-__all__ = ["Exit", "main"]
+if TYPE_CHECKING:
+    from argus.replay import ReplayResult
+
+__all__ = ["Exit", "main", "replay_lines"]
 
 #: Seconds a command waits for the brokers to answer before it gives up (with one line saying so first).
 KAFKA_REACH_S = 10.0
@@ -326,22 +329,28 @@ def _cmd_replay(settings: Settings, args: argparse.Namespace) -> int:
                          progress=meter.say, advance=meter)
     if args.json:
         _out(json.dumps(res.as_dict(), indent=2))
-        return 0 if res.complete else 4
-    d = res.diff
-    _out(f"replay of job {res.job_id} into namespace {res.namespace} (topics {res.settings.topic_prefix}*, "
-         f"database {res.settings.clickhouse_database}): {len(res.live)} live finding(s), "
-         f"{len(res.replayed)} replayed" + ("" if res.complete else " (replayed diagnosis INCOMPLETE)"))
-    versions = {f.get("detector_version") or "?" for f in res.live}, {f["detector_version"] for f in res.replayed}
-    _out(f"detectors: live {', '.join(sorted(versions[0])) or '-'}; replay {', '.join(sorted(versions[1])) or '-'}")
-    if d.identical:
-        _out(f"findings identical ({d.same})")
-    for tag, group in (("- live only  ", d.only_live), ("+ replay only", d.only_replay)):
-        for f in group:
-            _out(f"{tag} " + "  ".join(map(str, _finding_rows([f])[0])))
-    for a, b in d.changed:
-        _out("~ changed     " + "  ".join(map(str, _finding_rows([a])[0]))
-             + f"  ->  impact {b['impact_ns'] / 1e9:.3f} score {b['score']:.2f}")
+    else:
+        for line in replay_lines(res):
+            _out(line)
     return 0 if res.complete else 4
+
+
+def replay_lines(res: ReplayResult) -> list[str]:
+    """The text form of a replay's result: where it went, the detector versions, the difference."""
+    d = res.diff
+    out = [f"replay of job {res.job_id} into namespace {res.namespace} (topics {res.settings.topic_prefix}*, "
+           f"database {res.settings.clickhouse_database}): {len(res.live)} live finding(s), "
+           f"{len(res.replayed)} replayed" + ("" if res.complete else " (replayed diagnosis INCOMPLETE)")]
+    versions = {f.get("detector_version") or "?" for f in res.live}, {f["detector_version"] for f in res.replayed}
+    out.append(f"detectors: live {', '.join(sorted(versions[0])) or '-'}; "
+               f"replay {', '.join(sorted(versions[1])) or '-'}")
+    if d.identical:
+        out.append(f"findings identical ({d.same})")
+    for tag, group in (("- live only  ", d.only_live), ("+ replay only", d.only_replay)):
+        out += [f"{tag} " + "  ".join(map(str, _finding_rows([f])[0])) for f in group]
+    out += ["~ changed     " + "  ".join(map(str, _finding_rows([a])[0]))
+            + f"  ->  impact {b['impact_ns'] / 1e9:.3f} score {b['score']:.2f}" for a, b in d.changed]
+    return out
 
 
 def _cmd_import_kineto(settings: Settings, args: argparse.Namespace) -> int:

@@ -10,10 +10,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from argus.cli import replay_lines
 from argus.core.errors import ArgusError
 from argus.core.settings import Settings
 from argus.progress import Meter
-from argus.replay import diff_findings, finding_identity, namespace_settings, parse_time_ms
+from argus.replay import ReplayResult, diff_findings, finding_identity, namespace_settings, parse_time_ms
 
 
 def _f(kind: str = "compute_straggler", ranks: tuple[int, ...] = (5,), score: float = 2.0,
@@ -32,6 +33,24 @@ def test_diff_names_what_only_one_side_found_and_what_changed() -> None:
     assert [(a["score"], b["score"]) for a, b in d.changed] == [(2.0, 2.5)]
     assert d.as_dict()["changed"][0]["replay"]["score"] == 2.5
     assert diff_findings(live, list(reversed(live))).identical
+
+
+def test_the_text_form_says_identical_or_lists_each_difference(tmp_path: Path) -> None:
+    target = namespace_settings(Settings.load(env={}, home=tmp_path), "pm1")
+    live = [_f(), _f(kind="phase_straggler", ranks=(3,))]
+    same = ReplayResult("j", "pm1", {"kernels": 9}, live, [_f(version="0.2.0+bbbbbbbbbbbb"), live[1]],
+                        diff_findings(live, list(reversed(live))), True, target)
+    lines = replay_lines(same)
+    assert lines[0].startswith("replay of job j into namespace pm1 (topics ") and "2 live finding(s), 2 replayed" \
+        in lines[0] and "INCOMPLETE" not in lines[0]
+    assert lines[1] == "detectors: live 0.1.0+aaaaaaaaaaaa; replay 0.1.0+aaaaaaaaaaaa, 0.2.0+bbbbbbbbbbbb"
+    assert lines[2:] == ["findings identical (2)"]
+    replay = [_f(score=3.0), _f(ranks=(9,))]
+    other = ReplayResult("j", "pm1", {}, live, replay, diff_findings(live, replay), False, target)
+    lines = replay_lines(other)
+    assert "(replayed diagnosis INCOMPLETE)" in lines[0] and not any("identical" in x for x in lines)
+    assert [x[:13] for x in lines[2:]] == ["- live only  ", "+ replay only", "~ changed    "]
+    assert "phase_straggler" in lines[2] and "  9  " in lines[3] and lines[4].endswith("->  impact 1.000 score 3.00")
 
 
 @given(st.lists(st.tuples(st.sampled_from(["a", "b", "c"]), st.lists(st.integers(0, 7), max_size=3),
