@@ -5,4 +5,6 @@ WORKDIR /app
 COPY pyproject.toml README.md constraints.txt ./
 COPY argus ./argus
 RUN pip install --no-cache-dir -c constraints.txt ".[server]"
+# The diagnosis kernels compiled into the image, so a worker's first windows do not wait for numba.
+RUN python -m argus.warmup
 ENTRYPOINT ["argus"]
