@@ -459,15 +459,23 @@ def _side_gates(hit: Bools, lr: F64, floors: F64, within: F64, p: LinkParams) ->
     none is slow, the slowest at the modes' middles, short of the z-score, whose fast calls read inside their
     cluster (``within``, ns) are slower too (a slowdown from an onset inside the window shares a cluster with
     the old fast calls): no link on its own, but corroboration of its neighbour's side, which a degraded link
-    slows too."""
+    slows too. Of two or three sides (no z-score to judge their modes by), the one side whose fast calls are
+    slower both ways (``floors`` and ``within``) corroborates so, whatever its modes show."""
     weak = np.zeros(lr.shape[0], dtype=bool)
     raised = raised_floors(floors, p.side_floor_ratio)
     if raised is not None:
         hit &= raised[:, None]
     inside = raised_floors(within, p.side_floor_ratio)
-    if inside is not None and lr.shape[0] >= p.spread_set and not hit.any():
+    if inside is None or hit.any():
+        return hit, weak
+    if lr.shape[0] >= p.spread_set:
         top = np.where(lr <= math.log(p.max_ratio), lr, -np.inf).max(axis=1)
         weak = inside & (top >= math.log(p.ratio)) & (top == top.max())
+    elif raised is not None and int((raised & inside).sum()) == 1:
+        # Two or three pipelines: a side's typical calls may hold more waiting than its peers' or less (its
+        # neighbour is slower or faster to post), so its modes hide a slower transfer. Its fast calls do not:
+        # the only side slower there, read either way, corroborates its neighbour's side.
+        weak = raised & inside
     return hit, weak
 
 

@@ -309,6 +309,24 @@ def test_the_slowest_side_of_a_stage_short_of_the_z_score_only_corroborates() ->
     assert detect_l3([_summary(rows, kernel="ncclDevKernel_SendRecv")], topo) == []
 
 
+def test_the_one_side_of_two_slower_in_its_fast_calls_corroborates_whatever_its_modes_show() -> None:
+    # A generated run's stage-0 sides (DP 2 x PP 2, gpipe): rank 0's link to stage 1 x2 from the first step.
+    # Its sends wait for the slower stage 1 to post, its receives for stage 1's backward: its typical calls
+    # hold as much waiting as rank 1's, but its fastest ones (the transfer) are x1.95 rank 1's. Two sides
+    # give no z-score: it only corroborates its neighbour's side, which the link slows too.
+    topo = build_topology("j", dp=2, pp=2)
+
+    def sides(floor0: float) -> KernelSummary:
+        s = _summary([(0, [(184, 4807388, 44330903)]), (1, [(183, 4933032, 42667631)])],
+                     kernel="ncclDevKernel_SendRecv")
+        return dataclasses.replace(s, cluster_min_ns=(round(floor0), 1351690), cluster_max_ns=(44495115, 42880867))
+
+    res = detect_l3([sides(2640210)], topo)
+    assert _found(res) == [(FindingKind.LINK_DEGRADED, (0,))]
+    assert res[0].evidence["group_kind"] == PIPELINE_SIDE and res[0].evidence[CORROBORATES_ONLY] is True
+    assert detect_l3([sides(1400e3)], topo) == []  # its fast calls as rank 1's: nothing
+
+
 def test_slow_groups_of_a_comparison_without_reference_still_count_for_the_several_stages_rule() -> None:
     # A real run's reduce-scatter (DP 2 x TP 2 x PP 2, grouping guessed): DP1 {1, 3} slow in stage 0, and in
     # stage 1 DP3 {5, 7} slow next to DP2 {4, 6}, which holds a late arrival (no reference, nothing named
