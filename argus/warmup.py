@@ -32,8 +32,9 @@ _WIRE = (Topic.STEPS, Topic.PHASES, Topic.KERNELS)
 
 
 def warm(steps: int = 12) -> float:
-    """Diagnose one small simulated job per case of ``_CASES`` (``steps`` steps each) and decode their steps and
-    phases by columns, compiling (or loading) every kernel on the way; returns the seconds it took."""
+    """Diagnose one small simulated job per case of ``_CASES`` (``steps`` steps each) and decode their records'
+    wire bytes as the agents do (steps and phases by columns, kernel and phase batches one by one), compiling
+    (or loading) every kernel on the way; returns the seconds it took."""
     t0 = time.monotonic()
     for fault in _CASES:
         records = list(JobSimulator(paper_case(fault, job_id=f"warmup-{fault.value.lower()}", steps=steps)).records())

@@ -143,18 +143,25 @@ def test_ranks_are_not_silent_when_steps_are_read_ahead_of_heartbeats() -> None:
     assert not any(f.kind is FindingKind.RANK_SILENT for f in found), found
 
 
-def test_heartbeats_ahead_of_the_steps_topic_are_no_stall() -> None:
-    """Heartbeats say the ranks began step 9 while the steps read so far end at 3: the steps are late, not
-    stalled -- until that lasts twice the stall bound (a Step lost, not late)."""
-    topo = build_topology("j", 4, 2, 1)
+def _steps_behind_heartbeats(beats: int) -> tuple[JobLiveness, float]:
+    """A DP 4 x TP 2 job whose steps 0-3 are read, then ``beats`` heartbeats of every rank in step 9 (the steps
+    topic read behind them); the job's liveness and the worker clock after them."""
     live = JobLiveness("j", P)
     clock = 10.0
     for step in range(4):
         _steps(live, range(8), step, clock)
         clock += 0.1
-    for i in range(5):
+    for i in range(beats):
         for r in range(8):
-            live.observe(Heartbeat("j", r, T0 + (9 + i) * STEP, 9, "forward", PhaseKind.FORWARD), clock)
+            live.observe(Heartbeat("j", r, T0 + (9 + i) * STEP + 1, 9, "forward", PhaseKind.FORWARD), clock)
+    return live, clock
+
+
+def test_heartbeats_ahead_of_the_steps_topic_are_no_stall() -> None:
+    """Heartbeats say the ranks began step 9 while the steps read so far end at 3: the steps are late, not
+    stalled -- until that lasts twice the stall bound (a Step lost, not late)."""
+    topo = build_topology("j", 4, 2, 1)
+    live, clock = _steps_behind_heartbeats(beats=5)
     assert live.judge(topo, STEP, clock) == []
     clock += 2 * P.stall_bound_ns(STEP) / 1e9 + 0.01
     assert live.judge(topo, STEP, clock)  # the lag persisted: judged (stalled)
@@ -165,13 +172,7 @@ def test_steps_catching_up_slowly_with_heartbeats_read_ahead_are_no_stall() -> N
     per stall bound: each step that arrives shows the topic is late, not lost, so nothing is judged (no stall,
     no silent rank) however long the catching up takes; once the steps stop coming, it is."""
     topo = build_topology("j", 4, 2, 1)
-    live = JobLiveness("j", P)
-    clock = 10.0
-    for step in range(4):
-        _steps(live, range(8), step, clock)
-        clock += 0.1
-    for r in range(8):
-        live.observe(Heartbeat("j", r, T0 + 9 * STEP + 1, 9, "forward", PhaseKind.FORWARD), clock)
+    live, clock = _steps_behind_heartbeats(beats=1)
     bound_s = P.stall_bound_ns(STEP) / 1e9
     for step in range(4, 8):
         assert live.judge(topo, STEP, clock) == []
