@@ -10,6 +10,7 @@ calls each kernel with the types the stream uses, and says how long it took.
 
 from __future__ import annotations
 
+import argparse
 import logging
 import sys
 import time
@@ -49,8 +50,10 @@ def warm(steps: int = 12) -> float:
     return took
 
 
-def main() -> int:
-    """``python -m argus.warmup``: warm the caches, print the time on one line."""
+def main(argv: list[str] | None = None) -> int:
+    """``python -m argus.warmup``: warm the caches, print the time on one line (no arguments; any other is a
+    usage error, exit 2)."""
+    argparse.ArgumentParser(prog="python -m argus.warmup", description=__doc__.split("\n\n")[0]).parse_args(argv)
     took = warm()
     sys.stdout.write(f"argus: diagnosis kernels ready ({took:.1f} s)\n")
     return 0

@@ -24,3 +24,10 @@ def test_warmup_compiles_the_kernels_of_diagnosis_and_decoding() -> None:
     # job agent's columnar decode (steps, phases) and the kernel batches' column unpacking.
     assert {"kde_valleys._group_cuts", "cdf_grid._row_cdf", "phase_fold._fold", "step_reading._scan_steps",
             "phase_reading._scan_many", "column_unpacking._offset"} <= cached, sorted(cached)
+
+
+def test_warmup_takes_no_arguments() -> None:
+    done = subprocess.run([sys.executable, "-m", "argus.warmup", "--steps", "3"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 2 and not done.stdout and "unrecognized arguments: --steps 3" in done.stderr
+    assert "Traceback" not in done.stderr
