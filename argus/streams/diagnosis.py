@@ -323,8 +323,18 @@ class JobDiagnosis:
         return ((self.end.steps is None or self.steps_seen >= self.end.steps)
                 and (self.end.phase_batches is None or self.phases_seen >= self.end.phase_batches))
 
-    def diagnose(self) -> list[Finding]:
-        """Run L1 and L2 on the complete steps; returns the findings not emitted before."""
+    def kernels_traced(self) -> bool:
+        """Whether the job's END says it traced kernel events (then the kernels judge its pipeline stages)."""
+        return self.end is not None and (self.end.kernel_events or 0) > 0
+
+    def diagnose(self, final: bool = False) -> list[Finding]:
+        """Run L1 and L2 on the complete steps; returns the findings not emitted before. ``final``: the job's
+        last run (it finished, or is closed without its END).
+
+        A phase-level slow pipeline stage is raised only by the final run of a job that traced no kernels: a
+        stage's phase times also hold its schedule's waiting and its own share of the model (embedding, output
+        layer, loss), which no phase comparison tells from a slow stage, and where kernels are traced the
+        stages' common kernels judge it (:func:`~argus.detectors.l3_ranks.detect_stage_excess`)."""
         self._last_run = self.complete_steps
         results: list[L1Result | L2Result] = []
         onset = None
@@ -352,7 +362,8 @@ class JobDiagnosis:
             tokens = {r: tok for r, (tok, steps) in self._tokens.items() if steps == len(self._series)}
             routed = every_groups_expert(named, self.topology) | hot_experts(
                 named, self.topology, tokens, self.params.hot_expert_tokens_ratio)
-            results.extend(res for res in l2 if not (res.kind in _RANK_PHASE_KINDS and routed.issuperset(res.ranks)))
+            results.extend(res for res in l2 if not (res.kind in _RANK_PHASE_KINDS and routed.issuperset(res.ranks))
+                           and (res.kind is not FindingKind.PP_STAGE_SLOW or (final and not self.kernels_traced())))
         new = []
         world = self.world_size or (len(self.topology.rank) if self.topology else 1)
         for finding in judge(self.job_id, list(results), self.last_time_ns, world, self.clock(),

@@ -365,7 +365,7 @@ class JobRouter(Generic[H]):
         """The job's final diagnosis on what arrived, DIAGNOSED ``l1l2``, its state dropped; its waiting L3
         parts judged, then its records acked if every L3 part is DIAGNOSED too."""
         job = self._jobs[job_id]
-        self._publish(job.diagnose(), out)
+        self._publish(job.diagnose(final=True), out)
         self.ledger.clocks[job_id] = self.ledger.final_clocks[job_id] = job.clock()
         self._share(job_id, out, final=True)
         # Released only after the waiting L3 parts ran: they still need the job's context.

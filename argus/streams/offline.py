@@ -74,7 +74,7 @@ class _Job:
             self.keep(drop_victims(found, self.stragglers))
 
     def finish(self) -> list[Finding]:
-        self.keep(self.state.diagnose())
+        self.keep(self.state.diagnose(final=True))
         topo, clock = self.state.topology, self.state.clock()
         for state in self.kernels.values():
             found = state.diagnose(topo, final=True, group_kind=self.state.collective_groups.get(state.stream),

@@ -100,10 +100,10 @@ def test_case3_pipeline_stage(settings: Settings, worker: WorkerProcess, sink: S
     assert by_level(findings, "L1") == []
     stage = [f for f in findings if f["kind"] == "pp_stage_slow"]
     last_stage = [r for r in range(spec.world_size) if r // (spec.world_size // spec.pp) == spec.pp - 1]
-    # Found from the phases (score: the stage's backward over the others') and from the kernels the stages share.
-    assert stage and all(f["ranks"] == last_stage for f in stage)
-    assert {f["phase"] for f in stage} == {"backward", "gpu_kernels"}
-    assert any(1.7 <= f["score"] <= 2.1 for f in stage if f["phase"] == "backward")
+    # The job traced kernels: the kernels every stage shares judge it (score: 1 + the stage's excess share of
+    # their time; its backward, about two thirds of that time, runs x1.9), not its phase times.
+    assert [(f["ranks"], f["phase"]) for f in stage] == [(last_stage, "gpu_kernels")]
+    assert 1.4 <= stage[0]["score"] <= 1.9
 
 
 def test_case4_host_stall(settings: Settings, worker: WorkerProcess, sink: SinkThread) -> None:

@@ -3,6 +3,7 @@ window is judged, and that each finding is emitted once."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 
@@ -47,6 +48,30 @@ def test_job_diagnosis_waits_for_all_records_and_emits_each_finding_once() -> No
     assert {r for f in emitted if f.level.value == "L2" for r in f.ranks} == {5}
     assert job.collective_groups == {13: ParallelGroup.DP}
     assert job.diagnose() == []  # nothing new
+
+
+@pytest.mark.parametrize("kernel_events", [0, None, 1])
+def test_a_phase_level_slow_stage_waits_for_the_job_end_and_yields_to_traced_kernels(kernel_events: int | None
+                                                                                     ) -> None:
+    # Case 3: the last stage's backward runs x1.9 from step 0. Its phase times cannot tell that from its
+    # schedule's waiting or its own share of the model: never raised live, raised by the final run only when the
+    # job traced no kernels (or did not say: END without a count), else left to the kernels every stage shares.
+    spec = paper_case(Fault.PP_LAST_STAGE_SLOW, job_id="c3", steps=20)
+    job = JobDiagnosis("c3", DiagnosisParams(detect_every=5))
+    live, end = [], None
+    for rec in JobSimulator(spec).records():
+        if rec.topic is Topic.LIFECYCLE and rec.record.event is LifecycleEvent.END:
+            end = dataclasses.replace(rec.record, kernel_events=kernel_events)
+        elif rec.topic in (Topic.STEPS, Topic.PHASES, Topic.TOPOLOGY, Topic.LIFECYCLE):
+            job.add(rec.record)
+            live += job.diagnose() if job.due() else []
+    assert end is not None and job.complete_steps == 20
+    assert not [f for f in live if f.kind == "pp_stage_slow"]
+    job.add(end)
+    final = [(f.kind, f.ranks, f.phase) for f in job.diagnose(final=True) if f.kind == "pp_stage_slow"]
+    last_stage = tuple(r for r in range(spec.world_size) if r // (spec.world_size // spec.pp) == spec.pp - 1)
+    assert job.kernels_traced() is bool(kernel_events)
+    assert final == ([] if kernel_events else [("pp_stage_slow", last_stage, "backward")])
 
 
 @pytest.mark.parametrize("burst", [1, 3, 7, 30])

@@ -213,11 +213,11 @@ def test_a_failing_state_is_rebuilt_with_the_same_finding_ids(monkeypatch: pytes
     clean.feed(job())
     real, calls = JobDiagnosis.diagnose, [0]
 
-    def flaky(self: JobDiagnosis) -> list[Finding]:
+    def flaky(self: JobDiagnosis, final: bool = False) -> list[Finding]:
         calls[0] += 1
         if calls[0] == 3:
             raise RuntimeError("transient")
-        return real(self)
+        return real(self, final)
 
     monkeypatch.setattr(JobDiagnosis, "diagnose", flaky)
     a = Agent()
@@ -230,10 +230,10 @@ def test_a_failing_state_is_rebuilt_with_the_same_finding_ids(monkeypatch: pytes
 def test_a_bad_record_is_dead_lettered_with_its_reason_and_the_job_goes_on(monkeypatch: pytest.MonkeyPatch) -> None:
     real = JobDiagnosis.diagnose
 
-    def fragile(self: JobDiagnosis) -> list[Finding]:
+    def fragile(self: JobDiagnosis, final: bool = False) -> list[Finding]:
         if self.end is not None and self.end.reason == "poison":
             raise ValueError("poisoned END")
-        return real(self)
+        return real(self, final)
 
     monkeypatch.setattr(JobDiagnosis, "diagnose", fragile)
     *body, end = job()
