@@ -91,7 +91,8 @@ class LinkParams:
     max_ratio: float = 20.0
     #: Gate where groups have no spread to judge by (two or three groups, pairs, expert groups, a guessed
     #: grouping with a late arrival): a group of two or three ranks that all wait is slow by their spread of
-    #: arrival, commonly x1.5 or more [2.0].
+    #: arrival, commonly x1.5 or more; also of the first and last stages' groups where each stage's one group
+    #: is compared across stages (those stages hold the embedding and the output layer) [2.0].
     small_ratio: float = 2.0
     #: Floor of the spread (MAD, log scale) of groups' transfer times: 5 % [0.05].
     mad_floor: float = 0.05
@@ -251,7 +252,8 @@ class _Role:
 class _Inputs:
     """What every role of one (kernel, stream) is judged on: quantiles ``q``/``q_low`` (ns, ranks x modes, at
     the modes' middles and low in them), each rank's ``typical`` call (ns), its ``floors`` (fastest calls, ns;
-    ``floors(True)``: read low inside their cluster), the median ``calls`` per rank and ``group_known``."""
+    ``floors(True)``: read low inside their cluster), the median ``calls`` per rank, ``group_known`` and each
+    rank's pipeline ``stage``."""
 
     q: F64
     q_low: F64
@@ -259,6 +261,7 @@ class _Inputs:
     floors: Callable[[bool], F64]
     calls: float
     group_known: bool
+    stage: I64
 
 
 def detect_links(ranks: I64, batch: MixtureBatch, sc: RankScores, groups: list[Group], stage: I64, typical: F64,
@@ -284,7 +287,7 @@ def detect_links(ranks: I64, batch: MixtureBatch, sc: RankScores, groups: list[G
     # At the modes' middles, and low in each mode: a member's calls hold its waiting wherever another posted
     # last, most of them in a larger group; its fast calls are nearer its transfer.
     q, q_low = np.split(sc.quantiles_ns, 2, axis=1)
-    inputs = _Inputs(q, q_low, typical, floors, float(np.median(batch.counts.sum(axis=1))), group_known)
+    inputs = _Inputs(q, q_low, typical, floors, float(np.median(batch.counts.sum(axis=1))), group_known, stage)
     judged = [_judge_role(kind, role_stage, same, inputs, p) for (kind, role_stage), same in _roles(groups, stage)
               if len(same) >= 2]  # one group spans the comparison: nothing to compare its transfer with
     of_kind, slow_stages = _tally(judged)
@@ -422,7 +425,14 @@ def _hits(kind: GroupKind, role_stage: int, same: list[tuple[int, I64]], lg: F64
     n = lg.shape[0]
     if n >= p.spread_set:
         mad = MAD_SCALE * np.median(np.abs(lg - np.median(lg, axis=0)), axis=0)
-        return lr, (lr >= math.log(p.ratio)) & (lr >= p.z * np.maximum(mad, p.mad_floor))
+        gate = np.full((n, 1), math.log(p.ratio))
+        if role_stage < 0:
+            # Each stage's one group, compared across stages: the first and last stages also hold the embedding
+            # and the output layer (their collectives move other sizes, at another point of the schedule), so
+            # their groups, unlike the middle stages', differ by more than a plain slow link.
+            at = np.array([int(inputs.stage[rows].min()) for _, rows in same])
+            gate[(at == at.min()) | (at == at.max())] = math.log(max(p.ratio, p.small_ratio))
+        return lr, (lr >= gate) & (lr >= p.z * np.maximum(mad, p.mad_floor))
     if (kind in (ParallelGroup.DP, ParallelGroup.TP) and role_stage >= 0
             and min(rows.size for _, rows in same) >= p.spread_set):
         # Reductions of groups of 4+ members each, in one stage (stages move other sizes): a reduction ends

@@ -152,6 +152,19 @@ def test_whole_group_long_is_link_degradation() -> None:
     assert ev["w1_inter_over_intra_ratio"] > 50
 
 
+@pytest.mark.parametrize(("stage", "factor", "found"), [(7, 1.5, False), (0, 1.5, False), (4, 1.5, True),
+                                                       (7, 2.5, True)])
+def test_one_group_per_stage_at_the_pipelines_ends_needs_the_small_set_ratio(stage: int, factor: float,
+                                                                             found: bool) -> None:
+    # DP 4 x PP 8: each stage's one DP group is compared across stages. The first and last stages' groups also
+    # carry the embedding and the output layer, so x1.5 there is no link; x1.5 in a middle stage, or x2.5 at an
+    # end, is.
+    topo = build_topology("j", dp=4, pp=8)
+    group = [r for r in range(32) if topo.pp_stage[r] == stage]
+    res = detect_l3([_summary(_ranks(32, {r: factor for r in group}), kernel=AR, stream=13)], topo)
+    assert _found(res) == ([(FindingKind.LINK_DEGRADED, tuple(group))] if found else [])
+
+
 def test_short_member_is_late_and_its_peers_are_spared() -> None:
     topo = build_topology("j", dp=8)
     res = detect_l3([_summary(_ranks(8, {5: 1 / 20}), kernel=AR)], topo)
