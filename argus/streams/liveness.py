@@ -143,6 +143,11 @@ class JobLiveness:
             # Heartbeats, but none sent since the last completed step: nothing shows the ranks alive and not progressing
             # (a lull in a job's records on the way is no stall); a stuck job heartbeats on, in its collective.
             found = [f for f in found if f.kind not in (FindingKind.JOB_STALLED, FindingKind.HANG_WAVEFRONT)]
+        elif 0 < self._hb_newest_ns - self.last_progress_ns < self.params.stall_bound_ns(median_step_ns):
+            # The wavefront is read from the ranks' heartbeats. Until those read reach past the stall bound, a
+            # worker reading them late (its clock already past the bound) sees members still in the compute
+            # before the collective they hang in: each would look like a suspect that waits nowhere.
+            found = [f for f in found if f.kind is not FindingKind.HANG_WAVEFRONT]
         if self.stalled_since_ns is None and any(r.kind is FindingKind.JOB_STALLED for r in found):
             self.stalled_since_ns = self.last_progress_ns
         return found

@@ -73,6 +73,37 @@ def test_hang_is_named_then_closed_by_the_next_step() -> None:
     assert live.observe(Step("j", 1, 5, T0 + 5 * STEP, 8 * STEP, 8 * STEP), clock + 1.0) == []
 
 
+def test_the_wavefront_waits_for_heartbeats_read_past_the_stall_bound() -> None:
+    # A worker that reads the heartbeats late: its clock passes the stall bound while the heartbeats it read
+    # show only rank 1 of the hung rank's DP group in the all-reduce, its peers 5 and 7 still in their backward
+    # before it. Named then, 3, 5 and 7 would all be suspects that wait nowhere.
+    topo = build_topology("j", 4, 2, 1)  # DP 4 x TP 2: DP group {1, 3, 5, 7}
+    live = JobLiveness("j", P)
+    clock = 50.0
+    for step in range(5):
+        _steps(live, range(8), step, clock)
+        clock += 0.1
+    hang_at, hung = T0 + 5 * STEP, 3
+    dp = topo.dp_group[topo.rank.index(hung)]
+
+    def beat(r: int, t: int, entered: set[int]) -> Heartbeat:
+        if r in entered:
+            return Heartbeat("j", r, t, 5, "dp-allreduce", PhaseKind.ALL_REDUCE, PhaseKind.ALL_REDUCE,
+                             ParallelGroup.DP, dp, 7, hang_at)
+        return Heartbeat("j", r, t, 5, "backward", PhaseKind.BACKWARD)
+
+    for r in range(8):
+        live.observe(beat(r, hang_at + 10_000_000, {1}), clock)
+    assert FindingKind.HANG_WAVEFRONT not in [f.kind for f in live.judge(topo, STEP, clock + 1.0)]
+    # The heartbeats read on, past the bound: every peer has entered the all-reduce; the hung rank is named.
+    for i in range(1, 4):
+        for r in range(8):
+            live.observe(beat(r, hang_at + i * STEP, {1, 5, 7}), clock + 1.0 + i * 0.1)
+    wave = [f for f in live.judge(topo, STEP, clock + 1.3)
+            if f.kind is FindingKind.HANG_WAVEFRONT and f.evidence["group"] == "DP"]
+    assert len(wave) == 1 and wave[0].ranks == (hung,) and wave[0].evidence["first_ranks"] == [hung]
+
+
 def test_quiet_job_ages_by_the_worker_clock_and_a_silent_rank_is_named() -> None:
     topo = build_topology("j", 2, 1, 1)
     live = JobLiveness("j", P)
