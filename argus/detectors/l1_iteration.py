@@ -51,8 +51,8 @@ class L1Params:
     before the change-point search, odd, 1 = keep every step [11]. ``max_change_points``: at most this
     many splits [8]. ``warmup``: leading steps judged against later steps only [3]. ``outlier_sigmas``:
     distance from both side medians, in noise levels, beyond which a step is left out [4.0].
-    ``max_drift``: largest healthy slow drift over the series, as a fraction, that a regression must
-    stand out from [0.05].
+    ``max_drift``: largest healthy slow drift, as a fraction, that a regression must stand out from, over a
+    series of ``drift_steps`` steps or more [0.05].
 
     Raises :class:`DetectorError` for out-of-range values.
     """
@@ -71,6 +71,9 @@ class L1Params:
     warmup: int = 3
     outlier_sigmas: float = 4.0
     max_drift: float = 0.05
+    #: Steps over which a healthy drift may reach ``max_drift``: a healthy drift builds up step by step, so a
+    #: shorter series allows proportionally less (a job that slows 5 % within 20 steps has regressed) [200].
+    drift_steps: int = 200
     #: Least noise level of ``ln(iteration time)`` (natural-log units; 1e-3 is 0.1 %): below it, noise is no
     #: longer what limits the test (timer resolution, rounding) [1e-3].
     sigma_floor: float = 1e-3
@@ -105,6 +108,8 @@ class L1Params:
             raise DetectorError(f"sigma_floor must be finite and > 0, got {self.sigma_floor}")
         if self.max_looks < 1:
             raise DetectorError(f"max_looks must be >= 1, got {self.max_looks}")
+        if self.drift_steps < 1:
+            raise DetectorError(f"drift_steps must be >= 1, got {self.drift_steps}")
 
 
 @dataclass(frozen=True)
@@ -336,7 +341,8 @@ class _Test:
     sigma: float  # noise level of ln(iteration time)
     z_crit: float  # calibrated critical value (times sqrt(penalty))
     gate: float  # ln(min_shift)
-    drift_per_step: float  # ln(1 + max_drift) / (2 n): the bias a healthy drift may put on a mean shift
+    # ln(1 + max_drift) / (2 max(n, drift_steps)): the bias a healthy drift may put on a mean shift
+    drift_per_step: float
 
     def z(self, n1: npt.ArrayLike, n2: npt.ArrayLike, delta: npt.ArrayLike) -> F64:
         """Standardized shift of the means beyond what a healthy drift explains."""
@@ -428,7 +434,8 @@ def _regressions(step: I64, wall: F64, gpu: F64, p: L1Params) -> list[L1Result]:
     if z.size < 4:  # min_segment counts series steps (already checked); a mean and a noise need >= 2 each
         return []
     test = _Test(sigma=_test_sigma(z, mad, p), z_crit=threshold_z(z.size) * math.sqrt(p.penalty),
-                 gate=math.log(p.min_shift), drift_per_step=math.log1p(p.max_drift) / (2.0 * z.size))
+                 gate=math.log(p.min_shift),
+                 drift_per_step=math.log1p(p.max_drift) / (2.0 * max(z.size, p.drift_steps)))
     cps = _change_points(y, keep, test, p)
     if not cps:
         return []
