@@ -146,7 +146,7 @@ class RankExcessParams:
     #: Kernels that must run slower on a stage for it to be slow (a name or two may run another shape there)
     #: [3].
     stage_min_slower_kernels: int = 3
-    #: Least z-score (over the kernels' noise) of the excess of a stage slow in one phase only [4.0].
+    #: Least z-score (over the slower kernels' noise) of the excess of a stage slow in one phase only [4.0].
     stage_min_z: float = 4.0
     #: Calls per rank a kernel needs to count in the stage comparison (a one-step trace is no stage verdict)
     #: [4].
@@ -454,17 +454,18 @@ def detect_stage_excess(totals: Iterable[KernelTotals], topology: JobTopology,
     The pipeline's own schedule hides a slow stage from per-rank comparisons (all of its ranks are slow
     alike) and its waiting spreads to the other stages, but compute kernels do not wait: per kernel that every
     stage runs with the same calls per rank (the layers' kernels; the first and last stages' embedding and
-    output layer differ and are left out), each stage's time per call on its fastest rank (a slow stage slows
-    all of its ranks, a straggler only itself) is compared with the other stages' median of that. A stage
-    whose excess over the others, ``sum(calls * (m - ref))`` over its kernels, is at least
-    ``stage_min_excess`` of its expected time (or a quarter of that and four times its noise, where the
-    kernels it runs ``slower_ratio`` slower hold ``stage_min_excess`` of its expected time: a stage slow in
-    one phase only) is an :attr:`~argus.detectors.l2_phases.FindingKind.PP_STAGE_SLOW` finding
-    naming its ranks (score: 1 + that share), with phase ``gpu_kernels``; ``delay_ns_per_step`` is
-    left to the caller (totals have no steps; evidence ``stage_delay_ms``: the stage's median compute time
+    output layer differ and are left out), each stage's time per call on its lower-quartile rank (a slow
+    stage slows all of its ranks, a straggler only itself; a quartile is steadier than the fastest rank) is
+    compared with the other stages' median of that. A stage whose excess over the others,
+    ``sum(calls * (m - ref))`` over its kernels, is at least ``stage_min_excess`` of its expected time is an
+    :attr:`~argus.detectors.l2_phases.FindingKind.PP_STAGE_SLOW` finding naming its ranks (score: 1 + that
+    share), with phase ``gpu_kernels``; so is one slow in one phase only (its backward), whose
+    ``slower_ratio`` slower kernels hold ``stage_min_excess`` of its expected time, their excess over its other
+    kernels ``stage_min_z`` times their noise, and its excess over all kernels positive. ``delay_ns_per_step``
+    is left to the caller (totals have no steps; evidence ``stage_delay_ms``: the stage's median compute time
     with the excess share taken out, times that share -- what the slow stage adds to the pipeline over the
-    totals) and ``steps_affected`` 0. The excess must not rest on a couple
-    of kernels (a name that runs another shape on one stage): at least 3 kernels run ``slower_ratio`` slower.
+    totals) and ``steps_affected`` 0. The excess must not rest on a couple of kernels (a name that runs
+    another shape on one stage): at least 3 kernels run ``slower_ratio`` slower.
     ``exclude``: ranks left out of the stage medians (the slow ranks found by :func:`detect_rank_excess`: one
     slow rank of a small stage is no slow stage).
     """
@@ -530,7 +531,7 @@ def _stage_kernels(totals: Iterable[KernelTotals], stage_of: dict[int, int], sta
         if med_calls.max() > (1.0 + p.same_calls) * med_calls.min() or med_calls.min() < p.stage_min_calls:
             continue  # not the same work on every stage, or too few calls for a stage-wide verdict
         # A stage's fastest rank: a slow stage slows every one of its ranks, a straggler only itself.
-        rows.append((t.kernel, np.array([float(np.min(per_call[s])) for s in stages]), med_calls))
+        rows.append((t.kernel, np.array([float(np.percentile(per_call[s], 25)) for s in stages]), med_calls))
     return rows, compute
 
 
@@ -538,17 +539,22 @@ def _stage_is_slow(ratio: F64, weight: F64, expected: float, excess: float, p: R
     """Whether a stage whose kernels run ``ratio`` x the other stages' (``weight``: each kernel's expected time,
     ns, summing to ``expected``) with ``excess`` ns beyond them is slow (see :func:`detect_stage_excess`)."""
     slow = ratio >= p.slower_ratio
+    if expected <= 0 or int(np.sum(slow)) < p.stage_min_slower_kernels:
+        return False
+    if excess / expected >= p.stage_min_excess:
+        return True
     # A stage slow in one phase (its backward) slows that phase's kernels only: over every kernel its
-    # excess is diluted by its other phases'. It counts too where its slower kernels hold a phase's worth
-    # of its expected time (``stage_min_excess`` of it) and the excess over all is still a quarter of that,
-    # well beyond noise: the kernels' spread over the expected-time weighted mean's effective number of
-    # kernels, the spread read below their median log ratio (noise spreads both ways; a slow phase moves
-    # its kernels up and leaves the lower half as it was).
+    # excess is diluted by its other phases', and more where the heaviest kernels of that phase are not
+    # compared (a GEMM name the last stage's output layer also runs). It counts too where its slower kernels
+    # hold a phase's worth of its expected time (``stage_min_excess`` of it), the stage is not faster over
+    # all, and their excess over the stage's other kernels stands ``stage_min_z`` beyond noise: the kernels'
+    # spread, read below their median log ratio (noise spreads both ways; a slow phase moves its kernels up
+    # and leaves the lower half as it was), over the slower kernels' effective number.
     d = np.log(ratio)
     below = d[d <= np.median(d)]
     spread = max(MAD_SCALE * float(np.median(np.median(d) - below)), p.stage_spread_floor)
-    noise = spread * float(np.sqrt((weight ** 2).sum())) / max(expected, 1e-300)
-    phase_wide = (float(weight[slow].sum()) >= p.stage_min_excess * expected
-                  and excess >= max(p.stage_min_excess / 4, p.stage_min_z * noise) * expected)
-    return (expected > 0 and (excess / expected >= p.stage_min_excess or phase_wide)
-            and int(np.sum(slow)) >= p.stage_min_slower_kernels)
+    base = float(np.median(ratio[~slow])) if not slow.all() else 1.0
+    own = float((weight[slow] * (ratio[slow] - base)).sum())
+    noise = spread * float(np.sqrt((weight[slow] ** 2).sum()))
+    return (float(weight[slow].sum()) >= p.stage_min_excess * expected and excess > 0.0
+            and own >= p.stage_min_z * noise)
