@@ -11,10 +11,18 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Iterable
 
 from argus.core.kinds import FindingKind
 from argus.detectors.findings import finding_id
-from argus.detectors.links import LinkEvidence, LinkParams, PseudoGroup, corroborates_only
+from argus.detectors.links import (
+    CORROBORATES_ONLY,
+    IMPACT_BAR_SHARE,
+    LinkEvidence,
+    LinkParams,
+    PseudoGroup,
+    corroborates_only,
+)
 from argus.detectors.victims import straggler_ranks
 from argus.schemas.records import Finding, ParallelGroup
 
@@ -64,6 +72,8 @@ class LinkLedger:
             if key not in seen or corroborates_only(seen[key]):
                 seen[key] = f
             raisable = [g for g in seen.values() if not corroborates_only(g)]
+            if not raisable and self._costs_together(seen.values()):
+                raisable = [_raisable(g) for g in seen.values()]
             if group not in self._named and not (len(seen) >= 2 or any(self._named_alone(g) for g in raisable)):
                 continue
             self._named.add(group)
@@ -75,6 +85,14 @@ class LinkLedger:
                     self._raised.add(done)
                     out.append(g)
         return out
+
+    @staticmethod
+    def _costs_together(held: Iterable[Finding]) -> bool:
+        """Whether a group's collectives, each held back for its impact (or as weak evidence), cost the job
+        enough together: a link costs what its collectives cost together. At least one of them must be
+        evidence enough of the link (a weak one only adds its cost)."""
+        found = [(LinkEvidence.from_dict(g.evidence), float(g.evidence.get(IMPACT_BAR_SHARE, 0.0))) for g in held]
+        return any(not ev.weak for ev, _ in found) and sum(share for _, share in found) >= 1.0
 
     def _named_alone(self, f: Finding) -> bool:
         """Whether one collective names the group: the trace named it, or the evidence is strong."""
@@ -121,6 +139,13 @@ class LinkLedger:
         # ones (nearer the transfer) do not, so a group slow in every call is often more slower there.
         ratio = max(ev.transfer_ratio, ev.low_transfer_ratio)
         return ratio >= p.strong_ratio and many and ev.kind_slow_groups < p.several_slow
+
+
+def _raisable(f: Finding) -> Finding:
+    """``f``, a link finding held as corroboration only, as one to publish (same id)."""
+    evidence = {k: v for k, v in f.evidence.items() if k != CORROBORATES_ONLY}
+    return dataclasses.replace(f, evidence_json=json.dumps(evidence, sort_keys=True, allow_nan=False,
+                                                           separators=(",", ":")))
 
 
 def _pipeline_pair(top: Finding, pipe: int, ranks: tuple[int, ...],

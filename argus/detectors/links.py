@@ -39,8 +39,8 @@ from argus.schemas.records import Finding, ParallelGroup
 if TYPE_CHECKING:
     from argus.detectors.l3_kernels import RankScores
 
-__all__ = ["CORROBORATES_ONLY", "PIPELINE_SIDE", "DegradedLink", "Group", "GroupKind", "LinkEvidence",
-           "LinkParams", "PseudoGroup", "corroborates_only", "detect_links", "group_kind"]
+__all__ = ["CORROBORATES_ONLY", "IMPACT_BAR_SHARE", "PIPELINE_SIDE", "DegradedLink", "Group", "GroupKind",
+           "LinkEvidence", "LinkParams", "PseudoGroup", "corroborates_only", "detect_links", "group_kind"]
 
 
 class PseudoGroup(enum.Enum):
@@ -61,6 +61,9 @@ PIPELINE_SIDE = PseudoGroup.PP_SIDE.value
 #: Evidence key of a link result that only corroborates another (a result under the impact threshold, or a
 #: pipeline side slow by a weaker test than a finding needs): evidence for the job's link ledger, never published.
 CORROBORATES_ONLY = "corroborates_only"
+#: Evidence key of a link result under the impact threshold: the share of that threshold its delay reaches. A
+#: link slows every collective of its group, and its cost is theirs together (see LinkLedger).
+IMPACT_BAR_SHARE = "impact_bar_share"
 
 
 def group_kind(value: str) -> GroupKind:
@@ -111,12 +114,16 @@ class LinkParams:
     #: A member whose typical call is this many times shorter than its group peers' is the late arrival (the
     #: last to post waits for nobody); a group with one is no reference for transfer times [2.0].
     late_arrival_ratio: float = 2.0
+    #: Most spread (largest over smallest) of a group's ratios over its collective's modes that reads as every
+    #: bucket slowed alike, where each of two stages' one group is compared with the other's [1.1].
+    modes_alike: float = 1.1
     #: Floor of the W1 spread within the sides of ``w1_inter_over_intra_ratio``, as a share of the reference's
     #: mean call (identical ranks on each side have none): the grid's resolution of a W1 score [1e-4].
     w1_resolution: float = 1e-4
 
     def __post_init__(self) -> None:
-        for name in ("ratio", "max_ratio", "small_ratio", "side_floor_ratio", "strong_ratio", "late_arrival_ratio"):
+        for name in ("ratio", "max_ratio", "small_ratio", "side_floor_ratio", "strong_ratio", "late_arrival_ratio",
+                     "modes_alike"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 1.0):
                 raise DetectorError(f"{name} must be finite and > 1, got {value}")
@@ -140,7 +147,8 @@ class LinkEvidence:
     ``groups_compared``: groups of its kind and role; ``kind_groups``, ``kind_slow_groups``,
     ``kind_comparisons``: the job's groups of its kind, the slow ones, the comparisons they were judged in.
     ``pp_group``/``pp_stage``: a pipeline side's (``pp_group`` kept by a pair); ``side_transfer_ratio``: a
-    pair's sides' ratios by rank. ``corroborates_only``: see :data:`CORROBORATES_ONLY`."""
+    pair's sides' ratios by rank. ``corroborates_only``: see :data:`CORROBORATES_ONLY`; ``weak``: the evidence is
+    weaker than a finding needs (it corroborates only), not just its impact."""
 
     group: str
     group_kind: GroupKind
@@ -164,6 +172,7 @@ class LinkEvidence:
     pp_stage: int | None = None
     side_transfer_ratio: dict[str, float] | None = None
     corroborates_only: bool = False
+    weak: bool = False
 
     def as_dict(self) -> dict[str, Any]:
         """The evidence dictionary of the finding (unset optional keys left out)."""
@@ -175,6 +184,8 @@ class LinkEvidence:
                 del out[key]
         if not self.corroborates_only:
             del out[CORROBORATES_ONLY]
+        if not self.weak:
+            del out["weak"]
         return out
 
     @classmethod
@@ -199,7 +210,7 @@ class LinkEvidence:
             group_known=bool(get("group_known", False)), collective=bool(get("collective", True)),
             pp_group=evidence.get("pp_group"), pp_stage=evidence.get("pp_stage"),
             side_transfer_ratio=evidence.get("side_transfer_ratio"),
-            corroborates_only=bool(get(CORROBORATES_ONLY, False)))
+            corroborates_only=bool(get(CORROBORATES_ONLY, False)), weak=bool(get("weak", False)))
 
 
 def corroborates_only(finding: Finding) -> bool:
@@ -341,7 +352,7 @@ def _role_links(role: _Role, ranks: I64, batch: MixtureBatch, sc: RankScores, wi
             mode_share_of_calls=float(widths[j]), groups_compared=role.lg.shape[0],
             w1_inter_over_intra_ratio=inter_intra(batch, sc, rows, np.flatnonzero(~explained), p.w1_resolution),
             pp_group=g // 65536 if side else None, pp_stage=g % 65536 if side else None,
-            corroborates_only=bool(role.weak[i]))
+            corroborates_only=bool(role.weak[i]), weak=bool(role.weak[i]))
         out.append(DegradedLink(tuple(sorted(int(r) for r in ranks[rows])), evidence, extra))
     return out
 
@@ -396,7 +407,7 @@ def _judge_role(kind: GroupKind, role_stage: int, same: list[tuple[int, I64]], i
     # Two or three groups of one stage (reductions, gathers, all-to-alls), with no spread to judge by, or
     # any number in a grouping guessed from durations: see the several-stages rule in detect_links.
     few = role_stage >= 0 and kind in _REDUCING and (n < p.spread_set or not inputs.group_known)
-    lr, hit = _hits(kind, role_stage, same, lg, lg - ref, lr_low, late, inputs, p)
+    lr, hit, weak_hits = _hits(kind, role_stage, same, lg, lg - ref, lr_low, late, inputs, p)
     floor_extra = np.zeros(n)
     side_floors = inputs.floors(False)[[rows[0] for _, rows in same]] if kind is PseudoGroup.PP_SIDE else None
     if side_floors is not None and n >= p.spread_set:
@@ -412,17 +423,18 @@ def _judge_role(kind: GroupKind, role_stage: int, same: list[tuple[int, I64]], i
     # Beyond a plausible slowdown of a transfer it is waiting: a group made only of ranks that wait in a
     # collective of another kind (all of one TP index, waiting for the others) looks "slow" by far more.
     hit &= lr <= math.log(p.max_ratio)
-    weak = np.zeros(n, dtype=bool)
+    weak = weak_hits & (lr.max(axis=1) <= math.log(p.max_ratio)) if not no_reference else np.zeros(n, dtype=bool)
     if side_floors is not None:
         hit, weak = _side_gates(hit, lr, side_floors, inputs.floors(True)[[rows[0] for _, rows in same]], p)
     return _Role(kind, role_stage, same, lg, ref, lr, lr_low, hit | weak[:, None], slow, few, floor_extra, weak)
 
 
 def _hits(kind: GroupKind, role_stage: int, same: list[tuple[int, I64]], lg: F64, lr: F64, lr_low: F64,
-          late: Bools, inputs: _Inputs, p: LinkParams) -> tuple[F64, Bools]:
-    """The log ratios the groups are judged by and which (group, mode) are slow, by how many groups there
-    are to compare and of what kind."""
+          late: Bools, inputs: _Inputs, p: LinkParams) -> tuple[F64, Bools, Bools]:
+    """The log ratios the groups are judged by, which (group, mode) are slow and which groups are slow by
+    evidence that only corroborates, by how many groups there are to compare and of what kind."""
     n = lg.shape[0]
+    none = np.zeros(n, dtype=bool)
     if n >= p.spread_set:
         mad = MAD_SCALE * np.median(np.abs(lg - np.median(lg, axis=0)), axis=0)
         gate = np.full((n, 1), math.log(p.ratio))
@@ -432,7 +444,7 @@ def _hits(kind: GroupKind, role_stage: int, same: list[tuple[int, I64]], lg: F64
             # their groups, unlike the middle stages', differ by more than a plain slow link.
             at = np.array([int(inputs.stage[rows].min()) for _, rows in same])
             gate[(at == at.min()) | (at == at.max())] = math.log(max(p.ratio, p.small_ratio))
-        return lr, (lr >= gate) & (lr >= p.z * np.maximum(mad, p.mad_floor))
+        return lr, (lr >= gate) & (lr >= p.z * np.maximum(mad, p.mad_floor)), none
     if (kind in (ParallelGroup.DP, ParallelGroup.TP) and role_stage >= 0
             and min(rows.size for _, rows in same) >= p.spread_set):
         # Reductions of groups of 4+ members each, in one stage (stages move other sizes): a reduction ends
@@ -442,7 +454,23 @@ def _hits(kind: GroupKind, role_stage: int, same: list[tuple[int, I64]], lg: F64
         # grouping is one guess of several, which LinkLedger has confirmed by a second collective; where
         # one of the groups has a late arrival (no reference, above), such a guess must be x2 slower.
         plain = inputs.group_known or not late.any()
-        return lr, lr >= math.log(p.ratio if plain else max(p.ratio, p.small_ratio))
+        return lr, lr >= math.log(p.ratio if plain else max(p.ratio, p.small_ratio)), none
+    if (n == 2 and role_stage < 0 and kind in (ParallelGroup.DP, ParallelGroup.TP) and inputs.group_known
+            and lr.shape[1] >= 2 and min(rows.size for _, rows in same) >= p.spread_set):
+        # Two stages' groups, one each, of 4+ members named by the trace: the stages hold other layers (the
+        # embedding, the output layer), so their collectives move other sizes, but a collective in buckets moves
+        # buckets of one size (and a remainder): other sizes move some of its modes, a slow link every one
+        # alike, so a group slower in every mode by a like ratio is slow at the plain one.
+        low, high = lr.min(axis=1), lr.max(axis=1)
+        alike = (low >= math.log(p.ratio)) & (high - low <= math.log(p.modes_alike))
+        return lr, np.where(alike[:, None], lr >= math.log(p.ratio), lr >= math.log(max(p.ratio, p.small_ratio))), none
+    if (n == 2 and role_stage < 0 and kind in (ParallelGroup.DP, ParallelGroup.TP) and inputs.group_known
+            and min(rows.size for _, rows in same) >= p.spread_set):
+        # One mode: a slow link and another size read alike. Slower at the plain ratio, it only corroborates
+        # (and adds its cost to) a group that another collective names.
+        hit = lr >= math.log(max(p.ratio, p.small_ratio))
+        weak: Bools = np.asarray((lr >= math.log(p.ratio)).any(axis=1) & ~hit.any(axis=1), dtype=bool)
+        return lr, hit, weak
     if kind is not PseudoGroup.PP_SIDE:
         # Read low in the mode too (a side's fast calls are its floors' to judge): a group slow in every
         # call is slower there than at the middle, where the other groups' calls hold waiting.
@@ -460,7 +488,7 @@ def _hits(kind: GroupKind, role_stage: int, same: list[tuple[int, I64]], lg: F64
                                p.side_floor_ratio)
         if raised is not None:
             hit |= (lr >= math.log(p.ratio)) & raised[:, None]
-    return lr, hit
+    return lr, hit, none
 
 
 def _side_gates(hit: Bools, lr: F64, floors: F64, within: F64, p: LinkParams) -> tuple[Bools, Bools]:

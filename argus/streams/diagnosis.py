@@ -45,7 +45,7 @@ from argus.detectors.l2_phases import L2Params, L2Result
 from argus.detectors.l3_kernels import L3Params, L3Result, detect_l3
 from argus.detectors.l3_ranks import KernelTotals, RankExcessParams, detect_rank_excess, detect_stage_excess
 from argus.detectors.link_ledger import LinkLedger
-from argus.detectors.links import CORROBORATES_ONLY, corroborates_only
+from argus.detectors.links import CORROBORATES_ONLY, IMPACT_BAR_SHARE, corroborates_only
 from argus.detectors.onsets import OnsetParams, rank_onsets
 from argus.schemas.records import Finding, JobLifecycle, JobTopology, KernelSummary, ParallelGroup, PhaseBatch, Step
 
@@ -150,12 +150,17 @@ def judge(job_id: str, results: list[DetectorResult], time_ns: int, world_size: 
     for res in results:
         impact = impact_of(res, world_size, clock.affected_steps(res.ranks, *span)
                            if isinstance(res, L3Result) and clock.onsets else steps)
-        if worth_raising(impact, clock, min_fraction):
+        link = isinstance(res, L3Result) and res.kind is FindingKind.LINK_DEGRADED
+        worth = worth_raising(impact, clock, min_fraction)
+        if worth and not (link and res.evidence.get(CORROBORATES_ONLY)):
             out.append(to_finding(job_id, res, time_ns, impact))
-        elif isinstance(res, L3Result) and res.kind is FindingKind.LINK_DEGRADED:
+        elif link:
             # A degraded link slows every collective its group runs, the small ones too: too little to raise
-            # alone, such a result still corroborates the group's larger collectives (see LinkLedger).
-            weak = dataclasses.replace(res, evidence=res.evidence | {CORROBORATES_ONLY: True})
+            # alone (or too weak to name it), such a result still corroborates the group's other
+            # collectives, and its delay counts towards the group's (see LinkLedger).
+            share = (impact.step_fraction(clock) or 0.0) / min_fraction if min_fraction > 0 else 0.0
+            weak = dataclasses.replace(res, evidence=res.evidence | {CORROBORATES_ONLY: True,
+                                                                     IMPACT_BAR_SHARE: share})
             out.append(to_finding(job_id, weak, time_ns, impact))
     return out
 

@@ -105,10 +105,10 @@ def test_a_pipeline_sides_evidence_round_trips_with_its_stage_and_corroboration(
     rows = list(REAL_STAGE0_SIDES)
     [res] = detect_l3([_summary(rows, kernel=SENDRECV)], topo)
     ev = res.evidence
-    assert set(ev) == GROUP_KEYS | {"pp_group", "pp_stage", CORROBORATES_ONLY}
+    assert set(ev) == GROUP_KEYS | {"pp_group", "pp_stage", CORROBORATES_ONLY, "weak"}
     assert ev["group_kind"] == PIPELINE_SIDE and ev["whole_group"] is False and ev[CORROBORATES_ONLY] is True
     back = LinkEvidence.from_dict(ev)
-    assert back.group_kind is PseudoGroup.PP_SIDE and back.corroborates_only and back.pp_stage == 0
+    assert back.group_kind is PseudoGroup.PP_SIDE and back.corroborates_only and back.weak and back.pp_stage == 0
     assert back.as_dict() == ev
     assert CORROBORATES_ONLY not in dataclasses.replace(back, corroborates_only=False).as_dict()
 
