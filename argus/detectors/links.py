@@ -117,13 +117,16 @@ class LinkParams:
     #: Most spread (largest over smallest) of a group's ratios over its collective's modes that reads as every
     #: bucket slowed alike, where each of two stages' one group is compared with the other's [1.1].
     modes_alike: float = 1.1
+    #: Least ratio between two modes of a collective's healthy transfers that makes them two bucket sizes, in
+    #: the same comparison [1.5].
+    distinct_modes: float = 1.5
     #: Floor of the W1 spread within the sides of ``w1_inter_over_intra_ratio``, as a share of the reference's
     #: mean call (identical ranks on each side have none): the grid's resolution of a W1 score [1e-4].
     w1_resolution: float = 1e-4
 
     def __post_init__(self) -> None:
         for name in ("ratio", "max_ratio", "small_ratio", "side_floor_ratio", "strong_ratio", "late_arrival_ratio",
-                     "modes_alike"):
+                     "modes_alike", "distinct_modes"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 1.0):
                 raise DetectorError(f"{name} must be finite and > 1, got {value}")
@@ -456,19 +459,19 @@ def _hits(kind: GroupKind, role_stage: int, same: list[tuple[int, I64]], lg: F64
         plain = inputs.group_known or not late.any()
         return lr, lr >= math.log(p.ratio if plain else max(p.ratio, p.small_ratio)), none
     if (n == 2 and role_stage < 0 and kind in (ParallelGroup.DP, ParallelGroup.TP) and inputs.group_known
-            and lr.shape[1] >= 2 and min(rows.size for _, rows in same) >= p.spread_set):
+            and min(rows.size for _, rows in same) >= p.spread_set):
         # Two stages' groups, one each, of 4+ members named by the trace: the stages hold other layers (the
         # embedding, the output layer), so their collectives move other sizes, but a collective in buckets moves
         # buckets of one size (and a remainder): other sizes move some of its modes, a slow link every one
-        # alike, so a group slower in every mode by a like ratio is slow at the plain one.
+        # alike. A group slower in two or more distinct modes (the reference's transfers ``distinct_modes``
+        # apart) by a like ratio is slow at the plain one; slower at the plain ratio otherwise (one mode: a slow
+        # link and another size read alike), it only corroborates (and adds its cost to) a group another
+        # collective names.
+        ref = lg[0] - lr[0]
         low, high = lr.min(axis=1), lr.max(axis=1)
-        alike = (low >= math.log(p.ratio)) & (high - low <= math.log(p.modes_alike))
-        return lr, np.where(alike[:, None], lr >= math.log(p.ratio), lr >= math.log(max(p.ratio, p.small_ratio))), none
-    if (n == 2 and role_stage < 0 and kind in (ParallelGroup.DP, ParallelGroup.TP) and inputs.group_known
-            and min(rows.size for _, rows in same) >= p.spread_set):
-        # One mode: a slow link and another size read alike. Slower at the plain ratio, it only corroborates
-        # (and adds its cost to) a group that another collective names.
-        hit = lr >= math.log(max(p.ratio, p.small_ratio))
+        alike = ((float(np.ptp(ref)) >= math.log(p.distinct_modes)) & (low >= math.log(p.ratio))
+                 & (high - low <= math.log(p.modes_alike)))
+        hit = np.where(alike[:, None], lr >= math.log(p.ratio), lr >= math.log(max(p.ratio, p.small_ratio)))
         weak: Bools = np.asarray((lr >= math.log(p.ratio)).any(axis=1) & ~hit.any(axis=1), dtype=bool)
         return lr, hit, weak
     if kind is not PseudoGroup.PP_SIDE:

@@ -470,6 +470,30 @@ def test_two_named_groups_of_many_members_compare_like_many() -> None:
     assert detect_l3([_summary(_ranks(16, {r: 1.2 for r in range(1, 16, 2)}), kernel=AR)], topo) == []
 
 
+@pytest.mark.parametrize(("factors", "found"), [((1.5, 1.55), "link"), ((1.0, 1.6), "weak"), ((1.6,), "weak"),
+                                               ((1.2, 1.25), None)])
+def test_two_stages_groups_are_a_link_where_every_bucket_is_slower_alike(factors: tuple[float, ...],
+                                                                           found: str | None) -> None:
+    # DP 4 x PP 2: each stage's one DP group (named by the trace) is compared with the other stage's. Their
+    # stages hold other layers, so one mode of a bucketed reduction may differ by size; a slow link slows
+    # every mode alike. One mode slower, or a one-mode collective, cannot tell: it only corroborates (and adds
+    # its cost to a group another collective names).
+    topo = build_topology("j", dp=4, pp=2)
+    rng = np.random.default_rng(3)
+    rows = []
+    for r in range(8):
+        f = factors if r < 4 else (1.0,) * len(factors)
+        rows.append((r, [(50, size * x * float(np.exp(0.01 * rng.standard_normal())), size * x * 1.1)
+                         for size, x in zip((4e6, 1e6), f, strict=False)]))
+    res = detect_l3([_summary(rows, kernel=AR, stream=13)], topo, group_kind=ParallelGroup.DP)
+    if found is None:
+        assert res == []
+        return
+    assert _found(res) == [(FindingKind.LINK_DEGRADED, (0, 1, 2, 3))]
+    assert bool(res[0].evidence.get("weak")) is (found == "weak")
+    assert detect_l3([_summary(rows, kernel=AR, stream=13)], topo) == []  # a guessed grouping: x2 needed
+
+
 def test_a_collective_with_one_grouping_in_the_topology_is_judged_on_few_calls() -> None:
     # DP 8 x PP 4, no TP: a reduction can only be a DP group's; six calls a rank (one a step) are enough, as
     # where the trace names the group, while a job with DP and TP groups still needs ten.

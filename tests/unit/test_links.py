@@ -19,6 +19,7 @@ from argus.detectors.l3_kernels import L3Result
 from argus.detectors.link_ledger import LinkLedger
 from argus.detectors.links import (
     CORROBORATES_ONLY,
+    IMPACT_BAR_SHARE,
     PIPELINE_SIDE,
     LinkEvidence,
     LinkParams,
@@ -140,3 +141,34 @@ def test_the_ledger_reads_its_strong_evidence_gates_from_link_params() -> None:
     assert len(LinkLedger().filter([f])) == 1  # x3 against 4 groups: strong at the default x2.5
     assert LinkLedger(LinkParams(strong_ratio=3.5)).filter([f]) == []
     assert LinkLedger(LinkParams(strong_groups=5)).filter([f]) == []
+
+
+@pytest.mark.parametrize(("shares", "weak", "published"), [
+    ((0.6, 0.5), (False, False), True),  # each under the impact bar, together over it
+    ((0.6, 0.3), (False, False), False),
+    ((0.7, 0.5), (False, True), True),  # a weak collective adds its cost to one that is evidence enough
+    ((0.7, 0.5), (True, True), False),  # weak evidence alone names no link, whatever its cost
+])
+def test_a_groups_collectives_under_the_impact_bar_count_together(shares: tuple[float, float],
+                                                                   weak: tuple[bool, bool], published: bool) -> None:
+    from argus.detectors.impact import StepClock
+    from argus.streams.diagnosis import judge
+
+    clock = StepClock.of([i * 100_000_000 for i in range(10)], [100e6] * 10)  # 10 steps of 100 ms
+    base = _link_result()
+    out = []
+    for i, (share, is_weak) in enumerate(zip(shares, weak, strict=True)):
+        # share x 1 % of the step, per step over the window's 10 steps
+        res = dataclasses.replace(base, kernel=f"{AR}_{i}", excess_ns=share * 0.01 * 100e6 * 10,
+                                  evidence=base.evidence | ({"weak": True, CORROBORATES_ONLY: True} if is_weak else {}))
+        [f] = judge("j", [res], 10, 8, clock, 0.01, (0, 10 * 100_000_000))
+        assert f.evidence[IMPACT_BAR_SHARE] == pytest.approx(share)
+        out.append(f)
+    ledger = LinkLedger()
+    raised = ledger.filter(out[:1]) + ledger.filter(out[1:])
+    if not published:
+        assert raised == []
+        return
+    assert sorted(f.kernel or "" for f in raised) == [f"{AR}_0", f"{AR}_1"]
+    assert not any(CORROBORATES_ONLY in f.evidence for f in raised)
+    assert [f.finding_id for f in raised] == [f.finding_id for f in out]
