@@ -530,7 +530,7 @@ def _stage_kernels(totals: Iterable[KernelTotals], stage_of: dict[int, int], sta
         med_calls = np.array([float(np.median(calls[s])) for s in stages])
         if med_calls.max() > (1.0 + p.same_calls) * med_calls.min() or med_calls.min() < p.stage_min_calls:
             continue  # not the same work on every stage, or too few calls for a stage-wide verdict
-        # A stage's fastest rank: a slow stage slows every one of its ranks, a straggler only itself.
+        # A stage's lower-quartile rank: a slow stage slows every one of its ranks, a straggler only itself.
         rows.append((t.kernel, np.array([float(np.percentile(per_call[s], 25)) for s in stages]), med_calls))
     return rows, compute
 

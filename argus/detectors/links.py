@@ -61,8 +61,8 @@ PIPELINE_SIDE = PseudoGroup.PP_SIDE.value
 #: Evidence key of a link result that only corroborates another (a result under the impact threshold, or a
 #: pipeline side slow by a weaker test than a finding needs): evidence for the job's link ledger, never published.
 CORROBORATES_ONLY = "corroborates_only"
-#: Evidence key of a link result under the impact threshold: the share of that threshold its delay reaches. A
-#: link slows every collective of its group, and its cost is theirs together (see LinkLedger).
+#: Evidence key of a link result under the impact threshold (or weak): the share of that threshold its delay
+#: reaches. A link slows every collective of its group, and its cost is theirs together (see LinkLedger).
 IMPACT_BAR_SHARE = "impact_bar_share"
 
 
