@@ -119,7 +119,7 @@ class HangResult:
 def detect_hangs(ranks: Mapping[int, RankLiveness] | Iterable[RankLiveness], topology: JobTopology, now_ns: int,
                  last_progress_ns: int, last_completed_step: int, median_step_ns: float,
                  params: HangParams | None = None, silence_now_ns: int | None = None,
-                 newest_ns: int | None = None) -> list[HangResult]:
+                 newest_ns: int | None = None, heard_since_ns: int | None = None) -> list[HangResult]:
     """Stall, silent ranks and the hang wavefront of a job at ``now_ns`` (see the module docstring).
 
     Args:
@@ -134,6 +134,9 @@ def detect_hangs(ranks: Mapping[int, RankLiveness] | Iterable[RankLiveness], top
             topics read at different paces.
         newest_ns: the newest record read on that stream (default: the ranks' newest record): a rank is
             silent only by the bound older than it (other ranks still published after it went quiet).
+        heard_since_ns: the first record read on that stream: a rank's silence there counts from it at the
+            earliest (a rank whose first heartbeat is not read yet, while its steps are read behind, is not
+            silent for the steps it was read behind).
     """
     p = params or HangParams()
     live = dict(ranks) if isinstance(ranks, Mapping) else {r.rank: r for r in ranks}
@@ -149,7 +152,10 @@ def detect_hangs(ranks: Mapping[int, RankLiveness] | Iterable[RankLiveness], top
     if newest_ns is not None:
         newest = min(newest, newest_ns)  # records of other topics read ahead of it say nothing of silence
     all_silent = quiet_now - newest >= silent_bound
-    silent = sorted(r for r, s in live.items() if newest - s.last_seen_ns >= silent_bound or all_silent)
+    # On that stream a rank is silent from its first record read there at the earliest: its older records,
+    # read on other topics (maybe behind), say nothing of what that stream has carried since.
+    seen = {r: max(s.last_seen_ns, heard_since_ns or 0) for r, s in live.items()}
+    silent = sorted(r for r in live if newest - seen[r] >= silent_bound or all_silent)
     out: list[HangResult] = []
     if stalled_ns >= bound:
         out.append(HangResult(FindingKind.JOB_STALLED, (), (last_completed_step,), stalled_ns / bound, None, {
@@ -159,7 +165,7 @@ def detect_hangs(ranks: Mapping[int, RankLiveness] | Iterable[RankLiveness], top
     if not all_silent:
         for r in silent:
             s = live[r]
-            gap = quiet_now - s.last_seen_ns
+            gap = quiet_now - seen[r]
             out.append(HangResult(FindingKind.RANK_SILENT, (r,), (s.step,), gap / silent_bound, s.phase or None, {
                 "seconds_silent": gap / _NS, "silent_bound_s": silent_bound / _NS, "last_step": s.step,
                 "last_phase": s.phase, "collective": s.collective.value if s.collective else "",

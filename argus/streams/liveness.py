@@ -51,6 +51,7 @@ class JobLiveness:
         # Newest heartbeat event time, the worker time it arrived, and the newest step a heartbeat began.
         self._hb_newest_ns = 0
         self._hb_newest_at = 0.0
+        self._hb_first_ns = 0  # the first heartbeat read: silence on their clock counts from it
         self._hb_step = -1
         self._behind_since: float | None = None
 
@@ -76,6 +77,7 @@ class JobLiveness:
             self._seen(rec.time_ns, now)
             if rec.time_ns >= self._hb_newest_ns:
                 self._hb_newest_ns, self._hb_newest_at = rec.time_ns, now
+            self._hb_first_ns = min(self._hb_first_ns or rec.time_ns, rec.time_ns)
             self._hb_step = max(self._hb_step, rec.step)
             return []
         if isinstance(rec, PhaseBatch):
@@ -138,7 +140,7 @@ class JobLiveness:
                      if self._hb_newest_ns else None)
         found = detect_hangs(self.ranks, topology, self.now_ns(now, pace), self.last_progress_ns,
                              self.last_completed_step, median_step_ns, self.params, silence_now_ns=quiet_now,
-                             newest_ns=self._hb_newest_ns or None)
+                             newest_ns=self._hb_newest_ns or None, heard_since_ns=self._hb_first_ns or None)
         if 0 < self._hb_newest_ns <= self.last_progress_ns:
             # Heartbeats, but none sent since the last completed step: nothing shows the ranks alive and not progressing
             # (a lull in a job's records on the way is no stall); a stuck job heartbeats on, in its collective.

@@ -174,6 +174,27 @@ def test_ranks_are_not_silent_when_steps_are_read_ahead_of_heartbeats() -> None:
     assert not any(f.kind is FindingKind.RANK_SILENT for f in found), found
 
 
+def test_a_rank_read_behind_is_not_silent_before_its_first_heartbeat_is_read() -> None:
+    """A job publishing heartbeats only in a pause (as the simulator does), read unevenly: rank 7's steps
+    partition is read up to step 4 only, the others' up to 11, and the pause's first heartbeats are read for
+    ranks 0-6 but not yet for rank 7 (a worker batch ends between them). On the heartbeats' clock rank 7 has
+    not been silent yet; it is once the others' heartbeats run on past the bound without its own."""
+    topo = build_topology("j", 4, 2, 1)
+    live = JobLiveness("j", P)
+    clock = 10.0
+    for step in range(12):
+        _steps(live, range(7) if step > 4 else range(8), step, clock)
+    pause = T0 + 12 * STEP
+    for r in range(7):
+        live.observe(Heartbeat("j", r, pause, 11), clock)
+    assert not [f for f in live.judge(topo, STEP, clock) if f.kind is FindingKind.RANK_SILENT]
+    for i in range(1, 5):  # 400 ms of the pause's heartbeats, none of rank 7's
+        for r in range(7):
+            live.observe(Heartbeat("j", r, pause + i * STEP, 11), clock + i * 0.1)
+    silent = [f for f in live.judge(topo, STEP, clock + 0.4) if f.kind is FindingKind.RANK_SILENT]
+    assert [f.ranks for f in silent] == [(7,)] and silent[0].evidence["seconds_silent"] == 0.4
+
+
 def _steps_behind_heartbeats(beats: int) -> tuple[JobLiveness, float]:
     """A DP 4 x TP 2 job whose steps 0-3 are read, then ``beats`` heartbeats of every rank in step 9 (the steps
     topic read behind them); the job's liveness and the worker clock after them."""
