@@ -95,6 +95,10 @@ class L2Params:
     #: Among members of one blocking group flagged alike, one this much more elevated than the next is the
     #: cause [1.3].
     stands_out: float = 1.3
+    #: Least share of a straggler's largest phase excess that a phase needs to name its finding (the most
+    #: elevated such phase does): a short phase (an optimizer step of a millisecond on a CPU-starved rank) may
+    #: be more elevated than the one that holds the slowdown [0.1].
+    name_share: float = 0.1
 
     def __post_init__(self) -> None:
         for name in ("min_elevation", "collective_ratio", "stage_ratio", "late_arrival_ratio", "stands_out"):
@@ -109,6 +113,8 @@ class L2Params:
             raise DetectorError(f"min_steps must be >= 1, got {self.min_steps}")
         if self.min_pairs < 2 or not (math.isfinite(self.pair_min_z) and self.pair_min_z >= 0.0):
             raise DetectorError(f"need min_pairs >= 2 and pair_min_z >= 0, got {self.min_pairs}, {self.pair_min_z}")
+        if not 0.0 <= self.name_share <= 1.0:
+            raise DetectorError(f"name_share must be in [0, 1], got {self.name_share}")
         if not 0.0 < self.pairs_alpha < 1.0:
             raise DetectorError(f"pairs_alpha must be in (0, 1), got {self.pairs_alpha}")
         for name in ("wall_share", "waited_explains", "waited_own"):
@@ -228,8 +234,8 @@ def detect_l2(phases: PhaseTable, topology: JobTopology, params: L2Params | None
 
     ``phases``: the job's phase table; only steps ``>= onset_step`` are analysed when it is given (use
     L1's regression onset). ``params`` defaults to ``L2Params()``. Returns compute stragglers (one per
-    rank, its most elevated phase first in evidence), phase stragglers, then slow stages. Raises
-    :class:`DetectorError` for ranks missing from ``topology``.
+    rank, named by its most elevated phase of those holding ``name_share`` of its largest excess), phase
+    stragglers, then slow stages. Raises :class:`DetectorError` for ranks missing from ``topology``.
     """
     p = params if params is not None else L2Params()
     keep = np.ones(len(phases), dtype=bool) if onset_step is None else phases.step >= onset_step
@@ -360,6 +366,13 @@ def _by_rank(flags: list[Flag]) -> dict[int, list[Flag]]:
     return out
 
 
+def _named_phase(flags: list[Flag], share: float) -> Flag:
+    """Of one rank's elevated phases (most elevated first), the one that names its finding: the most elevated
+    of those whose excess is at least ``share`` of the largest."""
+    most = max(f.excess_ns for f in flags)
+    return next((f for f in flags if f.excess_ns >= share * most), flags[0])
+
+
 def _evidence(top: Flag, flags: list[Flag]) -> dict[str, Any]:
     return {
         "phase_kind": top.kind.value, "rank_ms": top.value_ns / _MS, "peers_median_ms": top.peers_ns / _MS,
@@ -393,7 +406,7 @@ def _stragglers(compute: list[Flag], short: list[Flag], host: list[Flag], topolo
     results: list[L2Result] = []
     for r in sorted(slow | late):
         flags, short_fs = by_rank.get(r, []), shorts.get(r, [])
-        top = flags[0] if flags else short_fs[0]
+        top = _named_phase(flags, p.name_share) if flags else short_fs[0]
         evidence = _evidence(top, flags) | {
             "collective_short": bool(short_fs),
             "short_collectives_peers_over_rank_ratio": {f"{f.phase}:{f.kind.value}": 1.0 / f.ratio for f in short_fs},

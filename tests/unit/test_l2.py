@@ -156,6 +156,25 @@ def test_compute_straggler_named_with_short_collective_and_peers_spared() -> Non
     assert ev["group"] == "DP0" and ev["robust_z"] > 3.5 and ev["group_cv"] > 0
 
 
+def test_a_straggler_is_named_by_the_phase_that_holds_its_slowdown_not_a_short_one_more_elevated() -> None:
+    # Rank 2 does 200 ms of extra work in its forward (x101); starved of CPU after it, its optimizer step of
+    # 50 us takes 10 ms (x200, the most elevated phase, but 5 % of the excess): the forward names it.
+    topo = build_topology("j", dp=4)
+
+    def phases(rank: int, step: int) -> list[tuple[PhaseKind, str, ParallelGroup, float]]:
+        slow = rank == 2
+        fwd, opt = (202 if slow else 2) * MS, (10 if slow else 0.05) * MS
+        mine, latest = fwd + 4 * MS + opt, 202 * MS + 4 * MS + 10 * MS
+        return [(F, "forward", NONE, fwd), (B, "backward", NONE, 4 * MS), (OPT, "optimizer", NONE, opt),
+                (PhaseKind.ALL_REDUCE, "dp-allreduce", DP, MS + latest - mine)]
+
+    (res,) = detect_l2(_job(topo, 10, phases), topo)
+    assert res.ranks == (2,) and res.phase == "forward" and res.score == pytest.approx(101, rel=0.01)
+    assert res.evidence["elevated_phases_ratio"]["optimizer:OPTIMIZER"] == pytest.approx(200, rel=0.01)
+    (top,) = detect_l2(_job(topo, 10, phases), topo, L2Params(name_share=0.0))
+    assert top.phase == "optimizer"  # the most elevated of all
+
+
 def test_group_of_two_and_only_within_dp_groups() -> None:
     topo = build_topology("j", dp=2, pp=2)  # DP groups {0, 1} and {2, 3}
     work = {0: 1, 1: 3, 2: 4, 3: 4}
