@@ -120,13 +120,17 @@ class LinkParams:
     #: Least ratio between two modes of a collective's healthy transfers that makes them two bucket sizes, in
     #: the same comparison [1.5].
     distinct_modes: float = 1.5
+    #: Gate of each of two stages' one group (named, 4+ members) in a collective of one size: the stages'
+    #: layers are split evenly, and what they hold besides (the embedding, the output layer) moves their
+    #: gradients' sizes apart by less [1.5].
+    two_stages_ratio: float = 1.5
     #: Floor of the W1 spread within the sides of ``w1_inter_over_intra_ratio``, as a share of the reference's
     #: mean call (identical ranks on each side have none): the grid's resolution of a W1 score [1e-4].
     w1_resolution: float = 1e-4
 
     def __post_init__(self) -> None:
         for name in ("ratio", "max_ratio", "small_ratio", "side_floor_ratio", "strong_ratio", "late_arrival_ratio",
-                     "modes_alike", "distinct_modes"):
+                     "modes_alike", "distinct_modes", "two_stages_ratio"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 1.0):
                 raise DetectorError(f"{name} must be finite and > 1, got {value}")
@@ -464,14 +468,14 @@ def _hits(kind: GroupKind, role_stage: int, same: list[tuple[int, I64]], lg: F64
         # embedding, the output layer), so their collectives move other sizes, but a collective in buckets moves
         # buckets of one size (and a remainder): other sizes move some of its modes, a slow link every one
         # alike. A group slower in two or more distinct modes (the reference's transfers ``distinct_modes``
-        # apart) by a like ratio is slow at the plain one; slower at the plain ratio otherwise (one mode: a slow
-        # link and another size read alike), it only corroborates (and adds its cost to) a group another
-        # collective names.
+        # apart) by a like ratio is slow at the plain one; otherwise (one mode: a slow link and another size
+        # read alike) at ``two_stages_ratio``, more than two stages' sizes differ by, and between the two it
+        # only corroborates (and adds its cost to) a group another collective names.
         ref = lg[0] - lr[0]
         low, high = lr.min(axis=1), lr.max(axis=1)
         alike = ((float(np.ptp(ref)) >= math.log(p.distinct_modes)) & (low >= math.log(p.ratio))
                  & (high - low <= math.log(p.modes_alike)))
-        hit = np.where(alike[:, None], lr >= math.log(p.ratio), lr >= math.log(max(p.ratio, p.small_ratio)))
+        hit = np.where(alike[:, None], lr >= math.log(p.ratio), lr >= math.log(max(p.ratio, p.two_stages_ratio)))
         weak: Bools = np.asarray((lr >= math.log(p.ratio)).any(axis=1) & ~hit.any(axis=1), dtype=bool)
         return lr, hit, weak
     if kind is not PseudoGroup.PP_SIDE:
