@@ -33,13 +33,13 @@ F64 = npt.NDArray[np.float64]
 I64 = npt.NDArray[np.int64]
 
 
-#: Calls a cluster needs for its longest one to be counted as its second longest (:func:`trimmed_sum`); up to
-#: 101 calls the summary's p99 (numpy's linear quantile) lies between the two longest, which gives the second.
-_TRIM_CALLS = (10, 101)
+#: Calls a cluster needs for its longest one to be counted as its second longest (:func:`trimmed_sum`): from two
+#: up to 101 calls the summary's p99 (numpy's linear quantile) lies between the two longest, which gives the second.
+_TRIM_CALLS = (2, 101)
 
 
 def trimmed_sum(count: int, sum_ns: float, p99_ns: float, max_ns: float) -> float:
-    """A cluster's total time (ns) with its longest call counted as its second longest, for clusters of 10 to
+    """A cluster's total time (ns) with its longest call counted as its second longest, for clusters of 2 to
     101 calls (others: ``sum_ns``). One hiccup (a preemption, a retry) makes a call far longer than its
     cluster's others and moves a kernel's total on one rank by a few percent, which in a large job is many of
     the set's noise; a slow rank slows all of its calls, and loses only the gap between its two longest.
