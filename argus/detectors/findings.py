@@ -29,7 +29,7 @@ from argus.detectors.l2_phases import L2Result
 from argus.detectors.l3_kernels import L3Result
 from argus.schemas.records import Finding
 
-__all__ = ["DetectorResult", "finding_id", "finding_json", "to_finding", "to_findings"]
+__all__ = ["DetectorResult", "evidence_json", "finding_id", "finding_json", "to_finding", "to_findings"]
 
 #: Any detector's result.
 DetectorResult = L1Result | L2Result | L3Result
@@ -67,8 +67,7 @@ def to_finding(job_id: str, result: DetectorResult | HangResult, time_ns: int, i
     extra = {} if impact is None else {"delay_ms_per_step": impact.delay_ns_per_step / 1e6,
                                        "impact_steps": impact.steps}
     try:
-        evidence = json.dumps(_jsonable(result.evidence | extra), sort_keys=True, allow_nan=False,
-                              separators=(",", ":"))
+        evidence = evidence_json(_jsonable(result.evidence | extra))
     except (TypeError, ValueError) as exc:
         raise DetectorError(f"{kind}: evidence is not JSON-serializable: {exc}") from exc
     return Finding(
@@ -78,6 +77,12 @@ def to_finding(job_id: str, result: DetectorResult | HangResult, time_ns: int, i
         impact_ns_per_step=0.0 if impact is None else float(impact.gpu_ns_per_step),
         impact_ns=0.0 if impact is None else float(impact.gpu_ns),
     )
+
+
+def evidence_json(evidence: dict[str, Any]) -> str:
+    """A finding's ``evidence_json``: keys sorted, compact, no NaN (raises ``ValueError`` for one,
+    ``TypeError`` for a value JSON cannot hold)."""
+    return json.dumps(evidence, sort_keys=True, allow_nan=False, separators=(",", ":"))
 
 
 def to_findings(job_id: str, results: Iterable[DetectorResult | HangResult], time_ns: int) -> list[Finding]:

@@ -10,11 +10,10 @@ both of its sides are slow.
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Iterable
 
 from argus.core.kinds import FindingKind
-from argus.detectors.findings import finding_id
+from argus.detectors.findings import evidence_json, finding_id
 from argus.detectors.links import (
     CORROBORATES_ONLY,
     IMPACT_BAR_SHARE,
@@ -144,8 +143,7 @@ class LinkLedger:
 def _raisable(f: Finding) -> Finding:
     """``f``, a link finding held as corroboration only, as one to publish (same id)."""
     evidence = {k: v for k, v in f.evidence.items() if k != CORROBORATES_ONLY}
-    return dataclasses.replace(f, evidence_json=json.dumps(evidence, sort_keys=True, allow_nan=False,
-                                                           separators=(",", ":")))
+    return dataclasses.replace(f, evidence_json=evidence_json(evidence))
 
 
 def _pipeline_pair(top: Finding, pipe: int, ranks: tuple[int, ...],
@@ -159,6 +157,6 @@ def _pipeline_pair(top: Finding, pipe: int, ranks: tuple[int, ...],
     # Keys no link evidence has (the impact's) stay as they are.
     evidence = {k: v for k, v in ev.items() if k not in _LINK_KEYS} | pair.as_dict()
     return dataclasses.replace(
-        top, ranks=ranks, evidence_json=json.dumps(evidence, sort_keys=True, allow_nan=False, separators=(",", ":")),
+        top, ranks=ranks, evidence_json=evidence_json(evidence),
         finding_id=finding_id(top.job_id, top.level.value, top.kind.value, ranks, top.phase, top.kernel,
                               top.stream, top.steps))
