@@ -10,6 +10,7 @@ chDB allows one directory per process, so the session shares one store and each 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import socket
 import subprocess
@@ -23,23 +24,33 @@ from typing import Any
 
 import pytest
 
+from argus.core.errors import KafkaLocalError
 from argus.core.settings import Settings
 from argus.local_kafka import LocalKafka
 from argus.sinks.clickhouse import ClickHouseStore
 from argus.sinks.writer import SinkWriter
 from argus.topics import ensure_topics
+from load_tests.detection_eval import free_port
+
+logger = logging.getLogger(__name__)
 
 
-def _test_bootstrap() -> str:
-    """Where this session's broker listens: ``ARGUS_TEST_BOOTSTRAP`` (default 127.0.0.1:39092); under
-    pytest-xdist, worker ``gwN`` has a broker of its own ``2 * N`` ports above (a broker takes its port and the
-    next, its KRaft controller's)."""
-    host, _, port = os.environ.get("ARGUS_TEST_BOOTSTRAP", "127.0.0.1:39092").rpartition(":")
+def _fixed_bootstrap() -> str | None:
+    """Where this session's broker must listen when ``ARGUS_TEST_BOOTSTRAP`` is set: that address for worker
+    ``gw0``, ``2 * N`` ports above it for worker ``gwN`` (a broker takes its port and the next, its KRaft
+    controller's). None when unset: each worker's broker then takes a free port pair of its own."""
+    fixed = os.environ.get("ARGUS_TEST_BOOTSTRAP")
+    if not fixed:
+        return None
+    host, _, port = fixed.rpartition(":")
     worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
     return f"{host}:{int(port) + 2 * worker}"
 
 
-TEST_BOOTSTRAP = _test_bootstrap()
+#: Launches of a session broker on a free port pair before giving up: a port found free can be taken by
+#: another process (another suite on the machine, an outgoing connection's ephemeral port) before the broker
+#: binds it, and the broker then exits during start-up.
+BROKER_LAUNCHES = 3
 
 
 def _free_port() -> int:
@@ -50,9 +61,19 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="session")
 def kafka(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    home = tmp_path_factory.mktemp("kafka-home")
-    broker = LocalKafka(Settings.load(env={}, home=home, bootstrap_servers=TEST_BOOTSTRAP))
-    bootstrap = broker.start(timeout_s=120)
+    fixed = _fixed_bootstrap()
+    for launch in range(1, BROKER_LAUNCHES + 1):
+        home = tmp_path_factory.mktemp("kafka-home")
+        address = fixed or f"127.0.0.1:{free_port(pair=True)}"
+        broker = LocalKafka(Settings.load(env={}, home=home, bootstrap_servers=address))
+        try:
+            bootstrap = broker.start(timeout_s=120)
+            break
+        except KafkaLocalError:
+            if fixed or launch == BROKER_LAUNCHES:
+                raise
+            logger.warning("the session broker on %s did not start (launch %d); another port", address, launch,
+                           exc_info=True)
     yield bootstrap
     broker.stop()
 
