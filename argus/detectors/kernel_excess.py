@@ -48,6 +48,7 @@ def detect_kernel_excess(totals: Iterable[KernelTotals], topology: JobTopology |
     if not usable:
         return []
     ranks, total, calls, part, median = totals_matrix(usable, topology)
+    peak = _peaks(usable, ranks)
     keys = [(t.kernel, t.stream) for t in usable]
     skip = set(exclude)
     out: dict[int, L3Result] = {}
@@ -56,13 +57,36 @@ def detect_kernel_excess(totals: Iterable[KernelTotals], topology: JobTopology |
     for label, rows, cols, judged in comparison_sets(part, calls, p):
         moe = _Experts(routed[cols], per_token_scale(ranks[rows], expert_tokens),
                        None if groups is None else groups[rows])
-        for res in _judge(ranks[rows], total[np.ix_(rows, cols)], median[np.ix_(rows, cols)],
-                          calls[np.ix_(rows, cols)], [keys[j] for j in cols.tolist()], label, p, moe):
+        cells = np.ix_(rows, cols)
+        for res in _judge(ranks[rows], _Cells(total[cells], median[cells], peak[cells], calls[cells]),
+                          [keys[j] for j in cols.tolist()], label, p, moe):
             r = res.ranks[0]
             if r in skip or r in out or not judged[int(np.searchsorted(ranks[rows], r))]:
                 continue
             out[r] = res
     return [out[r] for r in sorted(out)]
+
+
+def _peaks(totals: Sequence[KernelTotals], ranks: I64) -> F64:
+    """Ranks x kernels: the longest call as the totals count it (NaN where unknown)."""
+    pos = {r: i for i, r in enumerate(ranks.tolist())}
+    out = np.full((ranks.size, len(totals)), np.nan)
+    for k, t in enumerate(totals):
+        for r, v in t.peak_ns.items():
+            if r in pos:
+                out[pos[r], k] = v
+    return out
+
+
+@dataclass(frozen=True)
+class _Cells:
+    """One comparison set's ranks x kernels: total time, cluster-median time and longest counted call (ns, NaN
+    where unknown), and calls."""
+
+    total: F64
+    median: F64
+    peak: F64
+    calls: F64
 
 
 @dataclass(frozen=True)
@@ -114,9 +138,10 @@ def _residuals(per_call: F64, calls: F64, p: RankExcessParams, pooled_only: npt.
     return e, e / scale, speed[:, 0]
 
 
-def _judge(ranks: I64, total: F64, median: F64, calls: F64, keys: Sequence[tuple[str, int]], part: int,
-           p: RankExcessParams, moe: _Experts) -> list[L3Result]:
+def _judge(ranks: I64, cells: _Cells, keys: Sequence[tuple[str, int]], part: int, p: RankExcessParams,
+           moe: _Experts) -> list[L3Result]:
     n = ranks.size
+    total, median, calls = cells.total, cells.median, cells.calls
     same = ((calls >= p.kernel_min_calls).all(axis=0)
             & (calls.max(axis=0) <= (1.0 + p.same_calls) * calls.min(axis=0))
             & (total > 0).all(axis=0) & (np.nan_to_num(median) > 0).all(axis=0))
@@ -134,12 +159,16 @@ def _judge(ranks: I64, total: F64, median: F64, calls: F64, keys: Sequence[tuple
         keep = np.ones_like(z_plain, dtype=bool)
     z = z_plain
     bound = max(p.kernel_min_z if n >= 3 else p.min_z_two_ranks, float(ndtri(1.0 - p.alpha / (n * cols.size))))
-    # The size and its significance are the plain total's; the median total corroborates (module docstring).
+    # The size and its significance are the plain total's; the median total, or an excess no few calls can
+    # carry, corroborates (module docstring).
     e = e_plain
     # Of two ranks each one's residuals mirror the other's (a slow GEMM on one reads as the other's slower
     # everything else once its speed is taken out): there both totals are held to the bound.
     corroborate = float(ndtri(1.0 - p.alpha)) if n >= 3 else bound
-    hit = (z >= bound) & (z_median >= corroborate) & (e >= math.log(p.kernel_min_ratio)) & keep
+    carried = _carried_calls(total[:, cols], cells.peak[:, cols], c, e_plain) if n >= 3 else np.zeros_like(z)
+    carried[:, moe.routed[cols]] = 0.0  # per token or per group: a routed kernel's calls are not its peers'
+    confirmed = (z_median >= corroborate) | (carried >= p.kernel_carried_calls)
+    hit = (z >= bound) & confirmed & (e >= math.log(p.kernel_min_ratio)) & keep
     hit[:, 2 * hit.sum(axis=0) > n] = False  # slower on most ranks: the kernel's work changed, not a rank
     if not hit.any():
         return []
@@ -161,8 +190,20 @@ def _judge(ranks: I64, total: F64, median: F64, calls: F64, keys: Sequence[tuple
             "top_kernels_median_z": {k: float(z_median[i, j]) for k, j in named.items()},
             "top_kernels_excess_ms": {k: float(extra[i, j]) / 1e6 for k, j in named.items()},
             "top_kernels_calls": {k: float(c[i, j]) for k, j in named.items()},
+            "top_kernels_carried_calls": {k: float(carried[i, j]) for k, j in named.items()},
         }, excess_ns=float(extra[i].sum())))
     return out
+
+
+def _carried_calls(total: F64, peak: F64, calls: F64, e: F64) -> F64:
+    """Ranks x kernels: the fewest calls that can carry each kernel's excess ``e`` (log) over what its rank's
+    speed predicts, each adding at most its longest counted call's excess over the predicted mean (0 where
+    that call is unknown). One or two hiccups carry theirs in one or two calls; a shape slowed in every step
+    needs as many calls as it has slowed, however its cluster's median reads."""
+    expected = total / calls / np.exp(e)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        out = (total - calls * expected) / (peak - expected)
+    return np.where(np.isfinite(out) & (peak > expected), out, 0.0)
 
 
 def _group_scores(tot: F64, med: F64, c: F64, conserved: npt.NDArray[np.bool_], speed: F64,

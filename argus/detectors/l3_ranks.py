@@ -26,8 +26,8 @@ from argus.detectors.l2_phases import L2Result
 from argus.detectors.l3_kernels import L3Result, is_collective
 from argus.schemas.records import JobTopology, KernelSummary
 
-__all__ = ["KernelTotals", "RankExcessParams", "comparison_sets", "detect_rank_excess", "detect_stage_excess",
-           "kernel_family", "totals_matrix", "trimmed_sum"]
+__all__ = ["KernelTotals", "RankExcessParams", "comparison_sets", "counted_peak", "detect_rank_excess",
+           "detect_stage_excess", "kernel_family", "totals_matrix", "trimmed_sum"]
 
 F64 = npt.NDArray[np.float64]
 I64 = npt.NDArray[np.int64]
@@ -38,17 +38,22 @@ I64 = npt.NDArray[np.int64]
 _TRIM_CALLS = (2, 101)
 
 
-def trimmed_sum(count: int, sum_ns: float, p99_ns: float, max_ns: float) -> float:
-    """A cluster's total time (ns) with its longest call counted as its second longest, for clusters of 2 to
-    101 calls (others: ``sum_ns``). One hiccup (a preemption, a retry) makes a call far longer than its
-    cluster's others and moves a kernel's total on one rank by a few percent, which in a large job is many of
-    the set's noise; a slow rank slows all of its calls, and loses only the gap between its two longest.
-    The second longest is read from the p99: ``p99 = x[n-2] + (1 - 0.01 (n - 1)) (x[n-1] - x[n-2])``."""
+def counted_peak(count: int, p99_ns: float, max_ns: float) -> float:
+    """A cluster's longest call (ns) as :func:`trimmed_sum` counts it: its second longest for clusters of 2 to
+    101 calls (read from the p99: ``p99 = x[n-2] + (1 - 0.01 (n - 1)) (x[n-1] - x[n-2])``), else ``max_ns``."""
     lo, hi = _TRIM_CALLS
     if not lo <= count <= hi or max_ns <= p99_ns:
-        return float(sum_ns)
-    second = max_ns - (max_ns - p99_ns) / (0.01 * (count - 1))
-    return float(sum_ns) - (max_ns - max(second, 0.0))
+        return float(max_ns)
+    return max(max_ns - (max_ns - p99_ns) / (0.01 * (count - 1)), 0.0)
+
+
+def trimmed_sum(count: int, sum_ns: float, p99_ns: float, max_ns: float) -> float:
+    """A cluster's total time (ns) with its longest call counted as its second longest, for clusters of 2 to
+    101 calls (others: ``sum_ns``; :func:`counted_peak`). One hiccup (a preemption, a retry) makes a call far
+    longer than its cluster's others and moves a kernel's total on one rank by a few percent, which in a large
+    job is many of the set's noise; a slow rank slows all of its calls, and loses only the gap between its two
+    longest."""
+    return float(sum_ns) - (float(max_ns) - counted_peak(count, p99_ns, max_ns))
 
 
 @dataclass
@@ -57,13 +62,16 @@ class KernelTotals:
     each cluster's longest call counted as its second longest (:func:`trimmed_sum`).
 
     ``median_ns``: the time as the clusters' medians give it (``sum(count * p50)``), which a few outlier calls
-    do not move; absent for a rank whose totals came from a context without it (schema v1)."""
+    do not move; absent for a rank whose totals came from a context without it (schema v1). ``peak_ns``: the
+    longest call as the totals count it (:func:`counted_peak`), which bounds what one call adds to them; absent
+    for a rank whose totals came from a context without it (schema v4 and before)."""
 
     kernel: str
     stream: int
     total_ns: dict[int, float] = field(default_factory=dict)
     calls: dict[int, float] = field(default_factory=dict)
     median_ns: dict[int, float] = field(default_factory=dict)
+    peak_ns: dict[int, float] = field(default_factory=dict)
 
     def add(self, summary: KernelSummary) -> None:
         """Add the rows of one summary of this (kernel, stream). Raises :class:`DetectorError` for another key
@@ -82,11 +90,15 @@ class KernelTotals:
             self.median_ns[rank] = self.median_ns.get(rank, 0.0) + float(sum(
                 c * p for c, p in zip(summary.cluster_count[at:at + k], summary.cluster_p50_ns[at:at + k],
                                       strict=True)))
+            self.peak_ns[rank] = max([self.peak_ns.get(rank, 0.0), *(
+                counted_peak(c, p99, top) for c, p99, top in zip(
+                    summary.cluster_count[at:at + k], summary.cluster_p99_ns[at:at + k],
+                    summary.cluster_max_ns[at:at + k], strict=True))])
             at += k
 
     def merge(self, other: KernelTotals) -> None:
-        """Add another part's totals of this (kernel, stream). A rank's ``median_ns`` stays known only while
-        every part that added to it knew it. Raises :class:`DetectorError` for another key."""
+        """Add another part's totals of this (kernel, stream). A rank's ``median_ns`` and ``peak_ns`` stay known
+        only while every part that added to it knew them. Raises :class:`DetectorError` for another key."""
         if (other.kernel, other.stream) != (self.kernel, self.stream):
             raise DetectorError(f"totals of {other.kernel}/{other.stream} merged into {self.kernel}/{self.stream}")
         for r, v in other.total_ns.items():
@@ -94,6 +106,10 @@ class KernelTotals:
                 self.median_ns[r] = self.median_ns.get(r, 0.0) + other.median_ns[r]
             else:
                 self.median_ns.pop(r, None)
+            if r in other.peak_ns and (r not in self.total_ns or r in self.peak_ns):
+                self.peak_ns[r] = max(self.peak_ns.get(r, 0.0), other.peak_ns[r])
+            else:
+                self.peak_ns.pop(r, None)
             self.total_ns[r] = self.total_ns.get(r, 0.0) + v
             self.calls[r] = self.calls.get(r, 0.0) + other.calls.get(r, 0.0)
 
@@ -160,6 +176,10 @@ class RankExcessParams:
     #: Floor of the spread (log scale) of a stage's kernels' ratios to the other stages', which sets the noise
     #: of a stage slow in one phase only [0.005].
     stage_spread_floor: float = 0.005
+    #: :func:`~argus.detectors.kernel_excess.detect_kernel_excess`: fewest calls that must carry a kernel's
+    #: excess (its excess over the longest call's) for the plain total to stand without the median total's
+    #: corroboration: a few hiccups cannot, a slowed shape merged into a cluster of others does [4].
+    kernel_carried_calls: float = 4.0
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.min_z) and self.min_z >= 0.0 and 0.0 <= self.min_excess_fraction < 1.0
@@ -175,9 +195,9 @@ class RankExcessParams:
             raise DetectorError("need fraction_floor > 0, kernel_scale_floor > 0, stage_spread_floor > 0, "
                                 "stage_min_z >= 0 and same_calls in [0, 1)")
         if not (self.kernel_min_ratio >= 1.0 and self.kernel_min_z >= 0.0 and self.kernel_min_calls >= 1
-                and self.kernel_min_kernels >= 3):
-            raise DetectorError("need kernel_min_ratio >= 1, kernel_min_z >= 0, kernel_min_calls >= 1 and "
-                                "kernel_min_kernels >= 3")
+                and self.kernel_min_kernels >= 3 and self.kernel_carried_calls >= 2.0):
+            raise DetectorError("need kernel_min_ratio >= 1, kernel_min_z >= 0, kernel_min_calls >= 1, "
+                                "kernel_min_kernels >= 3 and kernel_carried_calls >= 2")
 
 
 def detect_rank_excess(totals: Iterable[KernelTotals], topology: JobTopology | None = None,

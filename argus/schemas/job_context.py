@@ -1,5 +1,5 @@
 """The :class:`JobContext` record: what one stream worker knows of a job that others need (see
-``schemas/job_context.v4.avsc``; v1-v3 still read), and its split into bounded messages.
+``schemas/job_context.v5.avsc``; v1-v4 still read), and its split into bounded messages.
 
 A part can outgrow a Kafka message (a 102,400-rank job's L3 totals are ~8 MB, its topology ~2.3 MB), so a write
 of a part is sent as ``pieces`` messages of one ``generation`` (:func:`split_context`), each a valid
@@ -47,6 +47,7 @@ class JobContext(Record):
     totals_ns: tuple[float, ...] = ()
     totals_calls: tuple[float, ...] = ()
     totals_median_ns: tuple[float, ...] = ()
+    totals_peak_ns: tuple[float, ...] = ()
     onset_rank: tuple[int, ...] = ()
     onset_ns: tuple[int, ...] = ()
     token_rank: tuple[int, ...] = ()
@@ -71,9 +72,11 @@ class JobContext(Record):
                      "the number of totals_kernel")
         _bounded(what, "totals_rows", self.totals_rows, 0, 2**31 - 1)
         _same_length(what, self, ("totals_ns", "totals_calls"), len(self.totals_rank), "the number of totals_rank")
-        if self.totals_median_ns and len(self.totals_median_ns) != len(self.totals_rank):
-            raise SchemaError(f"{what}: totals_median_ns has {len(self.totals_median_ns)} entries, not one per "
-                              f"totals_rank ({len(self.totals_rank)}) or none")
+        for name in _OPTIONAL_ROW_FIELDS:
+            values = getattr(self, name)
+            if values and len(values) != len(self.totals_rank):
+                raise SchemaError(f"{what}: {name} has {len(values)} entries, not one per totals_rank "
+                                  f"({len(self.totals_rank)}) or none")
         if sum(self.totals_rows) != len(self.totals_rank):
             raise SchemaError(f"{what}: totals_rows add up to {sum(self.totals_rows)}, not {len(self.totals_rank)}")
         _bounded(what, "stragglers", self.stragglers, 0, 2**31 - 1)
@@ -104,7 +107,9 @@ _SECTIONS: tuple[tuple[tuple[str, ...], int], ...] = (
     (("token_rank", "tokens"), _INT + _LONG),
 )
 _ENTRY_FIELDS = ("totals_kernel", "totals_stream", "totals_rows")
-_ROW_FIELDS = ("totals_rank", "totals_ns", "totals_calls", "totals_median_ns")
+#: Row fields a context may leave empty (unknown): written by later versions, or unknown to the writer.
+_OPTIONAL_ROW_FIELDS = ("totals_median_ns", "totals_peak_ns")
+_ROW_FIELDS = ("totals_rank", "totals_ns", "totals_calls", *_OPTIONAL_ROW_FIELDS)
 _ARRAYS = 20  # more than the schema's array fields
 
 
@@ -199,9 +204,8 @@ def _columns(slices: dict[str, list[Any]]) -> dict[str, Any]:
 
 
 def _split_totals(ctx: JobContext, out: _Pieces) -> None:
-    medians = bool(ctx.totals_median_ns)
-    row_cost = _INT + 2 * _DOUBLE + (_DOUBLE if medians else 0)
-    row_fields = _ROW_FIELDS if medians else _ROW_FIELDS[:-1]
+    row_fields = [f for f in _ROW_FIELDS if f not in _OPTIONAL_ROW_FIELDS or getattr(ctx, f)]
+    row_cost = _INT + (len(row_fields) - 1) * _DOUBLE
     at = 0
     for kernel, stream, rows in zip(*(getattr(ctx, f) for f in _ENTRY_FIELDS), strict=True):
         entry_cost = _string_bytes(kernel) + _LONG + _INT

@@ -18,7 +18,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -130,8 +130,9 @@ def context_clock(ctx: JobContext | None) -> StepClock | None:
 
 def totals_context(job_id: str, part: int, time_ns: int, totals: Iterable[KernelTotals]) -> JobContext:
     """L3 part ``part``'s per-rank kernel totals of ``job_id`` (part ``l3/<part>``). A rank whose median
-    time is unknown has NaN in ``totals_median_ns`` (empty when no rank's is known)."""
-    kernels, streams, rows, ranks, ns, calls, medians = [], [], [], [], [], [], []
+    time or longest call is unknown has NaN in ``totals_median_ns`` or ``totals_peak_ns`` (empty when no
+    rank's is known)."""
+    kernels, streams, rows, ranks, ns, calls, medians, peaks = [], [], [], [], [], [], [], []
     for t in sorted(totals, key=lambda t: (t.kernel, t.stream)):
         kernels.append(t.kernel)
         streams.append(t.stream)
@@ -141,23 +142,33 @@ def totals_context(job_id: str, part: int, time_ns: int, totals: Iterable[Kernel
             ns.append(t.total_ns[r])
             calls.append(t.calls.get(r, 0.0))
             medians.append(t.median_ns.get(r, math.nan))
-    known = any(not math.isnan(m) for m in medians)
+            peaks.append(t.peak_ns.get(r, math.nan))
     return JobContext(job_id=job_id, part=f"l3/{part}", time_ns=max(time_ns, 0), totals_kernel=tuple(kernels),
                       totals_stream=tuple(streams), totals_rows=tuple(rows), totals_rank=tuple(ranks),
-                      totals_ns=tuple(ns), totals_calls=tuple(calls),
-                      totals_median_ns=tuple(medians) if known else ())
+                      totals_ns=tuple(ns), totals_calls=tuple(calls), totals_median_ns=_known(medians),
+                      totals_peak_ns=_known(peaks))
+
+
+def _known(values: list[float]) -> tuple[float, ...]:
+    """``values``, or none where none is known."""
+    return tuple(values) if any(not math.isnan(v) for v in values) else ()
 
 
 def context_totals(ctx: JobContext) -> list[KernelTotals]:
     out, at = [], 0
     for kernel, stream, n in zip(ctx.totals_kernel, ctx.totals_stream, ctx.totals_rows, strict=True):
         sl = slice(at, at + n)
-        medians = ({r: m for r, m in zip(ctx.totals_rank[sl], ctx.totals_median_ns[sl], strict=True)
-                    if not math.isnan(m)} if ctx.totals_median_ns else {})
-        out.append(KernelTotals(kernel, stream, dict(zip(ctx.totals_rank[sl], ctx.totals_ns[sl], strict=True)),
-                                dict(zip(ctx.totals_rank[sl], ctx.totals_calls[sl], strict=True)), medians))
+        ranks = ctx.totals_rank[sl]
+        out.append(KernelTotals(kernel, stream, dict(zip(ranks, ctx.totals_ns[sl], strict=True)),
+                                dict(zip(ranks, ctx.totals_calls[sl], strict=True)),
+                                _by_rank(ranks, ctx.totals_median_ns[sl]), _by_rank(ranks, ctx.totals_peak_ns[sl])))
         at += n
     return out
+
+
+def _by_rank(ranks: Sequence[int], values: Sequence[float]) -> dict[int, float]:
+    """The known ``values`` by rank (none when the context has none)."""
+    return {r: v for r, v in zip(ranks, values, strict=True) if not math.isnan(v)} if values else {}
 
 
 @dataclass

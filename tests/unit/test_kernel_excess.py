@@ -223,3 +223,57 @@ def test_one_long_call_of_a_kernel_on_one_rank_of_many_is_no_slow_kernel() -> No
     assert detect_kernel_excess(_hiccup_job(512, 1, {}, {122: 4.0})) == []
     res = detect_kernel_excess(_hiccup_job(512, 1, {122: 1.15}, {}))
     assert [(r.ranks, r.kernel) for r in res] == [((122,), "sm90_xmma_gemm_0")]
+
+
+def _merged_job(n_ranks: int, seed: int, slowed: dict[int, float], hiccups: dict[int, int]) -> list[KernelTotals]:
+    """Eight kernels of 48 calls per rank (four shapes of 12, one cluster: the median lies between the second
+    and third shapes); ``slowed``: rank -> factor on kernel 0's longest shape in every call; ``hiccups``: rank
+    -> how many calls of kernel 0's longest shape run 4x."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for k in range(8):
+        t = KernelTotals(f"sm90_xmma_gemm_{k}", 7)
+        base = float(rng.lognormal(np.log(2e5), 0.5))
+        for r in range(n_ranks):
+            d = base * np.repeat([0.55, 1.0, 1.65, 2.25], 12) * np.exp(0.03 * rng.standard_normal(48))
+            if k == 0:
+                d[36:] *= slowed.get(r, 1.0)
+                d[36:36 + hiccups.get(r, 0)] *= 4.0
+            t.add(dataclasses.replace(_row(r, np.rint(d)), kernel=t.kernel))
+        out.append(t)
+    return out
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_shape_slowed_in_every_call_is_named_where_its_clusters_median_does_not_move(seed: int) -> None:
+    # Its longest shape x1.5 in all of its 12 calls: the median of the 48 stays between the second and third
+    # shapes, so the median total does not corroborate; no few calls can carry the excess, which does.
+    totals = _merged_job(64, seed, {5: 1.5}, {})
+    res = detect_kernel_excess(totals)
+    assert [(r.ranks, r.kernel) for r in res] == [((5,), "sm90_xmma_gemm_0")]
+    assert res[0].evidence["top_kernels_median_z"]["sm90_xmma_gemm_0@7"] < 2.0
+    assert res[0].evidence["top_kernels_carried_calls"]["sm90_xmma_gemm_0@7"] >= 4.0
+    for t in totals:  # without the longest calls known (a context before v5), the median alone corroborates
+        t.peak_ns.clear()
+    assert detect_kernel_excess(totals) == []
+
+
+@pytest.mark.parametrize("hiccups", [1, 2, 3])
+def test_a_few_long_calls_carry_no_slow_kernel(hiccups: int) -> None:
+    # Up to three calls at 4x (the longest counted as the second longest) move the plain total by as much as
+    # a slowed shape; three calls carry it, and the median does not move.
+    assert detect_kernel_excess(_merged_job(64, 7, {}, {9: hiccups})) == []
+
+
+def test_the_longest_counted_call_merges_and_travels_in_the_job_context() -> None:
+    t = KernelTotals("gemm", 7)
+    t.add(_summary(0, (10, 5), (100, 1000), (1100, 6000)))
+    assert t.peak_ns == {0: 1000.0}  # the summaries' max is their p50 here: nothing trimmed
+    t.merge(KernelTotals("gemm", 7, {0: 1.0, 1: 2.0}, {0: 1.0, 1: 1.0}, {}, {0: 3000.0, 1: 2.0}))
+    assert t.peak_ns == {0: 3000.0, 1: 2.0}
+    t.merge(KernelTotals("gemm", 7, {1: 1.0}, {1: 1.0}))  # a part that did not know it: unknown now
+    assert t.peak_ns == {0: 3000.0}
+    ctx = totals_context("j", 3, 5, [t])
+    (back,) = context_totals(type(ctx).decode(ctx.encode()))
+    assert back.peak_ns == {0: 3000.0}
+    assert context_totals(totals_context("j", 3, 5, [KernelTotals("gemm", 7, {0: 1.0}, {0: 1.0})]))[0].peak_ns == {}
