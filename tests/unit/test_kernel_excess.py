@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -196,24 +197,34 @@ def _row(rank: int, d: np.ndarray) -> KernelSummary:
                          cluster_max_ns=(int(d.max()),), cluster_sum_ns=(int(d.sum()),))
 
 
-def _hiccup_job(n_ranks: int, seed: int, factor: dict[int, float], hiccup: dict[int, float]) -> list[KernelTotals]:
-    """Eight kernels of 24 calls (four shapes of six, close enough to share a cluster) per rank; ``factor``:
-    rank -> factor on kernel 0's calls; ``hiccup``: rank -> factor on one call of kernel 0's second shape (it
-    leaves its shape: the median of the 24, between the second and third shapes, moves up to the third)."""
+def _cluster_job(n_ranks: int, seed: int, per_shape: int, noise: float,
+                 kernel0: Callable[[int, np.ndarray], np.ndarray]) -> list[KernelTotals]:
+    """Eight kernels of four shapes (0.55, 1, 1.65 and 2.25x a base) of ``per_shape`` calls each, close enough to
+    share one cluster, with log-normal noise ``noise`` per call; ``kernel0(rank, durations)`` changes kernel 0's."""
     rng = np.random.default_rng(seed)
     out = []
     for k in range(8):
         t = KernelTotals(f"sm90_xmma_gemm_{k}", 7)
         base = float(rng.lognormal(np.log(2e5), 0.5))
         for r in range(n_ranks):
-            d = base * np.repeat([0.55, 1.0, 1.65, 2.25], 6) * np.exp(0.04 * rng.standard_normal(24))
+            shapes = np.repeat([0.55, 1.0, 1.65, 2.25], per_shape)
+            d = base * shapes * np.exp(noise * rng.standard_normal(shapes.size))
             if k == 0:
-                d = d * factor.get(r, 1.0)
-                d[6] *= hiccup.get(r, 1.0)
-            row = _row(r, np.rint(d))
-            t.add(dataclasses.replace(row, kernel=t.kernel))
+                d = kernel0(r, d)
+            t.add(dataclasses.replace(_row(r, np.rint(d)), kernel=t.kernel))
         out.append(t)
     return out
+
+
+def _hiccup_job(n_ranks: int, seed: int, factor: dict[int, float], hiccup: dict[int, float]) -> list[KernelTotals]:
+    """24 calls a kernel; ``factor``: rank -> factor on kernel 0's calls; ``hiccup``: rank -> factor on one call
+    of kernel 0's second shape (it leaves its shape: the median of the 24, between the second and third shapes,
+    moves up to the third)."""
+    def kernel0(r: int, d: np.ndarray) -> np.ndarray:
+        d = d * factor.get(r, 1.0)
+        d[6] *= hiccup.get(r, 1.0)
+        return d
+    return _cluster_job(n_ranks, seed, 6, 0.04, kernel0)
 
 
 def test_one_long_call_of_a_kernel_on_one_rank_of_many_is_no_slow_kernel() -> None:
@@ -226,22 +237,13 @@ def test_one_long_call_of_a_kernel_on_one_rank_of_many_is_no_slow_kernel() -> No
 
 
 def _merged_job(n_ranks: int, seed: int, slowed: dict[int, float], hiccups: dict[int, int]) -> list[KernelTotals]:
-    """Eight kernels of 48 calls per rank (four shapes of 12, one cluster: the median lies between the second
-    and third shapes); ``slowed``: rank -> factor on kernel 0's longest shape in every call; ``hiccups``: rank
-    -> how many calls of kernel 0's longest shape run 4x."""
-    rng = np.random.default_rng(seed)
-    out = []
-    for k in range(8):
-        t = KernelTotals(f"sm90_xmma_gemm_{k}", 7)
-        base = float(rng.lognormal(np.log(2e5), 0.5))
-        for r in range(n_ranks):
-            d = base * np.repeat([0.55, 1.0, 1.65, 2.25], 12) * np.exp(0.03 * rng.standard_normal(48))
-            if k == 0:
-                d[36:] *= slowed.get(r, 1.0)
-                d[36:36 + hiccups.get(r, 0)] *= 4.0
-            t.add(dataclasses.replace(_row(r, np.rint(d)), kernel=t.kernel))
-        out.append(t)
-    return out
+    """48 calls a kernel (the median lies between the second and third shapes); ``slowed``: rank -> factor on
+    kernel 0's longest shape in every call; ``hiccups``: rank -> how many calls of that shape run 4x."""
+    def kernel0(r: int, d: np.ndarray) -> np.ndarray:
+        d[36:] *= slowed.get(r, 1.0)
+        d[36:36 + hiccups.get(r, 0)] *= 4.0
+        return d
+    return _cluster_job(n_ranks, seed, 12, 0.03, kernel0)
 
 
 @pytest.mark.parametrize("seed", range(4))
