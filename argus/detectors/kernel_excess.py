@@ -54,9 +54,15 @@ def detect_kernel_excess(totals: Iterable[KernelTotals], topology: JobTopology |
     out: dict[int, L3Result] = {}
     routed = np.array([is_grouped_gemm(k) for k, _ in keys], dtype=bool)
     groups = ep_group_ids(topology, ranks)
-    for label, rows, cols, judged in comparison_sets(part, calls, p):
+    lone = _lone_group_stages(part, groups)
+    stages, sizes = np.unique(part, return_counts=True)
+    wide = stages[sizes >= p.spread_ranks]
+    for label, rows, cols, judged in comparison_sets(part, calls, p, also=lone):
+        # A stage of one EP group compares its grouped GEMMs with other stages' groups (the same layers' shapes
+        # and tokens); its dense kernels are judged within its stage.
+        dense_judged = ~np.isin(part[rows], wide) if label == -1 else None
         moe = _Experts(routed[cols], per_token_scale(ranks[rows], expert_tokens),
-                       None if groups is None else groups[rows])
+                       None if groups is None else groups[rows], dense_judged)
         cells = np.ix_(rows, cols)
         for res in _judge(ranks[rows], _Cells(total[cells], median[cells], peak[cells], calls[cells]),
                           [keys[j] for j in cols.tolist()], label, p, moe):
@@ -65,6 +71,19 @@ def detect_kernel_excess(totals: Iterable[KernelTotals], topology: JobTopology |
                 continue
             out[r] = res
     return [out[r] for r in sorted(out)]
+
+
+def _lone_group_stages(part: I64, group: I64 | None) -> list[int]:
+    """The pipeline stages whose ranks form fewer than two EP groups of two or more (their grouped GEMMs have
+    no other group of their stage to be compared with); none without expert parallelism."""
+    if group is None:
+        return []
+    out = []
+    for stage in np.unique(part[part >= 0]).tolist():
+        _, counts = np.unique(group[(part == stage) & (group >= 0)], return_counts=True)
+        if int((counts >= 2).sum()) < 2:
+            out.append(int(stage))
+    return out
 
 
 def _peaks(totals: Sequence[KernelTotals], ranks: I64) -> F64:
@@ -93,11 +112,14 @@ class _Cells:
 class _Experts:
     """How one comparison set's grouped GEMMs are read: ``routed`` per kernel column; ``scale`` per rank (time
     to time per token, :func:`~argus.detectors.experts.per_token_scale`; None: tokens unknown); ``group`` per
-    rank (its EP group; None without expert parallelism)."""
+    rank (its EP group; None without expert parallelism); ``dense_judged``: see the field."""
 
     routed: npt.NDArray[np.bool_]
     scale: F64 | None
     group: I64 | None
+    #: Per rank: whether its kernels other than the routed ones are judged here (None: all are, and the set is
+    #: one pipeline stage, whose EP groups run the same layers).
+    dense_judged: npt.NDArray[np.bool_] | None = None
 
     def per_token(self, values: F64, cols: I64) -> F64:
         """``values`` (ranks x ``cols``) with the routed columns per token where the tokens are known."""
@@ -154,9 +176,12 @@ def _judge(ranks: I64, cells: _Cells, keys: Sequence[tuple[str, int]], part: int
     _, z_median, _ = _residuals(med / c, c, p)
     conserved = moe.conserved(cols)
     if conserved.any():
-        z_plain, z_median, keep = _group_scores(tot, med, c, conserved, speed, moe.group, p)
+        z_plain, z_median, keep = _group_scores(tot, med, c, conserved, speed, moe.group, p,
+                                                same_layers=moe.dense_judged is None)
     else:
         keep = np.ones_like(z_plain, dtype=bool)
+    if moe.dense_judged is not None:
+        keep[np.ix_(~moe.dense_judged, ~moe.routed[cols])] = False
     z = z_plain
     bound = max(p.kernel_min_z if n >= 3 else p.min_z_two_ranks, float(ndtri(1.0 - p.alpha / (n * cols.size))))
     # The size and its significance are the plain total's; the median total, or an excess no few calls can
@@ -207,7 +232,8 @@ def _carried_calls(total: F64, peak: F64, calls: F64, e: F64) -> F64:
 
 
 def _group_scores(tot: F64, med: F64, c: F64, conserved: npt.NDArray[np.bool_], speed: F64,
-                  group: I64 | None, p: RankExcessParams) -> tuple[F64, F64, npt.NDArray[np.bool_]]:
+                  group: I64 | None, p: RankExcessParams, same_layers: bool = True
+                  ) -> tuple[F64, F64, npt.NDArray[np.bool_]]:
     """The plain and median z-scores with the ``conserved`` columns read as each rank's EP-group mean (the
     router conserves a group's tokens), and where a rank may be named: in those columns only the member of its
     group slowest against its position's median over the groups, and none where fewer than two groups compare
@@ -226,6 +252,9 @@ def _group_scores(tot: F64, med: F64, c: F64, conserved: npt.NDArray[np.bool_], 
     if not bool(enough):
         keep[:, conserved] = False
         return z_plain, z_median, keep
+    if not same_layers:
+        return z_plain, z_median, _sole_carriers(tot[:, conserved] / c[:, conserved] / own, group, keep, conserved,
+                                                       p.carrier_share)
     # Within a group the member named is the one slowest against the same position of the other groups (the
     # same expert: a hot expert is hot in every group), not the one with the most time (which may be the hot
     # expert, its group's slow member being a cold one).
@@ -246,3 +275,28 @@ def _group_scores(tot: F64, med: F64, c: F64, conserved: npt.NDArray[np.bool_], 
             keep[rows, j] = False
             keep[top, j] = True
     return z_plain, z_median, keep
+
+
+def _sole_carriers(per_call: F64, group: I64, keep: npt.NDArray[np.bool_], conserved: npt.NDArray[np.bool_],
+                   share: float) -> npt.NDArray[np.bool_]:
+    """``keep`` with the ``conserved`` columns (``per_call``: ranks x those columns, each rank's speed taken out)
+    nameable only in the member of a group that alone can carry its group's excess: groups of different
+    pipeline stages run different layers, whose experts hold no common positions, so a hot expert and a slow
+    one are told apart only where one member's time over its group's median covers ``share`` of the group's
+    excess over the other groups (their means' median) and no other member's does: a slow member of an even
+    share covers about all of it, a hot one covers its extra tokens. Else none of the group is named."""
+    ids = np.unique(group[group >= 0])
+    means = np.array([per_call[group == g].mean(axis=0) for g in ids.tolist()])
+    out = keep.copy()
+    cols = np.flatnonzero(conserved)
+    for gi, g in enumerate(ids.tolist()):
+        rows = np.flatnonzero(group == g)
+        others = np.delete(means, gi, axis=0)
+        for j in range(cols.size):
+            excess = rows.size * (means[gi, j] - float(np.median(others[:, j])))
+            over = per_call[rows, j] - float(np.median(per_call[rows, j]))
+            carriers = rows[over >= share * excess]
+            out[rows, cols[j]] = False
+            if excess > 0 and carriers.size == 1:
+                out[carriers[0], cols[j]] = True
+    return out

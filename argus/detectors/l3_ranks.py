@@ -180,6 +180,10 @@ class RankExcessParams:
     #: excess (its excess over the longest call's) for the plain total to stand without the median total's
     #: corroboration: a few hiccups cannot, a slowed shape merged into a cluster of others does [4].
     kernel_carried_calls: float = 4.0
+    #: :func:`~argus.detectors.kernel_excess.detect_kernel_excess`, grouped GEMMs of EP groups of different
+    #: pipeline stages compared: least share of its group's excess that a member's time over its group's median
+    #: must cover to be the one named (a slow member of an even share covers about all of it) [0.75].
+    carrier_share: float = 0.75
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.min_z) and self.min_z >= 0.0 and 0.0 <= self.min_excess_fraction < 1.0
@@ -195,9 +199,10 @@ class RankExcessParams:
             raise DetectorError("need fraction_floor > 0, kernel_scale_floor > 0, stage_spread_floor > 0, "
                                 "stage_min_z >= 0 and same_calls in [0, 1)")
         if not (self.kernel_min_ratio >= 1.0 and self.kernel_min_z >= 0.0 and self.kernel_min_calls >= 1
-                and self.kernel_min_kernels >= 3 and self.kernel_carried_calls >= 2.0):
+                and self.kernel_min_kernels >= 3 and self.kernel_carried_calls >= 2.0
+                and 0.0 < self.carrier_share <= 1.0):
             raise DetectorError("need kernel_min_ratio >= 1, kernel_min_z >= 0, kernel_min_calls >= 1, "
-                                "kernel_min_kernels >= 3 and kernel_carried_calls >= 2")
+                                "kernel_min_kernels >= 3, kernel_carried_calls >= 2 and carrier_share in (0, 1]")
 
 
 def detect_rank_excess(totals: Iterable[KernelTotals], topology: JobTopology | None = None,
@@ -251,11 +256,13 @@ def totals_matrix(totals: Sequence[KernelTotals], topology: JobTopology | None) 
     return ranks, total, calls, part, median
 
 
-def comparison_sets(part: I64, calls: F64, p: RankExcessParams) -> list[tuple[int, I64, I64, npt.NDArray[np.bool_]]]:
+def comparison_sets(part: I64, calls: F64, p: RankExcessParams, also: Iterable[int] = ()
+                    ) -> list[tuple[int, I64, I64, npt.NDArray[np.bool_]]]:
     """The sets of ranks compared with each other, as ``(label, rows, kernel columns, judged)``: each part
     (pipeline stage) of at least ``min_ranks`` ranks over every kernel, labelled by the part; and, when
-    some part has fewer than five ranks, every rank over the kernels all ranks run with the same calls,
-    labelled -1, where only the small parts' ranks (``judged``, per row of the set) are judged."""
+    some part has fewer than five ranks or is named in ``also``, every rank over the kernels all ranks run
+    with the same calls, labelled -1, where only those parts' ranks (``judged``, per row of the set) are
+    judged."""
     every = np.arange(calls.shape[1], dtype=np.int64)
     out = []
     stages, sizes = np.unique(part, return_counts=True)
@@ -263,7 +270,7 @@ def comparison_sets(part: I64, calls: F64, p: RankExcessParams) -> list[tuple[in
         rows = np.flatnonzero(part == g)
         if rows.size >= p.min_ranks:
             out.append((int(g), rows, every, np.ones(rows.size, dtype=bool)))
-    small = stages[sizes < p.spread_ranks]
+    small = np.union1d(stages[sizes < p.spread_ranks], np.intersect1d(stages, np.fromiter(also, np.int64)))
     if small.size and stages.size >= 2:
         # Stages of a few ranks have little to compare with, but their transformer layers run the same
         # kernels as every other stage's: the kernels every rank runs, with the same calls, compare job-wide.

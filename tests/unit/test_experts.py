@@ -114,6 +114,29 @@ def test_one_expert_group_without_tokens_is_not_judged() -> None:
 
 
 @pytest.mark.parametrize("seed", range(4))
+def test_a_stage_of_one_expert_group_compares_its_group_with_the_other_stages(seed: int) -> None:
+    # DP 8 x PP 2 x EP 8: one EP group per stage, tokens unknown. The router conserves each group's tokens,
+    # so the groups' means compare across the stages: rank 10's grouped GEMM x1.5 puts its group in excess,
+    # and it alone can carry that excess (its stage's hot expert runs 1.2x an even share); its dense kernels
+    # are judged in its stage. Each stage's layers have their own hot expert (another position in each).
+    topo = build_topology("j", 8, pp=2, ep=8)
+    load = np.concatenate([_conserved(8, 1, 2.0, pos=1), _conserved(8, 1, 1.2, pos=5)])
+    healthy, _ = _job(load, seed=seed)
+    assert detect_kernel_excess(healthy, topo) == []
+    slow, _ = _job(load, slow={10: 1.5}, seed=seed)
+    assert [(r.ranks, r.kernel) for r in detect_kernel_excess(slow, topo)] == [((10,), GROUPED)]
+    # A hot expert of 1.7x in its group could carry the excess as well: which member is slow is not told.
+    load[13] = 1.7
+    load[8:16] *= 8 / load[8:16].sum()
+    assert detect_kernel_excess(_job(load, slow={10: 1.5}, seed=seed)[0], topo) == []
+    # A dense kernel slower on a whole stage is that stage's work (or a stage fault), not a rank's.
+    for r in range(8, 16):
+        healthy[3].total_ns[r] *= 1.3
+        healthy[3].median_ns[r] *= 1.3
+    assert detect_kernel_excess(healthy, topo) == []
+
+
+@pytest.mark.parametrize("seed", range(4))
 def test_a_hot_experts_rank_is_no_slow_rank_but_a_slow_gpu_is(seed: int) -> None:
     # One EP group of eight (tokens unknown): the hot expert's grouped GEMM runs 2.3x, which says nothing of
     # its GPU; the rank comparison across kernels reads the dense ones. A GPU slow in everything is named.
