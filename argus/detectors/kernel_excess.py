@@ -239,7 +239,9 @@ def _group_scores(tot: F64, med: F64, c: F64, conserved: npt.NDArray[np.bool_], 
     group slowest against its position's median over the groups, and none where fewer than two groups compare
     (module docstring). ``speed``: each rank's speed (log), taken out of the values a group's mean is made of
     and put back into each member's (a mean over members mixes their speeds, which the model takes out per rank:
-    left in, two members' ordinary few-percent difference reads as their group's excess)."""
+    left in, two members' ordinary few-percent difference reads as their group's excess). ``same_layers``: the
+    groups run the same layers (one pipeline stage); else the member named is the one alone carrying its
+    group's excess (:func:`_sole_carriers`)."""
     assert group is not None
     own = np.exp(speed)[:, None]
     g_tot, enough = group_means(tot[:, conserved] / own, group)
