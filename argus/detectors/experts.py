@@ -17,8 +17,8 @@ import numpy.typing as npt
 
 from argus.schemas.records import JobTopology
 
-__all__ = ["GROUPED_GEMM_MARKERS", "ep_group_ids", "every_groups_expert", "group_means", "hot_experts",
-           "is_grouped_gemm", "per_token_scale"]
+__all__ = ["GROUPED_GEMM_MARKERS", "ep_group_ids", "group_means", "hot_experts", "is_grouped_gemm",
+           "per_token_scale", "repeated_expert"]
 
 F64 = npt.NDArray[np.float64]
 I64 = npt.NDArray[np.int64]
@@ -69,11 +69,12 @@ def per_token_scale(ranks: Sequence[int] | I64, tokens: Mapping[int, int] | None
     return np.asarray(np.median(got) / got, dtype=np.float64)
 
 
-def every_groups_expert(ranks: Iterable[int], topology: JobTopology | None) -> set[int]:
-    """The ranks of ``ranks`` that hold one expert position in *every* expert-parallel group of the job (two
-    groups or more): the signature of a popular expert, whose rank's compute phases run longer in every data-
-    parallel replica, not of faults (independent GPUs do not slow down at the same expert in every replica).
-    Empty without expert parallelism."""
+def repeated_expert(ranks: Iterable[int], topology: JobTopology | None) -> set[int]:
+    """The ranks of ``ranks`` that hold one expert position in two expert-parallel groups or more, each the only
+    one of ``ranks`` in its group, or in every group of the job: the signature of a popular expert, whose
+    rank's compute phases run longer in each group that routes to it, not of faults (independent GPUs do not
+    slow down at the same expert twice; a slow host slows every position of the groups it holds, so it names
+    more than one member of a group). Empty without expert parallelism or with one group."""
     if topology is None or topology.ep_size < 2:
         return set()
     members: dict[int, list[int]] = {}
@@ -83,10 +84,14 @@ def every_groups_expert(ranks: Iterable[int], topology: JobTopology | None) -> s
         return set()
     where = {r: (g, i) for g, rs in members.items() for i, r in enumerate(sorted(rs))}
     named = {r for r in ranks if r in where}
+    per_group: dict[int, int] = {}
+    for r in named:
+        per_group[where[r][0]] = per_group.get(where[r][0], 0) + 1
     out: set[int] = set()
     for pos in {where[r][1] for r in named}:
         at = {r for r in named if where[r][1] == pos}
-        if {where[r][0] for r in at} == set(members):
+        groups = {where[r][0] for r in at}
+        if groups == set(members) or (len(groups) >= 2 and all(per_group[g] == 1 for g in groups)):
             out |= at
     return out
 

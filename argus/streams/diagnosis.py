@@ -33,7 +33,7 @@ import numpy as np
 from argus.core.errors import DetectorError
 from argus.core.kinds import FindingKind
 from argus.core.settings import Settings
-from argus.detectors.experts import every_groups_expert, hot_experts
+from argus.detectors.experts import hot_experts, repeated_expert
 from argus.detectors.findings import DetectorResult, to_finding
 from argus.detectors.hosts import HostParams, detect_host_excess
 from argus.detectors.impact import StepClock, impact_of, worth_raising
@@ -360,12 +360,12 @@ class JobDiagnosis:
                 results.append(r)
         if self.topology is not None and self._complete:
             l2 = self._history.detect(self.topology, self.params.l2, onset_step=onset)
-            # A popular MoE expert's rank runs longer phases in every expert group, and where tokens are
+            # A popular MoE expert's rank runs longer phases in the expert groups routing to it, and where tokens are
             # counted a hot expert's rank is known by them: routing, not a fault (its speed per token is judged
             # on its grouped GEMMs).
             named = {r for res in l2 if res.kind in _RANK_PHASE_KINDS for r in res.ranks}
             tokens = {r: tok for r, (tok, steps) in self._tokens.items() if steps == len(self._series)}
-            routed = every_groups_expert(named, self.topology) | hot_experts(
+            routed = repeated_expert(named, self.topology) | hot_experts(
                 named, self.topology, tokens, self.params.hot_expert_tokens_ratio)
             results.extend(res for res in l2 if not (res.kind in _RANK_PHASE_KINDS and routed.issuperset(res.ranks))
                            and (res.kind is not FindingKind.PP_STAGE_SLOW or (final and not self.kernels_traced())))

@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 
 from argus.core.errors import DetectorError
 from argus.core.kinds import FindingKind
-from argus.detectors.experts import ep_group_ids, group_means, hot_experts, is_grouped_gemm, per_token_scale
+from argus.detectors.experts import (ep_group_ids, group_means, hot_experts, is_grouped_gemm, per_token_scale,
+                                    repeated_expert)
 from argus.detectors.kernel_excess import detect_kernel_excess
 from argus.detectors.l3_ranks import KernelTotals, detect_rank_excess
 from argus.producers.topology import build_topology
@@ -157,15 +158,26 @@ def test_ranks_own_speeds_do_not_make_a_group_mean_slow(seed: int) -> None:
 
 
 def test_ranks_at_one_expert_in_every_group_are_routing_not_faults() -> None:
-    from argus.detectors.experts import every_groups_expert
-
     topo = build_topology("j", 16, ep=8)  # groups 0-7 and 8-15
-    assert every_groups_expert({6, 14}, topo) == {6, 14}  # position 6 of both groups
-    assert every_groups_expert({6}, topo) == set()  # one group only: a rank of its own
-    assert every_groups_expert({6, 13}, topo) == set()  # different positions
-    assert every_groups_expert({6, 14, 3}, topo) == {6, 14}
-    assert every_groups_expert({1, 2}, build_topology("j", 8, ep=8)) == set()  # one group: nothing to say
-    assert every_groups_expert({6, 14}, build_topology("j", 16)) == set() and every_groups_expert({1}, None) == set()
+    assert repeated_expert({6, 14}, topo) == {6, 14}  # position 6 of both groups
+    assert repeated_expert({6}, topo) == set()  # one group only: a rank of its own
+    assert repeated_expert({6, 13}, topo) == set()  # different positions
+    assert repeated_expert({6, 14, 3}, topo) == {6, 14}  # in every group, whatever else is named
+    assert repeated_expert({1, 2}, build_topology("j", 8, ep=8)) == set()  # one group: nothing to say
+    assert repeated_expert({6, 14}, build_topology("j", 16)) == set() and repeated_expert({1}, None) == set()
+
+
+def test_ranks_at_one_expert_in_some_groups_are_routing_but_a_slow_host_is_not() -> None:
+    # DP 8 x PP 4 x EP 8: one EP group per stage. Position 5 named in two of the four groups, alone in each:
+    # the groups routing to a popular expert (a fault does not pick the same expert twice).
+    topo = build_topology("j", 8, pp=4, ep=8)
+    assert repeated_expert({21, 29}, topo) == {21, 29}
+    assert repeated_expert({21, 29, 3}, topo) == {21, 29}  # rank 3 is the only one at its position: its own
+    # A slow host holds whole groups (here DP 16 x TP 2 x EP 4: host 0 holds groups {0,2,4,6} and {1,3,5,7}):
+    # every position of them is named, more than one member of each, so no position is routing.
+    host = build_topology("j", 16, tp=2, ep=4)
+    assert repeated_expert(set(range(8)), host) == set()
+    assert repeated_expert({21, 29, 22}, topo) == set()  # a group naming two members: not one expert
 
 
 def test_a_rank_routed_more_than_its_group_is_a_hot_expert() -> None:
