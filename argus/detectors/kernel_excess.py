@@ -284,9 +284,9 @@ def _sole_carriers(per_call: F64, group: I64, keep: npt.NDArray[np.bool_], conse
     """``keep`` with the ``conserved`` columns (``per_call``: ranks x those columns, each rank's speed taken out)
     nameable only in the member of a group that alone can carry its group's excess: groups of different
     pipeline stages run different layers, whose experts hold no common positions, so a hot expert and a slow
-    one are told apart only where one member's time over its group's median covers ``share`` of the group's
-    excess over the other groups (their means' median) and no other member's does: a slow member of an even
-    share covers about all of it, a hot one covers its extra tokens. Else none of the group is named."""
+    one are told apart only where one member's time over its group's other members' median covers ``share`` of
+    the group's excess over the other groups (their means' median) and no other member's does: a slow member of
+    an even share covers about all of it, a hot one covers its extra tokens. Else none of the group is named."""
     ids = np.unique(group[group >= 0])
     means = np.array([per_call[group == g].mean(axis=0) for g in ids.tolist()])
     out = keep.copy()
@@ -296,7 +296,7 @@ def _sole_carriers(per_call: F64, group: I64, keep: npt.NDArray[np.bool_], conse
         others = np.delete(means, gi, axis=0)
         for j in range(cols.size):
             excess = rows.size * (means[gi, j] - float(np.median(others[:, j])))
-            over = per_call[rows, j] - float(np.median(per_call[rows, j]))
+            over = per_call[rows, j] - loo_median_rows(per_call[rows, j][None, :])[0]
             carriers = rows[over >= share * excess]
             out[rows, cols[j]] = False
             if excess > 0 and carriers.size == 1:

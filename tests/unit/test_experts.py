@@ -10,8 +10,14 @@ from hypothesis import strategies as st
 
 from argus.core.errors import DetectorError
 from argus.core.kinds import FindingKind
-from argus.detectors.experts import (ep_group_ids, group_means, hot_experts, is_grouped_gemm, per_token_scale,
-                                    repeated_expert)
+from argus.detectors.experts import (
+    ep_group_ids,
+    group_means,
+    hot_experts,
+    is_grouped_gemm,
+    per_token_scale,
+    repeated_expert,
+)
 from argus.detectors.kernel_excess import detect_kernel_excess
 from argus.detectors.l3_ranks import KernelTotals, detect_rank_excess
 from argus.producers.topology import build_topology
@@ -135,6 +141,19 @@ def test_a_stage_of_one_expert_group_compares_its_group_with_the_other_stages(se
         healthy[3].total_ns[r] *= 1.3
         healthy[3].median_ns[r] *= 1.3
     assert detect_kernel_excess(healthy, topo) == []
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_stages_of_one_expert_pair_name_the_slow_member(seed: int) -> None:
+    # DP 2 x PP 2 x EP 2: one EP group of two per stage. A routing skew in a pair conserves the pair's mean;
+    # rank 3's grouped GEMM x1.4 puts its pair in excess, all of it over its partner's time.
+    topo = build_topology("j", 2, pp=2, ep=2)
+    assert detect_kernel_excess(_job(np.array([1.0, 1.0, 1.3, 0.7]), seed=seed)[0], topo) == []
+    res = detect_kernel_excess(_job(np.ones(4), slow={3: 1.4}, seed=seed)[0], topo)
+    assert [(r.ranks, r.kernel) for r in res] == [((3,), GROUPED)]
+    # Routed 0.9 of an even share against its partner's 1.1, its lead (0.16) is under 3/4 of the pair's
+    # excess (0.36): a partner hot and slow reads the same. Neither is named.
+    assert detect_kernel_excess(_job(np.array([1.0, 1.0, 1.1, 0.9]), slow={3: 1.4}, seed=seed)[0], topo) == []
 
 
 @pytest.mark.parametrize("seed", range(4))
