@@ -136,12 +136,13 @@ class _Experts:
         return np.asarray(self.routed[cols], dtype=bool)
 
 
-def _residuals(per_call: F64, calls: F64, p: RankExcessParams, pooled_only: npt.NDArray[np.bool_] | None = None
-               ) -> tuple[F64, F64, F64]:
+def _residuals(per_call: F64, calls: F64, p: RankExcessParams, pooled_only: npt.NDArray[np.bool_] | None = None,
+               members: F64 | None = None) -> tuple[F64, F64, F64]:
     """The two-way model's residuals, their z-scores and the ranks' speeds (log), for ranks x kernels (the
     noise floored at ``p.kernel_scale_floor``, a kernel's own spread read from ``p.spread_ranks`` ranks on);
     ``pooled_only``: kernels whose noise is the pooled scale alone (EP-group means: a few distinct values,
-    whose own spread is the difference being judged)."""
+    whose own spread is the difference being judged); ``members``: per rank, how many members' mean its
+    values in those kernels are (the mean of ``m`` members carries ``1/sqrt(m)`` of one member's noise)."""
     x = np.log(per_call)
     n = x.shape[0]
     ref = loo_median_rows(x.T).T  # each rank against its peers' median, kernel by kernel
@@ -157,6 +158,11 @@ def _residuals(per_call: F64, calls: F64, p: RankExcessParams, pooled_only: npt.
         if pooled_only is not None:
             own = np.where(pooled_only, 0.0, own)
         scale = np.maximum(scale, own)
+    if pooled_only is not None and members is not None and pooled_only.any():
+        cell = np.broadcast_to(scale, e.shape).copy()
+        cell[:, pooled_only] = np.maximum(pooled * widen[pooled_only] / np.sqrt(members)[:, None],
+                                          p.kernel_scale_floor)
+        return e, e / cell, speed[:, 0]
     return e, e / scale, speed[:, 0]
 
 
@@ -248,8 +254,10 @@ def _group_scores(tot: F64, med: F64, c: F64, conserved: npt.NDArray[np.bool_], 
     g_med, _ = group_means(med[:, conserved] / own, group)
     t2, m2 = tot.copy(), med.copy()
     t2[:, conserved], m2[:, conserved] = g_tot * own, g_med * own
-    _, z_plain, _ = _residuals(t2 / c, c, p, conserved)
-    _, z_median, _ = _residuals(m2 / c, c, p, conserved)
+    ids, sizes = np.unique(group, return_counts=True)
+    members = np.where(group >= 0, sizes[np.searchsorted(ids, group)], 1).astype(np.float64)
+    _, z_plain, _ = _residuals(t2 / c, c, p, conserved, members)
+    _, z_median, _ = _residuals(m2 / c, c, p, conserved, members)
     keep = np.ones_like(z_plain, dtype=bool)
     if not bool(enough):
         keep[:, conserved] = False

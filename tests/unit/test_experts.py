@@ -102,6 +102,17 @@ def test_a_slow_expert_rank_is_named_with_its_grouped_gemm(known: bool, seed: in
     assert 1.45 < res[0].evidence["top_kernels_ratio"][f"{GROUPED}@7"] < (1.75 if known else 3.0)
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_a_group_mean_is_judged_by_the_noise_of_a_mean(seed: int) -> None:
+    # 64 ranks, eight EP groups of eight, tokens unknown: rank 63's grouped GEMM x1.15 raises its group's mean
+    # by 2 %. That mean carries 1/sqrt(8) of one member's noise; judged by one member's, it went unnamed.
+    topo = build_topology("j", 64, ep=8)
+    load = _conserved(8, 8, 1.6)
+    assert detect_kernel_excess(_job(load, seed=seed, noise=0.05)[0], topo) == []
+    res = detect_kernel_excess(_job(load, slow={63: 1.15}, seed=seed, noise=0.05)[0], topo)
+    assert [(r.ranks, r.kernel) for r in res] == [((63,), GROUPED)]
+
+
 def test_a_slow_hot_expert_is_named_per_token() -> None:
     # The hot expert itself is also slow: per token it runs 1.6x its peers.
     topo = build_topology("j", 8, ep=8)
