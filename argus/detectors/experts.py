@@ -10,6 +10,7 @@ means: docs/moe.md ("What the diagnosis does now").
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
@@ -84,9 +85,7 @@ def repeated_expert(ranks: Iterable[int], topology: JobTopology | None) -> set[i
         return set()
     where = {r: (g, i) for g, rs in members.items() for i, r in enumerate(sorted(rs))}
     named = {r for r in ranks if r in where}
-    per_group: dict[int, int] = {}
-    for r in named:
-        per_group[where[r][0]] = per_group.get(where[r][0], 0) + 1
+    per_group = Counter(where[r][0] for r in named)
     out: set[int] = set()
     for pos in {where[r][1] for r in named}:
         at = {r for r in named if where[r][1] == pos}

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -82,18 +82,17 @@ class KernelTotals:
             raise DetectorError(f"kernel summary {summary.job_id}/{summary.kernel}: cluster columns do not match")
         at = 0
         for rank, k in zip(summary.rank, summary.n_clusters, strict=True):
+            clusters = slice(at, at + k)
+            counts = summary.cluster_count[clusters]
+            p99s, tops = summary.cluster_p99_ns[clusters], summary.cluster_max_ns[clusters]
             self.total_ns[rank] = self.total_ns.get(rank, 0.0) + sum(
                 trimmed_sum(c, t, p99, top) for c, t, p99, top in zip(
-                    summary.cluster_count[at:at + k], summary.cluster_sum_ns[at:at + k],
-                    summary.cluster_p99_ns[at:at + k], summary.cluster_max_ns[at:at + k], strict=True))
-            self.calls[rank] = self.calls.get(rank, 0.0) + float(sum(summary.cluster_count[at:at + k]))
+                    counts, summary.cluster_sum_ns[clusters], p99s, tops, strict=True))
+            self.calls[rank] = self.calls.get(rank, 0.0) + float(sum(counts))
             self.median_ns[rank] = self.median_ns.get(rank, 0.0) + float(sum(
-                c * p for c, p in zip(summary.cluster_count[at:at + k], summary.cluster_p50_ns[at:at + k],
-                                      strict=True)))
+                c * p for c, p in zip(counts, summary.cluster_p50_ns[clusters], strict=True)))
             self.peak_ns[rank] = max([self.peak_ns.get(rank, 0.0), *(
-                counted_peak(c, p99, top) for c, p99, top in zip(
-                    summary.cluster_count[at:at + k], summary.cluster_p99_ns[at:at + k],
-                    summary.cluster_max_ns[at:at + k], strict=True))])
+                counted_peak(c, p99, top) for c, p99, top in zip(counts, p99s, tops, strict=True))])
             at += k
 
     def merge(self, other: KernelTotals) -> None:
@@ -102,16 +101,20 @@ class KernelTotals:
         if (other.kernel, other.stream) != (self.kernel, self.stream):
             raise DetectorError(f"totals of {other.kernel}/{other.stream} merged into {self.kernel}/{self.stream}")
         for r, v in other.total_ns.items():
-            if r in other.median_ns and (r not in self.total_ns or r in self.median_ns):
-                self.median_ns[r] = self.median_ns.get(r, 0.0) + other.median_ns[r]
-            else:
-                self.median_ns.pop(r, None)
-            if r in other.peak_ns and (r not in self.total_ns or r in self.peak_ns):
-                self.peak_ns[r] = max(self.peak_ns.get(r, 0.0), other.peak_ns[r])
-            else:
-                self.peak_ns.pop(r, None)
+            _merge_known(self.median_ns, other.median_ns, r, r in self.total_ns, lambda a, b: a + b)
+            _merge_known(self.peak_ns, other.peak_ns, r, r in self.total_ns, max)
             self.total_ns[r] = self.total_ns.get(r, 0.0) + v
             self.calls[r] = self.calls.get(r, 0.0) + other.calls.get(r, 0.0)
+
+
+def _merge_known(mine: dict[int, float], theirs: dict[int, float], rank: int, seen: bool,
+                 combine: Callable[[float, float], float]) -> None:
+    """Combine ``rank``'s value of another part into ``mine``: known only while every part that added to the
+    rank knew it (``seen``: an earlier part added to it)."""
+    if rank in theirs and (not seen or rank in mine):
+        mine[rank] = combine(mine[rank], theirs[rank]) if rank in mine else theirs[rank]
+    else:
+        mine.pop(rank, None)
 
 
 @dataclass(frozen=True)
@@ -181,8 +184,9 @@ class RankExcessParams:
     #: corroboration: a few hiccups cannot, a slowed shape merged into a cluster of others does [4].
     kernel_carried_calls: float = 4.0
     #: :func:`~argus.detectors.kernel_excess.detect_kernel_excess`, grouped GEMMs of EP groups of different
-    #: pipeline stages compared: least share of its group's excess that a member's time over its group's median
-    #: must cover to be the one named (a slow member of an even share covers about all of it) [0.75].
+    #: pipeline stages compared: least share of its group's excess that a member's time over its group's other
+    #: members' median must cover to be the one named (a slow member of an even share covers about all of it)
+    #: [0.75].
     carrier_share: float = 0.75
 
     def __post_init__(self) -> None:
