@@ -54,16 +54,16 @@ class StepClock:
         hi = bisect.bisect_left(self.starts_ns, end_ns)
         return max(hi - lo, 1)
 
-    def affected_steps(self, ranks: Sequence[int], start_ns: int, end_ns: int) -> int:
+    def affected_steps(self, ranks: Sequence[int], start_ns: int, end_ns: int, share: float = 1.0) -> int:
         """Steps of ``[start_ns, end_ns)`` an excess of ``ranks`` was spent in: from the earliest onset among them
-        where every one has an onset inside the span (:attr:`onsets`), else every step that began in it."""
+        where every one has an onset inside the span (:attr:`onsets`), else ``share`` of the steps that began
+        in it (the share of its calls the slowdown moved, :mod:`argus.detectors.call_modes`; at least one)."""
+        every = self.steps_in(start_ns, end_ns)
         onset = dict(self.onsets)
         at = [onset.get(r) for r in ranks]
-        if not at or any(a is None for a in at):
-            return self.steps_in(start_ns, end_ns)
-        first = min(a for a in at if a is not None)
-        if not start_ns < first < end_ns:
-            return self.steps_in(start_ns, end_ns)
+        first = min((a for a in at if a is not None), default=None)
+        if not at or any(a is None for a in at) or first is None or not start_ns < first < end_ns:
+            return max(round(every * min(max(share, 0.0), 1.0)), 1)
         return self.steps_in(first, end_ns)
 
 

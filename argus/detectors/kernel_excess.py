@@ -21,7 +21,14 @@ from argus.core.kinds import FindingKind
 from argus.detectors.experts import ep_group_ids, group_means, is_grouped_gemm, per_token_scale
 from argus.detectors.l2_groups import MAD_SCALE, loo_median_rows
 from argus.detectors.l3_kernels import L3Result, is_collective
-from argus.detectors.l3_ranks import KernelTotals, RankExcessParams, comparison_sets, totals_matrix
+from argus.detectors.l3_ranks import (
+    KernelTotals,
+    MovedCalls,
+    RankExcessParams,
+    comparison_sets,
+    totals_matrix,
+    with_share,
+)
 from argus.schemas.records import JobTopology
 
 __all__ = ["detect_kernel_excess"]
@@ -50,6 +57,7 @@ def detect_kernel_excess(totals: Iterable[KernelTotals], topology: JobTopology |
     ranks, total, calls, part, median = totals_matrix(usable, topology)
     peak = _peaks(usable, ranks)
     keys = [(t.kernel, t.stream) for t in usable]
+    moves = MovedCalls(usable)
     skip = set(exclude)
     out: dict[int, L3Result] = {}
     routed = np.array([is_grouped_gemm(k) for k, _ in keys], dtype=bool)
@@ -65,7 +73,7 @@ def detect_kernel_excess(totals: Iterable[KernelTotals], topology: JobTopology |
                        None if groups is None else groups[rows], dense_judged)
         cells = np.ix_(rows, cols)
         for res in _judge(ranks[rows], _Cells(total[cells], median[cells], peak[cells], calls[cells]),
-                          [keys[j] for j in cols.tolist()], label, p, moe):
+                          [keys[j] for j in cols.tolist()], label, p, moe, moves):
             r = res.ranks[0]
             if r in skip or r in out or not judged[int(np.searchsorted(ranks[rows], r))]:
                 continue
@@ -167,7 +175,7 @@ def _residuals(per_call: F64, calls: F64, p: RankExcessParams, pooled_only: npt.
 
 
 def _judge(ranks: I64, cells: _Cells, keys: Sequence[tuple[str, int]], part: int, p: RankExcessParams,
-           moe: _Experts) -> list[L3Result]:
+           moe: _Experts, moves: MovedCalls) -> list[L3Result]:
     n = ranks.size
     total, median, calls = cells.total, cells.median, cells.calls
     same = ((calls >= p.kernel_min_calls).all(axis=0)
@@ -223,6 +231,8 @@ def _judge(ranks: I64, cells: _Cells, keys: Sequence[tuple[str, int]], part: int
             "top_kernels_calls": {k: float(c[i, j]) for k, j in named.items()},
             "top_kernels_carried_calls": {k: float(carried[i, j]) for k, j in named.items()},
         }, excess_ns=float(extra[i].sum())))
+        # The share of the steps its excess was spent in, from the calls its slowed kernels moved.
+        out[-1] = with_share(out[-1], moves.share(int(ranks[i]), [keys[int(cols[j])] for j in np.flatnonzero(hit[i])]))
     return out
 
 

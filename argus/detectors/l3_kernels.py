@@ -160,6 +160,9 @@ class L3Result:
     #: Extra time (ns) on the job's critical path over the judged data: the slowest named rank's time in the
     #: kernel beyond its peers' median (a degraded link: its group's extra transfer time per member).
     excess_ns: float = 0.0
+    #: Share of the judged steps the excess was spent in, where the named rank's calls show a slowdown that
+    #: began inside them (:func:`~argus.detectors.call_modes.affected_share`); 1.0: every step.
+    affected_share: float = 1.0
 
     @property
     def level(self) -> Level:

@@ -8,6 +8,7 @@ see docs/internals/detectors.md.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 from collections.abc import Callable, Iterable, Sequence
@@ -20,13 +21,14 @@ from scipy.stats import rankdata
 
 from argus.core.errors import DetectorError
 from argus.core.kinds import FindingKind
+from argus.detectors.call_modes import CallCensus, ModeParams, affected_share, moved_calls
 from argus.detectors.experts import is_grouped_gemm
 from argus.detectors.l2_groups import MAD_SCALE, loo_median
 from argus.detectors.l2_phases import L2Result
 from argus.detectors.l3_kernels import L3Result, is_collective
 from argus.schemas.records import JobTopology, KernelSummary
 
-__all__ = ["KernelTotals", "RankExcessParams", "comparison_sets", "counted_peak", "detect_rank_excess",
+__all__ = ["KernelTotals", "MovedCalls", "RankExcessParams", "comparison_sets", "counted_peak", "detect_rank_excess",
            "detect_stage_excess", "kernel_family", "totals_matrix", "trimmed_sum"]
 
 F64 = npt.NDArray[np.float64]
@@ -64,7 +66,9 @@ class KernelTotals:
     ``median_ns``: the time as the clusters' medians give it (``sum(count * p50)``), which a few outlier calls
     do not move; absent for a rank whose totals came from a context without it (schema v1). ``peak_ns``: the
     longest call as the totals count it (:func:`counted_peak`), which bounds what one call adds to them; absent
-    for a rank whose totals came from a context without it (schema v4 and before)."""
+    for a rank whose totals came from a context without it (schema v4 and before). ``census``: each rank's
+    calls per duration bin (:class:`~argus.detectors.call_modes.CallCensus`), None for totals read from a
+    context, which carry ``moved`` instead: (calls moved, of) per rank (schema v6; :meth:`moved_calls`)."""
 
     kernel: str
     stream: int
@@ -72,6 +76,13 @@ class KernelTotals:
     calls: dict[int, float] = field(default_factory=dict)
     median_ns: dict[int, float] = field(default_factory=dict)
     peak_ns: dict[int, float] = field(default_factory=dict)
+    moved: dict[int, tuple[float, float]] = field(default_factory=dict)
+    census: CallCensus | None = field(default_factory=CallCensus, repr=False, compare=False)
+    mode_params: ModeParams = field(default_factory=ModeParams, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.census is not None and self.census.resolution != self.mode_params.resolution and not self.census:
+            self.census = CallCensus(self.mode_params.resolution)
 
     def add(self, summary: KernelSummary) -> None:
         """Add the rows of one summary of this (kernel, stream). Raises :class:`DetectorError` for another key
@@ -94,17 +105,54 @@ class KernelTotals:
             self.peak_ns[rank] = max([self.peak_ns.get(rank, 0.0), *(
                 counted_peak(c, p99, top) for c, p99, top in zip(counts, p99s, tops, strict=True))])
             at += k
+        if self.census is not None:
+            self.census.add(np.repeat(np.asarray(summary.rank, dtype=np.int64), summary.n_clusters),
+                            summary.cluster_p50_ns, summary.cluster_count)
 
     def merge(self, other: KernelTotals) -> None:
         """Add another part's totals of this (kernel, stream). A rank's ``median_ns`` and ``peak_ns`` stay known
         only while every part that added to it knew them. Raises :class:`DetectorError` for another key."""
         if (other.kernel, other.stream) != (self.kernel, self.stream):
             raise DetectorError(f"totals of {other.kernel}/{other.stream} merged into {self.kernel}/{self.stream}")
+        if self.census is not None and other.census is not None:
+            self.census.merge(other.census)
+        else:  # a part without a census (read from a context): the moves each part found add up
+            moves = self.moved_calls()
+            for r, (a, b) in other.moved_calls().items():
+                held = moves.get(r, (0.0, 0.0))
+                moves[r] = (held[0] + a, held[1] + b)
+            self.moved, self.census = moves, None
         for r, v in other.total_ns.items():
             _merge_known(self.median_ns, other.median_ns, r, r in self.total_ns, lambda a, b: a + b)
             _merge_known(self.peak_ns, other.peak_ns, r, r in self.total_ns, max)
             self.total_ns[r] = self.total_ns.get(r, 0.0) + v
             self.calls[r] = self.calls.get(r, 0.0) + other.calls.get(r, 0.0)
+
+    def moved_calls(self) -> dict[int, tuple[float, float]]:
+        """Per rank that moved calls up out of its modes: (calls moved, its peers' calls in those modes)
+        (:func:`~argus.detectors.call_modes.moved_calls`; from the census when here, else as a context carried
+        them)."""
+        return moved_calls(self.census, self.mode_params) if self.census is not None else dict(self.moved)
+
+
+class MovedCalls:
+    """The calls each rank moved up out of its modes, per (kernel, stream) of ``totals``
+    (:meth:`KernelTotals.moved_calls`, computed on first use), for the share of the steps a result's excess
+    was spent in."""
+
+    def __init__(self, totals: Iterable[KernelTotals]) -> None:
+        self._totals = {(t.kernel, t.stream): t for t in totals}
+        self._held: dict[tuple[str, int], dict[int, tuple[float, float]]] = {}
+
+    def share(self, rank: int, keys: Iterable[tuple[str, int]]) -> float:
+        """:func:`~argus.detectors.call_modes.affected_share` of ``rank`` over the kernels ``keys``."""
+        return affected_share(self._of(k).get(rank) for k in keys)
+
+    def _of(self, key: tuple[str, int]) -> dict[int, tuple[float, float]]:
+        if key not in self._held:
+            t = self._totals.get(key)
+            self._held[key] = t.moved_calls() if t is not None else {}
+        return self._held[key]
 
 
 def _merge_known(mine: dict[int, float], theirs: dict[int, float], rank: int, seen: bool,
@@ -234,7 +282,13 @@ def detect_rank_excess(totals: Iterable[KernelTotals], topology: JobTopology | N
         found = _judge_peeling(ranks[rows], total[np.ix_(rows, cols)], calls[np.ix_(rows, cols)],
                                [keys[j] for j in cols.tolist()], label, p)
         out += [r for r in found if judged[int(np.searchsorted(ranks[rows], r.ranks[0]))] and r.ranks[0] not in named]
-    return out
+    moves = MovedCalls(usable)
+    return [with_share(r, moves.share(r.ranks[0], keys)) for r in out]
+
+
+def with_share(result: L3Result, share: float) -> L3Result:
+    """``result`` with the share of the steps its excess was spent in (also in its evidence)."""
+    return dataclasses.replace(result, affected_share=share, evidence=result.evidence | {"affected_share": share})
 
 
 def totals_matrix(totals: Sequence[KernelTotals], topology: JobTopology | None) -> tuple[I64, F64, F64, I64, F64]:

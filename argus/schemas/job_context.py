@@ -1,5 +1,5 @@
 """The :class:`JobContext` record: what one stream worker knows of a job that others need (see
-``schemas/job_context.v5.avsc``; v1-v4 still read), and its split into bounded messages.
+``schemas/job_context.v6.avsc``; v1-v5 still read), and its split into bounded messages.
 
 A part can outgrow a Kafka message (a 102,400-rank job's L3 totals are ~8 MB, its topology ~2.3 MB), so a write
 of a part is sent as ``pieces`` messages of one ``generation`` (:func:`split_context`), each a valid
@@ -48,6 +48,8 @@ class JobContext(Record):
     totals_calls: tuple[float, ...] = ()
     totals_median_ns: tuple[float, ...] = ()
     totals_peak_ns: tuple[float, ...] = ()
+    totals_moved_calls: tuple[float, ...] = ()
+    totals_moved_of: tuple[float, ...] = ()
     onset_rank: tuple[int, ...] = ()
     onset_ns: tuple[int, ...] = ()
     token_rank: tuple[int, ...] = ()
@@ -108,9 +110,9 @@ _SECTIONS: tuple[tuple[tuple[str, ...], int], ...] = (
 )
 _ENTRY_FIELDS = ("totals_kernel", "totals_stream", "totals_rows")
 #: Row fields a context may leave empty (unknown): written by later versions, or unknown to the writer.
-_OPTIONAL_ROW_FIELDS = ("totals_median_ns", "totals_peak_ns")
+_OPTIONAL_ROW_FIELDS = ("totals_median_ns", "totals_peak_ns", "totals_moved_calls", "totals_moved_of")
 _ROW_FIELDS = ("totals_rank", "totals_ns", "totals_calls", *_OPTIONAL_ROW_FIELDS)
-_ARRAYS = 20  # more than the schema's array fields
+_ARRAYS = 22  # more than the schema's array fields
 
 
 def _string_bytes(text: str) -> int:

@@ -33,6 +33,7 @@ import numpy as np
 from argus.core.errors import DetectorError
 from argus.core.kinds import FindingKind
 from argus.core.settings import Settings
+from argus.detectors.call_modes import ModeParams
 from argus.detectors.experts import hot_experts, repeated_expert
 from argus.detectors.findings import DetectorResult, to_finding
 from argus.detectors.hosts import HostParams, detect_host_excess
@@ -83,6 +84,9 @@ class DiagnosisParams:
     #: When findings form one incident (a slow host: docs/incidents.md).
     incidents: IncidentParams = field(default_factory=IncidentParams)
     onsets: OnsetParams = field(default_factory=OnsetParams)
+    #: How the calls a slowdown moved out of a kernel's duration modes give the share of the steps it was spent
+    #: in (:mod:`argus.detectors.call_modes`).
+    modes: ModeParams = field(default_factory=ModeParams)
     #: When a host's ranks are slow together (:func:`~argus.detectors.hosts.detect_host_excess`).
     hosts: HostParams = field(default_factory=HostParams)
     #: A rank routed at least this multiple of its expert-parallel group's median tokens is a hot expert's:
@@ -148,8 +152,8 @@ def judge(job_id: str, results: list[DetectorResult], time_ns: int, world_size: 
     span = window if window is not None else (_NO_START, _NO_END)
     out = []
     for res in results:
-        impact = impact_of(res, world_size, clock.affected_steps(res.ranks, *span)
-                           if isinstance(res, L3Result) and clock.onsets else steps)
+        impact = impact_of(res, world_size, clock.affected_steps(res.ranks, *span, res.affected_share)
+                           if isinstance(res, L3Result) else steps)
         link = isinstance(res, L3Result) and res.kind is FindingKind.LINK_DEGRADED
         worth = worth_raising(impact, clock, min_fraction)
         if worth and not (link and res.evidence.get(CORROBORATES_ONLY)):
@@ -550,7 +554,7 @@ class RankDiagnosis:
         key = (summary.kernel, summary.stream)
         totals = self._totals.get(key)
         if totals is None:
-            totals = self._totals[key] = KernelTotals(summary.kernel, summary.stream)
+            totals = self._totals[key] = KernelTotals(summary.kernel, summary.stream, mode_params=self.params.modes)
         totals.add(summary)
         self._ranks.update(summary.rank)
         self.last_time_ns = max(self.last_time_ns, *summary.window_end_ns, 0)
@@ -564,7 +568,8 @@ class RankDiagnosis:
         for t in totals:
             mine = self._totals.get((t.kernel, t.stream))
             if mine is None:
-                mine = self._totals[(t.kernel, t.stream)] = KernelTotals(t.kernel, t.stream)
+                mine = self._totals[(t.kernel, t.stream)] = KernelTotals(t.kernel, t.stream,
+                                                                         mode_params=self.params.modes)
             mine.merge(t)
             self._ranks.update(t.total_ns)
         self.last_time_ns = max(self.last_time_ns, last_time_ns)

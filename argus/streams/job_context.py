@@ -131,22 +131,29 @@ def context_clock(ctx: JobContext | None) -> StepClock | None:
 def totals_context(job_id: str, part: int, time_ns: int, totals: Iterable[KernelTotals]) -> JobContext:
     """L3 part ``part``'s per-rank kernel totals of ``job_id`` (part ``l3/<part>``). A rank whose median
     time or longest call is unknown has NaN in ``totals_median_ns`` or ``totals_peak_ns`` (empty when no
-    rank's is known)."""
+    rank's is known); the calls each rank moved out of its modes (:meth:`KernelTotals.moved_calls`) travel as
+    ``totals_moved_calls`` and ``totals_moved_of`` (0 where it moved none)."""
     kernels, streams, rows, ranks, ns, calls, medians, peaks = [], [], [], [], [], [], [], []
+    moved: list[float] = []
+    of: list[float] = []
     for t in sorted(totals, key=lambda t: (t.kernel, t.stream)):
         kernels.append(t.kernel)
         streams.append(t.stream)
         rows.append(len(t.total_ns))
+        moves = t.moved_calls()
         for r in sorted(t.total_ns):
             ranks.append(r)
             ns.append(t.total_ns[r])
             calls.append(t.calls.get(r, 0.0))
             medians.append(t.median_ns.get(r, math.nan))
             peaks.append(t.peak_ns.get(r, math.nan))
+            a, b = moves.get(r, (0.0, 0.0))
+            moved.append(a)
+            of.append(b)
     return JobContext(job_id=job_id, part=f"l3/{part}", time_ns=max(time_ns, 0), totals_kernel=tuple(kernels),
                       totals_stream=tuple(streams), totals_rows=tuple(rows), totals_rank=tuple(ranks),
                       totals_ns=tuple(ns), totals_calls=tuple(calls), totals_median_ns=_known(medians),
-                      totals_peak_ns=_known(peaks))
+                      totals_peak_ns=_known(peaks), totals_moved_calls=tuple(moved), totals_moved_of=tuple(of))
 
 
 def _known(values: list[float]) -> tuple[float, ...]:
@@ -159,9 +166,12 @@ def context_totals(ctx: JobContext) -> list[KernelTotals]:
     for kernel, stream, n in zip(ctx.totals_kernel, ctx.totals_stream, ctx.totals_rows, strict=True):
         sl = slice(at, at + n)
         ranks = ctx.totals_rank[sl]
+        moved = {r: (a, b) for r, a, b in zip(ranks, ctx.totals_moved_calls[sl], ctx.totals_moved_of[sl],
+                                              strict=True) if b > 0.0} if ctx.totals_moved_of else {}
         out.append(KernelTotals(kernel, stream, dict(zip(ranks, ctx.totals_ns[sl], strict=True)),
                                 dict(zip(ranks, ctx.totals_calls[sl], strict=True)),
-                                _by_rank(ranks, ctx.totals_median_ns[sl]), _by_rank(ranks, ctx.totals_peak_ns[sl])))
+                                _by_rank(ranks, ctx.totals_median_ns[sl]), _by_rank(ranks, ctx.totals_peak_ns[sl]),
+                                moved, census=None))
         at += n
     return out
 

@@ -86,11 +86,11 @@ _times = st.integers(0, 2**62 - 1)
 
 @st.composite
 def contexts(draw: st.DrawFn) -> JobContext:
-    """Any valid part: a topology's bytes, every sequence, totals with or without medians."""
+    """Any valid part: a topology's bytes, every sequence, totals with or without medians and moves."""
     n_entries = draw(st.integers(0, 4))
     rows = draw(st.lists(st.integers(0, 40), min_size=n_entries, max_size=n_entries))
     n_rows = sum(rows)
-    medians = draw(st.booleans())
+    medians, moves = draw(st.booleans()), draw(st.booleans())
     doubles = st.floats(allow_nan=False, allow_infinity=False, width=64)
     n_groups, n_onsets, n_tokens = (draw(st.integers(0, 30)) for _ in range(3))
     return JobContext(
@@ -111,6 +111,8 @@ def contexts(draw: st.DrawFn) -> JobContext:
         totals_ns=tuple(draw(st.lists(doubles, min_size=n_rows, max_size=n_rows))),
         totals_calls=tuple(draw(st.lists(doubles, min_size=n_rows, max_size=n_rows))),
         totals_median_ns=tuple(draw(st.lists(doubles, min_size=n_rows, max_size=n_rows))) if medians else (),
+        totals_moved_calls=tuple(draw(st.lists(doubles, min_size=n_rows, max_size=n_rows))) if moves else (),
+        totals_moved_of=tuple(draw(st.lists(doubles, min_size=n_rows, max_size=n_rows))) if moves else (),
         onset_rank=tuple(draw(st.lists(_ints, min_size=n_onsets, max_size=n_onsets))),
         onset_ns=tuple(draw(st.lists(_times, min_size=n_onsets, max_size=n_onsets))),
         token_rank=tuple(draw(st.lists(_ints, min_size=n_tokens, max_size=n_tokens))),
@@ -118,7 +120,7 @@ def contexts(draw: st.DrawFn) -> JobContext:
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-@given(ctx=contexts(), max_bytes=st.integers(400, 4000), generation=st.integers(1, 2**63 - 1), data=st.data())
+@given(ctx=contexts(), max_bytes=st.integers(500, 4000), generation=st.integers(1, 2**63 - 1), data=st.data())
 def test_any_split_read_in_any_order_with_copies_joins_into_the_same_part(
         ctx: JobContext, max_bytes: int, generation: int, data: st.DataObject) -> None:
     pieces = split_context(ctx, max_bytes, generation)
