@@ -38,6 +38,9 @@ _MS = 1e6
 #: Blocking groups whose members wait for each other inside a layer, so look slow together (not PP: its
 #: members are stages, which wait for each other across the step and are judged as stages).
 _WAIT_TOGETHER = tuple(sorted(BLOCKING_GROUPS - {ParallelGroup.PP}, key=lambda g: g.value))
+#: Late arrivals alike in one of these groups are late together: a blocking group's members waited in it, and the
+#: members of one DP group in different TP groups share its collectives only (a degraded DP link delays them all).
+_LATE_TOGETHER = (*_WAIT_TOGETHER, ParallelGroup.DP)
 _COMPUTE = COMPUTE_KINDS
 
 
@@ -400,7 +403,7 @@ def _stragglers(compute: list[Flag], short: list[Flag], host: list[Flag], topolo
     together = _waited_together({r: fs[0].ratio for r, fs in by_rank.items()}, topology, p.stands_out,
                                 None if elevation is None else {r: elevation(fs[0].phase) for r, fs in by_rank.items()})
     together |= _waited_together({r: 1.0 / fs[0].ratio for r, fs in shorts.items() if r not in by_rank}, topology,
-                                 p.stands_out)
+                                 p.stands_out, groups=_LATE_TOGETHER)
     slow -= together
     late -= together
     results: list[L2Result] = []
@@ -439,7 +442,8 @@ def _causes(found: dict[int, dict[tuple[str, str], _StageHit]]) -> dict[int, dic
 
 
 def _waited_together(elevation: dict[int, float], topology: JobTopology, stands_out: float,
-                     peers: dict[int, F64] | None = None) -> set[int]:
+                     peers: dict[int, F64] | None = None,
+                     groups: tuple[ParallelGroup, ...] = _WAIT_TOGETHER) -> set[int]:
     """Compute stragglers that are members of one blocking group (TP, EP) flagged alike: the members of a
     group that waited in its blocking collectives for one of them (or for a degraded link) all look slow in
     the phase around it, when the phase cannot be told from the waiting (phases without nested collective
@@ -448,11 +452,12 @@ def _waited_together(elevation: dict[int, float], topology: JobTopology, stands_
     that reached a later collective late together. ``elevation``: per flagged rank, its top ratio (> 1).
     ``peers``: per flagged rank, every rank's ratio in that rank's top phase (NaN where not compared, by
     position in ``topology``): members elevated alike but just under the flagging ratio count as the next
-    member too (a degraded TP link puts a whole group at ~1.5x, and which of them crosses 1.5x is noise)."""
+    member too (a degraded TP link puts a whole group at ~1.5x, and which of them crosses 1.5x is noise).
+    ``groups``: the kinds of group read."""
     flagged = list(elevation)
     pos = dict(zip(flagged, rank_positions(topology, np.array(flagged, dtype=np.int64)).tolist(), strict=True))
     out: set[int] = set()
-    for group in _WAIT_TOGETHER:
+    for group in groups:
         column = topology.array(group.column)
         members: dict[int, list[int]] = {}
         for r in elevation:

@@ -92,11 +92,15 @@ class DiagnosisParams:
     #: A rank routed at least this multiple of its expert-parallel group's median tokens is a hot expert's:
     #: its longer phases are routing, not a fault (:func:`~argus.detectors.experts.hot_experts`).
     hot_expert_tokens_ratio: float = 1.1
+    #: Complete steps a live run needs before it names a compute straggler by its lateness alone (no elevated
+    #: phase of its own): a few GPUs a few percent apart by nature arrive last over five steps, which the next
+    #: cuts do not confirm. The job's last run judges every step it has, however few.
+    late_only_min_steps: int = 10
 
     def __post_init__(self) -> None:
-        if self.detect_every < 1 or self.history_steps < 1:
-            raise DetectorError(f"detect_every and history_steps must be >= 1, got {self.detect_every}, "
-                                f"{self.history_steps}")
+        if self.detect_every < 1 or self.history_steps < 1 or self.late_only_min_steps < 1:
+            raise DetectorError(f"detect_every, history_steps and late_only_min_steps must be >= 1, got "
+                                f"{self.detect_every}, {self.history_steps}, {self.late_only_min_steps}")
         if not (0.0 <= self.min_impact_fraction < 1.0 and self.live_impact_margin >= 1.0):
             raise DetectorError(f"need 0 <= min_impact_fraction < 1 and live_impact_margin >= 1, got "
                                 f"{self.min_impact_fraction}, {self.live_impact_margin}")
@@ -371,8 +375,10 @@ class JobDiagnosis:
             tokens = {r: tok for r, (tok, steps) in self._tokens.items() if steps == len(self._series)}
             routed = repeated_expert(named, self.topology) | hot_experts(
                 named, self.topology, tokens, self.params.hot_expert_tokens_ratio)
+            early = not final and self.complete_steps < self.params.late_only_min_steps
             results.extend(res for res in l2 if not (res.kind in _RANK_PHASE_KINDS and routed.issuperset(res.ranks))
-                           and (res.kind is not FindingKind.PP_STAGE_SLOW or (final and not self.kernels_traced())))
+                           and (res.kind is not FindingKind.PP_STAGE_SLOW or (final and not self.kernels_traced()))
+                           and not (early and res.evidence.get("late_arrival_only") is True))
         new = []
         world = self.world_size or (len(self.topology.rank) if self.topology else 1)
         for finding in judge(self.job_id, list(results), self.last_time_ns, world, self.clock(),

@@ -13,11 +13,20 @@ from argus.detectors.impact import StepClock
 from argus.producers.faults import Fault
 from argus.producers.seed_cases import paper_case
 from argus.producers.simulator import JobSimulator, SimRecord
-from argus.schemas.records import JobTopology, KernelSummary, LifecycleEvent, ParallelGroup
+from argus.schemas.records import (
+    JobLifecycle,
+    JobTopology,
+    KernelSummary,
+    LifecycleEvent,
+    ParallelGroup,
+    PhaseBatch,
+    Step,
+)
 from argus.streams.compression import summarize_windows
 from argus.streams.diagnosis import DiagnosisParams, JobDiagnosis, KernelDiagnosis, _row
 from argus.streams.windows import WindowBuffer
 from argus.topics import Topic
+from tests.unit.test_l2 import MS, tp_pairs_batches
 
 
 @functools.cache
@@ -185,3 +194,29 @@ def test_l3_late_arrivals_only_corroborate_l2_stragglers() -> None:
     assert drop_victims([late(4)], set()) == []
     other = Finding("k", "j", Level.L3, "kernel_degraded", (4,), (), 1.0, "{}", 0, kernel="gemm", stream=7)
     assert drop_victims([other], set()) == [other]  # other kinds pass
+
+
+def _late_pair_job(steps: int, seed: int = 0) -> list[Step | PhaseBatch | JobTopology]:
+    """A DP 4 x TP 2 job traced without compute phases (each rank's TP reduce-scatter only, as in the L2
+    tests): rank 5's GPU runs x1.3, so it reaches the reduce-scatter its TP partner waits in late, every step."""
+    topo, batches = tp_pairs_batches(4, seed, {5: 1.3}, steps=steps)
+    out: list[Step | PhaseBatch | JobTopology] = [topo]
+    for step in range(steps):
+        out += [Step("j", r, step, step * 200 * MS, 200 * MS) for r in range(topo.world_size)]
+    return out + batches
+
+
+def test_a_late_arrival_alone_is_named_live_after_ten_steps_or_at_the_end() -> None:
+    # Five steps of lateness alone are the weakest L2 verdict (GPUs a few percent apart by nature arrive last
+    # over five steps): live runs hold it until `late_only_min_steps`; the job's last run judges what it has.
+    def named(records: list[Step | PhaseBatch | JobTopology], end: bool) -> list[tuple[int, ...]]:
+        job = JobDiagnosis("j", DiagnosisParams(detect_every=5))
+        for rec in records:
+            job.add(rec)
+        if end:
+            job.add(JobLifecycle("j", LifecycleEvent.END, 0, 8))
+        return [f.ranks for f in job.diagnose(final=end) if f.kind == "compute_straggler"]
+
+    assert named(_late_pair_job(5), end=False) == []
+    assert named(_late_pair_job(10), end=False) == [(5,)]
+    assert named(_late_pair_job(5), end=True) == [(5,)]

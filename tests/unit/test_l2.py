@@ -455,7 +455,8 @@ def test_a_tp_group_elevated_alike_names_none_even_where_one_member_alone_crosse
     assert [r.ranks for r in _by_kind(res)[FindingKind.COMPUTE_STRAGGLER]] == [(1,)]
 
 
-def _tp_pairs_job(dp: int, seed: int, slow: dict[int, float], steps: int = 8) -> tuple[JobTopology, PhaseTable]:
+def tp_pairs_batches(dp: int, seed: int, slow: dict[int, float], steps: int = 8
+                     ) -> tuple[JobTopology, list[PhaseBatch]]:
     """DP x TP2 traced without compute phases (only the TP reduce-scatter that closes each rank's 100 ms of
     compute, ending together for the pair, 0.7 ms of transfer): every GPU has a persistent speed of its own
     (lognormal, 2.5 %) and each step a little noise (1 %); ``slow``: rank -> factor on its compute."""
@@ -469,6 +470,11 @@ def _tp_pairs_job(dp: int, seed: int, slow: dict[int, float], steps: int = 8) ->
             end = max(arrive[q] for q in range(topo.world_size) if topo.tp_group[q] == topo.tp_group[r]) + 0.7 * MS
             batches.append(_batch(r, step, [(PhaseKind.REDUCE_SCATTER, "tp-reduce-scatter", TP, end - arrive[r])],
                                   starts=(int(arrive[r]),)))
+    return topo, batches
+
+
+def _tp_pairs_job(dp: int, seed: int, slow: dict[int, float], steps: int = 8) -> tuple[JobTopology, PhaseTable]:
+    topo, batches = tp_pairs_batches(dp, seed, slow, steps)
     return topo, PhaseTable.from_batches(batches)
 
 
@@ -491,6 +497,22 @@ def test_a_straggler_in_a_gpu_pair_stands_out_among_the_pairs(dp: int) -> None:
         if res:
             assert res[0].evidence["late_arrival_only"] and res[0].evidence["robust_z"] <= -5.5
     assert found >= 11
+
+
+@pytest.mark.parametrize("seed", [0, 1, 5])
+def test_late_arrivals_alike_of_one_dp_group_are_its_not_stragglers(seed: int) -> None:
+    # DP 4 x TP 2 without compute phases: ranks 0 and 6 are of one DP group, each in another TP pair. A degraded
+    # DP link delays its members into their TP collectives alike: late together, neither is named (the link is
+    # L3's to find). One of them late by far more than the other stands out: the cause.
+    topo, table = _tp_pairs_job(4, seed, {0: 1.5, 6: 1.5})
+    assert topo.dp_group[0] == topo.dp_group[6] and topo.tp_group[0] != topo.tp_group[6]
+    assert detect_l2(table, topo) == []
+    topo, table = _tp_pairs_job(4, seed, {0: 1.3, 6: 2.0})
+    assert {r.ranks for r in detect_l2(table, topo)} == {(6,)}
+    # Late alike in two DP groups: each is named.
+    topo, table = _tp_pairs_job(4, seed, {0: 1.5, 3: 1.5})
+    assert topo.dp_group[0] != topo.dp_group[3]
+    assert {r.ranks for r in detect_l2(table, topo)} == {(0,), (3,)}
 
 
 def test_a_stage_with_two_stragglers_in_a_group_of_four_is_no_slow_stage() -> None:
