@@ -270,6 +270,7 @@ def detect_rank_excess(totals: Iterable[KernelTotals], topology: JobTopology | N
     # in them without being slow. Its speed is read on the dense kernels; its grouped GEMMs are judged per
     # token or per EP group (argus.detectors.kernel_excess).
     routed = topology is not None and topology.ep_size >= 2
+    totals = list(totals)
     usable = [t for t in totals if t.calls and not is_collective(t.kernel, p.collective_markers)
               and not (routed and is_grouped_gemm(t.kernel))]
     if not usable:
@@ -283,7 +284,36 @@ def detect_rank_excess(totals: Iterable[KernelTotals], topology: JobTopology | N
                                [keys[j] for j in cols.tolist()], label, p)
         out += [r for r in found if judged[int(np.searchsorted(ranks[rows], r.ranks[0]))] and r.ranks[0] not in named]
     moves = MovedCalls(usable)
-    return [with_share(r, moves.share(r.ranks[0], keys)) for r in out]
+    out = [with_share(r, moves.share(r.ranks[0], keys)) for r in out]
+    if routed and topology is not None:
+        out = [_with_routed_excess(r, [t for t in totals if t.calls and is_grouped_gemm(t.kernel)], topology)
+               for r in out]
+    return out
+
+
+def _with_routed_excess(result: L3Result, routed: Sequence[KernelTotals], topology: JobTopology) -> L3Result:
+    """A rank named slow across its dense kernels, with the time its grouped GEMMs take over its EP group's other
+    members' median added to its excess (``routed_excess_ms``), each at most what its slower kernels' ratio
+    (``slower_kernels_ratio``) predicts of that kernel: a slow GPU runs its experts slow too, which the rank's
+    speed, read on the dense kernels, leaves out of its impact; a popular expert's extra tokens are routing and
+    add no more than that."""
+    rank, ratio = result.ranks[0], float(result.evidence.get("slower_kernels_ratio", 1.0))
+    group = dict(zip(topology.rank, topology.ep_group, strict=True))
+    mine = group.get(rank)
+    if mine is None or ratio <= 1.0:
+        return result
+    peers = [r for r, g in group.items() if g == mine and r != rank]
+    extra = 0.0
+    for t in routed:
+        own = t.total_ns.get(rank)
+        others = [t.total_ns[r] for r in peers if r in t.total_ns]
+        if own is None or not others:
+            continue
+        extra += min(max(own - float(np.median(others)), 0.0), own * (1.0 - 1.0 / ratio))
+    if extra <= 0.0:
+        return result
+    return dataclasses.replace(result, excess_ns=result.excess_ns + extra,
+                               evidence=result.evidence | {"routed_excess_ms": extra / 1e6})
 
 
 def with_share(result: L3Result, share: float) -> L3Result:
@@ -474,6 +504,7 @@ def _judge(ranks: I64, total: F64, calls: F64, keys: Sequence[tuple[str, int]], 
             "excess_fraction": float(fraction[i]), "excess_ms": float(excess[i]) / 1e6,
             "expected_ms": float(expected[i]) / 1e6, "kernels_compared": int(positive[i].sum()),
             "slower_time_share": float(share[i]), "partition": part,
+            "slower_kernels_ratio": 1.0 + float(fraction[i]) / max(float(share[i]), 1e-12),
             "n_ranks": int(ranks.size),
             "top_kernels_excess_ms": {f"{keys[j][0]}@{keys[j][1]}": float(extra[i, j]) / 1e6 for j in top},
             "top_kernels_ratio": {f"{keys[j][0]}@{keys[j][1]}": float(math.exp(d[i, j])) for j in top},

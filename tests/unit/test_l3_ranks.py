@@ -48,6 +48,28 @@ def test_a_rank_slower_in_every_gemm_is_named_from_one_call_each(factor: float) 
     assert ev["rank_score_z"] >= 4.5 and res[0].excess_ns > 0
 
 
+@pytest.mark.parametrize(("hot", "expected_ms"), [(1.0, 2.4), (1.5, 3.6)])
+def test_a_slow_ranks_grouped_gemms_add_to_its_excess_up_to_its_speed(hot: float, expected_ms: float) -> None:
+    # DP 8 x EP 4: rank 6's GPU runs x1.3, its dense GEMMs and its experts' grouped GEMMs alike. Its speed is
+    # read on the dense kernels (a grouped GEMM's time is its routed tokens'), and its grouped GEMMs' time over
+    # its EP group's other members adds to its impact, at most what x1.3 predicts of them. ``hot``: its expert
+    # position gets that many times its peers' tokens (routing: its own share is never a fault): 8 x 1 ms x 1.3
+    # is 2.4 ms over its peers' 8 ms; hot, 15.6 ms, of which x1.3 predicts 3.6 ms.
+    topo = build_topology("j", dp=8, ep=4)
+    totals = _job(8, 4, 0.01, {6: 1.3}, calls=(5, 20))
+    dense = detect_rank_excess(totals, topo)
+    grouped = KernelTotals("cutlass_grouped_gemm_kernel", 7)
+    for r in range(8):
+        # 8 calls of 1 ms at even tokens; rank 6 hot and slow.
+        grouped.total_ns[r] = 8e6 * ((1.3 * hot) if r == 6 else 1.0)
+        grouped.calls[r] = 8.0
+    res = detect_rank_excess([*totals, grouped], topo)
+    assert [r.ranks for r in res] == [r.ranks for r in dense] == [(6,)]
+    assert res[0].evidence["slower_kernels_ratio"] == pytest.approx(1.3, rel=0.02)
+    assert res[0].evidence["routed_excess_ms"] == pytest.approx(expected_ms, rel=0.03)
+    assert res[0].excess_ns == pytest.approx(dense[0].excess_ns + res[0].evidence["routed_excess_ms"] * 1e6)
+
+
 @pytest.mark.parametrize(("n", "slow"), [(4, (2, 3)), (8, (1, 5, 6)), (16, (0, 9, 10, 15))])
 def test_several_ranks_alike_slow_are_each_named(n: int, slow: tuple[int, ...]) -> None:
     # Ranks about equally slow (a TP pair on one slow host, a few percent apart as GPUs are) take the top
