@@ -51,13 +51,16 @@ class LinkLedger:
         self._raised: set[tuple[tuple[int, ...], str, int]] = set()  # (group, kernel, stream) published
         self._sides: dict[int, dict[int, Finding]] = {}  # pipeline -> stage -> that stage's side
         self._stragglers: set[int] = set()  # ranks named slow by their own work, from the findings seen
+        self._both_slow: set[int] = set()  # ranks of pipeline pairs named with both sides slow (not corroborating)
 
     def filter(self, findings: list[Finding]) -> list[Finding]:
         """``findings`` with link findings held back until their group is corroborated (then each of its
         collectives once) and corroboration-only findings (:func:`corroborates_only`) removed."""
         out = []
         self._stragglers |= straggler_ranks(findings)
-        for f in findings:
+        # Sides slow by evidence of their own first: a slow link's pair is named before a neighbour of it that
+        # only waits for it (stable: the order is otherwise kept).
+        for f in sorted(findings, key=lambda g: g.kind is FindingKind.LINK_DEGRADED and corroborates_only(g)):
             if f.kind is not FindingKind.LINK_DEGRADED:
                 out.append(f)
                 continue
@@ -116,9 +119,14 @@ class LinkLedger:
             if g is None or (corroborates_only(f) and corroborates_only(g)):
                 continue
             ranks = tuple(sorted({*f.ranks, *g.ranks}))
-            if ranks in self._named:
+            weak = corroborates_only(f) or corroborates_only(g)
+            # A slow link makes the sides next to it wait (its pipeline's next stage waits for what it carries):
+            # a side named with its other neighbour, both slow, pairs with no side that only corroborates.
+            if ranks in self._named or (weak and self._both_slow & set(ranks)):
                 continue
             self._named.add(ranks)
+            if not weak:
+                self._both_slow.update(ranks)
             top = max((x for x in (f, g) if not corroborates_only(x)), key=lambda x: x.impact_ns)
             ratios = {str(x.ranks[0]): LinkEvidence.from_dict(x.evidence).transfer_ratio for x in (f, g)}
             out.append(_pipeline_pair(top, pipe, ranks, ratios))

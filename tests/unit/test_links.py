@@ -114,12 +114,13 @@ def test_a_pipeline_sides_evidence_round_trips_with_its_stage_and_corroboration(
     assert CORROBORATES_ONLY not in dataclasses.replace(back, corroborates_only=False).as_dict()
 
 
-def _side_finding(rank: int, stage: int, ratio: float, impact: float) -> Finding:
+def _side_finding(rank: int, stage: int, ratio: float, impact: float, weak: bool = False) -> Finding:
     ev = LinkEvidence(group=f"PP_SIDE{3 * 65536 + stage}", group_kind=PseudoGroup.PP_SIDE,
                       group_index=3 * 65536 + stage, whole_group=False, transfer_ratio=ratio, group_min_ns=2e5 * ratio,
                       low_transfer_ratio=ratio, healthy_min_ns=2e5, mode_share_of_calls=1.0, groups_compared=4,
                       kind_groups=8, kind_slow_groups=1, kind_comparisons=2, w1_inter_over_intra_ratio=None,
-                      window_end_ns=99, n_ranks=4, group_known=False, pp_group=3, pp_stage=stage)
+                      window_end_ns=99, n_ranks=4, group_known=False, pp_group=3, pp_stage=stage,
+                      corroborates_only=weak, weak=weak)
     res = L3Result(FindingKind.LINK_DEGRADED, (rank,), SENDRECV, 40 + stage, ratio, ev.as_dict(), excess_ns=impact)
     return to_finding("j", res, 10, Impact(impact, 5, impact, impact * 5))
 
@@ -133,6 +134,19 @@ def test_a_pipeline_pairs_evidence_is_its_larger_sides_as_a_whole_pp_group() -> 
         "group_kind": "PP", "whole_group": True, "group": "PP3", "side_transfer_ratio": {"5": 2.2, "1": 1.8}}
     assert pair.ranks == (1, 5) and pair.evidence == want
     assert LinkEvidence.from_dict(pair.evidence).group_kind is ParallelGroup.PP
+
+
+@pytest.mark.parametrize("order", [(0, 1, 2), (2, 1, 0), (1, 2, 0)])
+def test_a_slow_links_waiting_neighbour_pairs_with_neither_of_its_sides(order: tuple[int, ...]) -> None:
+    # Pipeline 3 of a DP x PP 8 job whose stage 4-5 link is slow: both its sides are slow (x3.7), and stage 6's
+    # side waits for what it carries (x1.9, corroborating only). One pair is named, in whatever order the
+    # sides are read within a batch; read alone, a weak side pairs with a slow one as before.
+    sides = [_side_finding(149, 4, 3.7, 5e6), _side_finding(181, 5, 3.7, 5e6),
+             _side_finding(213, 6, 1.9, 2e6, weak=True)]
+    named = LinkLedger().filter([sides[i] for i in order])
+    assert [f.ranks for f in named] == [(149, 181)]
+    ledger = LinkLedger()
+    assert ledger.filter([sides[1]]) == [] and [f.ranks for f in ledger.filter([sides[2]])] == [(181, 213)]
 
 
 def test_the_ledger_reads_its_strong_evidence_gates_from_link_params() -> None:
