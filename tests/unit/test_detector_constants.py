@@ -15,10 +15,12 @@ NUMERICS = "the accuracy of a discretization or sample, not a decision"
 SPEED = "a block, tile or fast-path size: results are the same at any value"
 PLACEHOLDER = "an empty array or a record whose fields are filled in later"
 INDEX = "a position in a tuple"
+LAYOUT = "the bit layout of a packed integer key"
 
 #: (module, name) -> why the number is no threshold.
 ALLOWED = {
     ("cdf_grid", "_Z_HIGH"): MATH, ("cdf_grid", "_Z_LOW"): MATH, ("cdf_grid", "_CELLS_PER_Z"): NUMERICS,
+    ("call_modes", "_BIN_BITS"): LAYOUT,
     ("cdf_grid", "_TILE"): SPEED, ("cdf_grid", "MEDIAN_SAMPLE"): NUMERICS, ("cdf_grid", "_NONE"): PLACEHOLDER,
     ("hangs", "_NS"): UNIT,
     ("kde_clusters", "_MAX_DURATION"): MATH, ("kde_clusters", "_SQRT_2PI"): MATH,
