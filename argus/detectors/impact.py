@@ -61,8 +61,8 @@ class StepClock:
         every = self.steps_in(start_ns, end_ns)
         onset = dict(self.onsets)
         at = [onset.get(r) for r in ranks]
-        first = min((a for a in at if a is not None), default=None)
-        if not at or any(a is None for a in at) or first is None or not start_ns < first < end_ns:
+        first = None if not at or None in at else min(a for a in at if a is not None)
+        if first is None or not start_ns < first < end_ns:
             return max(round(every * min(max(share, 0.0), 1.0)), 1)
         return self.steps_in(first, end_ns)
 

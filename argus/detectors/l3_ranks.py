@@ -298,11 +298,11 @@ def _with_routed_excess(result: L3Result, routed: Sequence[KernelTotals], topolo
     speed, read on the dense kernels, leaves out of its impact; a popular expert's extra tokens are routing and
     add no more than that."""
     rank, ratio = result.ranks[0], float(result.evidence.get("slower_kernels_ratio", 1.0))
-    group = dict(zip(topology.rank, topology.ep_group, strict=True))
-    mine = group.get(rank)
-    if mine is None or ratio <= 1.0:
+    ranks, group = topology.array("rank"), topology.array("ep_group")
+    at = np.flatnonzero(ranks == rank)
+    if not at.size or ratio <= 1.0:
         return result
-    peers = [r for r, g in group.items() if g == mine and r != rank]
+    peers = ranks[(group == group[at[0]]) & (ranks != rank)].tolist()
     extra = 0.0
     for t in routed:
         own = t.total_ns.get(rank)
