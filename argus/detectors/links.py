@@ -23,7 +23,7 @@ import numpy as np
 import numpy.typing as npt
 
 from argus.core.errors import DetectorError
-from argus.detectors.kernel_modes import reference_modes
+from argus.detectors.kernel_modes import mode_quantiles, reference_modes
 from argus.detectors.l2_groups import MAD_SCALE
 from argus.detectors.link_stats import (
     faster_half,
@@ -271,7 +271,8 @@ class _Inputs:
     """What every role of one (kernel, stream) is judged on: quantiles ``q``/``q_low`` (ns, ranks x modes, at
     the modes' middles and low in them), each rank's ``typical`` call (ns), its ``floors`` (fastest calls, ns;
     ``floors(True)``: read low inside their cluster), the median ``calls`` per rank, ``group_known`` and each
-    rank's pipeline ``stage``."""
+    rank's pipeline ``stage``; ``below`` (ns, per mode): the reference's calls at the top of the mode below
+    (0 for the first mode)."""
 
     q: F64
     q_low: F64
@@ -280,6 +281,7 @@ class _Inputs:
     calls: float
     group_known: bool
     stage: I64
+    below: F64
 
 
 def detect_links(ranks: I64, batch: MixtureBatch, sc: RankScores, groups: list[Group], stage: I64, typical: F64,
@@ -305,7 +307,10 @@ def detect_links(ranks: I64, batch: MixtureBatch, sc: RankScores, groups: list[G
     # At the modes' middles, and low in each mode: a member's calls hold its waiting wherever another posted
     # last, most of them in a larger group; its fast calls are nearer its transfer.
     q, q_low = np.split(sc.quantiles_ns, 2, axis=1)
-    inputs = _Inputs(q, q_low, typical, floors, float(np.median(batch.counts.sum(axis=1))), group_known, stage)
+    below = np.zeros(len(modes))
+    below[1:] = mode_quantiles(sc.reference[None, :], sc.grid, modes.lo[1:] - _BELOW_CUT)[0]
+    inputs = _Inputs(q, q_low, typical, floors, float(np.median(batch.counts.sum(axis=1))), group_known, stage,
+                     below)
     judged = [_judge_role(kind, role_stage, same, inputs, p) for (kind, role_stage), same in _roles(groups, stage)
               if len(same) >= 2]  # one group spans the comparison: nothing to compare its transfer with
     of_kind, slow_stages = _tally(judged)
@@ -327,6 +332,10 @@ def detect_links(ranks: I64, batch: MixtureBatch, sc: RankScores, groups: list[G
                                    kind_slow_groups=of_kind[role.kind][1], kind_comparisons=of_kind[role.kind][2])
         out += _role_links(role, ranks, batch, sc, modes.width, inputs.calls, explained, base, p)
     return out
+
+
+#: Share of the calls below a mode's lower bound at which the reference is read as the top of the mode below.
+_BELOW_CUT = 1e-3
 
 
 #: The fields :func:`_role_links` fills in for each group (placeholders here).
@@ -415,6 +424,12 @@ def _judge_role(kind: GroupKind, role_stage: int, same: list[tuple[int, I64]], i
     # any number in a grouping guessed from durations: see the several-stages rule in detect_links.
     few = role_stage >= 0 and kind in _REDUCING and (n < p.spread_set or not inputs.group_known)
     lr, hit, weak_hits = _hits(kind, role_stage, same, lg, lg - ref, lr_low, late, inputs, p)
+    if n >= p.spread_set:
+        # Of many groups, a mode whose reference transfer (the healthy groups' fastest members) lies in a mode
+        # below holds the waiting of members that are never the last to arrive (an all-to-all's members that
+        # finish their experts first): the fastest members have no calls there, and their reading is the
+        # tail of a faster mode, which compares nothing. (Of two or three groups, a slow one moves the modes.)
+        hit &= (ref > np.log(np.maximum(inputs.below, 1.0)))[None, :]
     floor_extra = np.zeros(n)
     side_floors = inputs.floors(False)[[rows[0] for _, rows in same]] if kind is PseudoGroup.PP_SIDE else None
     if side_floors is not None and n >= p.spread_set:

@@ -34,7 +34,7 @@ ALLOWED = {
     ("l2_history", "_SORT_BLOCK_VALUES"): SPEED,
     ("l2_phases", "_MS"): UNIT,
     ("l3_ranks", "_TRIM_CALLS"): NUMERICS,
-    ("links", "_EVIDENCE_BASE"): PLACEHOLDER,
+    ("links", "_EVIDENCE_BASE"): PLACEHOLDER, ("links", "_BELOW_CUT"): NUMERICS,
     ("mixture", "Z99"): MATH, ("mixture", "MIN_SIGMA"): NUMERICS, ("mixture", "TAIL_SIGMAS"): NUMERICS,
     ("mixture", "GRID_POINTS"): NUMERICS, ("mixture", "_PAIRWISE_BLOCK_ELEMENTS"): SPEED,
     ("phase_layout", "_EXACT_NS"): MATH, ("phase_layout", "_MAX_PAIRS_PER_PHASE"): NUMERICS,
