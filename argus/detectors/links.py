@@ -411,9 +411,12 @@ def _judge_role(kind: GroupKind, role_stage: int, same: list[tuple[int, I64]], i
     """The groups of one kind and role against the faster half of them (see :class:`_Role`)."""
     # A group with a late arrival is no reference: its fastest member (the late one) never waits, while
     # another group's fastest member waits in the calls where a peer posted last.
-    # Without two such groups nothing is named, but the slow groups still count as the kind's (_tally).
+    # Without two such groups nothing is named, but the slow groups still count as the kind's (_tally). Nor
+    # where they are fewer than the groups with one: one position then arrives late in most groups (the
+    # replica a straggler holds up), and the groups where it does not show are those whose members' turns at
+    # arriving last vary, each member's calls holding waiting at its middle.
     late = _with_late_arrival(kind, same, inputs.typical, p.late_arrival_ratio)
-    no_reference = late.any() and int((~late).sum()) < 2
+    no_reference = late.any() and int((~late).sum()) < max(2, int(late.sum()))
     ref_rows = ~late if not no_reference else np.ones(late.size, dtype=bool)
     lg = np.log(group_minima(inputs.q, [rows for _, rows in same]))
     n = lg.shape[0]

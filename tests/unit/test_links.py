@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -28,6 +29,8 @@ from argus.detectors.links import (
 )
 from argus.producers.topology import build_topology
 from argus.schemas.records import Finding, ParallelGroup
+from argus.streams.offline import diagnose_traces
+from load_tests.kineto_scenarios import Scenario, simulate, topology_flag, write_scenario
 from tests.unit.test_l3 import AR, REAL_STAGE0_SIDES, _ranks, _summary
 
 #: The keys of a link result's evidence as the rule wrote them before LinkEvidence (a whole group's).
@@ -186,3 +189,14 @@ def test_a_groups_collectives_under_the_impact_bar_count_together(shares: tuple[
     assert sorted(f.kernel or "" for f in raised) == [f"{AR}_0", f"{AR}_1"]
     assert not any(CORROBORATES_ONLY in f.evidence for f in raised)
     assert [f.finding_id for f in raised] == [f.finding_id for f in out]
+
+
+@pytest.mark.slow
+def test_groups_whose_members_take_turns_arriving_last_are_no_reference(tmp_path: Path) -> None:
+    # The evaluation's scenario that found this (DP4 x TP8 x PP8, 3 steps, no group names, rank 249 x1.44): the
+    # straggler's replica arrives last in 6 of stage 0's 8 DP groups; in the other two the last arrival varies
+    # call by call, so each member's calls hold waiting at their middle, and DP0 read x4.6 against DP2.
+    scn = Scenario.from_seed(2046879683, "short_trace", 256)
+    assert (scn.dp, scn.tp, scn.pp, scn.steps, scn.fault_ranks) == (4, 8, 8, 3, (249,))
+    found = diagnose_traces(write_scenario(scn, tmp_path, simulate(scn)), "turns", topology=topology_flag(scn))
+    assert [(f["kind"], f["ranks"]) for f in found] == [("rank_degraded", [249])]
