@@ -23,7 +23,7 @@ from argus.core.errors import DetectorError
 from argus.detectors.mixture import MixtureBatch
 from argus.schemas.records import KernelSummary
 
-__all__ = ["SummaryColumns", "lower_part_floors", "merge_rows", "one_key", "row_floors", "window_end"]
+__all__ = ["SummaryColumns", "calls_below", "lower_part_floors", "merge_rows", "one_key", "row_floors", "window_end"]
 
 F64 = npt.NDArray[np.float64]
 I64 = npt.NDArray[np.int64]
@@ -202,6 +202,23 @@ def row_floors(summaries: SummaryColumns | Sequence[KernelSummary], ranks: I64, 
     pos = np.searchsorted(uniq, ranks)
     hit = (pos < uniq.size) & (uniq[np.minimum(pos, uniq.size - 1)] == ranks)
     out[hit] = value[pos[hit]]
+    return out
+
+
+def calls_below(summaries: SummaryColumns | Sequence[KernelSummary], ranks: I64, limit_ns: F64) -> F64:
+    """Per rank of ``ranks``, the share of its calls (over all its rows) in clusters whose median is at most
+    its ``limit_ns`` (ns, one per rank); NaN for a rank without calls."""
+    out = np.full(ranks.size, np.nan)
+    oc = _columns(summaries).ordered(by_rank=True)
+    if oc is None:
+        return out
+    at = np.searchsorted(oc.owner, ranks)
+    has = (at < oc.owner.size) & (oc.owner[np.minimum(at, oc.owner.size - 1)] == ranks)
+    owner_limit = np.full(oc.owner.size, -np.inf)
+    owner_limit[at[has]] = np.asarray(limit_ns, dtype=np.float64)[has]
+    per_cluster = np.repeat(owner_limit, oc.stop - oc.start)
+    below = np.add.reduceat(np.where(oc.p50 <= per_cluster, oc.count, 0.0), oc.start)
+    out[has] = below[at[has]] / oc.total[at[has]]
     return out
 
 

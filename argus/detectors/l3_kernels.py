@@ -26,7 +26,15 @@ from argus.detectors.cdf_grid import median_sample, sample_reference, score_agai
 from argus.detectors.collective_groups import collective_groups, collective_kinds, is_p2p
 from argus.detectors.experts import is_grouped_gemm
 from argus.detectors.kernel_modes import ReferenceModes, reference_modes
-from argus.detectors.kernel_rows import SummaryColumns, lower_part_floors, merge_rows, one_key, row_floors, window_end
+from argus.detectors.kernel_rows import (
+    SummaryColumns,
+    calls_below,
+    lower_part_floors,
+    merge_rows,
+    one_key,
+    row_floors,
+    window_end,
+)
 from argus.detectors.l2_groups import MAD_SCALE, loo_median
 from argus.detectors.l2_phases import rank_positions
 from argus.detectors.link_stats import faster_half
@@ -482,7 +490,8 @@ def _collective(cols: SummaryColumns, ranks: I64, batch: MixtureBatch, total: F6
         results = [L3Result(FindingKind.LINK_DEGRADED, link.ranks, s.kernel, s.stream, link.evidence.transfer_ratio,
                             link.evidence.as_dict(), excess_ns=link.excess_ns)
                    for link in detect_links(ranks, batch, sc, groups, stage, p50, floors, explained,
-                                            base["window_end_ns"], bool(base["group_known"]), p.links)]
+                                            base["window_end_ns"], bool(base["group_known"]), p.links,
+                                            lambda rows, limits: calls_below(cols, ranks[rows], limits))]
     late: list[tuple[float, GroupKind, int, int, I64, float]] = []
     whole = [grp for grp in groups if grp[0] is not PseudoGroup.PP_SIDE]  # a rank alone has no peers to be late for
     for size in sorted({rows.size for _, _, rows in whole}, reverse=True):  # larger groups explain first

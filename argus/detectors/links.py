@@ -124,6 +124,12 @@ class LinkParams:
     #: layers are split evenly, and what they hold besides (the embedding, the output layer) moves their
     #: gradients' sizes apart by less [1.5].
     two_stages_ratio: float = 1.5
+    #: A pipeline side none of whose peers is slow, itself slowest at its modes' middles (``ratio``), whose
+    #: calls at its peers' fastest transfers are this share fewer than theirs (moved up: a slowdown from an
+    #: onset inside the window, whose earlier calls keep the side's floor, for most of the window: a healthy
+    #: side's fast calls may split into two shapes, a quarter to a third of them apart) corroborates its
+    #: neighbour; where the sides' median share of fast calls is under this, none does [0.45].
+    moved_share: float = 0.45
     #: Floor of the W1 spread within the sides of ``w1_inter_over_intra_ratio``, as a share of the reference's
     #: mean call (identical ranks on each side have none): the grid's resolution of a W1 score [1e-4].
     w1_resolution: float = 1e-4
@@ -140,6 +146,8 @@ class LinkParams:
             raise DetectorError(f"max_ratio must exceed ratio, got {self.max_ratio} <= {self.ratio}")
         if self.spread_set < 2 or self.strong_groups < 2 or self.several_slow < 2:
             raise DetectorError("need spread_set, strong_groups and several_slow >= 2")
+        if not (math.isfinite(self.moved_share) and 0.0 < self.moved_share < 1.0):
+            raise DetectorError(f"moved_share must be in (0, 1), got {self.moved_share}")
         if not (math.isfinite(self.w1_resolution) and self.w1_resolution > 0.0):
             raise DetectorError(f"w1_resolution must be finite and > 0, got {self.w1_resolution}")
 
@@ -272,7 +280,8 @@ class _Inputs:
     the modes' middles and low in them), each rank's ``typical`` call (ns), its ``floors`` (fastest calls, ns;
     ``floors(True)``: read low inside their cluster), the median ``calls`` per rank, ``group_known`` and each
     rank's pipeline ``stage``; ``below`` (ns, per mode): the reference's calls at the top of the mode below
-    (0 for the first mode)."""
+    (0 for the first mode); ``fast_share(rows, limits)``: each row's share of calls in clusters whose median is
+    at most its limit (ns)."""
 
     q: F64
     q_low: F64
@@ -282,11 +291,12 @@ class _Inputs:
     group_known: bool
     stage: I64
     below: F64
+    fast_share: Callable[[I64, F64], F64]
 
 
 def detect_links(ranks: I64, batch: MixtureBatch, sc: RankScores, groups: list[Group], stage: I64, typical: F64,
                  floors: Callable[[bool], F64], explained: Bools, window_end_ns: int, group_known: bool,
-                 p: LinkParams) -> list[DegradedLink]:
+                 p: LinkParams, fast_share: Callable[[I64, F64], F64] | None = None) -> list[DegradedLink]:
     """Degraded links of one (kernel, stream): groups whose *fastest* member is slow in some mode of the kernel
     against the fastest members of the other groups of their kind and role (module docstring).
 
@@ -295,7 +305,7 @@ def detect_links(ranks: I64, batch: MixtureBatch, sc: RankScores, groups: list[G
     pipeline stage; ``typical``: each rank's typical call (ns), which tells the groups with a late arrival;
     ``floors``: see :class:`_Inputs`. ``explained``: ranks already explained, updated in place (a group of
     explained ranks is skipped: the smaller groups inside a degraded one). ``group_known``: the trace named
-    the stream's group.
+    the stream's group. ``fast_share``: see :class:`_Inputs` (None: no moved calls are read).
 
     A pipeline side (:attr:`PseudoGroup.PP_SIDE`) has no last arrival of its own. Each of its calls ends
     together with the neighbour's, so where this rank posted last its time is the pure transfer: waiting
@@ -310,7 +320,7 @@ def detect_links(ranks: I64, batch: MixtureBatch, sc: RankScores, groups: list[G
     below = np.zeros(len(modes))
     below[1:] = mode_quantiles(sc.reference[None, :], sc.grid, modes.lo[1:] - _BELOW_CUT)[0]
     inputs = _Inputs(q, q_low, typical, floors, float(np.median(batch.counts.sum(axis=1))), group_known, stage,
-                     below)
+                     below, fast_share if fast_share is not None else _unknown_shares)
     judged = [_judge_role(kind, role_stage, same, inputs, p) for (kind, role_stage), same in _roles(groups, stage)
               if len(same) >= 2]  # one group spans the comparison: nothing to compare its transfer with
     of_kind, slow_stages = _tally(judged)
@@ -451,6 +461,9 @@ def _judge_role(kind: GroupKind, role_stage: int, same: list[tuple[int, I64]], i
     weak = weak_hits & (lr.max(axis=1) <= math.log(p.max_ratio)) if not no_reference else np.zeros(n, dtype=bool)
     if side_floors is not None:
         hit, weak = _side_gates(hit, lr, side_floors, inputs.floors(True)[[rows[0] for _, rows in same]], p)
+        if not (hit.any() or weak.any()):
+            weak = _moved_side(lr, side_floors, inputs.fast_share(np.array([rows[0] for _, rows in same]),
+                                                                   np.full(n, np.nanmedian(side_floors) * p.ratio)), p)
     return _Role(kind, role_stage, same, lg, ref, lr, lr_low, hit | weak[:, None], slow, few, floor_extra, weak)
 
 
@@ -540,6 +553,29 @@ def _side_gates(hit: Bools, lr: F64, floors: F64, within: F64, p: LinkParams) ->
         # the only side slower there, read either way, corroborates its neighbour's side.
         weak = raised & inside
     return hit, weak
+
+
+def _unknown_shares(rows: I64, _limits: F64) -> F64:
+    return np.full(rows.size, np.nan)
+
+
+def _moved_side(lr: F64, floors: F64, fast: F64, p: LinkParams) -> Bools:
+    """Pipeline sides: which corroborates by its moved calls -- of sides none slow (``lr``: ln ratios at the
+    modes' middles; ``floors``: fastest calls, ns), the one slowest at the middles, at least ``ratio``, whose
+    share of calls at its peers' fastest transfers (``fast``) is ``moved_share`` under the sides' median. A
+    slowdown from an onset inside the window moves the later calls up as a cluster of their own and leaves the
+    earlier ones, and so the side's floor, where they were."""
+    none = np.zeros(lr.shape[0], dtype=bool)
+    known = np.isfinite(fast) & np.isfinite(floors)
+    if int(known.sum()) < p.spread_set:
+        return none
+    typical = float(np.median(fast[known]))
+    if typical < p.moved_share:
+        return none  # the sides' calls are mostly waiting: too few fast ones to tell how many moved
+    moved = 1.0 - fast / typical
+    top = np.where(lr <= math.log(p.max_ratio), lr, -np.inf).max(axis=1)
+    slowest = known & (top >= math.log(p.ratio)) & (top == top[known].max())
+    return np.asarray(slowest & (moved >= p.moved_share), dtype=bool)
 
 
 def _with_late_arrival(kind: GroupKind, same: list[tuple[int, I64]], typical: F64, ratio: float) -> Bools:

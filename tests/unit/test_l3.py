@@ -23,8 +23,11 @@ from argus.detectors import (
     score_ranks,
     w1_to_reference,
 )
-from argus.detectors.kernel_rows import row_floors
+from argus.detectors.findings import to_finding
+from argus.detectors.impact import Impact
+from argus.detectors.kernel_rows import calls_below, row_floors
 from argus.detectors.l3_kernels import CORROBORATES_ONLY, PIPELINE_SIDE
+from argus.detectors.link_ledger import LinkLedger
 from argus.producers.topology import build_topology
 from argus.schemas.records import KernelSummary, Level, ParallelGroup
 
@@ -253,7 +256,11 @@ def test_a_pipeline_side_that_waits_keeps_its_transfer_floor_and_is_no_link() ->
     rows = _ranks(4)
     rows[1] = (1, [(50, 1e6, 1.1e6), (50, 4e6, 6e6)])
     waiting = _summary(rows, kernel="ncclDevKernel_SendRecv")
-    assert detect_l3([waiting], topo) == []
+    # Half of its fast calls gone from its transfers' cluster read as a slowdown from an onset inside the
+    # window would: at most corroboration of a neighbour's side slow by its own evidence, never a link alone.
+    assert all(r.evidence[CORROBORATES_ONLY] for r in detect_l3([waiting], topo))
+    assert LinkLedger().filter([to_finding("j", r, 10, Impact(2e6, 5, 4e6, 2e7))
+                                for r in detect_l3([waiting], topo)]) == []
     slow = _summary(_ranks(4, {1: 2.5}), kernel="ncclDevKernel_SendRecv")  # every call slower: the link
     assert _found(detect_l3([slow], topo)) == [(FindingKind.LINK_DEGRADED, (1,))]
 
@@ -361,6 +368,16 @@ def test_row_floors_follow_the_fastest_calls_of_each_piece() -> None:
     floors = row_floors([_summary(rows)], np.array([0, 1, 2]))
     assert floors[0] == 2e6 and floors[1] == 1e6 and np.isnan(floors[2])
     assert np.isnan(row_floors([], np.array([0]))).all()
+
+
+def test_calls_below_counts_each_ranks_calls_in_clusters_under_its_limit() -> None:
+    # Rank 0: two windows, 30 of its 50 calls in clusters at 1 ms; rank 1: 10 of 40 under 2 ms; rank 2 absent.
+    rows = [(0, [(20, 1e6, 1.2e6), (10, 3e6, 4e6)]), (0, [(10, 1e6, 1.1e6), (10, 2.5e6, 3e6)]),
+            (1, [(10, 1.5e6, 2e6), (30, 5e6, 6e6)])]
+    shares = calls_below([_summary(rows)], np.array([1, 0, 2]), np.array([2e6, 2e6, 2e6]))
+    assert shares[:2].tolist() == [0.25, 0.6] and np.isnan(shares[2])
+    assert calls_below([_summary(rows)], np.array([0]), np.array([5e6])).tolist() == [1.0]
+    assert np.isnan(calls_below([], np.array([0]), np.array([1.0]))).all()
 
 
 def test_row_floors_read_a_wide_cluster_at_its_low_quantile() -> None:

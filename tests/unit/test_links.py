@@ -45,7 +45,7 @@ def test_link_params_defaults_are_the_rules_thresholds() -> None:
     p = LinkParams()
     assert (p.ratio, p.z, p.max_ratio, p.small_ratio, p.mad_floor, p.side_floor_ratio) == (1.3, 4.0, 20.0, 2.0,
                                                                                           0.05, 1.2)
-    assert (p.spread_set, p.strong_ratio, p.strong_groups, p.several_slow) == (4, 2.5, 4, 3)
+    assert (p.spread_set, p.strong_ratio, p.strong_groups, p.several_slow, p.moved_share) == (4, 2.5, 4, 3, 0.45)
     assert L3Params().links == p
     with pytest.raises(dataclasses.FrozenInstanceError):
         p.ratio = 2.0  # type: ignore[misc]
@@ -55,7 +55,8 @@ def test_link_params_defaults_are_the_rules_thresholds() -> None:
     {"ratio": 1.0}, {"ratio": math.nan}, {"max_ratio": math.inf}, {"small_ratio": 0.5}, {"side_floor_ratio": 1.0},
     {"strong_ratio": -2.0}, {"z": -1.0}, {"z": math.nan}, {"mad_floor": 0.0}, {"mad_floor": 1.0},
     {"ratio": 3.0, "max_ratio": 2.0}, {"spread_set": 1}, {"strong_groups": 0}, {"several_slow": 1},
-    {"late_arrival_ratio": 1.0}, {"w1_resolution": 0.0}, {"w1_resolution": math.inf},
+    {"late_arrival_ratio": 1.0}, {"w1_resolution": 0.0}, {"w1_resolution": math.inf}, {"moved_share": 0.0},
+    {"moved_share": 1.0}, {"moved_share": math.nan},
 ])
 def test_link_params_reject_out_of_range_values(bad: dict[str, Any]) -> None:
     with pytest.raises(DetectorError):
@@ -200,3 +201,14 @@ def test_groups_whose_members_take_turns_arriving_last_are_no_reference(tmp_path
     assert (scn.dp, scn.tp, scn.pp, scn.steps, scn.fault_ranks) == (4, 8, 8, 3, (249,))
     found = diagnose_traces(write_scenario(scn, tmp_path, simulate(scn)), "turns", topology=topology_flag(scn))
     assert [(f["kind"], f["ranks"]) for f in found] == [("rank_degraded", [249])]
+
+
+@pytest.mark.slow
+def test_a_pipeline_link_slowed_inside_the_window_is_named_from_its_moved_calls(tmp_path: Path) -> None:
+    # The evaluation's scenario that found this (DP8 x PP2, 40 steps, the 5-13 link x2.4 from step 16): each
+    # side keeps its 16 steps of fast calls, so neither side's floor is raised; rank 5's side is slow at its
+    # modes' middles, rank 13's moved 60 % of its fast calls up as a cluster of their own and corroborates.
+    scn = Scenario.from_seed(149293908, "link_degraded", 256)
+    assert (scn.dp, scn.pp, scn.steps, scn.onset, scn.fault_ranks) == (8, 2, 40, 16, (5, 13))
+    found = diagnose_traces(write_scenario(scn, tmp_path, simulate(scn)), "moved", topology=topology_flag(scn))
+    assert [(f["kind"], f["ranks"]) for f in found] == [("link_degraded", [5, 13])]
