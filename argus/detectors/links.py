@@ -296,7 +296,7 @@ class _Inputs:
 
 def detect_links(ranks: I64, batch: MixtureBatch, sc: RankScores, groups: list[Group], stage: I64, typical: F64,
                  floors: Callable[[bool], F64], explained: Bools, window_end_ns: int, group_known: bool,
-                 p: LinkParams, fast_share: Callable[[I64, F64], F64] | None = None) -> list[DegradedLink]:
+                 p: LinkParams, fast_share: Callable[[I64, F64], F64]) -> list[DegradedLink]:
     """Degraded links of one (kernel, stream): groups whose *fastest* member is slow in some mode of the kernel
     against the fastest members of the other groups of their kind and role (module docstring).
 
@@ -305,7 +305,7 @@ def detect_links(ranks: I64, batch: MixtureBatch, sc: RankScores, groups: list[G
     pipeline stage; ``typical``: each rank's typical call (ns), which tells the groups with a late arrival;
     ``floors``: see :class:`_Inputs`. ``explained``: ranks already explained, updated in place (a group of
     explained ranks is skipped: the smaller groups inside a degraded one). ``group_known``: the trace named
-    the stream's group. ``fast_share``: see :class:`_Inputs` (None: no moved calls are read).
+    the stream's group. ``fast_share``: see :class:`_Inputs`.
 
     A pipeline side (:attr:`PseudoGroup.PP_SIDE`) has no last arrival of its own. Each of its calls ends
     together with the neighbour's, so where this rank posted last its time is the pure transfer: waiting
@@ -320,7 +320,7 @@ def detect_links(ranks: I64, batch: MixtureBatch, sc: RankScores, groups: list[G
     below = np.zeros(len(modes))
     below[1:] = mode_quantiles(sc.reference[None, :], sc.grid, modes.lo[1:] - _BELOW_CUT)[0]
     inputs = _Inputs(q, q_low, typical, floors, float(np.median(batch.counts.sum(axis=1))), group_known, stage,
-                     below, fast_share if fast_share is not None else _unknown_shares)
+                     below, fast_share)
     judged = [_judge_role(kind, role_stage, same, inputs, p) for (kind, role_stage), same in _roles(groups, stage)
               if len(same) >= 2]  # one group spans the comparison: nothing to compare its transfer with
     of_kind, slow_stages = _tally(judged)
@@ -444,7 +444,8 @@ def _judge_role(kind: GroupKind, role_stage: int, same: list[tuple[int, I64]], i
         # tail of a faster mode, which compares nothing. (Of two or three groups, a slow one moves the modes.)
         hit &= (ref > np.log(np.maximum(inputs.below, 1.0)))[None, :]
     floor_extra = np.zeros(n)
-    side_floors = inputs.floors(False)[[rows[0] for _, rows in same]] if kind is PseudoGroup.PP_SIDE else None
+    side_rows = np.array([rows[0] for _, rows in same])  # a pipeline side is one rank
+    side_floors = inputs.floors(False)[side_rows] if kind is PseudoGroup.PP_SIDE else None
     if side_floors is not None and n >= p.spread_set:
         # A side's fastest calls are its pure transfers, which waiting leaves alone, while its typical ones
         # hold waiting (a bubble, a slow stage): where its stage peers' typical calls wait much, a side
@@ -460,10 +461,10 @@ def _judge_role(kind: GroupKind, role_stage: int, same: list[tuple[int, I64]], i
     hit &= lr <= math.log(p.max_ratio)
     weak = weak_hits & (lr.max(axis=1) <= math.log(p.max_ratio)) if not no_reference else np.zeros(n, dtype=bool)
     if side_floors is not None:
-        hit, weak = _side_gates(hit, lr, side_floors, inputs.floors(True)[[rows[0] for _, rows in same]], p)
+        hit, weak = _side_gates(hit, lr, side_floors, inputs.floors(True)[side_rows], p)
         if not (hit.any() or weak.any()):
-            weak = _moved_side(lr, side_floors, inputs.fast_share(np.array([rows[0] for _, rows in same]),
-                                                                   np.full(n, np.nanmedian(side_floors) * p.ratio)), p)
+            limits = np.full(n, np.nanmedian(side_floors) * p.ratio)
+            weak = _moved_side(lr, side_floors, inputs.fast_share(side_rows, limits), p)
     return _Role(kind, role_stage, same, lg, ref, lr, lr_low, hit | weak[:, None], slow, few, floor_extra, weak)
 
 
@@ -553,10 +554,6 @@ def _side_gates(hit: Bools, lr: F64, floors: F64, within: F64, p: LinkParams) ->
         # the only side slower there, read either way, corroborates its neighbour's side.
         weak = raised & inside
     return hit, weak
-
-
-def _unknown_shares(rows: I64, _limits: F64) -> F64:
-    return np.full(rows.size, np.nan)
 
 
 def _moved_side(lr: F64, floors: F64, fast: F64, p: LinkParams) -> Bools:
