@@ -4,7 +4,7 @@ One collective of a grouping guessed from durations can mislead (ranks of one po
 of another kind look like a slow group of their own), so :class:`LinkLedger` names a group's link once its
 evidence (:class:`~argus.detectors.links.LinkEvidence`) holds in two collectives, in a named group, or
 strongly (:class:`~argus.detectors.links.LinkParams`); a pipeline link seen one side per stream is named once
-both of its sides are slow.
+both of its sides are slow, and where the job's final judgement pairs them, only once its ranks are judged too.
 """
 
 from __future__ import annotations
@@ -41,7 +41,9 @@ class LinkLedger:
     One collective of a group inferred from durations alone can mislead: the ranks of one position in their
     groups (all of one TP index) can wait in a collective of another kind for the others and look like a slow
     group of their own kind. A pipeline link seen one side per stream (:attr:`PseudoGroup.PP_SIDE`) is named
-    once both of its ranks' sides are slow, and only while no straggler is known in the job.
+    once both of its ranks' sides are slow, and only while no straggler is known in the job; a pair formed by
+    the job's final judgement is held until :meth:`release` (after the job's rank aggregate, which can name the
+    straggler its sides wait for).
     """
 
     def __init__(self, params: LinkParams | None = None) -> None:
@@ -52,10 +54,12 @@ class LinkLedger:
         self._sides: dict[int, dict[int, Finding]] = {}  # pipeline -> stage -> that stage's side
         self._stragglers: set[int] = set()  # ranks named slow by their own work, from the findings seen
         self._both_slow: set[int] = set()  # ranks of pipeline pairs named with both sides slow (not corroborating)
+        self._final_pairs: list[Finding] = []  # pipeline pairs of the final judgement, until release()
 
-    def filter(self, findings: list[Finding]) -> list[Finding]:
+    def filter(self, findings: list[Finding], final: bool = False) -> list[Finding]:
         """``findings`` with link findings held back until their group is corroborated (then each of its
-        collectives once) and corroboration-only findings (:func:`corroborates_only`) removed."""
+        collectives once) and corroboration-only findings (:func:`corroborates_only`) removed. ``final``: the
+        findings of the job's final judgement, whose pipeline pairs wait for :meth:`release`."""
         out = []
         self._stragglers |= straggler_ranks(findings)
         # Sides slow by evidence of their own first: a slow link's pair is named before a neighbour of it that
@@ -66,7 +70,11 @@ class LinkLedger:
                 continue
             ev = LinkEvidence.from_dict(f.evidence)
             if ev.group_kind is PseudoGroup.PP_SIDE:
-                out += self._pair(f, ev)
+                pairs = self._pair(f, ev)
+                if final:
+                    self._final_pairs += pairs
+                else:
+                    out += pairs
                 continue
             group = tuple(f.ranks)
             seen = self._seen.setdefault(group, {})
@@ -87,6 +95,12 @@ class LinkLedger:
                     self._raised.add(done)
                     out.append(g)
         return out
+
+    def release(self) -> list[Finding]:
+        """The pipeline pairs the final judgement held, once the job's ranks are judged: none where a straggler
+        is known by then (its pipeline and data-parallel peers wait for it: their sides are no link)."""
+        held, self._final_pairs = self._final_pairs, []
+        return [] if self._stragglers else held
 
     @staticmethod
     def _costs_together(held: Iterable[Finding]) -> bool:

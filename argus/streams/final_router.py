@@ -199,7 +199,7 @@ class FinalRouter(Generic[H]):
         out: list[FinalEffect[H]] = []
         for findings in found:
             try:
-                published = self.known.publishable(findings)
+                published = self.known.publishable(findings, final=True)
             except Exception as exc:  # a kernel's findings must not cost the part's DIAGNOSED
                 failures.append(f"final L3 findings of job {job_id}: {failure_reason(exc)}")
             else:
@@ -236,16 +236,29 @@ class FinalRouter(Generic[H]):
                 if ctx is not None:
                     merged.add_totals(context_totals(ctx), ctx.time_ns)
             found = self.known.publishable(merged.diagnose(self.known.topology_of(job_id),
-                                                           self.known.clock_of(job_id)))
+                                                           self.known.clock_of(job_id)), final=True)
         except Exception as exc:  # the aggregate must not cost the part's DIAGNOSED
             judged.failures.append(f"rank aggregate of job {job_id}: {failure_reason(exc)}")
         else:
             out += [Publish(found)] if found else []
+        self._release_links(job_id, out)
         return True
+
+    def _release_links(self, job_id: str, out: list[FinalEffect[H]]) -> None:
+        """The pipeline links the job's final judgement held here (:meth:`JobLedger.release_links`)."""
+        try:
+            found = self.known.release_links(job_id)
+        except Exception as exc:  # logged, never the part's DIAGNOSED
+            log.error("job %s: held pipeline links: %s", job_id, failure_reason(exc))
+        else:
+            out += [Publish(found)] if found else []
 
     def _close(self, judged: _Judged[H], out: list[FinalEffect[H]]) -> None:
         """The part's DIAGNOSED record, after a dead letter of what it lost; then its held messages acked."""
         job_id, partition = judged.part
+        if partition != 0 and not self.summaries.is_open((job_id, 0)):
+            # Part 0 (the rank aggregate, which releases them) is judged already or on another worker.
+            self._release_links(job_id, out)
         if judged.failures:
             self.stats.states_discarded += len(judged.failures)
             out.append(Discard(judged.handle, "; ".join(judged.failures), job_id))

@@ -101,19 +101,30 @@ class JobLedger:
 
     # -- publication -----------------------------------------------------------------------------------------
 
-    def publishable(self, findings: Iterable[Finding]) -> tuple[Finding, ...]:
+    def publishable(self, findings: Iterable[Finding], final: bool = False) -> tuple[Finding, ...]:
         """``findings`` of one job (L1/L2, L3 or hangs) as published: filtered by the job's link ledger, those
         published before left out, stamped with the detector version, with their hosts and incidents
         (:func:`~argus.detectors.incidents.form_incidents` over every finding of the job published here); their
         stragglers noted for L3. A finding published before whose incident changed (a host incident formed
-        since) is published again: the same ``finding_id``, so the sink keeps the newer row."""
+        since) is published again: the same ``finding_id``, so the sink keeps the newer row. ``final``: findings
+        of the job's final judgement (its pipeline links wait for :meth:`release_links`)."""
         found = list(findings)
         if not found:
             return ()
         job_id = found[0].job_id
+        return self._stamped(job_id, self._link_ledger(job_id).filter(found, final))
+
+    def release_links(self, job_id: str) -> tuple[Finding, ...]:
+        """The job's pipeline links its final judgement held, as published, once its rank aggregate is judged
+        here or elsewhere (:meth:`~argus.detectors.link_ledger.LinkLedger.release`)."""
+        return self._stamped(job_id, self._link_ledger(job_id).release())
+
+    def _link_ledger(self, job_id: str) -> LinkLedger:
         if job_id not in self._links:
             self._links[job_id] = LinkLedger(self.link_params)
-        found = self._links[job_id].filter(found)
+        return self._links[job_id]
+
+    def _stamped(self, job_id: str, found: list[Finding]) -> tuple[Finding, ...]:
         self.stragglers[job_id] = self.stragglers.get(job_id, set()) | straggler_ranks(found)
         seen = self._published.get(job_id) or set()
         before = self._found.get(job_id) or {}

@@ -56,8 +56,8 @@ class _Job:
         self.stragglers: set[int] = set()
         self.findings: list[Finding] = []
 
-    def keep(self, findings: list[Finding]) -> None:
-        findings = self.links.filter(findings)
+    def keep(self, findings: list[Finding], final: bool = False) -> None:
+        findings = self.links.filter(findings, final)
         self.stragglers |= straggler_ranks(findings)
         self.findings += findings
 
@@ -74,13 +74,16 @@ class _Job:
             self.keep(drop_victims(found, self.stragglers))
 
     def finish(self) -> list[Finding]:
-        self.keep(self.state.diagnose(final=True))
+        self.keep(self.state.diagnose(final=True), final=True)
         topo, clock = self.state.topology, self.state.clock()
         for state in self.kernels.values():
             found = state.diagnose(topo, final=True, group_kind=self.state.collective_groups.get(state.stream),
                                    clock=clock)
-            self.keep(drop_victims(found, self.stragglers))
-        self.keep(self.ranks.diagnose(topo, clock))
+            self.keep(drop_victims(found, self.stragglers), final=True)
+        self.keep(self.ranks.diagnose(topo, clock), final=True)
+        # The final pipeline pairs, now that the rank aggregate may have named the straggler they wait for (the
+        # live path releases them after it too: FinalRouter).
+        self.keep(self.links.release())
         return form_incidents(_dedup(self.findings), topo, self.params.incidents)
 
 

@@ -107,6 +107,10 @@ class SummaryRouter(Generic[H]):
         """Jobs with rank totals here."""
         return set(self._rank_parts)
 
+    def is_open(self, part: Part) -> bool:
+        """Whether ``part`` has summaries, markers or messages here not yet closed."""
+        return part in self._kernels or part in self._markers or part in self._held
+
     def rank_totals(self, job_id: str, partition: int) -> tuple[int, list[KernelTotals]]:
         """The part's per-rank kernel totals (for the job's rank aggregate) and the last event time they cover."""
         mine = self._rank_parts.get(job_id, {}).get(partition)

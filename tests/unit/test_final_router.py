@@ -20,10 +20,11 @@ from argus.streams.diagnosis_shell import LifecycleScan
 from argus.streams.diagnosis_stats import DiagnosisStats
 from argus.streams.final_router import Discard, FinalEffect, FinalRouter, ShareTotals, Tombstone
 from argus.streams.job_context import ContextTable, totals_context
-from argus.streams.job_effects import Ack, Mark
+from argus.streams.job_effects import Ack, Mark, Publish
 from argus.streams.job_ledger import JobLedger
 from argus.streams.summary_pieces import summary_end_marker
 from argus.streams.summary_router import SummaryRouter
+from tests.unit.test_links import _rank_finding, _side_finding
 from tests.unit.test_summary_router import summary
 
 IDLE_S, WAIT_S = 10.0, 1.0
@@ -211,6 +212,38 @@ def test_a_failing_rank_aggregate_is_dead_lettered_and_part_0_is_diagnosed_all_t
     discard = next(e for e in out if isinstance(e, Discard))
     assert "aggregate exploded" in discard.reason and discard.job == "j"
     assert w.stats.states_discarded == 1
+
+
+def published(effects: tuple[FinalEffect[Msg], ...]) -> list[tuple[str, tuple[int, ...]]]:
+    return [(f.kind.value, f.ranks) for e in effects if isinstance(e, Publish) for f in e.findings]
+
+
+@pytest.mark.parametrize("straggler", [False, True])
+def test_a_final_pipeline_pair_is_published_after_the_rank_aggregate_and_none_beside_a_straggler(
+        monkeypatch: pytest.MonkeyPatch, straggler: bool) -> None:
+    # Part 1's final judgement pairs two pipeline sides; part 0's rank aggregate, judged last, may name the
+    # straggler they wait for (the offline path answers the same: test_links).
+    sides = [_side_finding(1, 0, 1.8, 1e6), _side_finding(5, 1, 2.2, 3e6)]
+    monkeypatch.setattr(SummaryRouter, "final", lambda self, part, view: ([sides] if part[1] == 1 else [], []))
+    monkeypatch.setattr(RankDiagnosis, "diagnose",
+                        lambda self, *a: [_rank_finding(41)] if straggler else [])
+    w = World()
+    assert marks(w.ended(0)) == []
+    out = w.ended(1)
+    assert marks(out) == ["l3/1", "l3/0"]
+    link = [("link_degraded", (1, 5))]
+    assert published(out) == ([("rank_degraded", (41,))] if straggler else link)
+    kinds = [type(e) for e in out]
+    assert straggler or kinds.index(Publish) < [i for i, k in enumerate(kinds) if k is Mark][-1]
+
+
+def test_a_final_pipeline_pair_of_a_part_whose_part_0_is_elsewhere_is_published_at_its_close(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    sides = [_side_finding(1, 0, 1.8, 1e6), _side_finding(5, 1, 2.2, 3e6)]
+    monkeypatch.setattr(SummaryRouter, "final", lambda self, part, view: ([sides], []))
+    out = World().ended(1)  # part 0 is judged by another worker: its aggregate never comes here
+    kinds = [type(e) for e in out]
+    assert published(out) == [("link_degraded", (1, 5))] and kinds.index(Publish) < kinds.index(Mark)
 
 
 @settings(max_examples=25, deadline=None)

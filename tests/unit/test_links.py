@@ -140,6 +140,23 @@ def test_a_pipeline_pairs_evidence_is_its_larger_sides_as_a_whole_pp_group() -> 
     assert LinkEvidence.from_dict(pair.evidence).group_kind is ParallelGroup.PP
 
 
+def _rank_finding(rank: int) -> Finding:
+    res = L3Result(FindingKind.RANK_DEGRADED, (rank,), "gemm", 7, 1.6, {"kernels": 6}, excess_ns=4e6)
+    return to_finding("j", res, 10, Impact(4e6, 5, 4e6, 2e7))
+
+
+@pytest.mark.parametrize("straggler", [False, True])
+def test_a_final_judgements_pipeline_pair_waits_for_the_jobs_ranks(straggler: bool) -> None:
+    # The job's final judgement pairs two sides; the rank aggregate judged after it may name the straggler the
+    # sides wait for (its pipeline's stages wait for it): then the pair is no link.
+    ledger = LinkLedger()
+    assert ledger.filter([_side_finding(1, 0, 1.8, 1e6), _side_finding(5, 1, 2.2, 3e6)], final=True) == []
+    ranks = [_rank_finding(41)] if straggler else []
+    assert ledger.filter(ranks, final=True) == ranks
+    assert [f.ranks for f in ledger.release()] == ([] if straggler else [(1, 5)])
+    assert ledger.release() == []  # released once
+
+
 @pytest.mark.parametrize("order", [(0, 1, 2), (2, 1, 0), (1, 2, 0)])
 def test_a_slow_links_waiting_neighbour_pairs_with_neither_of_its_sides(order: tuple[int, ...]) -> None:
     # Pipeline 3 of a DP x PP 8 job whose stage 4-5 link is slow: both its sides are slow (x3.7), and stage 6's
