@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -189,18 +190,25 @@ def _judge(ranks: I64, cells: _Cells, keys: Sequence[tuple[str, int]], part: int
     e_plain, z_plain, speed = _residuals(tot / c, c, p)
     _, z_median, _ = _residuals(med / c, c, p)
     conserved = moe.conserved(cols)
+    e = e_plain
     if conserved.any():
-        z_plain, z_median, keep = _group_scores(tot, med, c, conserved, speed, moe.group, p,
-                                                same_layers=moe.dense_judged is None)
+        read = _group_scores(tot, med, c, conserved, moe.group, p, same_layers=moe.dense_judged is None)
+        z_plain, z_median, keep = read.z_plain, read.z_median, read.keep
+        # A routed kernel is sized by its group's excess carried by the member named (its time over its time
+        # less that excess: a slow member's factor, whatever its share of the tokens), not by its time over its
+        # peers' (a hot expert's is routing).
+        group_excess = read.group_total * -np.expm1(-read.e)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            carried_e = -np.log1p(-np.clip(group_excess / tot, None, 0.99))
+        e = np.where(conserved, carried_e, e_plain)
     else:
         keep = np.ones_like(z_plain, dtype=bool)
     if moe.dense_judged is not None:
         keep[np.ix_(~moe.dense_judged, ~moe.routed[cols])] = False
     z = z_plain
     bound = max(p.kernel_min_z if n >= 3 else p.min_z_two_ranks, float(ndtri(1.0 - p.alpha / (n * cols.size))))
-    # The size and its significance are the plain total's; the median total, or an excess no few calls can
-    # carry, corroborates (module docstring).
-    e = e_plain
+    # The size and its significance are the plain total's (a routed kernel's: its EP group's mean); the median
+    # total, or an excess no few calls can carry, corroborates (module docstring).
     # Of two ranks each one's residuals mirror the other's (a slow GEMM on one reads as the other's slower
     # everything else once its speed is taken out): there both totals are held to the bound.
     corroborate = float(ndtri(1.0 - p.alpha)) if n >= 3 else bound
@@ -211,9 +219,7 @@ def _judge(ranks: I64, cells: _Cells, keys: Sequence[tuple[str, int]], part: int
     hit[:, 2 * hit.sum(axis=0) > n] = False  # slower on most ranks: the kernel's work changed, not a rank
     if not hit.any():
         return []
-    per_call = tot / c
-    expected = per_call / np.exp(e_plain)
-    extra = np.where(hit, c * expected * np.expm1(e), 0.0)
+    extra = np.where(hit, tot * -np.expm1(-e), 0.0)
     out = []
     for i in np.flatnonzero(hit.any(axis=1)).tolist():
         order = [j for j in np.argsort(-extra[i], kind="stable").tolist() if hit[i, j]][: p.top_kernels]
@@ -247,34 +253,46 @@ def _carried_calls(total: F64, peak: F64, calls: F64, e: F64) -> F64:
     return np.where(np.isfinite(out) & (peak > expected), out, 0.0)
 
 
-def _group_scores(tot: F64, med: F64, c: F64, conserved: npt.NDArray[np.bool_], speed: F64,
-                  group: I64 | None, p: RankExcessParams, same_layers: bool = True
-                  ) -> tuple[F64, F64, npt.NDArray[np.bool_]]:
-    """The plain and median z-scores with the ``conserved`` columns read as each rank's EP-group mean (the
-    router conserves a group's tokens), and where a rank may be named: in those columns only the member of its
-    group slowest against its position's median over the groups, and none where fewer than two groups compare
-    (module docstring). ``speed``: each rank's speed (log), taken out of the values a group's mean is made of
-    and put back into each member's (a mean over members mixes their speeds, which the model takes out per rank:
-    left in, two members' ordinary few-percent difference reads as their group's excess). ``same_layers``: the
-    groups run the same layers (one pipeline stage); else the member named is the one alone carrying its
-    group's excess (:func:`_sole_carriers`)."""
+class _GroupRead(NamedTuple):
+    """A comparison set read with its routed kernels on EP-group means (ranks x kernels): the residuals (log),
+    the plain and median z-scores, where a rank may be named, and each rank's group's total time (ns, at the
+    rank's speed; the rank's own total in the other kernels)."""
+
+    e: F64
+    z_plain: F64
+    z_median: F64
+    keep: npt.NDArray[np.bool_]
+    group_total: F64
+
+
+def _group_scores(tot: F64, med: F64, c: F64, conserved: npt.NDArray[np.bool_], group: I64 | None,
+                  p: RankExcessParams, same_layers: bool = True) -> _GroupRead:
+    """The plain residuals and z-scores and the median z-scores with the ``conserved`` columns read as each
+    rank's EP-group mean (the router conserves a group's tokens), and where a rank may be named: in those
+    columns only the member of its group slowest against its position's median over the groups, and none where
+    fewer than two groups compare (module docstring). Each rank's speed on the other kernels is taken out of
+    the values a group's mean is made of and put back into each member's (a mean over members mixes their
+    speeds, which the model takes out per rank: left in, two members' ordinary few-percent difference reads as
+    their group's excess). ``same_layers``: the groups run the same layers (one pipeline stage); else the member
+    named is the one alone carrying its group's excess (:func:`_sole_carriers`)."""
     assert group is not None
-    own = np.exp(speed)[:, None]
+    own = _speeds(tot / c, ~conserved)[:, None]
     g_tot, enough = group_means(tot[:, conserved] / own, group)
     g_med, _ = group_means(med[:, conserved] / own, group)
     t2, m2 = tot.copy(), med.copy()
     t2[:, conserved], m2[:, conserved] = g_tot * own, g_med * own
     ids, sizes = np.unique(group, return_counts=True)
     members = np.where(group >= 0, sizes[np.searchsorted(ids, group)], 1).astype(np.float64)
-    _, z_plain, _ = _residuals(t2 / c, c, p, conserved, members)
+    e_group, z_plain, _ = _residuals(t2 / c, c, p, conserved, members)
     _, z_median, _ = _residuals(m2 / c, c, p, conserved, members)
+    whole = np.where(conserved, t2 * members[:, None], tot)
     keep = np.ones_like(z_plain, dtype=bool)
     if not bool(enough):
         keep[:, conserved] = False
-        return z_plain, z_median, keep
+        return _GroupRead(e_group, z_plain, z_median, keep, whole)
     if not same_layers:
-        return z_plain, z_median, _sole_carriers(tot[:, conserved] / c[:, conserved] / own, group, keep, conserved,
-                                                       p.carrier_share)
+        keep = _sole_carriers(tot[:, conserved] / c[:, conserved] / own, group, keep, conserved, p.carrier_share)
+        return _GroupRead(e_group, z_plain, z_median, keep, whole)
     # Within a group the member named is the one slowest against the same position of the other groups (the
     # same expert: a hot expert is hot in every group), not the one with the most time (which may be the hot
     # expert, its group's slow member being a cold one).
@@ -294,7 +312,17 @@ def _group_scores(tot: F64, med: F64, c: F64, conserved: npt.NDArray[np.bool_], 
             top = rows[int(np.argmax(against[rows]))]
             keep[rows, j] = False
             keep[top, j] = True
-    return z_plain, z_median, keep
+    return _GroupRead(e_group, z_plain, z_median, keep, whole)
+
+
+def _speeds(per_call: F64, dense: npt.NDArray[np.bool_]) -> F64:
+    """Per rank (rows of ``per_call``), its time in the ``dense`` columns over every rank's median, its median
+    over them (1 without such columns). One reference for all ranks: against each rank's peers (leaving it out),
+    as the model's speeds are, two ranks of a pair of speeds read each other's difference twice."""
+    if not dense.any():
+        return np.ones(per_call.shape[0])
+    x = np.log(per_call[:, dense])
+    return np.asarray(np.exp(np.median(x - np.median(x, axis=0), axis=1)), dtype=np.float64)
 
 
 def _sole_carriers(per_call: F64, group: I64, keep: npt.NDArray[np.bool_], conserved: npt.NDArray[np.bool_],

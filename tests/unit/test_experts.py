@@ -98,8 +98,8 @@ def test_a_slow_expert_rank_is_named_with_its_grouped_gemm(known: bool, seed: in
     totals, tokens = _job(_conserved(4, 4, 1.8), slow={6: 1.6}, seed=seed)
     res = detect_kernel_excess(totals, topo, expert_tokens=tokens if known else None)
     assert [(r.kind, r.ranks, r.kernel) for r in res] == [(FindingKind.KERNEL_DEGRADED, (6,), GROUPED)]
-    # Per token (known) its grouped GEMM runs 1.6x; the size is its own time either way.
-    assert 1.45 < res[0].evidence["top_kernels_ratio"][f"{GROUPED}@7"] < (1.75 if known else 3.0)
+    # Per token (known) its grouped GEMM runs 1.6x; on group means (unknown) the excess it carries reads the same.
+    assert 1.45 < res[0].evidence["top_kernels_ratio"][f"{GROUPED}@7"] < 1.75
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -168,6 +168,22 @@ def test_stages_of_one_expert_pair_name_the_slow_member(seed: int) -> None:
 
 
 @pytest.mark.parametrize("seed", range(4))
+def test_a_hot_expert_does_not_carry_a_few_percent_of_its_pairs_excess(seed: int) -> None:
+    # DP 2 x PP 4 x EP 2: one pair per stage, its first member routed 1.5x an even share in every stage. Stage
+    # 2's pair runs 3 % over the others (its layers, or noise): significant on a pair's mean, but the hot
+    # member's lead covers it many times over, and what it carries is 3 % of its own time, under
+    # kernel_min_ratio (sized by its time over its peers', a hot expert read 3x; the evaluation's 931642997).
+    topo = build_topology("j", 2, pp=4, ep=2)
+    load = np.tile([1.5, 0.5], 4)
+    totals, _ = _job(load, seed=seed, noise=0.005, slow={4: 1.03, 5: 1.03})
+    assert detect_kernel_excess(totals, topo) == []
+    # The hot member x1.4 is named, sized as its own factor. (Its cold partner x1.4 would put the pair in
+    # excess as a hot member x1.13 does: then the hot one is named, x1.13.)
+    [res] = detect_kernel_excess(_job(load, seed=seed, noise=0.005, slow={4: 1.4})[0], topo)
+    assert res.ranks == (4,) and 1.3 < res.evidence["top_kernels_ratio"][f"{GROUPED}@7"] < 1.5
+
+
+@pytest.mark.parametrize("seed", range(4))
 def test_a_hot_experts_rank_is_no_slow_rank_but_a_slow_gpu_is(seed: int) -> None:
     # One EP group of eight (tokens unknown): the hot expert's grouped GEMM runs 2.3x, which says nothing of
     # its GPU; the rank comparison across kernels reads the dense ones. A GPU slow in everything is named.
@@ -184,6 +200,16 @@ def test_ranks_own_speeds_do_not_make_a_group_mean_slow(seed: int) -> None:
     # and its cold peer 3 % slower. A group mean that mixed their speeds read as the cold member's excess.
     topo = build_topology("j", 4, ep=2)
     totals, _ = _job(_conserved(2, 2, 1.5), seed=seed, noise=0.005, speed={0: 1.03, 1: 0.97})
+    assert detect_kernel_excess(totals, topo) == []
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_hot_experts_on_slower_gpus_make_no_group_mean_slow(seed: int) -> None:
+    # Two EP groups of two (a DP2 x TP2 stage, the evaluation's 145223679): both hot members (1.3x an even
+    # share) run on GPUs 5 % slower than their cold partners. Speeds read against each rank's peers put a slow
+    # GPU 5 % over a fast one's reference and back, so each hot member read 6 % over its group's mean.
+    topo = build_topology("j", 4, ep=2)
+    totals, _ = _job(_conserved(2, 2, 1.3, pos=0), seed=seed, noise=0.005, speed={0: 1.05, 2: 1.05})
     assert detect_kernel_excess(totals, topo) == []
 
 
