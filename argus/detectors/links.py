@@ -427,6 +427,11 @@ def _judge_role(kind: GroupKind, role_stage: int, same: list[tuple[int, I64]], i
     # arriving last vary, each member's calls holding waiting at its middle.
     late = _with_late_arrival(kind, same, inputs.typical, p.late_arrival_ratio)
     no_reference = late.any() and int((~late).sum()) < max(2, int(late.sum()))
+    # Unless every late group's late member holds one position (one replica behind in every group, its members
+    # the last to arrive): then a group whose fastest member holds it too reads that member's transfer, late
+    # by less where its link is slow (its own transfer lengthens every member's calls), and compares with the
+    # late groups' fastest members.
+    at_late = _at_one_late_position(same, inputs.typical, late)
     ref_rows = ~late if not no_reference else np.ones(late.size, dtype=bool)
     lg = np.log(group_minima(inputs.q, [rows for _, rows in same]))
     n = lg.shape[0]
@@ -455,11 +460,11 @@ def _judge_role(kind: GroupKind, role_stage: int, same: list[tuple[int, I64]], i
         hit |= by_floor[:, None]
     slow: Bools = np.asarray(hit.any(axis=1))  # slow at any ratio, waiting included
     if no_reference:
-        hit[:] = False
+        hit[~at_late] = False
     # Beyond a plausible slowdown of a transfer it is waiting: a group made only of ranks that wait in a
     # collective of another kind (all of one TP index, waiting for the others) looks "slow" by far more.
     hit &= lr <= math.log(p.max_ratio)
-    weak = weak_hits & (lr.max(axis=1) <= math.log(p.max_ratio)) if not no_reference else np.zeros(n, dtype=bool)
+    weak = weak_hits & (lr.max(axis=1) <= math.log(p.max_ratio)) & (at_late if no_reference else True)
     if side_floors is not None:
         hit, weak = _side_gates(hit, lr, side_floors, inputs.floors(True)[side_rows], p)
         if not (hit.any() or weak.any()):
@@ -573,6 +578,16 @@ def _moved_side(lr: F64, floors: F64, fast: F64, p: LinkParams) -> Bools:
     top = np.where(lr <= math.log(p.max_ratio), lr, -np.inf).max(axis=1)
     slowest = known & (top >= math.log(p.ratio)) & (top == top[known].max())
     return np.asarray(slowest & (moved >= p.moved_share), dtype=bool)
+
+
+def _at_one_late_position(same: list[tuple[int, I64]], typical: F64, late: Bools) -> Bools:
+    """Per group of ``same``: whether its fastest member (by ``typical``) holds the position (index among its
+    rows) that every late group's fastest member holds; all False where the late groups' positions differ."""
+    fastest = np.array([int(np.argmin(typical[rows])) for _, rows in same], dtype=np.int64)
+    positions = np.unique(fastest[late])
+    if positions.size != 1:
+        return np.zeros(len(same), dtype=bool)
+    return np.asarray(fastest == positions[0])
 
 
 def _with_late_arrival(kind: GroupKind, same: list[tuple[int, I64]], typical: F64, ratio: float) -> Bools:

@@ -9,6 +9,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from argus.core.errors import DetectorError
@@ -25,6 +26,7 @@ from argus.detectors.links import (
     LinkEvidence,
     LinkParams,
     PseudoGroup,
+    _at_one_late_position,
     group_kind,
 )
 from argus.producers.topology import build_topology
@@ -218,6 +220,32 @@ def test_groups_whose_members_take_turns_arriving_last_are_no_reference(tmp_path
     assert (scn.dp, scn.tp, scn.pp, scn.steps, scn.fault_ranks) == (4, 8, 8, 3, (249,))
     found = diagnose_traces(write_scenario(scn, tmp_path, simulate(scn)), "turns", topology=topology_flag(scn))
     assert [(f["kind"], f["ranks"]) for f in found] == [("rank_degraded", [249])]
+
+
+def test_a_group_whose_fastest_member_holds_the_one_late_position_reads_its_transfer() -> None:
+    # Four groups of four; the groups with a late arrival all have it at position 1, so their fastest members
+    # never wait. Group 2's position-1 member is fastest too, late by less (its link lengthens every call).
+    same = [(g, np.arange(4 * g, 4 * g + 4)) for g in range(4)]
+    typical = np.array([310, 155, 390, 660, 320, 150, 380, 650, 500, 360, 600, 720, 305, 158, 395, 640], float)
+    late = np.array([True, True, False, True])
+    assert _at_one_late_position(same, typical, late).tolist() == [True, True, True, True]
+    typical[9] = 800  # its fastest member elsewhere: its members take turns, no transfer to read
+    assert _at_one_late_position(same, typical, late).tolist() == [True, True, False, True]
+    typical[13] = 900  # the late groups disagree on the position: none reads a transfer
+    assert not _at_one_late_position(same, typical, late).any()
+
+
+@pytest.mark.slow
+def test_a_small_groups_link_is_compared_where_one_replica_arrives_last_in_every_other_group(
+        tmp_path: Path) -> None:
+    # The evaluation's scenario that found this (DP4 x TP8 x PP2, DP group 6-30 x2.4 from step 3 of 10): in
+    # stage 0's reduce-scatter DP replica 1 arrives last in the other seven groups; the slow group has its
+    # replica-1 member fastest too, by less, so it is no late group, and was held against the seven as groups
+    # taking turns (no reference): its all-gather alone fell under the impact bar.
+    scn = Scenario.from_seed(760283820, "link_small_group", 256)
+    assert (scn.dp, scn.tp, scn.pp, scn.steps, scn.fault_ranks) == (4, 8, 2, 10, (6, 14, 22, 30))
+    found = diagnose_traces(write_scenario(scn, tmp_path, simulate(scn)), "late", topology=topology_flag(scn))
+    assert [(f["kind"], f["ranks"]) for f in found] == [("link_degraded", [6, 14, 22, 30])]
 
 
 @pytest.mark.slow
