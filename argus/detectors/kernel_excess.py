@@ -188,7 +188,7 @@ def _judge(ranks: I64, cells: _Cells, keys: Sequence[tuple[str, int]], part: int
     c = calls[:, cols]
     tot, med = moe.per_token(total[:, cols], cols), moe.per_token(median[:, cols], cols)
     e_plain, z_plain, speed = _residuals(tot / c, c, p)
-    _, z_median, _ = _residuals(med / c, c, p)
+    e_median, z_median, _ = _residuals(med / c, c, p)
     conserved = moe.conserved(cols)
     e = e_plain
     if conserved.any():
@@ -238,8 +238,23 @@ def _judge(ranks: I64, cells: _Cells, keys: Sequence[tuple[str, int]], part: int
             "top_kernels_carried_calls": {k: float(carried[i, j]) for k, j in named.items()},
         }, excess_ns=float(extra[i].sum())))
         # The share of the steps its excess was spent in, from the calls its slowed kernels moved.
-        out[-1] = with_share(out[-1], moves.share(int(ranks[i]), [keys[int(cols[j])] for j in np.flatnonzero(hit[i])]))
+        moved = moves.share(int(ranks[i]), [keys[int(cols[j])] for j in np.flatnonzero(hit[i])])
+        out[-1] = with_share(out[-1], min(moved, _spread_share(extra[i], med[i] * -np.expm1(-e_median[i]),
+                                                               hit[i] & ~conserved)))
     return out
+
+
+def _spread_share(excess: F64, median_excess: F64, cols: npt.NDArray[np.bool_]) -> float:
+    """The share of a rank's calls a slowdown moved, from its kernels ``cols``: their excess in total time over
+    their excess with each call at its cluster's median (ns, per kernel). A cluster holding a slowdown's calls
+    together with those from before its onset (slower by less than the clusters' spread apart) has its median
+    at the slowed calls' level where they are most: its every call then counts as slowed there, while the
+    total holds the earlier calls at their old times. 1.0 where the median excess is not the larger (a
+    slowdown from the start, or of fewer calls than the cluster's half, which leaves its median alone), and
+    where the share would be under a half: a median moves only with most of its cluster's calls, so the
+    medians moved for another reason (clusters of two shapes joined on one rank and not on its peers)."""
+    spent, at_median = float(excess[cols].sum()), float(median_excess[cols].sum())
+    return spent / at_median if at_median > spent >= 0.5 * at_median > 0.0 else 1.0
 
 
 def _carried_calls(total: F64, peak: F64, calls: F64, e: F64) -> F64:

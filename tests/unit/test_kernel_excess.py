@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,11 +14,13 @@ from hypothesis import strategies as st
 
 from argus.core.errors import DetectorError
 from argus.core.kinds import FindingKind
-from argus.detectors.kernel_excess import detect_kernel_excess
+from argus.detectors.kernel_excess import _spread_share, detect_kernel_excess
 from argus.detectors.l3_ranks import KernelTotals, RankExcessParams, trimmed_sum
 from argus.producers.topology import build_topology
 from argus.schemas.records import KernelSummary
 from argus.streams.job_context import context_totals, totals_context
+from argus.streams.offline import diagnose_traces
+from load_tests.kineto_scenarios import Scenario, simulate, topology_flag, write_scenario
 
 
 def _job(n_ranks: int, seed: int, noise: float = 0.08, kernels: int = 16, calls: int = 300,
@@ -279,3 +282,28 @@ def test_the_longest_counted_call_merges_and_travels_in_the_job_context() -> Non
     (back,) = context_totals(type(ctx).decode(ctx.encode()))
     assert back.peak_ns == {0: 3000.0}
     assert context_totals(totals_context("j", 3, 5, [KernelTotals("gemm", 7, {0: 1.0}, {0: 1.0})]))[0].peak_ns == {}
+
+
+def test_a_slowdown_inside_a_merged_cluster_is_spent_in_its_share_of_the_calls() -> None:
+    # One shape x1.25 from step 4 of 13: its 16 earlier calls and 36 later ones form one cluster, whose median
+    # sits at the slowed level, so at the median every call reads slowed (52 x 0.25), in total 36 x 0.25.
+    cols = np.array([True, False])
+    assert _spread_share(np.array([36 * 0.25, 5.0]), np.array([52 * 0.25, 1.0]), cols) == pytest.approx(36 / 52)
+    # From the start: the total's excess is the median's (or more, a cluster's mean above its median): all.
+    assert _spread_share(np.array([13.0, 0.0]), np.array([13.0, 0.0]), cols) == 1.0
+    assert _spread_share(np.array([14.0, 0.0]), np.array([13.0, 0.0]), cols) == 1.0
+    # Under a half: no median moves with a minority of its calls; the medians moved for another reason.
+    assert _spread_share(np.array([2.0, 0.0]), np.array([13.0, 0.0]), cols) == 1.0
+    assert _spread_share(np.array([0.0, 0.0]), np.array([0.0, 0.0]), cols) == 1.0
+
+
+@pytest.mark.slow
+def test_a_one_mode_slowdown_without_phases_is_judged_over_the_calls_it_slowed(tmp_path: Path) -> None:
+    # The evaluation's scenario that found this (DP64 x PP2, 13 steps, no phase annotations: no onsets from
+    # phases): rank 111's fc1 forward GEMM x1.25 from step 4 costs over 1 % of each step from then on, and
+    # spread over all 13 steps fell under the impact bar.
+    scn = Scenario.from_seed(153195981, "one_mode", 256)
+    assert (scn.dp, scn.pp, scn.steps, scn.onset, scn.fault_ranks, scn.annotate_phases) == (64, 2, 13, 4, (111,),
+                                                                                            False)
+    found = diagnose_traces(write_scenario(scn, tmp_path, simulate(scn)), "mode", topology=topology_flag(scn))
+    assert [(f["kind"], f["ranks"]) for f in found] == [("kernel_degraded", [111])]
