@@ -83,7 +83,7 @@ class _Job:
         self.keep(self.ranks.diagnose(topo, clock), final=True)
         # The final pipeline pairs, now that the rank aggregate may have named the straggler they wait for (the
         # live path releases them after it too: FinalRouter).
-        self.keep(self.links.release())
+        self.findings += self.links.release()
         return form_incidents(_dedup(self.findings), topo, self.params.incidents)
 
 
