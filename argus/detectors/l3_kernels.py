@@ -121,6 +121,10 @@ class L3Params:
     #: How far up each mode of a collective its members' fast calls are read (their transfers, with less
     #: waiting), as a share of the mode's width [0.25].
     low_part: float = 0.25
+    #: A compute kernel's slow mode must show in the rank's total time: at least this share of the excess its
+    #: calls at that mode's ratio would add (a few stray calls stretch a cluster's modelled tail over many
+    #: levels, not the total) [0.5].
+    mode_excess_share: float = 0.5
 
     @property
     def scan_levels(self) -> F64:
@@ -145,6 +149,8 @@ class L3Params:
         if not (0.0 < self.scan_step <= 0.4 and 0.0 < self.low_part < 1.0 and 0.0 <= self.same_calls < 1.0):
             raise DetectorError(f"need scan_step in (0, 0.4], low_part in (0, 1) and same_calls in [0, 1), got "
                                 f"{self.scan_step}, {self.low_part}, {self.same_calls}")
+        if not 0.0 <= self.mode_excess_share <= 1.0:
+            raise DetectorError(f"mode_excess_share must be in [0, 1], got {self.mode_excess_share}")
         if not (math.isfinite(self.small_set_ratio) and self.small_set_ratio > 1.0):
             raise DetectorError(f"small_set_ratio must be finite and > 1, got {self.small_set_ratio}")
         if self.tail_calls < 2 or self.spread_set < 2:
@@ -335,15 +341,16 @@ def _trusted_levels(batch: MixtureBatch, p: L3Params) -> npt.NDArray[np.bool_]:
 
 
 def _mode_outliers(sc: RankScores, p: L3Params, trusted: npt.NDArray[np.bool_], modes: ReferenceModes,
-                   mode_q: F64, scan_q: F64, floors: F64 | None = None) -> tuple[npt.NDArray[np.bool_], F64, F64]:
+                   mode_q: F64, scan_q: F64, floors: F64 | None = None
+                   ) -> tuple[npt.NDArray[np.bool_], F64, F64, F64]:
     """Ranks with a mode slower than the reference's (see :mod:`argus.detectors.kernel_modes`): the mask, each
-    rank's largest mode ratio, and the share of calls of that mode. ``trusted``: per rank and level of the
-    fixed u grid, whether the level is read in a modelled tail that holds (:func:`_trusted_levels`; the upper
-    levels of a cluster lie in its tail). ``modes``: the reference's; ``mode_q`` and ``scan_q``: each rank's
-    quantiles (ns) at the modes' middles and at ``p.scan_levels``. ``floors``: at the same levels, modes' then
-    scan's, each rank's shortest call of the cluster in whose lower part the level lies, NaN elsewhere
-    (:func:`~argus.detectors.kernel_rows.lower_part_floors`): a level there is slow only where that call is
-    slower than the other ranks' quantile too."""
+    rank's largest mode ratio, the share of calls of that mode, and the other ranks' time there (ns).
+    ``trusted``: per rank and level of the fixed u grid, whether the level is read in a modelled tail that holds
+    (:func:`_trusted_levels`; the upper levels of a cluster lie in its tail). ``modes``: the reference's;
+    ``mode_q`` and ``scan_q``: each rank's quantiles (ns) at the modes' middles and at ``p.scan_levels``.
+    ``floors``: at the same levels, modes' then scan's, each rank's shortest call of the cluster in whose lower
+    part the level lies, NaN elsewhere (:func:`~argus.detectors.kernel_rows.lower_part_floors`): a level there
+    is slow only where that call is slower than the other ranks' quantile too."""
     n = sc.score.size
     logq = np.log(mode_q)
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -351,16 +358,19 @@ def _mode_outliers(sc: RankScores, p: L3Params, trusted: npt.NDArray[np.bool_], 
     if n >= 4:
         centre = np.median(logq, axis=0)
         lr = logq - centre
+        ref_q = np.broadcast_to(centre, logq.shape)
         mad = MAD_SCALE * np.median(np.abs(lr), axis=0)
         hit = (lr >= math.log(p.mode_ratio)) & (lr >= p.mode_z * np.maximum(mad, p.mode_mad_floor))
         hit &= ~(log_floor[:, :lr.shape[1]] <= centre)
     else:  # two or three ranks: against the others' median, and a wider gate
         others = np.stack([loo_median(col) for col in logq.T], axis=1)
         lr = logq - others
+        ref_q = others
         hit = (lr >= math.log(max(p.mode_ratio, p.small_set_ratio))) & ~(log_floor[:, :lr.shape[1]] <= others)
     best = np.argmax(np.where(hit, lr, -np.inf), axis=1)
     rows = np.arange(n)
     found, ratio, share = hit.any(axis=1), np.exp(lr[rows, best]), modes.width[best]
+    at = np.exp(ref_q[rows, best])
     if n >= 4:
         # Shapes of one kernel a few percent apart make no plateau between them: one mode. A slower shape
         # then still lifts the quantile function over the u range of its calls, so the rank's quantiles are
@@ -377,8 +387,9 @@ def _mode_outliers(sc: RankScores, p: L3Params, trusted: npt.NDArray[np.bool_], 
             top = np.argmax(np.where(level, lq, -np.inf), axis=1)
             ratio = np.where(scan, np.exp(lq[rows, top]), ratio)
             share = np.where(scan, float(run.sum(axis=1).max() + 1) * p.scan_step, share)
+            at = np.where(scan, np.exp(middle[top]), at)
             found = found | scan
-    return found, ratio, share
+    return found, ratio, share, at
 
 
 def _compute(cols: SummaryColumns, ranks: I64, batch: MixtureBatch, total: F64,
@@ -409,13 +420,14 @@ def _compute(cols: SummaryColumns, ranks: I64, batch: MixtureBatch, total: F64,
         modes = reference_modes(sc.reference, sc.grid)
         q = sc.quantiles_ns
         floors = lower_part_floors(cols, ranks[rows], np.concatenate([modes.mid, p.scan_levels]))
-        by_mode, mode_ratio, mode_share = _mode_outliers(sc, p, _trusted_levels(sub, p), modes, q[:, :len(modes)],
-                                                         q[:, len(modes):-1], floors)
+        by_mode, mode_ratio, mode_share, mode_at = _mode_outliers(sc, p, _trusted_levels(sub, p), modes,
+                                                                  q[:, :len(modes)], q[:, len(modes):-1], floors)
         # Modes are matched by position among a rank's calls: only ranks with the set's calls (a window cut
         # between the ranks' calls of one step shifts every position) are judged by mode.
         calls = batch.counts[rows].sum(axis=1)
         by_mode &= np.abs(calls / np.median(calls) - 1.0) <= p.same_calls
         excess = total[rows] - np.median(total[rows])
+        by_mode &= excess >= p.mode_excess_share * mode_share * calls * mode_at * (mode_ratio - 1.0)
         # A distance grown by a few stray calls (under a tenth of them) is no slow kernel: the W1 and p50
         # paths need the rank's 90th percentile raised too. The modelled tail holds only where every
         # cluster has the calls for a p99; in a smaller one the p99 is its slowest call or two, and one
