@@ -7,6 +7,7 @@ Nothing here judges a budget: each benchmark says what it measures and what it a
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -35,18 +36,25 @@ def running_stack(prefix: str, sample_s: float, partitions: int = 4,
     """``argus up`` of a private stack (home under a fresh temporary folder named ``prefix``, its own ports,
     topics and groups; ``env``: further ``ARGUS_*`` settings for every service), this process's settings
     pointed at it, and the worker's resident memory sampled every ``sample_s`` s; the stack is taken down on
-    leaving, whatever happened."""
+    leaving, whatever happened, and its folder removed (kept, and named on stderr, where the run failed: its
+    services' logs are there)."""
     work = Path(tempfile.mkdtemp(prefix=prefix))
     stack = PrivateStack(work / "home", partitions=partitions)
     stack.env.update(env or {})
     sampler = RssSampler(stack.home, "worker", sample_s)
+    done = False
     try:
         stack.up()
         os.environ.update({k: v for k, v in stack.env.items() if k.startswith("ARGUS_")})
         with sampler:
             yield stack, Settings.load(), sampler
+        done = True
     finally:
         stack.down()
+        if done:
+            shutil.rmtree(work, ignore_errors=True)
+        else:
+            print(f"private stack kept for its logs: {work}", file=sys.stderr)
 
 
 def load_average() -> list[float]:

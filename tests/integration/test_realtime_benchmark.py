@@ -4,6 +4,8 @@ the benchmark keeps working; its budgets are judged at full size (10,240 ranks, 
 from __future__ import annotations
 
 import json
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -11,7 +13,9 @@ from load_tests import realtime
 
 
 def test_realtime_publishes_at_the_jobs_pace_and_reports_every_figure(capsys: pytest.CaptureFixture[str]) -> None:
+    before = set(Path(tempfile.gettempdir()).glob("argus-realtime-*"))
     realtime.main(["--ranks", "32", "--duration-s", "10", "--kernel-sample", "32"])
+    assert set(Path(tempfile.gettempdir()).glob("argus-realtime-*")) <= before  # its private stack's folder went
     out = json.loads(capsys.readouterr().out)
     assert out["steps"] == 20 and out["messages"]["phases"] == out["messages"]["steps"] == 32 * 20
     assert out["messages"]["heartbeats"] == 32 * 5 and out["kernel_events"] > 0
