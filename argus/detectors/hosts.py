@@ -25,7 +25,7 @@ from argus.core.kinds import FindingKind
 from argus.detectors.experts import is_grouped_gemm
 from argus.detectors.l2_groups import MAD_SCALE
 from argus.detectors.l3_kernels import L3Result, is_collective
-from argus.detectors.l3_ranks import KernelTotals, totals_matrix
+from argus.detectors.l3_ranks import KernelTotals, set_speeds, totals_matrix
 from argus.schemas.records import JobTopology
 
 __all__ = ["HostParams", "detect_host_excess"]
@@ -104,8 +104,7 @@ def _judge_set(ranks: npt.NDArray[np.int64], hosts: npt.NDArray[np.str_], total:
               if h and p.min_host_ranks <= k <= ranks.size - p.min_other_ranks]
     if cols.size < p.min_kernels or not tested:
         return []
-    x = np.log(total[:, cols] / c[:, cols])
-    speed = np.median(x - np.median(x, axis=0), axis=1)  # each rank's log time per call against the set
+    speed = set_speeds(np.log(total[:, cols] / c[:, cols]))  # each rank's log time per call against the set
     bound = max(p.min_z, float(ndtri(1.0 - p.alpha / len(tested))))
     out: list[L3Result] = []
     for h in tested:

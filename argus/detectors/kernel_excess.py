@@ -27,6 +27,7 @@ from argus.detectors.l3_ranks import (
     MovedCalls,
     RankExcessParams,
     comparison_sets,
+    set_speeds,
     totals_matrix,
     with_share,
 )
@@ -336,8 +337,7 @@ def _speeds(per_call: F64, dense: npt.NDArray[np.bool_]) -> F64:
     as the model's speeds are, two ranks of a pair of speeds read each other's difference twice."""
     if not dense.any():
         return np.ones(per_call.shape[0])
-    x = np.log(per_call[:, dense])
-    return np.asarray(np.exp(np.median(x - np.median(x, axis=0), axis=1)), dtype=np.float64)
+    return np.exp(set_speeds(np.log(per_call[:, dense])))
 
 
 def _sole_carriers(per_call: F64, group: I64, keep: npt.NDArray[np.bool_], conserved: npt.NDArray[np.bool_],

@@ -29,7 +29,7 @@ from argus.detectors.l3_kernels import L3Result, is_collective
 from argus.schemas.records import JobTopology, KernelSummary
 
 __all__ = ["KernelTotals", "MovedCalls", "RankExcessParams", "comparison_sets", "counted_peak", "detect_rank_excess",
-           "detect_stage_excess", "kernel_family", "totals_matrix", "trimmed_sum"]
+           "detect_stage_excess", "kernel_family", "set_speeds", "totals_matrix", "trimmed_sum"]
 
 F64 = npt.NDArray[np.float64]
 I64 = npt.NDArray[np.int64]
@@ -319,6 +319,13 @@ def _with_routed_excess(result: L3Result, routed: Sequence[KernelTotals], topolo
 def with_share(result: L3Result, share: float) -> L3Result:
     """``result`` with the share of the steps its excess was spent in (also in its evidence)."""
     return dataclasses.replace(result, affected_share=share, evidence=result.evidence | {"affected_share": share})
+
+
+def set_speeds(log_per_call: F64) -> F64:
+    """Per rank (rows of ``log_per_call``: ranks x kernels, ln of time per call), its speed against the set:
+    the median over its kernels of its value less every rank's median there (ln; one reference for all ranks,
+    so two ranks' speeds differ by their own difference)."""
+    return np.asarray(np.median(log_per_call - np.median(log_per_call, axis=0), axis=1), dtype=np.float64)
 
 
 def totals_matrix(totals: Sequence[KernelTotals], topology: JobTopology | None) -> tuple[I64, F64, F64, I64, F64]:

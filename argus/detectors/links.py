@@ -431,7 +431,8 @@ def _judge_role(kind: GroupKind, role_stage: int, same: list[tuple[int, I64]], i
     # the last to arrive): then a group whose fastest member holds it too reads that member's transfer, late
     # by less where its link is slow (its own transfer lengthens every member's calls), and compares with the
     # late groups' fastest members.
-    at_late = _at_one_late_position(same, inputs.typical, late)
+    at_late = (_at_one_late_position(same, inputs.typical, late) if no_reference
+               else np.ones(len(same), dtype=bool))
     ref_rows = ~late if not no_reference else np.ones(late.size, dtype=bool)
     lg = np.log(group_minima(inputs.q, [rows for _, rows in same]))
     n = lg.shape[0]
@@ -459,12 +460,11 @@ def _judge_role(kind: GroupKind, role_stage: int, same: list[tuple[int, I64]], i
         lr = np.where(by_floor[:, None], np.maximum(lr, floor_lr[:, None]), lr)
         hit |= by_floor[:, None]
     slow: Bools = np.asarray(hit.any(axis=1))  # slow at any ratio, waiting included
-    if no_reference:
-        hit[~at_late] = False
+    hit[~at_late] = False
     # Beyond a plausible slowdown of a transfer it is waiting: a group made only of ranks that wait in a
     # collective of another kind (all of one TP index, waiting for the others) looks "slow" by far more.
     hit &= lr <= math.log(p.max_ratio)
-    weak = weak_hits & (lr.max(axis=1) <= math.log(p.max_ratio)) & (at_late if no_reference else True)
+    weak = weak_hits & (lr.max(axis=1) <= math.log(p.max_ratio)) & at_late
     if side_floors is not None:
         hit, weak = _side_gates(hit, lr, side_floors, inputs.floors(True)[side_rows], p)
         if not (hit.any() or weak.any()):
