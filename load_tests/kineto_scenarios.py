@@ -1015,6 +1015,8 @@ class _Sim:
         self.rank_step = self.rng.lognormal(0.0, sig / 5, (scn.steps, w))
         self.step_shared = self.rng.lognormal(0.0, sig / 4, scn.steps)
         self.t = np.zeros(w)
+        #: (stage, micro-batch) -> its forward's routed load, until its backward reads it
+        self.mb_load: dict[tuple[int, int], F64] = {}
         self.streams = {kind: scn.nccl_stream_base + off for kind, off in NCCL_STREAMS.items()}
         self.free = {k: np.zeros(w) for k in self.streams}
         self.blocks: list[tuple[I64, I64, F64, F64]] = []  # (ranks, meta rows [n, 8], start, dur)
@@ -1136,7 +1138,7 @@ class _Sim:
 
     # -- a chunk (forward or backward of one microbatch on one stage) --
 
-    def _chunk(self, prog: _Prog, s: int, n: int, bwd: bool, phase: int) -> tuple[F64, F64]:
+    def _chunk(self, prog: _Prog, s: int, n: int, bwd: bool, phase: int, mb: int = -1) -> tuple[F64, F64]:
         scn = self.scn
         sl = slice(s * self.ns, (s + 1) * self.ns)
         ranks = np.arange(sl.start, sl.stop)
@@ -1146,6 +1148,10 @@ class _Sim:
         self.chunk_id += 1
         rank_f = self.persist[sl] * self.rank_step[n, sl] * self.step_shared[n]
         load = self._routing() if scn.moe else None
+        if load is not None and mb >= 0:
+            # A micro-batch's backward runs the experts on the tokens its forward routed them (the draw is made
+            # all the same, so that every other draw of a scenario stays what it was).
+            load = self.mb_load.pop((s, mb)) if bwd else self.mb_load.setdefault((s, mb), load)
         tokens = np.rint(scn.tokens * scn.topk * load).astype(np.int64) if load is not None else None
         for seg in prog.segs:
             if seg.coll:
@@ -1251,9 +1257,9 @@ class _Sim:
                     if dep is not None:
                         self._p2p(dep[1], s, sent.pop(dep), n, m)
                     if kind == "F":
-                        self._chunk(self.progs.fwd[s], s, n, False, _PH_FWD)
+                        self._chunk(self.progs.fwd[s], s, n, False, _PH_FWD, m)
                     else:
-                        last_b[s] = self._chunk(self.progs.bwd[s], s, n, True, _PH_BWD)
+                        last_b[s] = self._chunk(self.progs.bwd[s], s, n, True, _PH_BWD, m)
                     sl = slice(s * ns, (s + 1) * ns)
                     if (kind == "F" and s < pp - 1) or (kind == "B" and s > 0):
                         sent[(kind, s, m)] = self.t[sl].copy()

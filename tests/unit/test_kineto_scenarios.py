@@ -435,6 +435,18 @@ def test_token_counts_are_written_as_grouped_gemm_input_dims(tmp_path: Path) -> 
             t.close()
 
 
+def test_a_micro_batchs_backward_runs_its_experts_on_the_tokens_its_forward_routed() -> None:
+    # Routing that wanders a lot per micro-batch, kernels without noise: each rank's backward grouped GEMMs
+    # take the same multiple of its forward ones, since both run the tokens the forward routed.
+    scn = dataclasses.replace(MOE, fault="token_imbalance", routing_noise=0.3, noise=1e-4, outlier_rate=0.0)
+    tl = simulate(scn)
+    grouped = np.isin(tl.name, [i for i, n in enumerate(tl.names) if "GroupProblemShape" in n]) & (tl.coll < 0)
+    fwd, bwd = grouped & (tl.tokens >= 0), grouped & (tl.tokens < 0)
+    ratio = np.array([tl.dur[bwd & (tl.rank == r)].sum() / tl.dur[fwd & (tl.rank == r)].sum()
+                      for r in range(scn.world)])
+    assert ratio.max() / ratio.min() < 1.01, ratio
+
+
 def test_an_ep_straggler_slows_only_its_grouped_gemms() -> None:
     base = simulate(dataclasses.replace(MOE, fault="ep_straggler", fault_ranks=(3,), magnitude=1.0))
     slow = simulate(dataclasses.replace(MOE, fault="ep_straggler", fault_ranks=(3,), magnitude=2.0))
