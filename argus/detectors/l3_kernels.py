@@ -121,9 +121,9 @@ class L3Params:
     #: How far up each mode of a collective its members' fast calls are read (their transfers, with less
     #: waiting), as a share of the mode's width [0.25].
     low_part: float = 0.25
-    #: A compute kernel's slow mode must show in the rank's total time: at least this share of the excess its
-    #: calls at that mode's ratio would add (a few stray calls stretch a cluster's modelled tail over many
-    #: levels, not the total) [0.5].
+    #: A compute kernel's slow mode, or its modelled mean shift, must show in the rank's total time: at least
+    #: this share of the excess its calls at that mode's ratio (or shift) would add (a few stray calls stretch a
+    #: cluster's modelled tail over many levels, or move a small cluster's p50, not the total) [0.5].
     mode_excess_share: float = 0.5
 
     @property
@@ -434,6 +434,10 @@ def _compute(cols: SummaryColumns, ranks: I64, batch: MixtureBatch, total: F64,
         # stray call would stretch the whole modelled tail, so there the clusters' medians are read.
         q90 = np.where(tails, q[:, -1], cluster_median_quantile(sub, 0.9))
         slow &= q90 >= p.mode_ratio * np.median(q90)
+        # Likewise the modelled shift must show in the total: in a cluster of a few calls holding two shapes, one
+        # stray call moves the p50 from between them onto the upper one, a shift of the whole cluster that the
+        # total (one call's excess) does not bear out.
+        slow &= excess >= p.mode_excess_share * calls * sc.shift_ns
         for i in np.flatnonzero((slow | by_mode) & (excess > 0.0)).tolist():
             flagged[int(ranks[rows[i]])] = {
                 "score": float(max(sc.score[i], mode_ratio[i] - 1.0 if by_mode[i] else 0.0)),

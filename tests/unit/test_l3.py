@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -28,6 +29,7 @@ from argus.detectors.impact import Impact
 from argus.detectors.kernel_rows import calls_below, row_floors
 from argus.detectors.l3_kernels import CORROBORATES_ONLY, PIPELINE_SIDE
 from argus.detectors.link_ledger import LinkLedger
+from argus.detectors.mixture import Z99
 from argus.producers.topology import build_topology
 from argus.schemas.records import KernelSummary, Level, ParallelGroup
 
@@ -49,7 +51,9 @@ def _summary(rows: Sequence[tuple[int, Sequence[Comp]]], kernel: str = GEMM, str
         window_end_ns=tuple(i * 10 + 10 for i in range(len(rows))),
         n_events=tuple(sum(c[0] for c in cs) for _, cs in rows), n_clusters=tuple(len(cs) for _, cs in rows),
         cluster_count=count, cluster_p50_ns=p50, cluster_p99_ns=p99, cluster_min_ns=p50, cluster_max_ns=p99,
-        cluster_sum_ns=tuple(c * m for c, m in zip(count, p50, strict=True)),
+        # Each cluster's total is its calls times the mean of the log-normal its p50 and p99 describe.
+        cluster_sum_ns=tuple(round(c * m * math.exp(math.log(q / m) ** 2 / (2 * Z99**2)))
+                             for c, m, q in zip(count, p50, p99, strict=True)),
     )
 
 
@@ -96,6 +100,30 @@ def test_tail_growth_with_the_same_p50_is_caught() -> None:
     assert _found(res) == [(FindingKind.KERNEL_DEGRADED, (3,))]
     assert res[0].evidence["top_p50_ratio"] == pytest.approx(1.0, rel=0.05)
     assert res[0].evidence["top_mean_shift_ns"] > 0
+
+
+def _window(rows: Sequence[tuple[int, float, float, float, float, float]]) -> KernelSummary:
+    """One window of one cluster per rank: (rank, min, p50, p99, max, total) in ms, 16 calls each."""
+    ms = 1e6
+    return KernelSummary(
+        job_id="j", kernel=GEMM, stream=7, rank=tuple(r[0] for r in rows), window_start_ns=(0,) * len(rows),
+        window_end_ns=(10,) * len(rows), n_events=(16,) * len(rows), n_clusters=(1,) * len(rows),
+        cluster_count=(16,) * len(rows), cluster_min_ns=tuple(round(r[1] * ms) for r in rows),
+        cluster_p50_ns=tuple(round(r[2] * ms) for r in rows), cluster_p99_ns=tuple(round(r[3] * ms) for r in rows),
+        cluster_max_ns=tuple(round(r[4] * ms) for r in rows), cluster_sum_ns=tuple(round(r[5] * ms) for r in rows))
+
+
+def test_a_stray_call_moving_a_small_clusters_p50_is_no_slow_kernel() -> None:
+    # The last window of DP2 x TP2 x PP2 x EP2 scenario 696012118 (one step; stage 1): a GEMM name with three
+    # shapes (~1.4, ~2.9, ~4.7 ms) in one cluster of 16 calls. One of rank 6's short calls ran x5 (7.2 ms): its
+    # p50 moved from between the shapes onto the upper one (x1.42), its total grew 10 %, one call's worth.
+    stray = [(4, 1.381, 2.930, 4.689, 4.695, 47.69), (5, 1.395, 2.890, 4.749, 4.769, 47.79),
+             (6, 1.400, 4.127, 6.837, 7.212, 52.63), (7, 1.470, 2.886, 4.634, 4.650, 47.72)]
+    assert detect_l3([_window(stray)]) == []
+    # The same window's stage 0, where rank 2 (the scenario's straggler, x1.73) runs every call slow: found.
+    slow = [(0, 1.464, 2.972, 4.685, 4.705, 48.19), (1, 1.465, 2.910, 4.755, 4.768, 48.39),
+            (2, 2.484, 5.108, 8.234, 8.252, 83.79), (3, 1.391, 2.859, 4.625, 4.642, 46.70)]
+    assert _found(detect_l3([_window(slow)])) == [(FindingKind.KERNEL_DEGRADED, (2,))]
 
 
 def test_faster_rank_is_not_flagged() -> None:
