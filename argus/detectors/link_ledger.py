@@ -41,7 +41,8 @@ class LinkLedger:
     One collective of a group inferred from durations alone can mislead: the ranks of one position in their
     groups (all of one TP index) can wait in a collective of another kind for the others and look like a slow
     group of their own kind. A pipeline link seen one side per stream (:attr:`PseudoGroup.PP_SIDE`) is named
-    once both of its ranks' sides are slow, and only while no straggler is known in the job; a pair formed by
+    once both of its ranks' sides are slow, or one slow and one corroborating, or both corroborating alike
+    (:func:`_ends_agree`), and only while no straggler is known in the job; a pair formed by
     the job's final judgement is held until :meth:`release` (after the job's rank aggregate, which can name the
     straggler its sides wait for).
     """
@@ -130,7 +131,10 @@ class LinkLedger:
         out = []
         for other in (stage - 1, stage + 1):
             g = sides.get(other)
-            if g is None or (corroborates_only(f) and corroborates_only(g)):
+            if g is None:
+                continue
+            ends = corroborates_only(f) and corroborates_only(g)
+            if ends and not _ends_agree(f, g):
                 continue
             ranks = tuple(sorted({*f.ranks, *g.ranks}))
             weak = corroborates_only(f) or corroborates_only(g)
@@ -141,7 +145,7 @@ class LinkLedger:
             self._named.add(ranks)
             if not weak:
                 self._both_slow.update(ranks)
-            top = max((x for x in (f, g) if not corroborates_only(x)), key=lambda x: x.impact_ns)
+            top = max((x for x in (f, g) if ends or not corroborates_only(x)), key=lambda x: x.impact_ns)
             ratios = {str(x.ranks[0]): LinkEvidence.from_dict(x.evidence).transfer_ratio for x in (f, g)}
             out.append(_pipeline_pair(top, pipe, ranks, ratios))
         return out
@@ -162,6 +166,16 @@ class LinkLedger:
         return ratio >= p.strong_ratio and many and ev.kind_slow_groups < p.several_slow
 
 
+def _ends_agree(f: Finding, g: Finding) -> bool:
+    """Whether two neighbouring sides that each only corroborate name their link together: each is slower at
+    its fast calls than its stage's other sides (evidence ``weak``: of two or three sides the only one, of more
+    the slowest, short of their z-score), and the larger one's delay is over the impact bar. Both ends of one
+    link read slow alike, as two collectives of one group do; a rank waiting for a straggler slows one side
+    only (the straggler posts last and never waits)."""
+    evs = [LinkEvidence.from_dict(x.evidence) for x in (f, g)]
+    return all(e.weak for e in evs) and max(float(x.evidence.get(IMPACT_BAR_SHARE, 0.0)) for x in (f, g)) >= 1.0
+
+
 def _raisable(f: Finding) -> Finding:
     """``f``, a link finding held as corroboration only, as one to publish (same id)."""
     evidence = {k: v for k, v in f.evidence.items() if k != CORROBORATES_ONLY}
@@ -173,11 +187,12 @@ def _pipeline_pair(top: Finding, pipe: int, ranks: tuple[int, ...],
     """The finding of pipeline ``pipe``'s link between the ranks of two sides, from ``top`` (the side with the
     larger impact): its evidence a whole PP group's, with each side's transfer ratio."""
     ev = top.evidence
+    # Named, the pair corroborates no more (where both ends only corroborated, each is the other's evidence).
     pair = dataclasses.replace(LinkEvidence.from_dict(ev), group_kind=ParallelGroup.PP, whole_group=True,
                                group=f"{ParallelGroup.PP.value}{pipe}", pp_stage=None,
-                               side_transfer_ratio=side_ratios)
+                               side_transfer_ratio=side_ratios, corroborates_only=False, weak=False)
     # Keys no link evidence has (the impact's) stay as they are.
-    evidence = {k: v for k, v in ev.items() if k not in _LINK_KEYS} | pair.as_dict()
+    evidence = {k: v for k, v in ev.items() if k not in _LINK_KEYS and k != IMPACT_BAR_SHARE} | pair.as_dict()
     return dataclasses.replace(
         top, ranks=ranks, evidence_json=evidence_json(evidence),
         finding_id=finding_id(top.job_id, top.level.value, top.kind.value, ranks, top.phase, top.kernel,

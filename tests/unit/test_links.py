@@ -120,14 +120,17 @@ def test_a_pipeline_sides_evidence_round_trips_with_its_stage_and_corroboration(
     assert CORROBORATES_ONLY not in dataclasses.replace(back, corroborates_only=False).as_dict()
 
 
-def _side_finding(rank: int, stage: int, ratio: float, impact: float, weak: bool = False) -> Finding:
+def _side_finding(rank: int, stage: int, ratio: float, impact: float, weak: bool = False,
+                  bar_share: float | None = None) -> Finding:
     ev = LinkEvidence(group=f"PP_SIDE{3 * 65536 + stage}", group_kind=PseudoGroup.PP_SIDE,
                       group_index=3 * 65536 + stage, whole_group=False, transfer_ratio=ratio, group_min_ns=2e5 * ratio,
                       low_transfer_ratio=ratio, healthy_min_ns=2e5, mode_share_of_calls=1.0, groups_compared=4,
                       kind_groups=8, kind_slow_groups=1, kind_comparisons=2, w1_inter_over_intra_ratio=None,
                       window_end_ns=99, n_ranks=4, group_known=False, pp_group=3, pp_stage=stage,
                       corroborates_only=weak, weak=weak)
-    res = L3Result(FindingKind.LINK_DEGRADED, (rank,), SENDRECV, 40 + stage, ratio, ev.as_dict(), excess_ns=impact)
+    extra = {} if bar_share is None else {IMPACT_BAR_SHARE: bar_share}  # as the judgement adds it
+    res = L3Result(FindingKind.LINK_DEGRADED, (rank,), SENDRECV, 40 + stage, ratio, ev.as_dict() | extra,
+                   excess_ns=impact)
     return to_finding("j", res, 10, Impact(impact, 5, impact, impact * 5))
 
 
@@ -140,6 +143,23 @@ def test_a_pipeline_pairs_evidence_is_its_larger_sides_as_a_whole_pp_group() -> 
         "group_kind": "PP", "whole_group": True, "group": "PP3", "side_transfer_ratio": {"5": 2.2, "1": 1.8}}
     assert pair.ranks == (1, 5) and pair.evidence == want
     assert LinkEvidence.from_dict(pair.evidence).group_kind is ParallelGroup.PP
+
+
+@pytest.mark.parametrize("shares", [(1.87, 2.05), (0.6, 0.8)])
+def test_a_links_two_ends_that_only_corroborate_name_it_together(shares: tuple[float, float]) -> None:
+    # DP2 x PP2, pipeline 1's link x1.9 (scenario 1439826674): of two pipelines no side reaches the small-set
+    # ratio (x2), but each end is the only one of its stage whose fast calls are slower. Both ends of one link
+    # read alike: named together where the larger delay is over the impact bar, never one end alone.
+    ends = [_side_finding(1, 0, 1.9, 6e6, weak=True, bar_share=shares[0]),
+            _side_finding(3, 1, 1.9, 7e6, weak=True, bar_share=shares[1])]
+    ledger = LinkLedger()
+    assert ledger.filter(ends[:1]) == []
+    named = ledger.filter(ends[1:])
+    assert [f.ranks for f in named] == ([(1, 3)] if max(shares) >= 1.0 else [])
+    for f in named:
+        ev = LinkEvidence.from_dict(f.evidence)
+        assert not ev.corroborates_only and not ev.weak and IMPACT_BAR_SHARE not in f.evidence
+        assert ev.group_kind is ParallelGroup.PP and ev.side_transfer_ratio == {"1": 1.9, "3": 1.9}
 
 
 def _rank_finding(rank: int) -> Finding:
