@@ -236,12 +236,16 @@ class RankExcessParams:
     #: members' median must cover to be the one named (a slow member of an even share covers about all of it)
     #: [0.75].
     carrier_share: float = 0.75
+    #: Least excess fraction (as ``min_excess_fraction``) a rank must show without its kernel of largest excess:
+    #: a slow GPU slows its kernels broadly, while one stray call (x2-5, a few ms) makes a kernel's whole excess
+    #: in a short trace [0.05].
+    spread_excess_fraction: float = 0.05
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.min_z) and self.min_z >= 0.0 and 0.0 <= self.min_excess_fraction < 1.0
-                and self.slower_ratio > 1.0 and 0.0 < self.alpha < 1.0):
-            raise DetectorError("need min_z >= 0, alpha in (0, 1), min_excess_fraction in [0, 1) and "
-                                "slower_ratio > 1")
+                and 0.0 <= self.spread_excess_fraction < 1.0 and self.slower_ratio > 1.0 and 0.0 < self.alpha < 1.0):
+            raise DetectorError("need min_z >= 0, alpha in (0, 1), min_excess_fraction and spread_excess_fraction "
+                                "in [0, 1) and slower_ratio > 1")
         if self.min_ranks < 2 or self.min_kernels < 1 or self.top_kernels < 1:
             raise DetectorError("need min_ranks >= 2, min_kernels >= 1 and top_kernels >= 1")
         if self.spread_ranks < 2 or self.stage_min_slower_kernels < 1 or self.stage_min_calls < 1:
@@ -490,6 +494,10 @@ def _judge(ranks: I64, total: F64, calls: F64, keys: Sequence[tuple[str, int]], 
     excess = extra.sum(axis=1)
     with np.errstate(invalid="ignore", divide="ignore"):
         fraction = excess / expected
+        # The same without each rank's kernel of largest excess (a slow GPU's excess is spread over kernels).
+        top = np.argmax(extra, axis=1)[:, None]
+        rest = (excess - np.take_along_axis(extra, top, axis=1)[:, 0]) / (
+            expected - np.take_along_axis(np.where(positive, calls * ref, 0.0), top, axis=1)[:, 0])
     # The excess must also stand out of its peers' excesses: in a short trace a few long kernels carry the
     # time, and their noise alone gives some healthy rank of a large set a tenth or more. (A few ranks have
     # no spread to judge by: there the rank-based z stands alone.)
@@ -497,7 +505,7 @@ def _judge(ranks: I64, total: F64, calls: F64, keys: Sequence[tuple[str, int]], 
     if ranks.size >= p.spread_ranks:
         spread = max(MAD_SCALE * float(np.median(np.abs(fraction - np.median(fraction)))), p.fraction_floor)
         apart = (fraction - np.median(fraction)) / spread >= float(ndtri(1.0 - p.alpha / ranks.size))
-    hit = (significant & (fraction >= p.min_excess_fraction) & apart
+    hit = (significant & (fraction >= p.min_excess_fraction) & (rest >= p.spread_excess_fraction) & apart
            & (positive.sum(axis=1) >= p.min_kernels))
     if not hit.any() or 2 * int(hit.sum()) > ranks.size:
         return []

@@ -134,7 +134,7 @@ class LinkLedger:
             if g is None:
                 continue
             ends = corroborates_only(f) and corroborates_only(g)
-            if ends and not _ends_agree(f, g):
+            if ends and not _ends_agree(f, g, self.params):
                 continue
             ranks = tuple(sorted({*f.ranks, *g.ranks}))
             weak = corroborates_only(f) or corroborates_only(g)
@@ -166,14 +166,17 @@ class LinkLedger:
         return ratio >= p.strong_ratio and many and ev.kind_slow_groups < p.several_slow
 
 
-def _ends_agree(f: Finding, g: Finding) -> bool:
+def _ends_agree(f: Finding, g: Finding, p: LinkParams) -> bool:
     """Whether two neighbouring sides that each only corroborate name their link together: each is slower at
     its fast calls than its stage's other sides (evidence ``weak``: of two or three sides the only one, of more
-    the slowest, short of their z-score), and the larger one's delay is over the impact bar. Both ends of one
-    link read slow alike, as two collectives of one group do; a rank waiting for a straggler slows one side
-    only (the straggler posts last and never waits)."""
+    the slowest, short of their z-score), their transfer ratios are alike (``ends_alike``: both ends time the
+    same transfers, where waiting in a healthy pipeline reads at unrelated ratios), and the larger one's delay
+    is over the impact bar. A rank waiting for a straggler slows one side only (the straggler posts last and
+    never waits)."""
     evs = [LinkEvidence.from_dict(x.evidence) for x in (f, g)]
-    return all(e.weak for e in evs) and max(float(x.evidence.get(IMPACT_BAR_SHARE, 0.0)) for x in (f, g)) >= 1.0
+    lo, hi = sorted(e.transfer_ratio for e in evs)
+    return (all(e.weak for e in evs) and hi <= p.ends_alike * lo
+            and max(float(x.evidence.get(IMPACT_BAR_SHARE, 0.0)) for x in (f, g)) >= 1.0)
 
 
 def _raisable(f: Finding) -> Finding:

@@ -117,6 +117,10 @@ class LinkParams:
     #: Most spread (largest over smallest) of a group's ratios over its collective's modes that reads as every
     #: bucket slowed alike, where each of two stages' one group is compared with the other's [1.1].
     modes_alike: float = 1.1
+    #: Most ratio (larger over smaller) between a pipeline link's two ends' transfer ratios, where each end only
+    #: corroborates, for the two to name it together: both ends of one link time the same transfers, while
+    #: healthy pipelines' waiting makes sides read slow at unrelated ratios [1.1].
+    ends_alike: float = 1.1
     #: Least ratio between two modes of a collective's healthy transfers that makes them two bucket sizes, in
     #: the same comparison [1.5].
     distinct_modes: float = 1.5
@@ -136,7 +140,7 @@ class LinkParams:
 
     def __post_init__(self) -> None:
         for name in ("ratio", "max_ratio", "small_ratio", "side_floor_ratio", "strong_ratio", "late_arrival_ratio",
-                     "modes_alike", "distinct_modes", "two_stages_ratio"):
+                     "modes_alike", "ends_alike", "distinct_modes", "two_stages_ratio"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 1.0):
                 raise DetectorError(f"{name} must be finite and > 1, got {value}")

@@ -48,6 +48,24 @@ def test_a_rank_slower_in_every_gemm_is_named_from_one_call_each(factor: float) 
     assert ev["rank_score_z"] >= 4.5 and res[0].excess_ns > 0
 
 
+def test_one_stray_call_is_no_slow_rank_however_long() -> None:
+    # A one-step trace of 128 ranks (short_trace 705138590): one call of rank 53's longest GEMM ran x4.5 (a
+    # stray call, 3.2 ms), a third of the rank's expected time, and nothing else of it is slower. A slow GPU
+    # slows its kernels broadly: rank 9's GEMMs x1.3 are named, rank 53 is not.
+    totals = _job(128, 5, 0.03, {9: 1.3}, gemms=8, calls=(1, 1))
+    max(totals[:8], key=lambda t: t.total_ns[53]).total_ns[53] *= 4.5
+    # ... and two of its three norm kernels x1.2 (noise of single calls), enough for a family to read slower.
+    norms = [KernelTotals(f"rmsnorm_fwd_kernel_{k}", 7) for k in range(3)]
+    for k, t in enumerate(norms):
+        for r in range(128):
+            t.total_ns[r], t.calls[r] = 2e4 * (1.2 if r == 53 and k < 2 else 1.0) * (1 + 0.01 * (r % 7)), 1.0
+    totals += norms
+    res = detect_rank_excess(totals)
+    assert [r.ranks for r in res] == [(9,)]
+    assert [r.ranks for r in detect_rank_excess(totals, params=RankExcessParams(spread_excess_fraction=0.0))] \
+        == [(9,), (53,)]
+
+
 @pytest.mark.parametrize(("hot", "expected_ms"), [(1.0, 2.4), (1.5, 3.6)])
 def test_a_slow_ranks_grouped_gemms_add_to_its_excess_up_to_its_speed(hot: float, expected_ms: float) -> None:
     # DP 8 x EP 4: rank 6's GPU runs x1.3, its dense GEMMs and its experts' grouped GEMMs alike. Its speed is
