@@ -167,15 +167,16 @@ class LinkLedger:
 
 
 def _ends_agree(f: Finding, g: Finding, p: LinkParams) -> bool:
-    """Whether two neighbouring sides that each only corroborate name their link together: each is slower at
-    its fast calls than its stage's other sides (evidence ``weak``: of two or three sides the only one, of more
-    the slowest, short of their z-score), their transfer ratios are alike (``ends_alike``: both ends time the
-    same transfers, where waiting in a healthy pipeline reads at unrelated ratios), and the larger one's delay
-    is over the impact bar. A rank waiting for a straggler slows one side only (the straggler posts last and
-    never waits)."""
+    """Whether two neighbouring sides that each only corroborate name their link together: of two or three
+    pipelines (no z-score to judge by), each is its stage's only side slower at its fast calls (evidence
+    ``weak``), their transfer ratios are alike (``ends_alike``: both ends time the same transfers, where
+    waiting in a healthy pipeline reads at unrelated ratios), and the larger one's delay is over the impact
+    bar. A rank waiting for a straggler slows one side only (the straggler posts last and never waits). Of
+    more pipelines a weak side is only the slowest of many short of the z-score: two such neighbours with like
+    ratios were seen in healthy jobs of 32 pipelines, so there one end must be slow by its own evidence."""
     evs = [LinkEvidence.from_dict(x.evidence) for x in (f, g)]
     lo, hi = sorted(e.transfer_ratio for e in evs)
-    return (all(e.weak for e in evs) and hi <= p.ends_alike * lo
+    return (all(e.weak and e.groups_compared < p.spread_set for e in evs) and hi <= p.ends_alike * lo
             and max(float(x.evidence.get(IMPACT_BAR_SHARE, 0.0)) for x in (f, g)) >= 1.0)
 
 
