@@ -35,16 +35,21 @@ class HangParams:
         stall_floor_ns: ... but never before this long, ns (steps of a few ms jitter by more than k of them).
         heartbeat_interval_ns: the ranks' heartbeat interval, ns (``Settings.heartbeat_interval_s``).
         silent_heartbeats: a rank is silent after at least this many heartbeat intervals without a record.
+        lost_step_bounds: stall bounds (of worker time) that a job whose heartbeats name a step begun after one
+            not yet read completed is left unjudged: its steps topic is read behind the heartbeats (a backlog, a
+            busy worker), and heartbeats of later steps show it progressing; only a lost Step record keeps it
+            so that long (unitless, default 10: two read a 4-worker test run's 1 s lag as a stall).
     """
 
     stall_k: float = 2.0
     stall_floor_ns: int = 500_000_000
     heartbeat_interval_ns: int = 2_000_000_000
     silent_heartbeats: float = 3.0
+    lost_step_bounds: float = 10.0
 
     def __post_init__(self) -> None:
         if not self.stall_k > 0 or self.stall_floor_ns < 0 or self.heartbeat_interval_ns <= 0 \
-                or not self.silent_heartbeats > 0:
+                or not self.silent_heartbeats > 0 or not self.lost_step_bounds > 0:
             raise ValueError(f"invalid hang parameters: {self}")
 
     def stall_bound_ns(self, median_step_ns: float) -> int:

@@ -126,10 +126,11 @@ class JobLiveness:
         if self._hb_step > self.last_completed_step + 1:
             # A heartbeat says a rank began a step after one not seen completed: the steps topic is read behind
             # the heartbeats (a backlog), the job is not stalled; judge once its steps are in -- unless no
-            # step arrives for twice the stall bound (worker time): then a Step record was lost, not late.
+            # step arrives for ``lost_step_bounds`` stall bounds (worker time): then a Step record was lost.
             if self._behind_since is None:
                 self._behind_since = now
-            if now - self._behind_since < 2 * self.params.stall_bound_ns(median_step_ns) / 1e9:
+            wait_s = self.params.lost_step_bounds * self.params.stall_bound_ns(median_step_ns) / 1e9
+            if now - self._behind_since < wait_s:
                 return []
         else:
             self._behind_since = None

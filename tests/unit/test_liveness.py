@@ -211,11 +211,14 @@ def _steps_behind_heartbeats(beats: int) -> tuple[JobLiveness, float]:
 
 def test_heartbeats_ahead_of_the_steps_topic_are_no_stall() -> None:
     """Heartbeats say the ranks began step 9 while the steps read so far end at 3: the steps are late, not
-    stalled -- until that lasts twice the stall bound (a Step lost, not late)."""
+    stalled -- for twice the stall bound (a busy worker read a 4-worker test run's steps topic 1 s behind, the
+    bound 0.5 s) and more, until that lasts ``lost_step_bounds`` stall bounds (a Step lost, not late)."""
     topo = build_topology("j", 4, 2, 1)
     live, clock = _steps_behind_heartbeats(beats=5)
     assert live.judge(topo, STEP, clock) == []
-    clock += 2 * P.stall_bound_ns(STEP) / 1e9 + 0.01
+    bound_s = P.stall_bound_ns(STEP) / 1e9
+    assert live.judge(topo, STEP, clock + 2 * bound_s + 0.01) == []
+    clock += P.lost_step_bounds * bound_s + 0.01
     assert live.judge(topo, STEP, clock)  # the lag persisted: judged (stalled)
 
 
@@ -233,8 +236,8 @@ def test_steps_catching_up_slowly_with_heartbeats_read_ahead_are_no_stall() -> N
         _steps(live, range(5), step, clock)  # ranks 5-7's records of the step are read a moment later
         assert live.judge(topo, STEP, clock) == [], step
         _steps(live, range(5, 8), step, clock)
-    clock += 2 * bound_s + 0.01
-    assert live.judge(topo, STEP, clock)  # no step for twice the bound: judged
+    clock += P.lost_step_bounds * bound_s + 0.01
+    assert live.judge(topo, STEP, clock)  # no step for lost_step_bounds bounds: judged
 
 
 def test_a_lull_after_the_last_heartbeat_is_no_stall() -> None:
