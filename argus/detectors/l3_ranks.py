@@ -497,7 +497,7 @@ def _judge(ranks: I64, total: F64, calls: F64, keys: Sequence[tuple[str, int]], 
         # The same without each rank's kernel of largest excess (a slow GPU's excess is spread over kernels).
         top = np.argmax(extra, axis=1)[:, None]
         rest = (excess - np.take_along_axis(extra, top, axis=1)[:, 0]) / (
-            expected - np.take_along_axis(np.where(positive, calls * ref, 0.0), top, axis=1)[:, 0])
+            expected - np.take_along_axis(w, top, axis=1)[:, 0])
     # The excess must also stand out of its peers' excesses: in a short trace a few long kernels carry the
     # time, and their noise alone gives some healthy rank of a large set a tenth or more. (A few ranks have
     # no spread to judge by: there the rank-based z stands alone.)
